@@ -1,0 +1,450 @@
+"""The typed configuration tree of a run, loaded from YAML with dotted overrides.
+
+Precedence is defaults < YAML file < command line (`trainer.lr=1e-5`). Parsing, merging and
+type checking are OmegaConf's (structured configs over these dataclasses); this module adds
+the semantic checks (ranges, choices, cross-field rules) and turns every failure into a
+`ConfigError` that names the dotted field, the value and the fix.
+
+Each field carries its help text in `metadata["help"]`, which `describe_options()` turns
+into the CLI's `--help`. This module does not know what the fields are used for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown, of the wrong type or out of range."""
+
+
+def opt(default: Any, help: str, choices: Sequence[str] | None = None) -> Any:
+    """A dataclass field with its help text (and allowed values) attached."""
+    metadata = {"help": help, "choices": tuple(choices) if choices else None}
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    if dataclasses.is_dataclass(default):
+        return field(default_factory=type(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def _positive(value: float, key: str) -> None:
+    if not value > 0:
+        raise ConfigError(f"{key}={value!r} must be > 0")
+
+
+def _non_negative(value: float, key: str) -> None:
+    if not value >= 0:
+        raise ConfigError(f"{key}={value!r} must be >= 0")
+
+
+@dataclass(kw_only=True)
+class TinyModelConfig:
+    """Shape of the embedded default model (a Qwen2-architecture model built locally)."""
+
+    hidden_size: int = opt(128, "width of the embedded model")
+    num_layers: int = opt(2, "transformer blocks of the embedded model")
+    num_heads: int = opt(4, "attention heads; hidden_size/num_heads must be >= 32 for vLLM")
+    num_kv_heads: int = opt(2, "key/value heads (grouped-query attention)")
+    intermediate_size: int = opt(512, "MLP width of the embedded model")
+    max_position_embeddings: int = opt(512, "longest sequence the embedded model accepts")
+
+    def check(self, key: str) -> None:
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
+            _positive(getattr(self, name), f"{key}.{name}")
+        if self.hidden_size % self.num_heads:
+            raise ConfigError(
+                f"{key}.hidden_size={self.hidden_size} is not divisible by "
+                f"{key}.num_heads={self.num_heads}"
+            )
+        if self.hidden_size // self.num_heads < 32:
+            raise ConfigError(
+                f"{key}: head_dim = hidden_size/num_heads = {self.hidden_size // self.num_heads} "
+                "is below 32, which vLLM cannot serve; raise hidden_size or lower num_heads"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"{key}.num_heads must be a multiple of {key}.num_kv_heads")
+
+
+@dataclass(kw_only=True)
+class WarmStartConfig:
+    """Supervised warm start of the embedded model, so that RL has something to improve."""
+
+    steps: int = opt(150, "SFT optimiser steps on the task's training split")
+    lr: float = opt(3e-3, "SFT learning rate")
+    batch_size: int = opt(64, "SFT sequences per step")
+
+    def check(self, key: str) -> None:
+        _non_negative(self.steps, f"{key}.steps")
+        _positive(self.lr, f"{key}.lr")
+        _positive(self.batch_size, f"{key}.batch_size")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    path: str | None = opt(
+        None, "Hugging Face causal-LM directory (safetensors); null builds the embedded tiny model"
+    )
+    tokenizer_path: str | None = opt(None, "tokenizer directory; null uses model.path")
+    dtype: str = opt("float32", "weights dtype for training and rollout",
+                     ["float32", "bfloat16", "float16"])
+    trust_remote_code: bool = opt(False, "allow custom modelling code from the model directory")
+    tiny: TinyModelConfig = opt(TinyModelConfig(), "embedded model shape (model.path=null only)")
+    warmstart: WarmStartConfig = opt(WarmStartConfig(), "embedded model SFT (model.path=null only)")
+
+    def check(self, key: str) -> None:
+        if self.path is not None and not Path(self.path).expanduser().is_dir():
+            raise ConfigError(
+                f"{key}.path={self.path!r} is not a directory; give a local Hugging Face model "
+                "directory, or null for the embedded model"
+            )
+        self.tiny.check(f"{key}.tiny")
+        self.warmstart.check(f"{key}.warmstart")
+
+
+@dataclass(kw_only=True)
+class TaskConfig:
+    name: str = opt("arithmetic", "a built-in task name or an import path 'package.module:Class'")
+    params: dict[str, Any] = opt({}, "keyword arguments for the task class")
+    group_size: int = opt(8, "samples generated per prompt (one advantage group)")
+
+    def check(self, key: str) -> None:
+        _positive(self.group_size, f"{key}.group_size")
+
+
+@dataclass(kw_only=True)
+class VllmConfig:
+    """Options passed through to vLLM's engine arguments (rollout.engine=vllm)."""
+
+    gpu_memory_utilization: float = opt(0.85, "fraction of GPU memory vLLM may take")
+    max_model_len: int | None = opt(None, "longest prompt+completion; null: the model's own")
+    enforce_eager: bool = opt(True, "skip CUDA-graph capture (faster start, slower decode)")
+    cpu_kvcache_space_gb: float = opt(1.0, "KV-cache size on the CPU backend (GiB)")
+    tensor_parallel_size: int = opt(1, "GPUs per rollout worker")
+
+    def check(self, key: str) -> None:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"{key}.gpu_memory_utilization must be in (0, 1]")
+        _positive(self.cpu_kvcache_space_gb, f"{key}.cpu_kvcache_space_gb")
+        _positive(self.tensor_parallel_size, f"{key}.tensor_parallel_size")
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    engine: str = opt("torch", "inference engine: built-in torch, vLLM, or auto (vLLM if "
+                      "importable, else torch)", ["auto", "torch", "vllm"])
+    num_workers: int = opt(1, "rollout worker processes started by the controller")
+    max_new_tokens: int = opt(64, "completion token budget per sample")
+    temperature: float = opt(1.0, "sampling temperature (behaviour log-probs include it)")
+    top_p: float = opt(1.0, "nucleus sampling mass")
+    max_concurrent: int = opt(128, "sequences a worker decodes at once")
+    interrupt: bool = opt(True, "on new weights, interrupt in-flight sequences and continue "
+                          "them under the new weights (async mode only)")
+    threads: int = opt(1, "torch intra-op threads per worker (CPU)")
+    devices: list[str] = opt([], "device per worker, e.g. ['cuda:0', 'cuda:1']; empty: cpu, or "
+                             "cuda:i for worker i when CUDA is present")
+    vllm: VllmConfig = opt(VllmConfig(), "vLLM engine options")
+
+    def check(self, key: str) -> None:
+        _positive(self.num_workers, f"{key}.num_workers")
+        _positive(self.max_new_tokens, f"{key}.max_new_tokens")
+        _non_negative(self.temperature, f"{key}.temperature")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"{key}.top_p={self.top_p!r} must be in (0, 1]")
+        _positive(self.max_concurrent, f"{key}.max_concurrent")
+        _positive(self.threads, f"{key}.threads")
+        if self.devices and len(self.devices) != self.num_workers:
+            raise ConfigError(
+                f"{key}.devices lists {len(self.devices)} devices for "
+                f"{key}.num_workers={self.num_workers}; give one per worker or none"
+            )
+        self.vllm.check(f"{key}.vllm")
+
+
+@dataclass(kw_only=True)
+class PPOConfig:
+    """The decoupled PPO objective (DESIGN.md section 6)."""
+
+    eps_clip: float = opt(0.2, "clip range of r = pi_theta/pi_prox (low side, and high side "
+                          "unless eps_clip_high is set)")
+    eps_clip_high: float | None = opt(None, "separate upper clip range (DAPO 'clip higher')")
+    behav_imp_cap: float | None = opt(
+        5.0, "cap on w = pi_prox/pi_behav; null: no cap")
+    behav_cap_mode: str = opt("mask", "tokens with w above the cap: 'mask' drops them from the "
+                              "loss, 'clamp' clips w to the cap", ["mask", "clamp"])
+    prox_logp: str = opt("recompute", "proximal log-probs: 'recompute' (a forward pass) or "
+                         "'loglinear' (interpolated from per-token versions)",
+                         ["recompute", "loglinear"])
+
+    def check(self, key: str) -> None:
+        _positive(self.eps_clip, f"{key}.eps_clip")
+        if self.eps_clip_high is not None:
+            _positive(self.eps_clip_high, f"{key}.eps_clip_high")
+        if self.behav_imp_cap is not None and not self.behav_imp_cap > 1:
+            raise ConfigError(f"{key}.behav_imp_cap={self.behav_imp_cap!r} must be > 1 or null")
+
+
+@dataclass(kw_only=True)
+class AdvantageConfig:
+    estimator: str = opt("grpo", "grpo: group mean/std; drgrpo: group mean only; rloo: "
+                         "leave-one-out mean", ["grpo", "drgrpo", "rloo"])
+    reward_scale: float = opt(1.0, "rewards are scaled, then biased, then clipped")
+    reward_bias: float = opt(0.0, "added to scaled rewards")
+    reward_clip: float | None = opt(None, "clip rewards to [-c, c]; null: no clipping")
+    batch_norm: bool = opt(False, "normalise advantages over the whole batch afterwards")
+
+    def check(self, key: str) -> None:
+        if self.reward_clip is not None:
+            _positive(self.reward_clip, f"{key}.reward_clip")
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    total_steps: int = opt(60, "training steps (policy versions) in the run")
+    batch_size: int = opt(64, "trajectories per training step (B); a multiple of task.group_size")
+    lr: float = opt(1e-4, "AdamW learning rate")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    adam_betas: list[float] = opt([0.9, 0.999], "AdamW betas")
+    grad_clip: float = opt(1.0, "max global gradient norm")
+    micro_batch_tokens: int = opt(8192, "token budget of one packed micro-batch")
+    num_minibatches: int = opt(1, "optimiser steps per training batch (PPO minibatches)")
+    num_ranks: int = opt(1, "data-parallel trainer processes")
+    threads: int = opt(1, "torch intra-op threads per trainer rank (CPU)")
+    devices: list[str] = opt([], "device per rank, e.g. ['cuda:6', 'cuda:7']; empty: cpu")
+    ppo: PPOConfig = opt(PPOConfig(), "decoupled PPO objective")
+    advantage: AdvantageConfig = opt(AdvantageConfig(), "advantage estimator")
+
+    def check(self, key: str) -> None:
+        _positive(self.total_steps, f"{key}.total_steps")
+        _positive(self.batch_size, f"{key}.batch_size")
+        _positive(self.lr, f"{key}.lr")
+        _non_negative(self.weight_decay, f"{key}.weight_decay")
+        if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
+            raise ConfigError(f"{key}.adam_betas={self.adam_betas!r} must be two numbers in [0, 1)")
+        _positive(self.grad_clip, f"{key}.grad_clip")
+        _positive(self.micro_batch_tokens, f"{key}.micro_batch_tokens")
+        _positive(self.num_minibatches, f"{key}.num_minibatches")
+        _positive(self.num_ranks, f"{key}.num_ranks")
+        _positive(self.threads, f"{key}.threads")
+        if self.devices and len(self.devices) != self.num_ranks:
+            raise ConfigError(
+                f"{key}.devices lists {len(self.devices)} devices for "
+                f"{key}.num_ranks={self.num_ranks}; give one per rank or none"
+            )
+        self.ppo.check(f"{key}.ppo")
+        self.advantage.check(f"{key}.advantage")
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    num_workers: int = opt(1, "reward worker processes")
+    max_concurrency: int = opt(8, "checks a reward worker runs at once")
+    timeout_s: float = opt(10.0, "per-trajectory reward time limit; over it: reward 0, "
+                           "verdict 'timeout'")
+
+    def check(self, key: str) -> None:
+        _positive(self.num_workers, f"{key}.num_workers")
+        _positive(self.max_concurrency, f"{key}.max_concurrency")
+        _positive(self.timeout_s, f"{key}.timeout_s")
+
+
+@dataclass(kw_only=True)
+class StalenessConfig:
+    eta: int = opt(2, "max policy versions a trajectory may lag the trainer (async mode); "
+                   "0 is synchronous-equivalent")
+
+    def check(self, key: str) -> None:
+        _non_negative(self.eta, f"{key}.eta")
+
+
+@dataclass(kw_only=True)
+class WeightSyncConfig:
+    mode: str = opt("disk", "how new weights reach rollout workers: safetensors on a shared "
+                    "'disk', 'stream' over ZeroMQ, or a 'collective' broadcast group",
+                    ["disk", "stream", "collective"])
+    bucket_mb: int = opt(64, "tensor bucket size for stream/collective (MiB)")
+    keep_versions: int = opt(2, "weight versions kept on disk (disk mode)")
+
+    def check(self, key: str) -> None:
+        _positive(self.bucket_mb, f"{key}.bucket_mb")
+        _positive(self.keep_versions, f"{key}.keep_versions")
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    every_steps: int = opt(10, "held-out evaluation every N training steps (0: only at the "
+                           "start and the end)")
+    temperature: float = opt(0.0, "sampling temperature of evaluation (0: greedy)")
+    num_samples: int = opt(1, "samples per held-out prompt (pass@k for k <= num_samples)")
+    max_prompts: int | None = opt(None, "evaluate on at most this many held-out prompts")
+
+    def check(self, key: str) -> None:
+        _non_negative(self.every_steps, f"{key}.every_steps")
+        _non_negative(self.temperature, f"{key}.temperature")
+        _positive(self.num_samples, f"{key}.num_samples")
+        if self.max_prompts is not None:
+            _positive(self.max_prompts, f"{key}.max_prompts")
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    progress: bool = opt(True, "live progress bar on the console")
+    tensorboard: bool = opt(True, "TensorBoard event files in the run directory")
+    wandb_project: str | None = opt(None, "Weights & Biases project (needs wandb installed)")
+    level: str = opt("INFO", "log level", ["DEBUG", "INFO", "WARNING", "ERROR"])
+
+    def check(self, key: str) -> None:
+        pass
+
+
+@dataclass(kw_only=True)
+class ControllerConfig:
+    host: str = opt("127.0.0.1", "address the controller binds (loopback unless remote "
+                    "workers must join)")
+    port: int = opt(0, "port of the controller socket; 0 picks a free one")
+    heartbeat_interval_s: float = opt(1.0, "how often workers report alive")
+    heartbeat_timeout_s: float = opt(30.0, "a worker silent this long is declared lost")
+    secret: str | None = opt(None, "shared secret workers must present to join; null: a "
+                             "random one per run, passed to spawned workers privately")
+    max_message_mb: int = opt(2048, "larger incoming messages are refused")
+
+    def check(self, key: str) -> None:
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"{key}.port={self.port!r} must be in [0, 65535]")
+        _positive(self.heartbeat_interval_s, f"{key}.heartbeat_interval_s")
+        if not self.heartbeat_timeout_s > 2 * self.heartbeat_interval_s:
+            raise ConfigError(
+                f"{key}.heartbeat_timeout_s={self.heartbeat_timeout_s!r} must exceed twice "
+                f"{key}.heartbeat_interval_s={self.heartbeat_interval_s!r}"
+            )
+        _positive(self.max_message_mb, f"{key}.max_message_mb")
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """Everything a run needs; the controller sends it to every worker that joins."""
+
+    mode: str = opt("async", "async: generation and training overlap (bounded by "
+                    "staleness.eta); sync: generate a whole batch, then train", ["async", "sync"])
+    seed: int = opt(1, "seed of data order, sampling and initialisation")
+    run_dir: str | None = opt(None, "output directory; null: runs/<timestamp>")
+    cache_dir: str = opt("~/.cache/areal", "where the warm-started embedded model is kept")
+    model: ModelConfig = opt(ModelConfig(), "policy model")
+    task: TaskConfig = opt(TaskConfig(), "prompts, references and reward")
+    rollout: RolloutConfig = opt(RolloutConfig(), "generation")
+    trainer: TrainerConfig = opt(TrainerConfig(), "optimisation")
+    reward: RewardConfig = opt(RewardConfig(), "reward workers")
+    staleness: StalenessConfig = opt(StalenessConfig(), "off-policyness bound")
+    weight_sync: WeightSyncConfig = opt(WeightSyncConfig(), "weight publishing")
+    eval: EvalConfig = opt(EvalConfig(), "held-out evaluation")
+    logging: LoggingConfig = opt(LoggingConfig(), "console, JSONL, TensorBoard, W&B")
+    controller: ControllerConfig = opt(ControllerConfig(), "controller socket and liveness")
+
+    def check(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if dataclasses.is_dataclass(value):
+                value.check(f.name)
+        if self.trainer.batch_size % self.task.group_size:
+            raise ConfigError(
+                f"trainer.batch_size={self.trainer.batch_size} is not a multiple of "
+                f"task.group_size={self.task.group_size}: a batch holds whole prompt groups"
+            )
+
+    @property
+    def eta(self) -> int:
+        """The staleness bound in force: 0 in sync mode, else `staleness.eta`."""
+        return 0 if self.mode == "sync" else self.staleness.eta
+
+
+def _check_choices(cfg: Any, prefix: str = "") -> None:
+    for f in dataclasses.fields(cfg):
+        key = f"{prefix}{f.name}"
+        value = getattr(cfg, f.name)
+        choices = f.metadata.get("choices")
+        if choices and value not in choices:
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}")
+        if dataclasses.is_dataclass(value):
+            _check_choices(value, f"{key}.")
+
+
+def _to_config(node: Any) -> RunConfig:
+    cfg = OmegaConf.to_object(node)
+    assert isinstance(cfg, RunConfig)
+    _check_choices(cfg)
+    cfg.check()
+    return cfg
+
+
+def _wrap(err: OmegaConfBaseException, source: str) -> ConfigError:
+    key = getattr(err, "full_key", None) or "?"
+    first_line = str(err).splitlines()[0]
+    if first_line.startswith("Key ") and "not in" in first_line:
+        first_line = f"unknown field ({first_line}); run with --help for the list of options"
+    return ConfigError(f"{source}: config key {key!r}: {first_line}")
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Defaults, then the YAML file at `path`, then `key=value` overrides; validated."""
+    node = OmegaConf.structured(RunConfig)
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError) as err:
+            raise ConfigError(f"cannot read config file {str(path)!r}: {err}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
+        try:
+            node = OmegaConf.merge(node, OmegaConf.create(loaded or {}))
+        except OmegaConfBaseException as err:
+            raise _wrap(err, str(path)) from None
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. trainer.lr=1e-5)")
+        try:
+            node = OmegaConf.merge(node, OmegaConf.from_dotlist([item]))
+        except OmegaConfBaseException as err:
+            raise _wrap(err, f"override {item!r}") from None
+    try:
+        return _to_config(node)
+    except OmegaConfBaseException as err:
+        raise _wrap(err, "config") from None
+
+
+def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
+    """Plain nested dict of `cfg` (YAML- and msgpack-friendly)."""
+    return dataclasses.asdict(cfg)
+
+
+def config_from_dict(data: dict[str, Any]) -> RunConfig:
+    """Rebuild and validate a config sent over the wire or read from a run directory."""
+    try:
+        return _to_config(OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.create(data)))
+    except OmegaConfBaseException as err:
+        raise _wrap(err, "config") from None
+
+
+def config_to_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+
+
+def describe_options(cls: type = RunConfig, prefix: str = "") -> Iterator[tuple[str, str, str]]:
+    """(dotted key, default, help) for every leaf option, in declaration order."""
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            yield from describe_options(type(default), f"{key}.")
+            continue
+        help_text = f.metadata.get("help", "")
+        choices = f.metadata.get("choices")
+        if choices:
+            help_text = f"{help_text} [{'|'.join(choices)}]"
+        yield key, yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("\n..."), help_text

@@ -1,0 +1,1 @@
+"""The controller process: owns all run state and drives the asynchronous pipeline."""

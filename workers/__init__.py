@@ -1,0 +1,1 @@
+"""Worker processes (rollout, trainer, reward): stateless and replaceable; they join a controller."""

@@ -1,0 +1,1 @@
+"""Reward workers: score finished trajectories concurrently with generation."""

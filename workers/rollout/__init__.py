@@ -1,0 +1,1 @@
+"""Rollout workers: interruptible generation with per-token versions and behaviour log-probs."""

@@ -1,0 +1,1 @@
+"""Trainer workers: the decoupled PPO update and weight publishing."""
