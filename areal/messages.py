@@ -1,0 +1,510 @@
+"""Every cross-process message: one typed schema per kind, one wire framing, no pickle.
+
+Framing of a message (after the ROUTER identity frame, when there is one):
+
+    [type byte][msgpack header][raw array frame 0][raw array frame 1]...
+
+The header is a msgpack map of the schema's fields. Arrays (numpy, or torch tensors of any
+dtype including bfloat16) are not in the header: each is replaced by a msgpack extension
+(dtype, shape, frame index) and travels as its own frame, sent with `copy=False` and
+rebuilt with `frombuffer` on arrival (views of the received buffers, no copy).
+
+Decoding trusts nothing: an unknown type byte, bytes that are not msgpack, a missing,
+unknown or mistyped field, a dtype outside the allow-list, a frame whose size does not match
+its dtype and shape, a missing or surplus frame, or a message over the size limit raises
+`MessageError` naming the message kind and the field. Decoding never executes code.
+
+This module imports nothing heavy: torch is imported only when a tensor field is decoded.
+It does not open sockets (see `areal.transport`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import msgpack
+import numpy as np
+
+from areal.tasks.base import Verdict
+
+_ARRAY_EXT = 1
+"""msgpack extension code of an array reference: packb([dtype, shape, frame index])."""
+
+DEFAULT_MAX_BYTES = 2 << 30
+"""Largest message accepted by default (header and frames together)."""
+
+_NUMPY_DTYPES = ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64",
+                 "uint64", "float16", "float32", "float64")
+_TORCH_ONLY_DTYPES = ("bfloat16",)
+
+
+class MessageError(ValueError):
+    """A message could not be encoded or decoded; the text says which kind and which field."""
+
+
+class MsgType(enum.IntEnum):
+    REGISTER = 1
+    WELCOME = 2
+    HEARTBEAT = 3
+    GENERATE = 4
+    GENERATED = 5
+    UPDATE_WEIGHTS = 6
+    WEIGHTS_CHUNK = 7
+    WEIGHTS_UPDATED = 8
+    TRAIN = 9
+    TRAINED = 10
+    SCORE = 11
+    SCORED = 12
+    SHUTDOWN = 13
+    WORKER_ERROR = 14
+    CANCEL = 15
+
+
+class WorkerKind(str, enum.Enum):
+    ROLLOUT = "rollout"
+    TRAINER = "trainer"
+    REWARD = "reward"
+
+
+class FinishReason(str, enum.Enum):
+    """Why a generation ended. ABORT only ever appears for a partial, interrupted segment."""
+
+    STOP = "stop"
+    """An end-of-sequence or stop token was sampled (it is the last token)."""
+    LENGTH = "length"
+    """The token budget ran out."""
+    ABORT = "abort"
+    """Interrupted (pause for new weights, or cancellation); tokens so far are returned."""
+
+
+Tensor = typing.NewType("Tensor", object)
+"""Annotation for a torch tensor field: any dtype, rebuilt with torch.frombuffer."""
+
+_SCHEMAS: dict[MsgType, type] = {}
+
+
+def message(kind: MsgType):
+    """Register a dataclass as the schema of one message kind."""
+
+    def register(cls: type) -> type:
+        if kind in _SCHEMAS:
+            raise TypeError(f"message kind {kind.name} registered twice")
+        cls.KIND = kind
+        _SCHEMAS[kind] = cls
+        return cls
+
+    return register
+
+
+# ---------------------------------------------------------------------------------------------
+# Schemas. Shapes: T = completion tokens, P = prompt tokens, N = packed tokens, S = sequences.
+
+
+@message(MsgType.REGISTER)
+@dataclass(kw_only=True)
+class Register:
+    """Worker -> controller, first message on a new connection."""
+
+    kind: WorkerKind
+    worker_id: str
+    pid: int
+    host: str
+    secret: str
+    """Shared secret of the run; a wrong one gets the peer refused and logged."""
+    rank: int = 0
+    """Trainer rank (data-parallel index); 0 for other kinds."""
+
+
+@message(MsgType.WELCOME)
+@dataclass(kw_only=True)
+class Welcome:
+    """Controller -> worker: the resolved run config and where the policy stands."""
+
+    config: dict[str, Any]
+    version: int
+    """Current policy version; the worker must serve these weights before taking work."""
+    weights_path: str | None = None
+    """Directory of the current weights when they differ from the config's model (disk)."""
+    run_dir: str = ""
+
+
+@message(MsgType.HEARTBEAT)
+@dataclass(kw_only=True)
+class Heartbeat:
+    """Worker -> controller, every `controller.heartbeat_interval_s`."""
+
+    num_running: int = 0
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+@message(MsgType.GENERATE)
+@dataclass(kw_only=True)
+class Generate:
+    """Controller -> rollout worker: sample one completion."""
+
+    request_id: str
+    prompt_ids: np.ndarray
+    """[P] int32 prompt tokens."""
+    max_new_tokens: int
+    temperature: float
+    top_p: float = 1.0
+    stop_token_ids: list[int] = field(default_factory=list)
+
+
+@message(MsgType.GENERATED)
+@dataclass(kw_only=True)
+class Generated:
+    """Rollout worker -> controller: a finished completion with per-token provenance."""
+
+    request_id: str
+    output_ids: np.ndarray
+    """[T] int32 sampled tokens."""
+    logprobs: np.ndarray
+    """[T] float32 behaviour log-probs (of the distribution actually sampled from)."""
+    versions: np.ndarray
+    """[T] int32 policy version that sampled each token."""
+    finish_reason: FinishReason
+    num_interruptions: int = 0
+    generation_s: float = 0.0
+
+
+@message(MsgType.CANCEL)
+@dataclass(kw_only=True)
+class Cancel:
+    """Controller -> rollout worker: drop these requests (their results are not wanted)."""
+
+    request_ids: list[str]
+
+
+@message(MsgType.UPDATE_WEIGHTS)
+@dataclass(kw_only=True)
+class UpdateWeights:
+    """Controller -> rollout worker: serve policy `version` from now on."""
+
+    version: int
+    mode: str
+    """'disk' (read `path`), 'stream' (`num_chunks` WeightsChunk messages follow) or
+    'collective' (join the broadcast group)."""
+    path: str | None = None
+    num_chunks: int = 0
+    interrupt: bool = True
+    """Interrupt in-flight sequences (async mode) or let them finish first."""
+
+
+@message(MsgType.WEIGHTS_CHUNK)
+@dataclass(kw_only=True)
+class WeightsChunk:
+    """Trainer -> controller -> rollout workers: one bucket of a weight version (stream)."""
+
+    version: int
+    index: int
+    num_chunks: int
+    names: list[str]
+    tensors: list[Tensor]
+
+
+@message(MsgType.WEIGHTS_UPDATED)
+@dataclass(kw_only=True)
+class WeightsUpdated:
+    """Rollout worker -> controller: now serving `version`."""
+
+    version: int
+    pause_s: float = 0.0
+    """Seconds from the interruption to resumed generation."""
+    num_interrupted: int = 0
+
+
+@message(MsgType.TRAIN)
+@dataclass(kw_only=True)
+class Train:
+    """Controller -> trainer: one training step on a packed batch (see areal.types.PackedBatch)."""
+
+    step: int
+    version: int
+    """Policy version of the trainer's weights before this step (i); publishes i + 1."""
+    token_ids: np.ndarray  # [N] int32
+    logprobs: np.ndarray  # [N] float32
+    versions: np.ndarray  # [N] int32
+    loss_mask: np.ndarray  # [N] bool
+    cu_seqlens: np.ndarray  # [S+1] int32
+    rewards: np.ndarray  # [S] float32
+    group_ids: np.ndarray  # [S] int64
+    loss_normalizer: int = 0
+    """Loss tokens in the global batch (all ranks); 0: this message's own count."""
+
+
+@message(MsgType.TRAINED)
+@dataclass(kw_only=True)
+class Trained:
+    """Trainer -> controller: the step is done and weights `version` are published."""
+
+    step: int
+    version: int
+    stats: dict[str, float]
+    weights_path: str | None = None
+    num_chunks: int = 0
+    """Stream mode: WeightsChunk messages sent after this one."""
+
+
+@message(MsgType.SCORE)
+@dataclass(kw_only=True)
+class Score:
+    """Controller -> reward worker: score one completion."""
+
+    request_id: str
+    prompt_id: str
+    completion_ids: np.ndarray
+    """[T] int32 completion tokens (decoded by the worker's tokenizer)."""
+    reference: Any
+
+
+@message(MsgType.SCORED)
+@dataclass(kw_only=True)
+class Scored:
+    request_id: str
+    reward: float
+    verdict: Verdict
+    detail: str = ""
+    check_s: float = 0.0
+
+
+@message(MsgType.SHUTDOWN)
+@dataclass(kw_only=True)
+class Shutdown:
+    reason: str = ""
+
+
+@message(MsgType.WORKER_ERROR)
+@dataclass(kw_only=True)
+class WorkerError:
+    """Worker -> controller: something failed. `request_id` names the work item if any."""
+
+    error: str
+    fatal: bool = False
+    request_id: str = ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoding
+
+
+def _array_bytes(value: Any) -> tuple[str, tuple[int, ...], memoryview]:
+    """(dtype name, shape, contiguous byte view) of a numpy array or torch tensor."""
+    if isinstance(value, np.ndarray):
+        arr = value if value.flags.c_contiguous else value.copy(order="C")  # keeps 0-d shape
+        if arr.dtype.name not in _NUMPY_DTYPES:
+            raise MessageError(f"array dtype {arr.dtype} cannot travel; allowed: {_NUMPY_DTYPES}")
+        return arr.dtype.name, arr.shape, memoryview(arr).cast("B")
+    if type(value).__module__.startswith("torch"):
+        tensor = value.detach()
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        tensor = tensor.contiguous()
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if dtype not in _NUMPY_DTYPES + _TORCH_ONLY_DTYPES:
+            raise MessageError(f"tensor dtype {tensor.dtype} cannot travel")
+        raw = tensor.reshape(-1).view(torch_module().uint8).numpy()
+        return dtype, tuple(tensor.shape), memoryview(raw)
+    raise MessageError(f"{type(value).__name__} is not an array")
+
+
+def torch_module():
+    import torch
+
+    return torch
+
+
+def encode(msg: Any) -> list[Any]:
+    """Frames of `msg`: [type byte, header, *array buffers]. Buffers are not copied."""
+    kind = getattr(type(msg), "KIND", None)
+    if kind is None or _SCHEMAS.get(kind) is not type(msg):
+        raise MessageError(f"{type(msg).__name__} is not a registered message schema")
+    buffers: list[memoryview] = []
+
+    def pack_value(value: Any) -> Any:
+        if isinstance(value, np.ndarray) or type(value).__module__.startswith("torch"):
+            dtype, shape, raw = _array_bytes(value)
+            buffers.append(raw)
+            return msgpack.ExtType(_ARRAY_EXT, msgpack.packb([dtype, list(shape), len(buffers) - 1]))
+        if isinstance(value, enum.Enum):
+            return value.value
+        if isinstance(value, (list, tuple)):
+            return [pack_value(v) for v in value]
+        if isinstance(value, dict):
+            return {k: pack_value(v) for k, v in value.items()}
+        if isinstance(value, np.generic):
+            return value.item()
+        return value
+
+    header = {f.name: pack_value(getattr(msg, f.name)) for f in dataclasses.fields(msg)}
+    try:
+        packed = msgpack.packb(header)
+    except TypeError as err:
+        raise MessageError(f"{kind.name}: a field is not serialisable: {err}") from None
+    return [bytes([kind]), packed, *buffers]
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding
+
+
+@dataclass(frozen=True)
+class _ArrayRef:
+    dtype: str
+    shape: tuple[int, ...]
+    index: int
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    if code != _ARRAY_EXT:
+        raise MessageError(f"unknown msgpack extension type {code}")
+    try:
+        dtype, shape, index = msgpack.unpackb(data)
+        ref = _ArrayRef(str(dtype), tuple(int(s) for s in shape), int(index))
+    except (ValueError, TypeError, msgpack.UnpackException) as err:
+        raise MessageError(f"malformed array reference: {err}") from None
+    if ref.dtype not in _NUMPY_DTYPES + _TORCH_ONLY_DTYPES:
+        raise MessageError(f"array dtype {ref.dtype!r} is not allowed")
+    if any(s < 0 for s in ref.shape) or ref.index < 0:
+        raise MessageError(f"array reference with negative shape or index: {ref}")
+    return ref
+
+
+def _build_array(ref: _ArrayRef, frames: Sequence[Any], as_tensor: bool, where: str) -> Any:
+    if ref.index >= len(frames):
+        raise MessageError(f"{where}: array frame {ref.index} missing (message truncated?)")
+    buf = frames[ref.index]
+    buf = buf.buffer if hasattr(buf, "buffer") else memoryview(buf)
+    count = math.prod(ref.shape)
+    if not as_tensor and ref.dtype in _TORCH_ONLY_DTYPES:
+        raise MessageError(f"{where}: dtype {ref.dtype} needs a tensor field, not a numpy one")
+    if as_tensor:
+        torch = torch_module()
+        dtype = getattr(torch, ref.dtype)
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+    else:
+        dtype = np.dtype(ref.dtype)
+        itemsize = dtype.itemsize
+    if buf.nbytes != count * itemsize:
+        raise MessageError(
+            f"{where}: frame holds {buf.nbytes} bytes but {ref.dtype}{list(ref.shape)} needs "
+            f"{count * itemsize}"
+        )
+    if not as_tensor:
+        return np.frombuffer(buf, dtype=dtype, count=count).reshape(ref.shape)
+    if count == 0:
+        return torch.empty(ref.shape, dtype=dtype)
+    import warnings
+
+    with warnings.catch_warnings():  # bytes objects are read-only buffers; consumers copy out
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buf, dtype=dtype, count=count).reshape(ref.shape)
+
+
+def _check(value: Any, annotation: Any, frames: Sequence[Any], where: str, used: set[int]) -> Any:
+    """Validate `value` against `annotation`, rebuilding arrays; returns the typed value."""
+    origin = typing.get_origin(annotation)
+    if annotation is Any:
+        return _plain(value, where)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        (inner,) = [o for o in options if o is not type(None)]
+        return _check(value, inner, frames, where, used)
+    if annotation in (np.ndarray, Tensor):
+        if not isinstance(value, _ArrayRef):
+            raise MessageError(f"{where}: expected an array, got {type(value).__name__}")
+        if value.index in used:
+            raise MessageError(f"{where}: array frame {value.index} referenced twice")
+        used.add(value.index)
+        return _build_array(value, frames, annotation is Tensor, where)
+    if origin is list:
+        (inner,) = typing.get_args(annotation)
+        if not isinstance(value, list):
+            raise MessageError(f"{where}: expected a list, got {type(value).__name__}")
+        return [_check(v, inner, frames, f"{where}[{i}]", used) for i, v in enumerate(value)]
+    if origin is dict:
+        key_type, value_type = typing.get_args(annotation)
+        if not isinstance(value, dict) or not all(isinstance(k, key_type) for k in value):
+            raise MessageError(f"{where}: expected a mapping with {key_type.__name__} keys")
+        return {k: _check(v, value_type, frames, f"{where}.{k}", used) for k, v in value.items()}
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        try:
+            return annotation(value)
+        except ValueError:
+            allowed = ", ".join(str(m.value) for m in annotation)
+            raise MessageError(f"{where}: {value!r} is not one of {allowed}") from None
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if annotation in (int, float, str, bool, bytes):
+        if type(value) is not annotation:
+            raise MessageError(
+                f"{where}: expected {annotation.__name__}, got {type(value).__name__}")
+        return value
+    raise MessageError(f"{where}: unsupported annotation {annotation!r}")
+
+
+def _plain(value: Any, where: str) -> Any:
+    """Plain data only (an untyped field must not smuggle array references)."""
+    if isinstance(value, _ArrayRef):
+        raise MessageError(f"{where}: unexpected array in an untyped field")
+    if isinstance(value, list):
+        return [_plain(v, where) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v, where) for k, v in value.items()}
+    return value
+
+
+def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
+    """Rebuild a message from its frames (without the ROUTER identity). Raises MessageError."""
+    if len(frames) < 2:
+        raise MessageError(f"message has {len(frames)} frame(s); at least 2 expected")
+    raw = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in frames]
+    total = sum(b.nbytes for b in raw)
+    if total > max_bytes:
+        raise MessageError(f"message of {total} bytes exceeds the {max_bytes}-byte limit")
+    type_frame = raw[0].tobytes()
+    if len(type_frame) != 1 or type_frame[0] not in MsgType._value2member_map_:
+        raise MessageError(f"unknown message type {type_frame[:8]!r}")
+    kind = MsgType(type_frame[0])
+    schema = _SCHEMAS[kind]
+    try:
+        header = msgpack.unpackb(raw[1], ext_hook=_ext_hook, raw=False, strict_map_key=True)
+    except MessageError as err:
+        raise MessageError(f"{kind.name}: {err}") from None
+    except (ValueError, TypeError, msgpack.UnpackException) as err:
+        raise MessageError(f"{kind.name}: header is not valid msgpack ({err})") from None
+    if not isinstance(header, dict):
+        raise MessageError(f"{kind.name}: header is a {type(header).__name__}, not a mapping")
+    return _build(schema, header, raw[2:])
+
+
+def _build(schema: type, header: dict[str, Any], frames: Sequence[memoryview]) -> Any:
+    name = schema.KIND.name
+    hints = typing.get_type_hints(schema)
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    unknown = set(header) - set(fields)
+    if unknown:
+        raise MessageError(f"{name}: unknown field(s) {sorted(unknown)}")
+    values, used = {}, set()
+    for fname, f in fields.items():
+        if fname not in header:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise MessageError(f"{name}: required field {fname!r} missing")
+            continue
+        values[fname] = _check(header[fname], hints[fname], frames, f"{name}.{fname}", used)
+    if len(used) != len(frames):
+        raise MessageError(f"{name}: {len(frames)} array frames sent, {len(used)} referenced")
+    return schema(**values)
+
+
+def schemas() -> dict[MsgType, type]:
+    """Every registered schema by kind (for tests and documentation)."""
+    return dict(_SCHEMAS)

@@ -1,0 +1,78 @@
+"""Config: YAML + dotted overrides round-trip; wrong names, types and values are named."""
+
+from __future__ import annotations
+
+import pytest
+
+from areal.config import (
+    ConfigError, RunConfig, config_from_dict, config_to_dict, config_to_yaml, describe_options,
+    load_config,
+)
+
+
+def test_defaults_load_and_validate():
+    cfg = load_config()
+    assert cfg == RunConfig()
+    assert cfg.eta == cfg.staleness.eta
+
+
+def test_yaml_then_overrides_take_precedence(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("trainer:\n  lr: 0.001\n  batch_size: 32\nrollout:\n  engine: vllm\n")
+    cfg = load_config(path, ["trainer.lr=1e-5", "task.group_size=4", "mode=sync"])
+    assert cfg.trainer.lr == 1e-5  # command line beats file
+    assert cfg.trainer.batch_size == 32  # file beats default
+    assert cfg.rollout.engine == "vllm"
+    assert cfg.task.group_size == 4
+    assert cfg.eta == 0  # sync mode forces eta = 0
+
+
+def test_round_trip_through_yaml_and_dict(tmp_path):
+    cfg = load_config(overrides=["trainer.ppo.eps_clip_high=0.28", "task.params={n: 3}",
+                                 "rollout.devices=[cpu]"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(config_to_yaml(cfg))
+    assert load_config(path) == cfg
+    assert config_from_dict(config_to_dict(cfg)) == cfg
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("trainer.lrr=1e-5", "trainer.lrr"),
+    ("trainer.lr=fast", "trainer.lr"),
+    ("rollout.engine=vlm", "rollout.engine='vlm' is not one of auto, torch, vllm"),
+    ("trainer.batch_size=12", "not a multiple of task.group_size"),
+    ("rollout.temperature=-1", "rollout.temperature"),
+    ("rollout.top_p=0", "rollout.top_p"),
+    ("trainer.ppo.behav_imp_cap=0.5", "trainer.ppo.behav_imp_cap"),
+    ("model.path=/does/not/exist", "model.path"),
+    ("model.tiny.num_heads=8", "head_dim"),
+    ("controller.heartbeat_timeout_s=1", "controller.heartbeat_timeout_s"),
+    ("rollout.num_workers=2", None),
+    ("lr", "key=value"),
+], ids=lambda v: str(v))
+def test_bad_values_name_the_field(override, needle):
+    if needle is None:
+        load_config(overrides=[override])
+        return
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        load_config(overrides=[override])
+
+
+def test_bad_file_is_named(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("trainer:\n  nope: 1\n")
+    with pytest.raises(ConfigError, match="bad.yaml.*trainer.nope"):
+        load_config(path)
+    path.write_text("- just a list\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_every_option_is_documented():
+    options = list(describe_options())
+    assert len(options) > 40
+    undocumented = [key for key, _, help_text in options if not help_text]
+    assert not undocumented
+    assert ("trainer.lr", "0.0001", "AdamW learning rate") in options

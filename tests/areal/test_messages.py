@@ -1,0 +1,236 @@
+"""Wire format: every schema round-trips; malformed input is refused without executing it."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from areal.messages import (
+    Cancel, FinishReason, Generate, Generated, Heartbeat, MessageError, MsgType, Register,
+    Score, Scored, Shutdown, Train, Trained, UpdateWeights, Welcome, WeightsChunk,
+    WeightsUpdated, WorkerError, WorkerKind, decode, encode, schemas,
+)
+from areal.tasks.base import Verdict
+
+
+def _arange(n, dtype=np.int32):
+    return np.arange(n, dtype=dtype)
+
+
+SAMPLES = {
+    MsgType.REGISTER: Register(kind=WorkerKind.TRAINER, worker_id="t0", pid=12, host="h",
+                               secret="s", rank=1),
+    MsgType.WELCOME: Welcome(config={"a": {"b": [1, 2.5, None, "x"]}}, version=3,
+                             weights_path="/w", run_dir="/r"),
+    MsgType.HEARTBEAT: Heartbeat(num_running=4, stats={"tok_s": 1.5}),
+    MsgType.GENERATE: Generate(request_id="r1", prompt_ids=_arange(7), max_new_tokens=9,
+                               temperature=0.7, top_p=0.9, stop_token_ids=[1, 2]),
+    MsgType.GENERATED: Generated(request_id="r1", output_ids=_arange(3),
+                                 logprobs=np.linspace(-1, 0, 3, dtype=np.float32),
+                                 versions=np.array([0, 0, 1], np.int32),
+                                 finish_reason=FinishReason.STOP, num_interruptions=1,
+                                 generation_s=0.25),
+    MsgType.CANCEL: Cancel(request_ids=["a", "b"]),
+    MsgType.UPDATE_WEIGHTS: UpdateWeights(version=2, mode="stream", num_chunks=3, interrupt=False),
+    MsgType.WEIGHTS_CHUNK: WeightsChunk(version=2, index=0, num_chunks=1, names=["w", "b"],
+                                        tensors=[torch.randn(4, 3).bfloat16(), torch.tensor(2.0)]),
+    MsgType.WEIGHTS_UPDATED: WeightsUpdated(version=2, pause_s=0.5, num_interrupted=7),
+    MsgType.TRAIN: Train(step=1, version=1, token_ids=_arange(10), logprobs=np.zeros(10, np.float32),
+                         versions=np.full(10, -1, np.int32), loss_mask=np.ones(10, bool),
+                         cu_seqlens=np.array([0, 4, 10], np.int32),
+                         rewards=np.array([1.0, 0.0], np.float32),
+                         group_ids=np.array([5, 5], np.int64), loss_normalizer=8),
+    MsgType.TRAINED: Trained(step=1, version=2, stats={"loss": 0.1}, weights_path=None),
+    MsgType.SCORE: Score(request_id="r", prompt_id="p", completion_ids=_arange(4),
+                         reference={"answer": "12", "tests": [[1, 2]]}),
+    MsgType.SCORED: Scored(request_id="r", reward=1.0, verdict=Verdict.OK, detail="", check_s=0.1),
+    MsgType.SHUTDOWN: Shutdown(reason="done"),
+    MsgType.WORKER_ERROR: WorkerError(error="boom", fatal=True, request_id="r"),
+}
+
+
+def _assert_same(a, b, where=""):
+    if isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert np.array_equal(a, b), where
+    elif isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), where
+    elif isinstance(a, list):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_same(x, y, f"{where}[{i}]")
+    elif hasattr(a, "__dataclass_fields__"):
+        assert type(a) is type(b)
+        for name in a.__dataclass_fields__:
+            _assert_same(getattr(a, name), getattr(b, name), f"{where}.{name}")
+    else:
+        assert a == b and type(a) is type(b), f"{where}: {a!r} != {b!r}"
+
+
+def _num_arrays(msg):
+    count = 0
+    for name in msg.__dataclass_fields__:
+        value = getattr(msg, name)
+        values = value if isinstance(value, list) else [value]
+        count += sum(isinstance(v, (np.ndarray, torch.Tensor)) for v in values)
+    return count
+
+
+def test_every_schema_has_a_sample():
+    assert set(SAMPLES) == set(schemas())
+
+
+@pytest.mark.parametrize("kind", list(SAMPLES), ids=lambda k: k.name)
+def test_round_trip_of_every_schema(kind):
+    msg = SAMPLES[kind]
+    frames = encode(msg)
+    assert len(frames) == 2 + _num_arrays(msg)
+    _assert_same(msg, decode(frames))
+
+
+def test_round_trip_survives_real_zmq_frames_without_copies():
+    import zmq
+
+    ctx = zmq.Context.instance()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        a.bind("inproc://messages-test")
+        b.connect("inproc://messages-test")
+        big = np.random.default_rng(0).standard_normal(8_000_000).astype(np.float32)  # 32 MB
+        msg = Train(step=0, version=0, token_ids=_arange(8_000_000), logprobs=big,
+                    versions=np.zeros(8_000_000, np.int32), loss_mask=np.ones(8_000_000, bool),
+                    cu_seqlens=np.array([0, 8_000_000], np.int32), rewards=np.zeros(1, np.float32),
+                    group_ids=np.zeros(1, np.int64))
+        a.send_multipart(encode(msg), copy=False)
+        frames = b.recv_multipart(copy=False)
+        out = decode(frames)
+        _assert_same(msg, out)
+        assert not out.logprobs.flags.owndata  # a view of the received buffer, not a copy
+    finally:
+        a.close(0)
+        b.close(0)
+
+
+@pytest.mark.parametrize("value", [
+    np.zeros((0,), np.int32),
+    np.array(3.5, np.float64),
+    np.arange(12, dtype=np.int64).reshape(3, 4)[:, ::2],  # non-contiguous
+    np.ones((2, 3), bool),
+], ids=["empty", "scalar", "non-contiguous", "bool-2d"])
+def test_array_edge_cases_round_trip(value):
+    msg = Generate(request_id="x", prompt_ids=value, max_new_tokens=1, temperature=1.0)
+    out = decode(encode(msg))
+    assert out.prompt_ids.dtype == value.dtype and out.prompt_ids.shape == value.shape
+    assert np.array_equal(out.prompt_ids, value)
+
+
+@pytest.mark.parametrize("tensor", [
+    torch.zeros(0, 5, dtype=torch.bfloat16),
+    torch.tensor(1.5, dtype=torch.bfloat16),
+    torch.arange(20, dtype=torch.float16).reshape(4, 5).t(),
+    torch.randn(3, 3, dtype=torch.float64),
+], ids=["empty-bf16", "scalar-bf16", "transposed-fp16", "fp64"])
+def test_tensor_edge_cases_round_trip(tensor):
+    msg = WeightsChunk(version=0, index=0, num_chunks=1, names=["t"], tensors=[tensor])
+    (out,) = decode(encode(msg)).tensors
+    assert out.dtype == tensor.dtype and out.shape == tensor.shape
+    assert torch.equal(out, tensor)
+
+
+def _frames(kind=MsgType.HEARTBEAT, header=None, arrays=()):
+    return [bytes([kind]), msgpack.packb(header if header is not None else {}), *arrays]
+
+
+@pytest.mark.parametrize("frames, needle", [
+    ([b"\x03"], "at least 2"),
+    ([b"\x63", msgpack.packb({})], "unknown message type"),
+    ([b"\x03\x03", msgpack.packb({})], "unknown message type"),
+    ([b"\x03", b"\xc1\xff\x00"], "not valid msgpack"),
+    ([b"\x03", msgpack.packb([1, 2])], "not a mapping"),
+    (_frames(header={"num_running": 1, "evil": 2}), "unknown field"),
+    (_frames(header={"num_running": "many"}), "expected int"),
+    (_frames(header={"num_running": True}), "expected int"),
+    (_frames(MsgType.SHUTDOWN, {"reason": 5}), "expected str"),
+    (_frames(MsgType.CANCEL, {}), "required field 'request_ids' missing"),
+    (_frames(MsgType.SCORED, {"request_id": "r", "reward": 1.0, "verdict": "great"}), "not one of"),
+    (_frames(header={"stats": {1: 2.0}}), "strict"),
+    (_frames(MsgType.HEARTBEAT, {}, [b"stray"]), "1 array frames sent, 0 referenced"),
+], ids=["one-frame", "unknown-type", "long-type", "garbage-header", "list-header",
+        "unknown-field", "wrong-type", "bool-for-int", "int-for-str", "missing-field",
+        "bad-enum", "int-keys", "surplus-frame"])
+def test_malformed_messages_are_refused_with_a_clear_error(frames, needle):
+    with pytest.raises(MessageError, match=needle):
+        decode(frames)
+
+
+def _generate_header(ref):
+    return {"request_id": "r", "prompt_ids": msgpack.ExtType(1, msgpack.packb(ref)),
+            "max_new_tokens": 1, "temperature": 1.0}
+
+
+def test_truncated_message_missing_its_array_frame_is_refused():
+    frames = encode(SAMPLES[MsgType.GENERATE])
+    with pytest.raises(MessageError, match="missing"):
+        decode(frames[:-1])
+
+
+def test_array_frame_of_the_wrong_size_is_refused():
+    frames = _frames(MsgType.GENERATE, _generate_header(["int32", [4], 0]), [b"\x00" * 12])
+    with pytest.raises(MessageError, match="needs 16"):
+        decode(frames)
+
+
+@pytest.mark.parametrize("ref", [["object", [1], 0], ["int32", [-1], 0], ["bfloat16", [1], 0]])
+def test_disallowed_array_references_are_refused(ref):
+    frames = _frames(MsgType.GENERATE, _generate_header(ref), [b"\x00" * 4])
+    with pytest.raises(MessageError):
+        decode(frames)
+
+
+def test_array_smuggled_into_an_untyped_field_is_refused():
+    header = {"request_id": "r", "prompt_id": "p", "completion_ids": msgpack.ExtType(1, msgpack.packb(["int32", [1], 0])),
+              "reference": [msgpack.ExtType(1, msgpack.packb(["int32", [1], 1]))]}
+    with pytest.raises(MessageError, match="untyped"):
+        decode(_frames(MsgType.SCORE, header, [b"\x00" * 4, b"\x00" * 4]))
+
+
+def test_unknown_msgpack_extension_is_refused():
+    header = {"request_id": "r", "prompt_ids": msgpack.ExtType(42, b"x"), "max_new_tokens": 1,
+              "temperature": 1.0}
+    with pytest.raises(MessageError, match="extension"):
+        decode(_frames(MsgType.GENERATE, header))
+
+
+def test_oversized_message_is_refused():
+    frames = encode(SAMPLES[MsgType.TRAIN])
+    with pytest.raises(MessageError, match="exceeds"):
+        decode(frames, max_bytes=64)
+
+
+def test_pickle_payload_is_never_executed(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    payload = pickle.dumps(Exploit())
+    for frames in ([bytes([MsgType.HEARTBEAT]), payload], [payload, payload],
+                   [bytes([MsgType.GENERATE]), msgpack.packb(_generate_header(["int32", [1], 0])), payload]):
+        with pytest.raises(MessageError):
+            decode(frames)
+    assert not marker.exists()
+
+
+def test_encoding_refuses_unserialisable_values():
+    with pytest.raises(MessageError, match="not serialisable"):
+        encode(Shutdown(reason=object()))
+    with pytest.raises(MessageError, match="cannot travel"):
+        encode(Generate(request_id="r", prompt_ids=np.array(["a"], dtype=object),
+                        max_new_tokens=1, temperature=1.0))
