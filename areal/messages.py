@@ -64,6 +64,7 @@ class MsgType(enum.IntEnum):
     SHUTDOWN = 13
     WORKER_ERROR = 14
     CANCEL = 15
+    READY = 16
 
 
 class WorkerKind(str, enum.Enum):
@@ -134,10 +135,19 @@ class Welcome:
     run_dir: str = ""
 
 
+@message(MsgType.READY)
+@dataclass(kw_only=True)
+class Ready:
+    """Worker -> controller: set up (model loaded) and serving policy `version`; send work."""
+
+    version: int = 0
+
+
 @message(MsgType.HEARTBEAT)
 @dataclass(kw_only=True)
 class Heartbeat:
-    """Worker -> controller, every `controller.heartbeat_interval_s`."""
+    """Both directions, every `controller.heartbeat_interval_s`: each side declares the other
+    lost after `controller.heartbeat_timeout_s` of silence."""
 
     num_running: int = 0
     stats: dict[str, float] = field(default_factory=dict)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from areal.messages import (
-    Cancel, FinishReason, Generate, Generated, Heartbeat, MessageError, MsgType, Register,
+    Cancel, FinishReason, Generate, Generated, Heartbeat, MessageError, MsgType, Ready, Register,
     Score, Scored, Shutdown, Train, Trained, UpdateWeights, Welcome, WeightsChunk,
     WeightsUpdated, WorkerError, WorkerKind, decode, encode, schemas,
 )
@@ -50,6 +50,7 @@ SAMPLES = {
                          reference={"answer": "12", "tests": [[1, 2]]}),
     MsgType.SCORED: Scored(request_id="r", reward=1.0, verdict=Verdict.OK, detail="", check_s=0.1),
     MsgType.SHUTDOWN: Shutdown(reason="done"),
+    MsgType.READY: Ready(version=3),
     MsgType.WORKER_ERROR: WorkerError(error="boom", fatal=True, request_id="r"),
 }
 

@@ -1,0 +1,119 @@
+"""ZeroMQ sockets carrying `areal.messages`, for the controller and the workers.
+
+Socket types, chosen on purpose:
+- controller: one ROUTER. It talks to many peers, must know who sent what (the identity
+  frame), and must address a reply to one peer; ROUTER does exactly that.
+- worker: one DEALER. Fully asynchronous in both directions (no REQ/REP lock-step), so a
+  worker can stream results and heartbeats while requests keep arriving.
+
+Sends are serialised by a lock: a multipart message must never interleave with another
+coroutine's. Array frames go out with `copy=False`. This module does not interpret messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from areal.messages import DEFAULT_MAX_BYTES, MessageError, decode, encode
+
+log = logging.getLogger(__name__)
+
+
+class RouterChannel:
+    """The controller's end: receives (identity, message), sends to one identity."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, host: str, port: int,
+                 max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        self.socket = ctx.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        # A peer that vanished must not make sends block or silently queue forever.
+        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.socket.setsockopt(zmq.SNDHWM, 0)
+        self.socket.setsockopt(zmq.RCVHWM, 0)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+        if port:
+            self.socket.bind(f"tcp://{host}:{port}")
+        else:
+            port = self.socket.bind_to_random_port(f"tcp://{host}")
+        self.port = port
+        self.address = f"tcp://{host}:{port}"
+        self.max_bytes = max_bytes
+        self._send_lock = asyncio.Lock()
+
+    async def recv(self) -> tuple[bytes, Any]:
+        """Next (identity, message). Raises MessageError (with the identity) on bad input."""
+        frames = await self.socket.recv_multipart(copy=False)
+        identity = frames[0].bytes
+        try:
+            return identity, decode(frames[1:], self.max_bytes)
+        except MessageError as err:
+            raise PeerMessageError(identity, err) from None
+
+    async def send(self, identity: bytes, msg: Any) -> bool:
+        """Send to one peer; False if that peer is gone (ROUTER_MANDATORY)."""
+        frames = [identity, *encode(msg)]
+        async with self._send_lock:
+            try:
+                await self.socket.send_multipart(frames, copy=False)
+            except zmq.ZMQError as err:
+                if err.errno == zmq.EHOSTUNREACH:
+                    return False
+                raise
+        return True
+
+    async def forward(self, identity: bytes, frames: list[Any]) -> bool:
+        """Send already-encoded frames (relaying a message) to one peer."""
+        async with self._send_lock:
+            try:
+                await self.socket.send_multipart([identity, *frames], copy=False)
+            except zmq.ZMQError as err:
+                if err.errno == zmq.EHOSTUNREACH:
+                    return False
+                raise
+        return True
+
+    def close(self) -> None:
+        self.socket.close(0)
+
+
+class PeerMessageError(MessageError):
+    """A malformed message, with the identity of the peer that sent it."""
+
+    def __init__(self, identity: bytes, err: MessageError) -> None:
+        super().__init__(str(err))
+        self.identity = identity
+
+
+class DealerChannel:
+    """A worker's end: one connection to the controller."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, identity: bytes,
+                 max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        self.socket = ctx.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 2000)  # let a final result/error drain on exit
+        self.socket.setsockopt(zmq.IDENTITY, identity)
+        self.socket.setsockopt(zmq.SNDHWM, 0)
+        self.socket.setsockopt(zmq.RCVHWM, 0)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+        self.socket.connect(address)
+        self.max_bytes = max_bytes
+        self._send_lock = asyncio.Lock()
+
+    async def recv(self) -> Any:
+        return decode(await self.socket.recv_multipart(copy=False), self.max_bytes)
+
+    async def recv_raw(self) -> list[Any]:
+        return await self.socket.recv_multipart(copy=False)
+
+    async def send(self, msg: Any) -> None:
+        frames = encode(msg)
+        async with self._send_lock:
+            await self.socket.send_multipart(frames, copy=False)
+
+    def close(self, linger_ms: int = 2000) -> None:
+        self.socket.close(linger_ms)

@@ -1,0 +1,211 @@
+"""The life cycle every worker shares: connect, register, set up, serve, heartbeat, exit.
+
+    connect DEALER --Register--> controller --Welcome(config, version)--> setup() --Ready-->
+    serve: recv loop -> handle(msg) (never blocks: long work runs in tasks/threads)
+    heartbeat loop: Heartbeat every interval; exit when the controller is silent too long
+    Shutdown, a fatal error, or a lost controller -> close() -> exit code
+
+A worker holds no state that must survive: the controller re-queues whatever a lost worker
+was doing. Subclasses implement `setup`, `handle`, `num_running` and `close`. Work items
+that fail are reported as `WorkerError` with their request id and the worker goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import sys
+import time
+import uuid
+from abc import ABC, abstractmethod
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from areal.config import RunConfig, config_from_dict
+from areal.messages import (
+    Heartbeat, MessageError, Ready, Register, Shutdown, Welcome, WorkerError, WorkerKind,
+)
+from areal.transport import DealerChannel
+
+log = logging.getLogger(__name__)
+
+SECRET_ENV = "AREAL_SECRET"
+"""Environment variable holding the run's shared secret (never passed on the command line,
+where other users of the machine could read it)."""
+REGISTER_TIMEOUT_S = 60.0
+
+
+class ControllerLost(RuntimeError):
+    """The controller stopped answering; the worker exits."""
+
+
+class Worker(ABC):
+    kind: WorkerKind
+
+    def __init__(self, address: str, worker_id: str, secret: str, rank: int = 0) -> None:
+        self.address = address
+        self.worker_id = worker_id
+        self.secret = secret
+        self.rank = rank
+        self.config: RunConfig | None = None
+        self.channel: DealerChannel | None = None
+        self._last_heard = time.monotonic()
+        self._tasks: set[asyncio.Task] = set()
+
+    # -- subclass API ---------------------------------------------------------------------------
+
+    @abstractmethod
+    async def setup(self, welcome: Welcome) -> int:
+        """Load models etc. (off the event loop). Returns the policy version now served."""
+
+    @abstractmethod
+    async def handle(self, msg: Any) -> None:
+        """React to one message from the controller; must return quickly."""
+
+    def num_running(self) -> int:
+        return 0
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+    async def close(self) -> None:
+        """Release engines and models."""
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    def spawn(self, coro: Any, request_id: str = "") -> asyncio.Task:
+        """Run a work item in the background; its failure is reported, not fatal."""
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(lambda t: self._finished(t, request_id))
+        return task
+
+    def _finished(self, task: asyncio.Task, request_id: str) -> None:
+        self._tasks.discard(task)
+        if task.cancelled() or task.exception() is None:
+            return
+        err = task.exception()
+        log.error("work item %s failed: %r", request_id or "?", err, exc_info=err)
+        self.spawn(self.send(WorkerError(error=f"{type(err).__name__}: {err}",
+                                         request_id=request_id)))
+
+    async def send(self, msg: Any) -> None:
+        assert self.channel is not None
+        await self.channel.send(msg)
+
+    async def serve(self) -> int:
+        """Run until shutdown; returns the process exit code."""
+        ctx = zmq.asyncio.Context()
+        self.channel = DealerChannel(ctx, self.address, self.worker_id.encode())
+        heartbeat = None
+        try:
+            welcome = await self._register()
+            if welcome is None:
+                return 1
+            self.config = config_from_dict(welcome.config)
+            heartbeat = asyncio.create_task(self._heartbeat_loop())
+            version = await self.setup(welcome)
+            await self.send(Ready(version=version))
+            log.info("%s ready at version %d", self.worker_id, version)
+            return await self._serve_loop(heartbeat)
+        except ControllerLost as err:
+            log.error("%s: %s", self.worker_id, err)
+            return 3
+        except Exception as err:  # fault-tolerance boundary: report, then die loudly
+            log.exception("%s failed", self.worker_id)
+            try:
+                await asyncio.wait_for(self.send(WorkerError(
+                    error=f"{type(err).__name__}: {err}", fatal=True)), 5)
+            except (asyncio.TimeoutError, zmq.ZMQError):
+                pass
+            return 2
+        finally:
+            if heartbeat is not None:
+                heartbeat.cancel()
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self.close()
+            self.channel.close()
+            ctx.term()
+
+    async def _register(self) -> Welcome | None:
+        await self.send(Register(kind=self.kind, worker_id=self.worker_id, pid=os.getpid(),
+                                 host=socket.gethostname(), secret=self.secret, rank=self.rank))
+        try:
+            reply = await asyncio.wait_for(self.channel.recv(), REGISTER_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            log.error("no answer from the controller at %s within %.0f s",
+                      self.address, REGISTER_TIMEOUT_S)
+            return None
+        if isinstance(reply, Shutdown):
+            log.error("controller refused registration: %s", reply.reason)
+            return None
+        if not isinstance(reply, Welcome):
+            raise RuntimeError(f"expected Welcome, got {type(reply).__name__}")
+        self._last_heard = time.monotonic()
+        return reply
+
+    async def _serve_loop(self, heartbeat: asyncio.Task) -> int:
+        recv = asyncio.create_task(self.channel.recv())
+        try:
+            while True:
+                done, _ = await asyncio.wait({recv, heartbeat}, return_when=asyncio.FIRST_COMPLETED)
+                if heartbeat in done:
+                    heartbeat.result()  # raises ControllerLost
+                    raise RuntimeError("heartbeat loop returned on its own")
+                try:
+                    msg = recv.result()
+                except MessageError as err:
+                    log.error("dropping malformed message from the controller: %s", err)
+                    await self.send(WorkerError(error=f"malformed message: {err}"))
+                    recv = asyncio.create_task(self.channel.recv())
+                    continue
+                self._last_heard = time.monotonic()
+                recv = asyncio.create_task(self.channel.recv())
+                if isinstance(msg, Shutdown):
+                    log.info("%s shutting down: %s", self.worker_id, msg.reason)
+                    return 0
+                if not isinstance(msg, Heartbeat):
+                    await self.handle(msg)
+        finally:
+            recv.cancel()
+
+    async def _heartbeat_loop(self) -> None:
+        cfg = self.config.controller
+        while True:
+            await self.send(Heartbeat(num_running=self.num_running(), stats=self.stats()))
+            await asyncio.sleep(cfg.heartbeat_interval_s)
+            silent = time.monotonic() - self._last_heard
+            if silent > cfg.heartbeat_timeout_s:
+                raise ControllerLost(f"controller silent for {silent:.1f} s")
+
+
+def worker_main(worker_cls: type[Worker], argv: list[str] | None = None) -> None:
+    """Command-line entry point shared by `python -m areal.workers.<kind>`."""
+    kind = worker_cls.kind.value
+    parser = argparse.ArgumentParser(
+        prog=f"python -m areal.workers.{kind}",
+        description=f"Start a {kind} worker that joins a running controller. The shared "
+                    f"secret is read from ${SECRET_ENV}.")
+    parser.add_argument("--connect", required=True, metavar="tcp://HOST:PORT",
+                        help="address of the controller socket")
+    parser.add_argument("--worker-id", default=None, help="unique name (default: kind-host-uuid)")
+    parser.add_argument("--rank", type=int, default=0, help="trainer rank (trainer workers)")
+    args = parser.parse_args(argv)
+    secret = os.environ.get(SECRET_ENV)
+    if not secret:
+        parser.error(f"${SECRET_ENV} is not set: the worker needs the run's shared secret")
+    worker_id = args.worker_id or f"{kind}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+    logging.basicConfig(
+        level=os.environ.get("AREAL_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s {worker_id} %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    import uvloop
+
+    worker = worker_cls(args.connect, worker_id, secret, args.rank)
+    sys.exit(uvloop.run(worker.serve()))
