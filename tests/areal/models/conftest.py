@@ -7,7 +7,7 @@ tests load their own copy with `load_model`, so a test that changes weights affe
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 import torch
@@ -20,6 +20,7 @@ from transformers import (
     LlamaForCausalLM,
 )
 
+from areal.models.hf import load_model
 from areal.models.tiny import save_tiny_model
 
 VOCAB = 97
@@ -44,6 +45,19 @@ def _tiny_configs() -> dict[str, tuple[type, object]]:
     }
 
 
+@pytest.fixture(autouse=True)
+def single_torch_thread() -> Iterator[None]:
+    """Run these tests on one intra-op thread, restoring the setting afterwards.
+
+    The models are tiny, so threads buy nothing; on a busy 2-core machine they spin against
+    other processes and the gradient tests ran ~10x slower with 2 threads than with 1.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """name -> saved HF directory, for 'qwen2' (the embedded tiny model) and _tiny_configs."""
@@ -61,6 +75,23 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def tiny_dir(model_dirs: dict[str, Path]) -> Path:
     """The embedded tiny Qwen2 model (tied embeddings) with its character tokenizer."""
     return model_dirs["qwen2"]
+
+
+@pytest.fixture(scope="session")
+def shared_model(model_dirs: dict[str, Path]) -> Callable[..., torch.nn.Module]:
+    """`shared_model(name, attn="sdpa")`: one fp32 eval model per (name, attn) per session.
+
+    For tests that only read the model (forwards, autograd.grad); never change its weights
+    or mode. Tests that do, load their own with `load_model`.
+    """
+    cache: dict[tuple[str, str], torch.nn.Module] = {}
+
+    def get(name: str, attn: str = "sdpa") -> torch.nn.Module:
+        if (name, attn) not in cache:
+            cache[name, attn] = load_model(model_dirs[name], attn_implementation=attn)
+        return cache[name, attn]
+
+    return get
 
 
 def _assert_close(actual: torch.Tensor, expected: torch.Tensor, *, atol: float = 0.0,
