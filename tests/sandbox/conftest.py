@@ -1,0 +1,75 @@
+"""Fixtures for the sandbox tests: one warm launcher per session (started after a secret is
+planted in this process's environment) and a check that runs leave no process behind."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from areal.sandbox import ExecResult, Limits, Sandbox, SandboxConfig
+
+SECRET_NAME = "AREAL_TEST_SECRET_TOKEN"
+SECRET_VALUE = "s3cr3t-9f2c1e7a-do-not-leak"
+
+
+@pytest.fixture
+def secret() -> str:
+    """The value planted in this process's environment before the launcher started."""
+    return SECRET_VALUE
+
+
+@pytest.fixture
+def run_contained(sandbox):
+    """Run a program and assert that nothing it started survives and the launcher lives."""
+
+    def run(source: str, limits: Limits, stdin: bytes = b"") -> ExecResult:
+        before = sandboxed_processes()
+        launcher = sandbox.launcher_pid
+        result = sandbox.run(textwrap.dedent(source), stdin=stdin, limits=limits)
+        assert wait_for_no_leftovers(sandbox, before) == set(), "processes survived the run"
+        assert psutil.pid_exists(launcher) and sandbox.launcher_pid == launcher, "launcher died"
+        return result
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def sandbox():
+    os.environ[SECRET_NAME] = SECRET_VALUE  # a scrubbed environment must not pass this on
+    sb = Sandbox(SandboxConfig())
+    sb.start()
+    yield sb
+    sb.close()
+    os.environ.pop(SECRET_NAME, None)
+
+
+def sandboxed_processes(uid_base: int = 61000, num_uids: int = 64) -> set[int]:
+    """Processes that can only belong to sandbox runs: those in a PID namespace other than
+    ours, or running under a sandbox uid."""
+    own_ns = os.readlink("/proc/self/ns/pid")
+    found = set()
+    for proc in psutil.process_iter(["uids"]):
+        try:
+            if uid_base <= proc.info["uids"].real < uid_base + num_uids:
+                found.add(proc.pid)
+            elif os.readlink(f"/proc/{proc.pid}/ns/pid") != own_ns:
+                found.add(proc.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, OSError):
+            continue
+    return found
+
+
+def wait_for_no_leftovers(sb: Sandbox, before: set[int], timeout_s: float = 5.0) -> set[int]:
+    """Processes still alive after `timeout_s` that a run started: launcher children
+    (supervisors exit right after answering) and sandboxed processes not there `before`."""
+    stop = time.monotonic() + timeout_s
+    while True:
+        launcher = psutil.Process(sb.launcher_pid)
+        left = {p.pid for p in launcher.children(recursive=True)} | (sandboxed_processes() - before)
+        if not left or time.monotonic() > stop:
+            return left
+        time.sleep(0.05)
