@@ -18,6 +18,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import shutil
 import selectors
 import socket
 import subprocess
@@ -90,6 +91,8 @@ class Sandbox:
 
     def _spawn(self) -> None:
         cfg = self.config
+        if self._socket_path:  # a launcher that was killed could not remove its socket folder
+            shutil.rmtree(os.path.dirname(self._socket_path), ignore_errors=True)
         payload = json.dumps(dataclasses.asdict(cfg))
         self._proc = subprocess.Popen(
             [cfg.python, "-c", _BOOT, payload, json.dumps(sys.path)],
@@ -101,15 +104,11 @@ class Sandbox:
             self._abandon()
             raise SandboxStartError(f"sandbox launcher failed to start: {line['error']}")
         report = IsolationReport.from_json(line["isolation"])
-        if report.level == "none" and not cfg.allow_unisolated:
+        try:
+            check_isolation_policy(report, allow_unisolated=cfg.allow_unisolated)
+        except IsolationError:
             self._abandon()
-            raise IsolationError(
-                "sandbox: no PID or network namespace could be created, so untrusted code "
-                "would run with the caller's view of processes and network.\n"
-                f"{report.describe()}\nFix: allow user namespaces "
-                "(sysctl user.max_user_namespaces, kernel.apparmor_restrict_unprivileged_userns=0) "
-                "or set sandbox.allow_unisolated=true to accept running without them."
-            )
+            raise
         self._socket_path = line["socket"]
         self._isolation = report
 
@@ -200,11 +199,20 @@ class Sandbox:
         return conn
 
 
+def check_isolation_policy(report: IsolationReport, *, allow_unisolated: bool) -> None:
+    """Refuse a launcher with neither a PID nor a network namespace unless allowed."""
+    if report.level == "none" and not allow_unisolated:
+        raise IsolationError(
+            "sandbox: no PID or network namespace could be created, so untrusted code would "
+            "see the host's processes and network.\n"
+            f"{report.describe()}\nFix: allow user namespaces (sysctl user.max_user_namespaces>0; "
+            "on Ubuntu kernel.apparmor_restrict_unprivileged_userns=0; in Docker run with "
+            "--security-opt seccomp=unconfined or as a privileged container), or set "
+            "sandbox.allow_unisolated=true to accept running without them."
+        )
+
+
 def _lost(exc: BaseException) -> ExecResult:
     return ExecResult(status=ExecStatus.SANDBOX_ERROR,
                       detail=f"no answer from the sandbox launcher: {type(exc).__name__}: {exc}")
 
-
-def default_worker_count() -> int:
-    """A sensible bound on concurrent runs: the cores this process may use."""
-    return len(os.sched_getaffinity(0))

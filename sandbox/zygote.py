@@ -58,6 +58,11 @@ except OSError as exc:
     report["ro"] = exc.errno == errno.EROFS
 report["tmp"] = sorted(os.listdir("/tmp"))
 report["procs"] = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+try:
+    import encodings.idna  # noqa: F401  (not preloaded: needs the stdlib on disk)
+    report["stdlib"] = True
+except ImportError:
+    report["stdlib"] = False
 with open("/proc/self/status") as f:
     report["cap_eff"] = [l.split()[1] for l in f if l.startswith("CapEff")][0]
 print(json.dumps(report))
@@ -101,6 +106,7 @@ def _config_from_json(data: dict) -> SandboxConfig:
 def establish(config: SandboxConfig) -> tuple[RunSetup, IsolationReport]:
     """Enter the shared namespaces, then probe per-run set-ups from strongest to weakest."""
     notes: list[str] = []
+    outer_uid = os.geteuid()
     mode = config.mode
     if mode == "auto":
         mode = "root" if os.geteuid() == 0 else "userns"
@@ -125,7 +131,7 @@ def establish(config: SandboxConfig) -> tuple[RunSetup, IsolationReport]:
                          exposures=plan_exposures(config.python, config.expose), **candidate)
         seen = _probe(setup, notes)
         if seen is not None:
-            return setup, _report(setup, seen, config, notes)
+            return setup, _report(setup, seen, config, notes, outer_uid)
     raise RuntimeError("no sandbox set-up could run a program: " + "; ".join(notes))
 
 
@@ -188,13 +194,21 @@ def _setup_name(setup: RunSetup) -> str:
     return "+".join(parts) or "no namespaces"
 
 
-def _report(setup: RunSetup, seen: dict, config: SandboxConfig, notes: list[str]) -> IsolationReport:
+def _report(setup: RunSetup, seen: dict, config: SandboxConfig, notes: list[str],
+            outer_uid: int) -> IsolationReport:
     if seen["uid"] >= config.uid_base:
         unprivileged = f"uid {config.uid_base}+slot, no capabilities"
     elif setup.mode == "userns" and int(seen["cap_eff"], 16) == 0:
         unprivileged = "user namespace, no capabilities"
+        if outer_uid == 0:
+            notes.append("userns mode as root: programs are uid 0 outside their namespace, so "
+                         "root-only files stay readable (read-only); prefer mode=root")
     else:
         unprivileged = "none"
+    if not seen["stdlib"]:
+        notes.append(f"programs cannot read the interpreter's files ({sys.prefix}): only modules "
+                     "in sandbox.preload import; install Python world-readable or allow a "
+                     "mount namespace")
     pid_ns = seen["pid"] == 1 and seen["procs"] == [1]
     return IsolationReport(
         mode=setup.mode,
