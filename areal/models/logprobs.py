@@ -21,10 +21,11 @@ chunks of C tokens (by default C*V*4 bytes <= 256 MiB for vocabulary V): per chu
 logits -> fp32 -> / temperature -> logsumexp and a gather. Peak extra memory is a few
 [C, V] fp32 buffers. For model types whose head is a plain linear layer
 (_PLAIN_HEAD_MODEL_TYPES) the head itself is applied per chunk to the final hidden states,
-so no [N, V] tensor exists at all; other models run their own forward (their [N, V] logits
-in model dtype exist, e.g. Gemma's soft-capping stays theirs) and only the log-softmax is
-chunked. Under autograd each chunk is checkpointed: backward keeps only the chunk's input
-and recomputes its logits (for the hidden-state path: one extra lm_head matmul per step).
+so no [N, V] tensor exists at all (`chunk_head=False` turns this off); other models run
+their own forward (their [N, V] logits in model dtype exist, e.g. Gemma's soft-capping
+stays theirs) and only the log-softmax is chunked. Under autograd each chunk is
+checkpointed: backward keeps only the chunk's input and recomputes its logits (for the
+hidden-state path: one extra lm_head matmul per step).
 
 Not here: losses, loss masks, padding-based batching, sampling.
 """
@@ -59,15 +60,20 @@ def packed_logprobs(
     *,
     temperature: float = 1.0,
     chunk_size: int | None = None,
+    chunk_head: bool | None = None,
 ) -> torch.Tensor:
     """[N] float32 log-probs of each token given its sequence prefix; 0 at sequence starts.
 
     token_ids: [N] integer token ids of S sequences laid end to end.
     cu_seqlens: [S+1] cumulative lengths, cu_seqlens[0] = 0, cu_seqlens[-1] = N.
     chunk_size: tokens per log-softmax chunk; None sizes chunks to ~256 MiB of fp32 logits.
+    chunk_head: None applies lm_head per chunk to the hidden states where the model type
+        allows it (_PLAIN_HEAD_MODEL_TYPES), else runs the model's own forward. False always
+        runs `model(...)`: needed when hooks on the root module's forward must fire (the
+        chunked path calls `model.base_model` and the head directly). True insists on it.
     """
     logprobs, _ = _packed_stats(model, token_ids, cu_seqlens, temperature, chunk_size,
-                                with_entropy=False)
+                                chunk_head, with_entropy=False)
     return logprobs
 
 
@@ -78,14 +84,16 @@ def packed_logprobs_and_entropy(
     *,
     temperature: float = 1.0,
     chunk_size: int | None = None,
+    chunk_head: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """([N] log-probs, [N] entropy in nats), both float32 and 0 at sequence starts.
 
     entropy[t] is the entropy of softmax(logits / temperature) at the position that predicts
     token t, i.e. aligned like the log-probs, so the same loss mask applies to both.
+    Arguments as for `packed_logprobs`.
     """
     logprobs, entropy = _packed_stats(model, token_ids, cu_seqlens, temperature, chunk_size,
-                                      with_entropy=True)
+                                      chunk_head, with_entropy=True)
     assert entropy is not None
     return logprobs, entropy
 
@@ -135,27 +143,25 @@ def _packed_stats(
     cu_seqlens: torch.Tensor,
     temperature: float,
     chunk_size: int | None,
+    chunk_head: bool | None,
     with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     token_ids, cu_seqlens = _check_pack(token_ids, cu_seqlens)
     _check_temperature(temperature)
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size} must be >= 1 (or None for automatic)")
     device, num_tokens = model.device, len(token_ids)
     if num_tokens == 0:
         empty = torch.zeros(0, device=device)
         return empty, (empty.clone() if with_entropy else None)
     token_ids = token_ids.to(device)
-    # Token t (not a sequence start) is predicted by the features at row t - 1.
-    is_start = torch.zeros(num_tokens, dtype=torch.bool)
-    is_start[cu_seqlens[:-1][cu_seqlens[:-1] < num_tokens]] = True
-    targets_at = (~is_start).nonzero().squeeze(-1).to(device)
-    features, head = _packed_features(model, token_ids, cu_seqlens)
-    rows = features.index_select(0, targets_at - 1)
-    targets = token_ids.index_select(0, targets_at)
+    features, head = _packed_features(model, token_ids, cu_seqlens, chunk_head)
+    # Row t predicts token t + 1. Slices are views: no copy of the [N, H] or [N, V] features.
+    # The S - 1 rows that "predict" the next sequence's first token are computed and dropped.
+    rows, targets = features[:-1], token_ids[1:]
     if chunk_size is None:
         vocab_size = model.get_output_embeddings().weight.shape[0]
         chunk_size = max(1, _CHUNK_BYTES // (4 * vocab_size))
-    elif chunk_size < 1:
-        raise ValueError(f"chunk_size={chunk_size} must be >= 1 (or None for automatic)")
     # Checkpointing keeps backward from holding every chunk's [C, V] fp32 logits.
     use_checkpoint = torch.is_grad_enabled() and rows.requires_grad
     stats = []
@@ -164,14 +170,16 @@ def _packed_stats(
                 temperature, with_entropy)
         stats.append(checkpoint(_chunk_stats, *args, use_reentrant=False)
                      if use_checkpoint else _chunk_stats(*args))
-    logprobs = _scatter(num_tokens, targets_at, [s[0] for s in stats], device)
-    if not with_entropy:
-        return logprobs, None
-    return logprobs, _scatter(num_tokens, targets_at, [s[1] for s in stats], device)
+    is_start = torch.zeros(num_tokens, dtype=torch.bool)
+    is_start[cu_seqlens[:-1][cu_seqlens[:-1] < num_tokens]] = True
+    is_start = is_start.to(device)
+    logprobs = _align([s[0] for s in stats], is_start)
+    return logprobs, (_align([s[1] for s in stats], is_start) if with_entropy else None)
 
 
 def _packed_features(
-    model: PreTrainedModel, token_ids: torch.Tensor, cu_seqlens: torch.Tensor
+    model: PreTrainedModel, token_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+    chunk_head: bool | None,
 ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
     """One forward over the pack: ([N, H] hidden states, lm_head) or ([N, V] logits, identity)."""
     impl = model.config._attn_implementation
@@ -179,6 +187,13 @@ def _packed_features(
         raise ValueError(
             f"model attention implementation {impl!r} does not keep packed sequences apart; "
             f"load the model with attn_implementation in {', '.join(PACKING_ATTN_IMPLEMENTATIONS)}"
+        )
+    plain_head = model.config.model_type in _PLAIN_HEAD_MODEL_TYPES
+    if chunk_head and not plain_head:
+        raise ValueError(
+            f"chunk_head=True, but model_type={model.config.model_type!r} may transform logits "
+            f"after its lm_head; only {', '.join(sorted(_PLAIN_HEAD_MODEL_TYPES))} are known "
+            "not to; pass chunk_head=None"
         )
     device = token_ids.device
     kwargs: dict = {
@@ -188,10 +203,10 @@ def _packed_features(
     }
     if impl.startswith("flash_attention"):
         cu = cu_seqlens.to(device=device, dtype=torch.int32)
-        max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if len(cu_seqlens) > 1 else 0
+        max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len,
                       max_length_k=max_len)
-    if model.config.model_type in _PLAIN_HEAD_MODEL_TYPES:
+    if plain_head and chunk_head is not False:
         hidden = model.base_model(**kwargs).last_hidden_state[0]
         return hidden, model.get_output_embeddings()
     return model(**kwargs).logits[0], _identity
@@ -217,13 +232,11 @@ def _chunk_stats(
     return logprobs, entropy
 
 
-def _scatter(num_tokens: int, index: torch.Tensor, parts: list[torch.Tensor],
-             device: torch.device) -> torch.Tensor:
-    """[N] float32 zeros with cat(parts) placed at `index` (differentiable, out of place)."""
-    out = torch.zeros(num_tokens, dtype=torch.float32, device=device)
-    if not parts:
-        return out
-    return out.index_put((index,), torch.cat(parts))
+def _align(next_parts: list[torch.Tensor], is_start: torch.Tensor) -> torch.Tensor:
+    """[N] values for token t from the [N-1] values computed at row t - 1; 0 at starts."""
+    first = torch.zeros(1, dtype=torch.float32, device=is_start.device)
+    values = torch.cat([first, *next_parts])
+    return torch.where(is_start, 0.0, values)
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:

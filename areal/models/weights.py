@@ -87,6 +87,7 @@ def save_tensors(
     os.close(fd)
     try:
         save_file(prepared, tmp, metadata={"format": "pt", **(metadata or {})})
+        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; readers may be other users
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         target = directory / filename

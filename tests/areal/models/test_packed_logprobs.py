@@ -77,6 +77,33 @@ def test_chunked_log_softmax_matches_one_chunk(shared_model, assert_close,
     assert_close(chunked[1], whole[1], atol=1e-6, what=f"entropy, chunk_size={chunk_size}")
 
 
+@pytest.mark.parametrize("name", ["qwen2", "gpt2"])
+def test_head_runs_on_chunks_of_hidden_states_only(shared_model, assert_close,
+                                                   name: str) -> None:
+    """The [N, V] logits never exist: lm_head only ever sees <= chunk_size rows; and the
+    model's own forward (chunk_head=False) gives the same values."""
+    model = shared_model(name)
+    token_ids, cu_seqlens = _pack(LENGTHS, model.config.vocab_size)
+    rows_seen: list[int] = []
+    handle = model.get_output_embeddings().register_forward_hook(
+        lambda module, args, out: rows_seen.append(args[0].shape[-2]))
+    try:
+        with torch.no_grad():
+            chunked = packed_logprobs(model, token_ids, cu_seqlens, chunk_size=4)
+    finally:
+        handle.remove()
+    assert rows_seen and max(rows_seen) <= 4 and sum(rows_seen) == len(token_ids) - 1
+    with torch.no_grad():
+        own = packed_logprobs(model, token_ids, cu_seqlens, chunk_head=False)
+    assert_close(chunked, own, atol=1e-6, what=f"{name} chunked head vs own forward")
+
+
+def test_chunk_head_is_refused_where_logits_are_post_processed(shared_model) -> None:
+    with pytest.raises(ValueError, match=r"model_type='gemma2' may transform logits"):
+        packed_logprobs(shared_model("gemma2"), torch.zeros(3, dtype=torch.long),
+                        torch.tensor([0, 3]), chunk_head=True)
+
+
 @pytest.mark.parametrize("chunk_size", [None, 4])
 @pytest.mark.parametrize("name", ["qwen2", "llama", "gemma2"])
 def test_gradient_through_packed_equals_per_sequence(

@@ -87,6 +87,7 @@ def test_save_load_round_trip_is_bitwise(tmp_path: Path) -> None:
     with safe_open(path, "pt") as f:
         assert f.metadata() == {"format": "pt", "version": "1"}
     assert [p.name for p in (tmp_path / "v1").iterdir()] == ["model.safetensors"]
+    assert path.stat().st_mode & 0o777 == 0o644, "other users (rollout workers) must read it"
 
 
 def test_model_round_trip_through_disk_is_bitwise(tmp_path: Path) -> None:
