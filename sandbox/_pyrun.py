@@ -86,11 +86,13 @@ def _finalize(status: int) -> int:
     except BaseException:
         sys.excepthook(*sys.exc_info())
         status = status or 1
-    for stream in (sys.stdout, sys.stderr):
+    # CPython flushes sys.stdout/stderr, and the original stream objects when they are
+    # collected at shutdown; os._exit collects nothing, so flush the originals too.
+    for stream in dict.fromkeys((sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)):
         try:
             if stream is not None and not stream.closed:
                 stream.flush()
         except Exception:  # e.g. EPIPE/EFBIG on the final flush
-            if stream is sys.stdout:
+            if stream is sys.stdout or stream is sys.__stdout__:
                 status = 120  # what CPython returns when flushing stdout fails at exit
     return status
