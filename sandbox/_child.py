@@ -147,8 +147,10 @@ def _set_rlimits(limits: Limits) -> None:
         resource.setrlimit(getattr(resource, name), (soft, hard))
 
 
-def _reset_signals(*, python: bool) -> None:
-    signal.set_wakeup_fd(-1)
+def reset_all_signals() -> None:
+    """Every disposition to its default and an empty mask: run once by the launcher at
+    start-up, so that nothing the caller ignored or blocked (nohup, a blocked SIGINT)
+    reaches the programs."""
     for sig in signal.valid_signals():
         if sig in (signal.SIGKILL, signal.SIGSTOP):
             continue
@@ -156,10 +158,20 @@ def _reset_signals(*, python: bool) -> None:
             signal.signal(sig, signal.SIG_DFL)
         except (OSError, ValueError, RuntimeError):
             pass  # signals the kernel reserves (32, 33) cannot be changed
-    if python:  # what the interpreter itself installs at start-up
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
+def _reset_signals(*, python: bool) -> None:
+    """Undo what the launcher and supervisor installed on top of `reset_all_signals`
+    (SIGCHLD, SIGTERM, the wakeup fd, Python's own three), then install what a fresh
+    interpreter would (Python) or nothing (exec'd programs start from the defaults)."""
+    signal.set_wakeup_fd(-1)
+    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGPIPE, signal.SIGXFSZ):
+        signal.signal(sig, signal.SIG_DFL)
+    if python:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        for name in ("SIGPIPE", "SIGXFSZ"):
-            signal.signal(getattr(signal, name), signal.SIG_IGN)
+        for sig in (signal.SIGPIPE, signal.SIGXFSZ):
+            signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
 
 

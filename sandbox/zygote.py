@@ -4,7 +4,8 @@ forks a supervisor per run, so no run pays for interpreter start-up.
     caller (Sandbox) --Popen(scrubbed env)--> zygote: unshare net/ipc/uts [+user] once,
         |                                       preload modules, probe isolation, listen
         |<-- one JSON line: socket path + IsolationReport
-        |--- unix connection per run -------> accept --fork--> supervisor (one run)
+        |--- unix connection per run -------> a pre-forked supervisor accepts it (one run;
+        |                                       see _prefork.py for the pool)
         '--- stdin pipe: EOF = caller gone --> SIGTERM every supervisor, exit
 
 Start-up namespaces are shared by all runs: one empty network namespace (no interfaces up,
@@ -19,21 +20,20 @@ its supervisor, so concurrent runs never share a uid (RLIMIT_NPROC is per uid).
 
 from __future__ import annotations
 
-import collections
 import errno
 import gc
 import importlib
 import json
 import os
-import selectors
 import shutil
 import signal
 import socket
 import sys
 import tempfile
-import time
 
 from areal.sandbox import _linux, _wire
+from areal.sandbox._child import reset_all_signals
+from areal.sandbox._prefork import SupervisorPool
 from areal.sandbox._supervisor import RunSetup, request_message, serve_connection
 from areal.sandbox.result import ExecStatus, IsolationReport
 from areal.sandbox.spec import PYTHON, Limits, SandboxConfig, limits_from_json
@@ -72,6 +72,10 @@ print(json.dumps(report))
 def main() -> None:
     config = _config_from_json(json.loads(sys.argv[1]))
     handshake = sys.stdout
+    reset_all_signals()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGPIPE, signal.SIGXFSZ):
+        signal.signal(sig, signal.SIG_IGN)
     try:
         setup, report = establish(config)
         for name in config.preload:
@@ -91,7 +95,8 @@ def main() -> None:
     os.dup2(devnull, 1)
     gc.freeze()  # keep the preloaded heap shared copy-on-write with every fork
     try:
-        _serve(listener, setup, config.max_concurrency)
+        SupervisorPool(listener, setup, max_concurrency=config.max_concurrency,
+                       spares=config.spare_supervisors).serve()
     finally:
         shutil.rmtree(sock_dir, ignore_errors=True)
 
@@ -223,84 +228,6 @@ def _report(setup: RunSetup, seen: dict, config: SandboxConfig, notes: list[str]
         kernel=os.uname().release,
         notes=tuple(notes),
     )
-
-
-def _serve(listener: socket.socket, setup: RunSetup, max_concurrency: int) -> None:
-    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    selector = selectors.DefaultSelector()
-    selector.register(listener, selectors.EVENT_READ)
-    selector.register(0, selectors.EVENT_READ)
-    selector.register(wake_r, selectors.EVENT_READ)
-    free = list(range(max_concurrency - 1, -1, -1))
-    busy: dict[int, int] = {}
-    pending: collections.deque[socket.socket] = collections.deque()
-    while True:
-        for key, _ in selector.select():
-            if key.fileobj is listener:
-                pending.append(listener.accept()[0])
-            elif key.fileobj == 0:
-                if not os.read(0, 4096):
-                    _shutdown(busy)
-                    return
-            else:
-                while _read_some(wake_r):
-                    pass
-        _reap(busy, free)
-        while pending and free:
-            conn, slot = pending.popleft(), free.pop()
-            pid = os.fork()
-            if pid == 0:
-                signal.set_wakeup_fd(-1)
-                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                for other in (listener, *pending):
-                    other.close()
-                selector.close()
-                os.close(wake_r)
-                os.close(wake_w)
-                serve_connection(conn, setup, slot)
-            conn.close()
-            busy[pid] = slot
-
-
-def _read_some(fd: int) -> bool:
-    try:
-        return bool(os.read(fd, 4096))
-    except BlockingIOError:
-        return False
-
-
-def _reap(busy: dict[int, int], free: list[int]) -> None:
-    while busy:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        if pid in busy:
-            free.append(busy.pop(pid))
-
-
-def _shutdown(busy: dict[int, int]) -> None:
-    """Supervisors kill their program on SIGTERM; SIGKILL whoever is still there after 2 s
-    (their programs then die of the parent-death signal)."""
-    for pid in busy:
-        _signal(pid, signal.SIGTERM)
-    stop = time.monotonic() + 2.0
-    while busy and time.monotonic() < stop:
-        _reap(busy, [])
-        time.sleep(0.01)
-    for pid in busy:
-        _signal(pid, signal.SIGKILL)
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 if __name__ == "__main__":

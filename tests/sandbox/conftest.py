@@ -64,12 +64,16 @@ def sandboxed_processes(uid_base: int = 61000, num_uids: int = 64) -> set[int]:
 
 
 def wait_for_no_leftovers(sb: Sandbox, before: set[int], timeout_s: float = 5.0) -> set[int]:
-    """Processes still alive after `timeout_s` that a run started: launcher children
-    (supervisors exit right after answering) and sandboxed processes not there `before`."""
+    """Processes a run left alive after `timeout_s`: sandboxed processes not there `before`,
+    anything below the launcher's direct children, and direct children beyond the idle
+    spare supervisors (the one that served the run exits right after answering)."""
     stop = time.monotonic() + timeout_s
     while True:
         launcher = psutil.Process(sb.launcher_pid)
-        left = {p.pid for p in launcher.children(recursive=True)} | (sandboxed_processes() - before)
+        children = launcher.children()
+        deeper = {p.pid for p in launcher.children(recursive=True)} - {p.pid for p in children}
+        extra = {p.pid for p in children} if len(children) > sb.config.spare_supervisors else set()
+        left = deeper | extra | (sandboxed_processes() - before)
         if not left or time.monotonic() > stop:
             return left
         time.sleep(0.05)

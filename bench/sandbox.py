@@ -1,0 +1,111 @@
+"""Sandbox throughput vs a bare subprocess, same programs, one run.
+
+    python bench/sandbox.py [--runs 30] [--concurrency 2]
+
+For each program, three runners execute it with the same stdin:
+- bare:    `subprocess.run([python, "main.py"])` in a temp folder: no isolation at all;
+- sandbox: the warm launcher, in-process Python (fork per run, full isolation);
+- sandbox-exec: the launcher exec'ing a fresh `python main.py` (isolation + interpreter start).
+Runs are interleaved round-robin so load drift on a shared machine hits all runners alike.
+Reported: mean and median milliseconds per execution (sequential), executions per second
+sequential and with `--concurrency` callers, and each runner's time relative to bare.
+No thresholds: this prints numbers, it does not judge them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from areal.sandbox import PYTHON, PYTHON_EXEC, ExecStatus, Limits, Sandbox
+
+PROGRAMS = {
+    "hello": ("print('hello')", b""),
+    "sum_stdin": ("import sys\nprint(sum(map(int, sys.stdin.read().split())))",
+                  " ".join(str(i) for i in range(20000)).encode()),
+    "compute_50ms": ("s = 0\nfor i in range(400000):\n    s += i * i % 7\nprint(s)", b""),
+    "typical_imports": ("import collections, heapq, itertools, functools, bisect, math, re\n"
+                        "print(len(collections.Counter('abracadabra')))", b""),
+}
+LIMITS = Limits(wall_s=30.0, cpu_s=30.0)
+
+
+def bare_runner(folder: str) -> Callable[[str, bytes], bytes]:
+    def run(source: str, stdin: bytes) -> bytes:
+        path = os.path.join(folder, "main.py")
+        with open(path, "w") as f:
+            f.write(source)
+        done = subprocess.run([sys.executable, "main.py"], input=stdin, cwd=folder,
+                              capture_output=True, check=True)
+        return done.stdout
+
+    return run
+
+
+def sandbox_runner(sb: Sandbox, language) -> Callable[[str, bytes], bytes]:
+    def run(source: str, stdin: bytes) -> bytes:
+        result = sb.run(source, stdin=stdin, language=language, limits=LIMITS)
+        if result.status is not ExecStatus.OK:
+            raise RuntimeError(f"sandbox run failed: {result.status} {result.detail} {result.stderr_text[-300:]}")
+        return result.stdout
+
+    return run
+
+
+def measure(runners: dict[str, Callable], source: str, stdin: bytes, runs: int,
+            concurrency: int) -> dict[str, dict[str, float]]:
+    expected = runners["bare"](source, stdin)
+    for run in runners.values():  # warm-up, and every runner must agree on the output
+        assert run(source, stdin) == expected
+    samples: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(runs):
+        for name, run in runners.items():
+            start = time.perf_counter()
+            run(source, stdin)
+            samples[name].append(time.perf_counter() - start)
+    stats = {}
+    for name, run in runners.items():
+        start = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            list(pool.map(lambda _: run(source, stdin), range(runs * concurrency)))
+        parallel = runs * concurrency / (time.perf_counter() - start)
+        mean = statistics.fmean(samples[name])
+        stats[name] = {"mean_ms": 1000 * mean, "median_ms": 1000 * statistics.median(samples[name]),
+                       "per_s": 1 / mean, "parallel_per_s": parallel}
+    return stats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=30, help="sequential executions per runner and program")
+    parser.add_argument("--concurrency", type=int, default=2, help="callers in the parallel measurement")
+    args = parser.parse_args()
+    with Sandbox() as sb, tempfile.TemporaryDirectory() as folder:
+        print(sb.isolation.describe())
+        print(f"python {sys.version.split()[0]}, {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}, "
+              f"runs={args.runs}, concurrency={args.concurrency}\n")
+        runners = {"bare": bare_runner(folder), "sandbox": sandbox_runner(sb, PYTHON),
+                   "sandbox-exec": sandbox_runner(sb, PYTHON_EXEC)}
+        header = f"{'program':16s} {'runner':13s} {'mean ms':>8s} {'median ms':>9s} {'exec/s':>7s} " \
+                 f"{'exec/s x' + str(args.concurrency):>10s} {'time vs bare':>12s} {'overhead ms':>11s}"
+        print(header)
+        print("-" * len(header))
+        for program, (source, stdin) in PROGRAMS.items():
+            stats = measure(runners, source, stdin, args.runs, args.concurrency)
+            bare = stats["bare"]
+            for name, s in stats.items():
+                print(f"{program:16s} {name:13s} {s['mean_ms']:8.1f} {s['median_ms']:9.1f} {s['per_s']:7.1f} "
+                      f"{s['parallel_per_s']:10.1f} {s['mean_ms'] / bare['mean_ms']:11.2f}x "
+                      f"{s['mean_ms'] - bare['mean_ms']:+11.1f}")
+        print("\noverhead ms = mean ms minus bare mean ms (negative: faster than a bare subprocess)")
+
+
+if __name__ == "__main__":
+    main()
