@@ -8,7 +8,6 @@ you want to keep (unshare changes the caller's namespaces for good).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 CLONE_NEWNS = 0x00020000
@@ -40,7 +39,7 @@ _PR_CAP_AMBIENT_CLEAR_ALL = 4
 _CAP_LAST_CAP_FILE = "/proc/sys/kernel/cap_last_cap"
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+_libc = ctypes.CDLL(None, use_errno=True)  # the symbols already loaded: libc is among them
 
 
 class _MountAttr(ctypes.Structure):
