@@ -164,7 +164,11 @@ class Sandbox:
         writer = None
         try:
             async with asyncio.timeout(self._budget(language, limits)):
-                reader, writer = await asyncio.open_unix_connection(self._socket_path)
+                try:
+                    reader, writer = await asyncio.open_unix_connection(self._socket_path)
+                except OSError:
+                    await asyncio.to_thread(self._respawn_if_dead)
+                    reader, writer = await asyncio.open_unix_connection(self._socket_path)
                 writer.write(message)
                 await writer.drain()
                 header, blobs = await _wire.recv_async(reader)
@@ -190,13 +194,17 @@ class Sandbox:
             conn.connect(self._socket_path)
         except OSError:
             conn.close()
-            with self._lock:  # the launcher died between start() and connect: restart once
-                if self._proc is not None and self._proc.poll() is None:
-                    raise
-                self._spawn()
+            self._respawn_if_dead()
             conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             conn.connect(self._socket_path)
         return conn
+
+    def _respawn_if_dead(self) -> None:
+        """The launcher died between start() and connect: start a new one (once per call)."""
+        with self._lock:
+            if self._proc is not None and self._proc.poll() is None:
+                raise ConnectionError(f"sandbox launcher {self._proc.pid} is alive but refuses connections")
+            self._spawn()
 
 
 def check_isolation_policy(report: IsolationReport, *, allow_unisolated: bool) -> None:
