@@ -139,10 +139,13 @@ def test_launcher_death_is_survived(sandbox_factory):
     slow.join()
     assert results[0].status is ExecStatus.OK and results[0].stdout == b"done\n"
     assert sb.run("print('again')").stdout == b"again\n" and sb.launcher_pid != old
-    second = sb.launcher_pid
-    os.kill(second, signal.SIGKILL)
-    time.sleep(0.3)  # let it die; the async path must notice and start a third launcher
-    assert asyncio.run(sb.run_async("print('async')")).stdout == b"async\n" and sb.launcher_pid != second
+    second = psutil.Process(sb.launcher_pid)
+    doomed = [second, *second.children()]  # idle spare supervisors die with their launcher
+    second.kill()
+    _, alive = psutil.wait_procs(doomed, timeout=10)
+    assert alive == []
+    assert asyncio.run(sb.run_async("print('async')")).stdout == b"async\n"
+    assert sb.launcher_pid != second.pid
 
 
 def test_close_kills_in_flight_runs(sandbox_factory):
