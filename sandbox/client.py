@@ -49,12 +49,15 @@ class Sandbox:
         self._proc: subprocess.Popen | None = None
         self._socket_path = ""
         self._isolation: IsolationReport | None = None
+        self._closed = False
 
     # -- lifecycle -------------------------------------------------------------------
 
     def start(self) -> IsolationReport:
         """Start the launcher if it is not running; return the isolation in force."""
         with self._lock:
+            if self._closed:
+                raise SandboxStartError("this Sandbox was closed; create a new one")
             if self._proc is None or self._proc.poll() is not None:
                 self._spawn()
             assert self._isolation is not None
@@ -70,9 +73,10 @@ class Sandbox:
         return self._proc.pid if self._proc is not None else None
 
     def close(self) -> None:
-        """Stop the launcher; in-flight runs are killed and answer sandbox_error."""
+        """Stop the launcher for good; in-flight and later runs answer sandbox_error."""
         with self._lock:
             proc, self._proc = self._proc, None
+            self._closed = True
         if proc is None:
             return
         proc.stdin.close()  # EOF tells the launcher to terminate its runs and exit
@@ -148,7 +152,7 @@ class Sandbox:
                 conn.settimeout(self._budget(language, limits))
                 conn.sendall(message)
                 header, blobs = _wire.recv(conn)
-        except (OSError, _wire.WireError) as exc:
+        except (OSError, _wire.WireError, SandboxStartError) as exc:
             return _lost(exc)
         return ExecResult.from_header(header, blobs[0], blobs[1])
 
@@ -159,9 +163,12 @@ class Sandbox:
         """`run` on the event loop: one connection, no thread."""
         limits = limits or self.config.limits
         message = self._message(source, stdin, language, limits, files, argv)
-        if self._proc is None or self._proc.poll() is not None:
-            await asyncio.to_thread(self.start)
         writer = None
+        if self._proc is None or self._proc.poll() is not None:
+            try:
+                await asyncio.to_thread(self.start)
+            except SandboxStartError as exc:
+                return _lost(exc)
         try:
             async with asyncio.timeout(self._budget(language, limits)):
                 try:
@@ -172,7 +179,7 @@ class Sandbox:
                 writer.write(message)
                 await writer.drain()
                 header, blobs = await _wire.recv_async(reader)
-        except (OSError, _wire.WireError, TimeoutError) as exc:
+        except (OSError, _wire.WireError, TimeoutError, SandboxStartError) as exc:
             return _lost(exc)
         finally:
             if writer is not None:
@@ -202,6 +209,8 @@ class Sandbox:
     def _respawn_if_dead(self) -> None:
         """The launcher died between start() and connect: start a new one (once per call)."""
         with self._lock:
+            if self._closed:
+                raise SandboxStartError("this Sandbox was closed; create a new one")
             if self._proc is not None and self._proc.poll() is None:
                 raise ConnectionError(f"sandbox launcher {self._proc.pid} is alive but refuses connections")
             self._spawn()

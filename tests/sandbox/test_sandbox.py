@@ -162,6 +162,8 @@ def test_close_kills_in_flight_runs(sandbox_factory):
     assert not runner.is_alive() and time.monotonic() - started < 10
     assert results[0].status is ExecStatus.SANDBOX_ERROR
     assert not launcher.is_running()
+    after = sb.run("print(1)")
+    assert after.status is ExecStatus.SANDBOX_ERROR and "closed" in after.detail
 
 
 @pytest.mark.slow
