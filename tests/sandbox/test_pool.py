@@ -35,7 +35,7 @@ class Gauge:
 async def test_parallelism_is_bounded_and_counts_are_visible():
     pool = CheckerPool(max_concurrency=3, timeout_s=5.0)
     gauge = Gauge()
-    tasks = [asyncio.create_task(pool.check(gauge.check, 0.1, float(i))) for i in range(10)]
+    tasks = [asyncio.create_task(pool.check(gauge.check, 0.3, float(i))) for i in range(10)]
     await asyncio.sleep(0.05)
     assert pool.counts()["in_flight"] == 3 and pool.counts()["queued"] == 7
     outcomes = await asyncio.gather(*tasks)
