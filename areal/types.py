@@ -126,12 +126,17 @@ class PackedBatch:
         """[N] index of the sequence each token belongs to."""
         return torch.repeat_interleave(torch.arange(self.num_seqs), self.seqlens.long())
 
+    def token_index(self, seq_indices: Sequence[int]) -> torch.Tensor:
+        """[M] positions in this batch of the tokens of the given sequences, in that order."""
+        starts, ends = self.cu_seqlens[:-1], self.cu_seqlens[1:]
+        parts = [torch.arange(int(starts[i]), int(ends[i])) for i in seq_indices]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
     def select(self, seq_indices: Sequence[int]) -> "PackedBatch":
         """A new packed batch holding the given sequences, in the given order."""
         starts, ends = self.cu_seqlens[:-1], self.cu_seqlens[1:]
         idx = list(seq_indices)
-        token_index = torch.cat([torch.arange(int(starts[i]), int(ends[i])) for i in idx]) \
-            if idx else torch.zeros(0, dtype=torch.long)
+        token_index = self.token_index(idx)
         lengths = torch.tensor([int(ends[i] - starts[i]) for i in idx], dtype=torch.int32)
         return PackedBatch(
             token_ids=self.token_ids[token_index],

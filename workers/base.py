@@ -56,6 +56,7 @@ class Worker(ABC):
         self.channel: DealerChannel | None = None
         self._last_heard = time.monotonic()
         self._tasks: set[asyncio.Task] = set()
+        self._ready = False
 
     # -- subclass API ---------------------------------------------------------------------------
 
@@ -110,6 +111,7 @@ class Worker(ABC):
             self.config = config_from_dict(welcome.config)
             heartbeat = asyncio.create_task(self._heartbeat_loop())
             version = await self.setup(welcome)
+            self._ready = True
             await self.send(Ready(version=version))
             log.info("%s ready at version %d", self.worker_id, version)
             return await self._serve_loop(heartbeat)
@@ -179,7 +181,10 @@ class Worker(ABC):
     async def _heartbeat_loop(self) -> None:
         cfg = self.config.controller
         while True:
-            await self.send(Heartbeat(num_running=self.num_running(), stats=self.stats()))
+            if self._ready:  # setup (loading a model) may take a while; stats need it done
+                await self.send(Heartbeat(num_running=self.num_running(), stats=self.stats()))
+            else:
+                await self.send(Heartbeat())
             await asyncio.sleep(cfg.heartbeat_interval_s)
             silent = time.monotonic() - self._last_heard
             if silent > cfg.heartbeat_timeout_s:

@@ -1,0 +1,495 @@
+"""The controller actor: one asyncio process that owns all run state and drives the pipeline.
+
+    task prompts --> [admission loop] --G samples--> ledger.pending
+                       waits: staleness bound (areal.algorithms.staleness) and data;
+                       unblocked by: a training step (version + 1)
+    ledger.pending --> [dispatch loop] --Generate--> least-loaded rollout worker
+                       waits: a rollout worker below rollout.max_concurrent;
+                       unblocked by: Generated, Ready, a lost worker's re-queue
+    Generated --> (handler) --Score--> least-loaded reward worker (queued if none is ready)
+    Scored    --> (handler) --> whole group done --> ledger.buffer (replay buffer)
+    ledger.buffer --> [train driver] --Train(B trajectories, whole groups)--> trainer
+                       waits: B trajectories in the buffer, then Trained;
+                       then: version + 1, UpdateWeights to every rollout worker (stream mode:
+                       the trainer's WeightsChunks are relayed), metrics, periodic eval
+    [recv loop]     every message from the ROUTER socket -> handler; malformed -> log, drop
+    [liveness loop] Heartbeat to every worker; a silent or exited worker is lost: its work
+                    is re-queued (never lost), a local worker is restarted
+
+Every loop is a named task; one that fails or returns on its own brings the run down
+loudly. Shutdown: Shutdown to every worker -> cancel loops -> gather -> reap processes.
+Workers hold no state that must survive; everything here does (data cursor, ledger, version).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from areal.algorithms.staleness import StalenessController
+from areal.config import RunConfig
+from areal.messages import (
+    Cancel, Generate, Generated, Heartbeat, Ready, Register, Score, Scored, Shutdown, Train,
+    Trained, UpdateWeights, Welcome, WeightsChunk, WeightsUpdated, WorkerError, WorkerKind,
+)
+from areal.transport import PeerMessageError, RouterChannel
+from areal.types import pack
+from areal.controller.ledger import Group, Ledger, Purpose, Sample, Stage
+from areal.controller.metrics import MetricsSink, closed_marker, is_closed
+from areal.controller.pool import WorkerHandle, WorkerPool
+from areal.controller.report import StepReport, eval_record, summary_lines
+from areal.controller.setup import RunSetup, prepare_run
+from areal.controller.signal import Changed
+
+log = logging.getLogger("areal.controller")
+
+MAX_RESTARTS = 3
+"""A local worker that dies more often than this fails the run (its log is named)."""
+
+
+class RunFailed(RuntimeError):
+    """The run cannot go on (a worker keeps dying, the trainer failed, ...)."""
+
+
+class Controller:
+    """Run one training job. Embeddable: `await Controller(cfg).run()` inside any event loop,
+    with `events()` streaming every metrics record while it runs."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.version = 0
+        self.ledger = Ledger()
+        self.changed = Changed()
+        self.admission_log: list[dict[str, int]] = []
+        """One entry per admitted training group: version, trajectories admitted so far."""
+        self.num_malformed = 0
+        self._setup: RunSetup | None = None
+        self._metrics: MetricsSink | None = None
+        self._early_subscribers: list[asyncio.Queue] = []
+        self._stopping = False
+        self._admission_open = True
+        self._trained: asyncio.Future | None = None
+        self._score_queue: list[Sample] = []
+        self._stream_chunks: list[WeightsChunk] = []
+        self._stream_expected = 0
+        self._eval_rounds: dict[int, dict[str, Any]] = {}
+        self._report = StepReport()
+        self._started = time.monotonic()
+
+    # -- public API -----------------------------------------------------------------------------
+
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        """Every record (steps, evals, events, the summary) as it happens, until the run ends."""
+        queue = self._metrics.subscribe() if self._metrics else asyncio.Queue()
+        if self._metrics is None:
+            self._early_subscribers.append(queue)
+        while True:
+            record = await queue.get()
+            if is_closed(record):
+                return
+            yield record
+
+    def stop(self) -> None:
+        """Ask the run to finish early (after the current step, with a final evaluation)."""
+        self._stopping = True
+        self.changed.notify()
+
+    @property
+    def run_dir(self) -> Path | None:
+        return self._setup.run_dir if self._setup else None
+
+    async def run(self) -> dict[str, Any]:
+        """Run to completion; returns the summary (also written to summary.json)."""
+        self._started = time.monotonic()
+        try:
+            self._setup = await asyncio.to_thread(prepare_run, self.cfg)
+        except BaseException:
+            for queue in self._early_subscribers:  # end their iteration: nothing will come
+                queue.put_nowait(closed_marker())
+            raise
+        self.cfg = self._setup.cfg
+        self._metrics = MetricsSink(self.cfg, self._setup.run_dir, self.cfg.trainer.total_steps)
+        self._metrics._subscribers.extend(self._early_subscribers)
+        self.staleness = StalenessController(self.cfg.trainer.batch_size, self.cfg.eta)
+        ctx = zmq.asyncio.Context()
+        self.channel = RouterChannel(ctx, self.cfg.controller.host, self.cfg.controller.port,
+                                     self.cfg.controller.max_message_mb << 20)
+        secret = self.cfg.controller.secret or secrets.token_hex(16)
+        self.pool = WorkerPool(self.cfg, self._setup.run_dir, self.channel.address, secret)
+        self._metrics.console(f"run directory: {self._setup.run_dir}  |  controller at "
+                              f"{self.channel.address}")
+        try:
+            return await self._supervise()
+        finally:
+            await self._shutdown()
+            self.channel.close()
+            ctx.term()
+            self._metrics.close()
+
+    # -- supervision ----------------------------------------------------------------------------
+
+    async def _supervise(self) -> dict[str, Any]:
+        self._spawn_local_workers()
+        loops = {name: asyncio.create_task(coro, name=name) for name, coro in (
+            ("recv", self._recv_loop()),
+            ("liveness", self._liveness_loop()),
+            ("dispatch", self._dispatch_loop()),
+            ("admission", self._admission_loop()),
+        )}
+        driver = asyncio.create_task(self._train_driver(), name="train-driver")
+        try:
+            done, _ = await asyncio.wait([driver, *loops.values()],
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if driver not in done:
+                (task,) = [t for t in done][:1]
+                exc = task.exception()
+                raise RunFailed(f"controller loop {task.get_name()!r} "
+                                f"{'failed: ' + repr(exc) if exc else 'returned on its own'}") from exc
+            return driver.result()
+        finally:
+            for task in [driver, *loops.values()]:
+                task.cancel()
+            await asyncio.gather(driver, *loops.values(), return_exceptions=True)
+
+    def _spawn_local_workers(self) -> None:
+        for i in range(self.cfg.rollout.num_workers):
+            self.pool.spawn(WorkerKind.ROLLOUT, i)
+        for i in range(self.cfg.reward.num_workers):
+            self.pool.spawn(WorkerKind.REWARD, i)
+        for rank in range(self.cfg.trainer.num_ranks):
+            self.pool.spawn(WorkerKind.TRAINER, rank, rank=rank)
+
+    async def _shutdown(self) -> None:
+        for handle in list(self.pool.by_identity.values()):
+            await self.channel.send(handle.identity, Shutdown(reason="run finished"))
+        await asyncio.to_thread(self.pool.stop_all)
+
+    # -- the training driver --------------------------------------------------------------------
+
+    async def _train_driver(self) -> dict[str, Any]:
+        await self._wait_ready()
+        before = await self._evaluate()
+        groups_per_step = self.cfg.trainer.batch_size // self.cfg.task.group_size
+        step = 0
+        while step < self.cfg.trainer.total_steps and not self._stopping:
+            step += 1
+            waited = time.monotonic()
+            await self.changed.wait_for(
+                lambda: len(self.ledger.buffer) >= groups_per_step or self._stopping)
+            if self._stopping:
+                break
+            waited = time.monotonic() - waited
+            groups = self.ledger.take_batch(groups_per_step)
+            self.staleness.consume(self.cfg.trainer.batch_size)
+            trained, train_s = await self._train_step(step, groups)
+            await self._publish(trained)
+            record = self._report.step_record(step, self.version, groups, trained.stats,
+                                              train_s, waited, self)
+            self._metrics.record("step", record, step=step)
+            self._metrics.progress(step, {k.split("/")[-1]: record[k] for k in (
+                "rollout/reward_mean", "train/loss") if k in record})
+            if self._eval_due(step):
+                asyncio.create_task(self._evaluate(), name=f"eval-{step}")
+        self._admission_open = False
+        await self._cancel_training_requests()
+        after = await self._evaluate()
+        summary = self._report.summary(before, after, time.monotonic() - self._started, step,
+                                       self)
+        self._metrics.record("summary", summary)
+        for line in summary_lines(summary):
+            self._metrics.console(line)
+        self._setup.write_summary(summary)
+        return summary
+
+    def _eval_due(self, step: int) -> bool:
+        every = self.cfg.eval.every_steps
+        return every > 0 and step % every == 0 and step < self.cfg.trainer.total_steps
+
+    async def _wait_ready(self) -> None:
+        kinds = {WorkerKind.ROLLOUT: self.cfg.rollout.num_workers,
+                 WorkerKind.REWARD: self.cfg.reward.num_workers,
+                 WorkerKind.TRAINER: self.cfg.trainer.num_ranks}
+        await self.changed.wait_for(
+            lambda: all(len(self.pool.ready(k)) >= n for k, n in kinds.items()))
+        self._metrics.console(f"workers ready after {time.monotonic() - self._started:.1f} s")
+
+    async def _train_step(self, step: int, groups: list[Group]) -> tuple[Trained, float]:
+        (trainer,) = self.pool.ready(WorkerKind.TRAINER)[:1] or [None]
+        if trainer is None:
+            await self.changed.wait_for(lambda: bool(self.pool.ready(WorkerKind.TRAINER)))
+            trainer = self.pool.ready(WorkerKind.TRAINER)[0]
+        batch = pack([t for g in groups for t in g.trajectories()])
+        msg = Train(step=step, version=self.version,
+                    token_ids=batch.token_ids.numpy().astype(np.int32),
+                    logprobs=batch.logprobs.numpy(), versions=batch.versions.numpy().astype(np.int32),
+                    loss_mask=batch.loss_mask.numpy(), cu_seqlens=batch.cu_seqlens.numpy(),
+                    rewards=batch.rewards.numpy(), group_ids=batch.group_ids.numpy(),
+                    loss_normalizer=int(batch.loss_mask.sum()))
+        self._trained = asyncio.get_running_loop().create_future()
+        start = time.monotonic()
+        await self.channel.send(trainer.identity, msg)
+        trained = await self._trained
+        return trained, time.monotonic() - start
+
+    async def _publish(self, trained: Trained) -> None:
+        """The trainer published `trained.version`: tell every rollout worker to serve it."""
+        self.version = trained.version
+        mode = self.cfg.weight_sync.mode
+        update = UpdateWeights(version=self.version, mode=mode, path=trained.weights_path,
+                               num_chunks=trained.num_chunks,
+                               interrupt=self.cfg.mode == "async" and self.cfg.rollout.interrupt)
+        self._stream_chunks, self._stream_expected = [], trained.num_chunks
+        self._latest_weights = trained.weights_path
+        for handle in self.pool.ready(WorkerKind.ROLLOUT):
+            await self.channel.send(handle.identity, update)
+        self.changed.notify()
+
+    async def _cancel_training_requests(self) -> None:
+        by_worker: dict[bytes, list[str]] = {}
+        for sample in list(self.ledger.in_flight(Purpose.TRAIN)):
+            if sample.stage is Stage.GENERATING:
+                by_worker.setdefault(sample.worker, []).append(sample.request_id)
+        for identity, request_ids in by_worker.items():
+            await self.channel.send(identity, Cancel(request_ids=request_ids))
+        self.ledger.pending = type(self.ledger.pending)(
+            s for s in self.ledger.pending
+            if self.ledger.groups[s.group_id].purpose is Purpose.EVAL)
+
+    # -- evaluation -----------------------------------------------------------------------------
+
+    async def _evaluate(self) -> dict[str, Any]:
+        """Generate and score the held-out prompts at the current version; record and return."""
+        version = self.version
+        round_id = len(self._eval_rounds)
+        state: dict[str, Any] = {"pending": 0, "groups": [], "done": asyncio.Event()}
+        self._eval_rounds[round_id] = state
+        for prompt, prompt_ids in self._setup.eval_prompts:
+            self.ledger.add_group(prompt, prompt_ids, self.cfg.eval.num_samples, version,
+                                  Purpose.EVAL, eval_round=round_id, front=True)
+            state["pending"] += 1
+        self.changed.notify()
+        start = time.monotonic()
+        await state["done"].wait()
+        record = eval_record(state["groups"], version, time.monotonic() - start)
+        self._metrics.record("eval", record, step=version)
+        self._metrics.console(
+            f"eval @ version {version}: pass@1 {record['eval/pass@1']:.3f} "
+            f"over {int(record['eval/num_problems'])} held-out problems")
+        return record
+
+    # -- admission and dispatch -----------------------------------------------------------------
+
+    async def _admission_loop(self) -> None:
+        size = self.cfg.task.group_size
+        while True:
+            await self.changed.wait_for(
+                lambda: self._admission_open and not self._stopping
+                and self.staleness.capacity(self.version) >= size)
+            prompt, prompt_ids = await self._setup.next_train_prompt()
+            self.staleness.admit(size, self.version)
+            self.ledger.add_group(prompt, prompt_ids, size, self.version)
+            self.admission_log.append({"version": self.version,
+                                       "num_admitted": self.staleness.num_live})
+            self.changed.notify()
+
+    async def _dispatch_loop(self) -> None:
+        capacity = self.cfg.rollout.max_concurrent
+        while True:
+            await self.changed.wait_for(lambda: (
+                self.ledger.pending and self.pool.least_loaded(WorkerKind.ROLLOUT, capacity))
+                or (self._score_queue and self.pool.least_loaded(WorkerKind.REWARD)))
+            while self._score_queue and self.pool.least_loaded(WorkerKind.REWARD):
+                await self._send_score(self._score_queue.pop(0))
+            while self.ledger.pending:
+                worker = self.pool.least_loaded(WorkerKind.ROLLOUT, capacity)
+                if worker is None:
+                    break
+                await self._send_generate(self.ledger.pending.popleft(), worker)
+
+    async def _send_generate(self, sample: Sample, worker: WorkerHandle) -> None:
+        group = self.ledger.groups[sample.group_id]
+        rollout = self.cfg.rollout
+        temperature = rollout.temperature if group.purpose is Purpose.TRAIN \
+            else self.cfg.eval.temperature
+        self.ledger.start_generation(sample, worker.identity, time.monotonic())
+        worker.in_flight.add(sample.request_id)
+        await self.channel.send(worker.identity, Generate(
+            request_id=sample.request_id, prompt_ids=group.prompt_ids,
+            max_new_tokens=rollout.max_new_tokens, temperature=temperature,
+            top_p=rollout.top_p if group.purpose is Purpose.TRAIN else 1.0,
+            stop_token_ids=self._setup.stop_token_ids))
+
+    async def _send_score(self, sample: Sample) -> None:
+        worker = self.pool.least_loaded(WorkerKind.REWARD)
+        if worker is None:
+            self._score_queue.append(sample)
+            return
+        group = self.ledger.groups[sample.group_id]
+        self.ledger.start_scoring(sample, worker.identity)
+        worker.in_flight.add(sample.request_id)
+        await self.channel.send(worker.identity, Score(
+            request_id=sample.request_id, prompt_id=group.prompt.prompt_id,
+            completion_ids=sample.trajectory.output_ids, reference=group.prompt.reference))
+
+    # -- receiving ------------------------------------------------------------------------------
+
+    async def _recv_loop(self) -> None:
+        handlers = {Register: self._on_register, Ready: self._on_ready,
+                    Heartbeat: self._on_heartbeat, Generated: self._on_generated,
+                    Scored: self._on_scored, Trained: self._on_trained,
+                    WeightsChunk: self._on_weights_chunk, WeightsUpdated: self._on_weights_updated,
+                    WorkerError: self._on_worker_error}
+        while True:
+            try:
+                identity, msg = await self.channel.recv()
+            except PeerMessageError as err:
+                self.num_malformed += 1
+                log.warning("dropped a malformed message from %r: %s", err.identity, err)
+                continue
+            handle = self.pool.get(identity)
+            if handle is None and not isinstance(msg, Register):
+                log.warning("dropped %s from unregistered peer %r", type(msg).__name__, identity)
+                continue
+            if handle is not None:
+                handle.last_seen = time.monotonic()
+            handler = handlers.get(type(msg))
+            if handler is None:
+                log.warning("dropped unexpected %s from %s", type(msg).__name__,
+                            handle.worker_id if handle else identity)
+                continue
+            await handler(identity, handle, msg)
+            self.changed.notify()
+
+    async def _on_register(self, identity: bytes, handle: WorkerHandle | None,
+                           msg: Register) -> None:
+        handle = self.pool.register(identity, msg)
+        if handle is None:
+            await self.channel.send(identity, Shutdown(reason="registration refused"))
+            self._record_event("worker_refused", worker_id=msg.worker_id, host=msg.host)
+            return
+        latest = getattr(self, "_latest_weights", None)
+        await self.channel.send(identity, Welcome(
+            config=self._setup.config_dict, version=self.version,
+            weights_path=latest if self.cfg.weight_sync.mode == "disk" else None,
+            run_dir=str(self._setup.run_dir)))
+        if handle.kind is WorkerKind.ROLLOUT and self.version > 0 \
+                and self.cfg.weight_sync.mode == "stream":
+            await self.channel.send(identity, UpdateWeights(
+                version=self.version, mode="stream", num_chunks=len(self._stream_chunks)))
+            for chunk in self._stream_chunks:
+                await self.channel.send(identity, chunk)
+
+    async def _on_ready(self, identity: bytes, handle: WorkerHandle, msg: Ready) -> None:
+        handle.ready, handle.version = True, msg.version
+        self._record_event("worker_ready", worker_id=handle.worker_id)
+
+    async def _on_heartbeat(self, identity: bytes, handle: WorkerHandle, msg: Heartbeat) -> None:
+        pass  # last_seen is updated for every message
+
+    async def _on_generated(self, identity: bytes, handle: WorkerHandle, msg: Generated) -> None:
+        handle.in_flight.discard(msg.request_id)
+        sample = self.ledger.finish_generation(msg, identity)
+        if sample is None:
+            log.debug("ignored a stale result %s from %s", msg.request_id, handle.worker_id)
+            return
+        self._report.on_generated(sample.trajectory, msg)
+        if self.ledger.groups[sample.group_id].purpose is Purpose.TRAIN:
+            self.staleness.finish(1)
+        await self._send_score(sample)
+
+    async def _on_scored(self, identity: bytes, handle: WorkerHandle, msg: Scored) -> None:
+        handle.in_flight.discard(msg.request_id)
+        group = self.ledger.finish_scoring(msg, identity)
+        self._report.on_scored(msg)
+        if group is not None and group.purpose is Purpose.EVAL:
+            state = self._eval_rounds[group.eval_round]
+            state["groups"].append(group)
+            state["pending"] -= 1
+            if state["pending"] == 0:
+                state["done"].set()
+
+    async def _on_trained(self, identity: bytes, handle: WorkerHandle, msg: Trained) -> None:
+        if self._trained is None or self._trained.done():
+            log.warning("unexpected Trained for step %d from %s", msg.step, handle.worker_id)
+            return
+        self._trained.set_result(msg)
+
+    async def _on_weights_chunk(self, identity: bytes, handle: WorkerHandle,
+                                msg: WeightsChunk) -> None:
+        """Stream mode: relay each bucket to every rollout worker, keep it for late joiners."""
+        self._stream_chunks.append(msg)
+        for worker in self.pool.ready(WorkerKind.ROLLOUT):
+            await self.channel.send(worker.identity, msg)
+
+    async def _on_weights_updated(self, identity: bytes, handle: WorkerHandle,
+                                  msg: WeightsUpdated) -> None:
+        handle.version = msg.version
+        self._report.on_weights_updated(msg)
+
+    async def _on_worker_error(self, identity: bytes, handle: WorkerHandle,
+                               msg: WorkerError) -> None:
+        log.error("%s reported: %s%s", handle.worker_id, msg.error,
+                  f" (request {msg.request_id})" if msg.request_id else "")
+        self._record_event("worker_error", worker_id=handle.worker_id, error=msg.error,
+                           fatal=msg.fatal)
+        if msg.fatal:
+            await self._lose(handle, f"fatal error: {msg.error}")
+        elif msg.request_id and handle.kind is WorkerKind.TRAINER and self._trained is not None \
+                and not self._trained.done():
+            self._trained.set_exception(RunFailed(f"trainer failed: {msg.error}"))
+
+    # -- liveness -------------------------------------------------------------------------------
+
+    async def _liveness_loop(self) -> None:
+        cfg = self.cfg.controller
+        while True:
+            await asyncio.sleep(cfg.heartbeat_interval_s)
+            for handle in list(self.pool.by_identity.values()):
+                await self.channel.send(handle.identity, Heartbeat())
+            for handle in self.pool.lost(cfg.heartbeat_timeout_s):
+                await self._lose(handle, "process exited" if handle.process is not None
+                                 and handle.process.poll() is not None else "silent")
+            self.changed.notify()
+
+    async def _lose(self, handle: WorkerHandle, why: str) -> None:
+        """Re-queue everything `handle` held, forget it, and restart it if it is ours."""
+        requeued, rescore = [], []
+        if handle.identity is not None:
+            requeued, rescore = self.ledger.release_worker(handle.identity)
+        log.warning("lost %s (%s): re-queued %d generations, %d scorings", handle.worker_id,
+                    why, len(requeued), len(rescore))
+        self._record_event("worker_lost", worker_id=handle.worker_id, reason=why,
+                           requeued=len(requeued), rescored=len(rescore))
+        self.pool.forget(handle)
+        for sample in rescore:
+            await self._send_score(sample)
+        if handle.kind is WorkerKind.TRAINER and self._trained is not None \
+                and not self._trained.done():
+            self._trained.set_exception(RunFailed(
+                f"trainer {handle.worker_id} lost during a step ({why}); see "
+                f"{self._setup.run_dir / 'logs' / (handle.worker_id + '.log')}"))
+        if handle.process is None:
+            return
+        if handle.process.poll() is None:
+            handle.process.kill()
+            await asyncio.to_thread(handle.process.wait)
+        if handle.kind is WorkerKind.TRAINER:
+            handle.process = None
+            return
+        if handle.num_restarts >= MAX_RESTARTS:
+            raise RunFailed(f"{handle.worker_id} died {handle.num_restarts + 1} times; see "
+                            f"{self._setup.run_dir / 'logs' / (handle.worker_id + '.log')}")
+        handle.num_restarts += 1
+        index = int(handle.worker_id.rsplit("-", 1)[1])
+        self.pool.spawn(handle.kind, index, handle.rank)
+
+    def _record_event(self, event: str, **values: Any) -> None:
+        self._metrics.record("event", {"event": event, "version": self.version, **values})

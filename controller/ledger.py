@@ -1,0 +1,190 @@
+"""The controller's book of work: every sample request, every prompt group, the replay buffer.
+
+A prompt group (the `group_size` samples of one prompt) moves through:
+
+    admitted -> each sample: pending -> generating (on a rollout worker)
+                                     -> scoring (on a reward worker) -> done
+    all samples done -> training groups go to the replay buffer; eval groups to their round
+
+Nothing is ever dropped: a sample whose worker is lost goes back to `pending` (generation)
+or is re-sent for scoring, under a new attempt id so that a late answer from the lost worker
+is recognised and ignored. The buffer hands out whole groups, oldest first, each at most
+once (`trained_group_ids` proves it). Pure bookkeeping: no sockets, no clocks of its own.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import numpy as np
+
+from areal.messages import Generated, Scored
+from areal.tasks.base import Prompt, Verdict
+from areal.types import Trajectory
+
+
+class Stage(str, enum.Enum):
+    PENDING = "pending"
+    GENERATING = "generating"
+    SCORING = "scoring"
+    DONE = "done"
+
+
+class Purpose(str, enum.Enum):
+    TRAIN = "train"
+    EVAL = "eval"
+
+
+@dataclass(kw_only=True)
+class Sample:
+    group_id: int
+    index: int
+    attempt: int = 0
+    stage: Stage = Stage.PENDING
+    worker: bytes | None = None
+    """Identity of the worker holding it now (rollout while generating, reward while scoring)."""
+    trajectory: Trajectory | None = None
+    verdict: Verdict | None = None
+    submitted_at: float = 0.0
+
+    @property
+    def request_id(self) -> str:
+        return f"g{self.group_id}-s{self.index}-a{self.attempt}"
+
+
+@dataclass(kw_only=True)
+class Group:
+    group_id: int
+    purpose: Purpose
+    prompt: Prompt
+    prompt_ids: np.ndarray
+    admitted_version: int
+    samples: list[Sample] = field(default_factory=list)
+    eval_round: int = -1
+
+    @property
+    def done(self) -> bool:
+        return all(s.stage is Stage.DONE for s in self.samples)
+
+    def trajectories(self) -> list[Trajectory]:
+        return [s.trajectory for s in self.samples]
+
+
+class Ledger:
+    """All requests and groups of a run, keyed by request id and group id."""
+
+    def __init__(self) -> None:
+        self.groups: dict[int, Group] = {}
+        self.by_request: dict[str, Sample] = {}
+        self.pending: collections.deque[Sample] = collections.deque()
+        self.buffer: collections.deque[Group] = collections.deque()
+        self.trained_group_ids: list[int] = []
+        self._next_group_id = 0
+
+    # -- admission ------------------------------------------------------------------------------
+
+    def add_group(self, prompt: Prompt, prompt_ids: np.ndarray, size: int, version: int,
+                  purpose: Purpose = Purpose.TRAIN, eval_round: int = -1,
+                  front: bool = False) -> Group:
+        """Admit a prompt group; its samples wait in `pending` (at the front if `front`)."""
+        group = Group(group_id=self._next_group_id, purpose=purpose, prompt=prompt,
+                      prompt_ids=prompt_ids, admitted_version=version, eval_round=eval_round)
+        self._next_group_id += 1
+        group.samples = [Sample(group_id=group.group_id, index=i) for i in range(size)]
+        self.groups[group.group_id] = group
+        for sample in group.samples:
+            self.by_request[sample.request_id] = sample
+        if front:
+            self.pending.extendleft(reversed(group.samples))
+        else:
+            self.pending.extend(group.samples)
+        return group
+
+    # -- generation -----------------------------------------------------------------------------
+
+    def start_generation(self, sample: Sample, worker: bytes, now: float) -> None:
+        assert sample.stage is Stage.PENDING, sample
+        sample.stage, sample.worker, sample.submitted_at = Stage.GENERATING, worker, now
+
+    def finish_generation(self, msg: Generated, worker: bytes) -> Sample | None:
+        """Record a completion. None when the request is stale (re-queued or unknown)."""
+        sample = self.by_request.get(msg.request_id)
+        if sample is None or sample.stage is not Stage.GENERATING or sample.worker != worker:
+            return None
+        group = self.groups[sample.group_id]
+        sample.trajectory = Trajectory.from_generation(
+            prompt_id=group.prompt.prompt_id, group_id=group.group_id,
+            prompt_ids=group.prompt_ids, output_ids=msg.output_ids,
+            output_logprobs=msg.logprobs, output_versions=msg.versions,
+            finish_reason=msg.finish_reason.value)
+        sample.trajectory.timings.update(submitted=sample.submitted_at,
+                                         generation=msg.generation_s)
+        sample.trajectory.timings["interruptions"] = float(msg.num_interruptions)
+        sample.stage, sample.worker = Stage.SCORING, None
+        return sample
+
+    # -- scoring --------------------------------------------------------------------------------
+
+    def start_scoring(self, sample: Sample, worker: bytes) -> None:
+        assert sample.stage is Stage.SCORING, sample
+        sample.worker = worker
+
+    def finish_scoring(self, msg: Scored, worker: bytes) -> Group | None:
+        """Record a reward; returns the group when this completed it."""
+        sample = self.by_request.get(msg.request_id)
+        if sample is None or sample.stage is not Stage.SCORING or sample.worker != worker:
+            return None
+        sample.trajectory.reward = msg.reward
+        sample.verdict = msg.verdict
+        sample.stage, sample.worker = Stage.DONE, None
+        group = self.groups[sample.group_id]
+        if not group.done:
+            return None
+        for s in group.samples:
+            del self.by_request[s.request_id]
+        if group.purpose is Purpose.TRAIN:
+            self.buffer.append(group)
+        del self.groups[group.group_id]
+        return group
+
+    # -- faults ---------------------------------------------------------------------------------
+
+    def release_worker(self, worker: bytes) -> tuple[list[Sample], list[Sample]]:
+        """A worker was lost: its generations go back to pending under a new attempt id;
+        its scoring requests are returned for re-sending. Returns (requeued, rescore)."""
+        requeued, rescore = [], []
+        for sample in list(self.by_request.values()):
+            if sample.worker != worker:
+                continue
+            if sample.stage is Stage.GENERATING:
+                del self.by_request[sample.request_id]
+                sample.attempt += 1
+                sample.stage, sample.worker = Stage.PENDING, None
+                self.by_request[sample.request_id] = sample
+                self.pending.appendleft(sample)
+                requeued.append(sample)
+            elif sample.stage is Stage.SCORING:
+                sample.worker = None
+                rescore.append(sample)
+        return requeued, rescore
+
+    # -- training -------------------------------------------------------------------------------
+
+    def num_buffered(self) -> int:
+        return sum(len(g.samples) for g in self.buffer)
+
+    def take_batch(self, num_groups: int) -> list[Group]:
+        """The oldest `num_groups` complete training groups, each handed out once."""
+        if len(self.buffer) < num_groups:
+            raise RuntimeError(f"buffer holds {len(self.buffer)} groups, {num_groups} requested")
+        batch = [self.buffer.popleft() for _ in range(num_groups)]
+        self.trained_group_ids.extend(g.group_id for g in batch)
+        return batch
+
+    def in_flight(self, purpose: Purpose | None = None) -> Iterable[Sample]:
+        for sample in self.by_request.values():
+            if purpose is None or self.groups[sample.group_id].purpose is purpose:
+                yield sample

@@ -1,0 +1,156 @@
+"""Which workers exist, which are alive and how loaded they are; starting local ones.
+
+A worker is known by its ZeroMQ identity once it has registered with the run's secret.
+Local workers are child processes started here (`python -m areal.workers.<kind>`), with the
+secret in their environment, their output in `<run_dir>/logs/<worker_id>.log` and their
+devices set from the config. A worker is lost when its process exits or when it has been
+silent for `controller.heartbeat_timeout_s`; the controller then re-queues its work and, for
+a local worker, starts a replacement. This module decides nothing about work.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from areal.config import RunConfig
+from areal.messages import Register, WorkerKind
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class WorkerHandle:
+    worker_id: str
+    kind: WorkerKind
+    rank: int = 0
+    identity: bytes | None = None
+    process: subprocess.Popen | None = None
+    ready: bool = False
+    version: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
+    in_flight: set[str] = field(default_factory=set)
+    num_restarts: int = 0
+    pid: int = 0
+    host: str = ""
+
+
+class WorkerPool:
+    def __init__(self, cfg: RunConfig, run_dir: Path, address: str, secret: str) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.address = address
+        self.secret = secret
+        self.by_identity: dict[bytes, WorkerHandle] = {}
+        self.expected: dict[str, WorkerHandle] = {}
+        """Local workers by id, registered or not yet."""
+        self.refused: list[str] = []
+
+    # -- local processes ------------------------------------------------------------------------
+
+    def spawn(self, kind: WorkerKind, index: int, rank: int = 0) -> WorkerHandle:
+        worker_id = f"{kind.value}-{index}"
+        handle = self.expected.get(worker_id) or WorkerHandle(worker_id=worker_id, kind=kind,
+                                                              rank=rank)
+        env = dict(os.environ, AREAL_SECRET=self.secret, PYTHONUNBUFFERED="1",
+                   AREAL_LOG_LEVEL=self.cfg.logging.level, TOKENIZERS_PARALLELISM="false")
+        env.update(self._placement_env(kind, index))
+        logs = self.run_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        with open(logs / f"{worker_id}.log", "ab") as out:
+            handle.process = subprocess.Popen(
+                [sys.executable, "-m", f"areal.workers.{kind.value}", "--connect", self.address,
+                 "--worker-id", worker_id, "--rank", str(rank)],
+                env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        handle.ready, handle.identity, handle.last_seen = False, None, time.monotonic()
+        self.expected[worker_id] = handle
+        log.info("started %s (pid %d)", worker_id, handle.process.pid)
+        return handle
+
+    def _placement_env(self, kind: WorkerKind, index: int) -> dict[str, str]:
+        """Thread counts and device visibility of one worker."""
+        threads = {WorkerKind.ROLLOUT: self.cfg.rollout.threads,
+                   WorkerKind.TRAINER: self.cfg.trainer.threads}.get(kind, 1)
+        env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+        devices = {WorkerKind.ROLLOUT: self.cfg.rollout.devices,
+                   WorkerKind.TRAINER: self.cfg.trainer.devices}.get(kind, [])
+        if devices and devices[index].startswith("cuda:"):
+            env["CUDA_VISIBLE_DEVICES"] = devices[index].removeprefix("cuda:")
+        return env
+
+    # -- registration ---------------------------------------------------------------------------
+
+    def register(self, identity: bytes, msg: Register) -> WorkerHandle | None:
+        """Admit a peer presenting the right secret; None (and a log line) otherwise."""
+        if not hmac.compare_digest(msg.secret.encode(), self.secret.encode()):
+            self.refused.append(msg.worker_id)
+            log.warning("refused %s from %s (pid %d): wrong secret", msg.worker_id, msg.host,
+                        msg.pid)
+            return None
+        if identity in self.by_identity:
+            log.warning("refused a second registration from identity %r", identity)
+            return None
+        handle = self.expected.get(msg.worker_id)
+        if handle is None or handle.identity is not None:
+            handle = WorkerHandle(worker_id=msg.worker_id, kind=msg.kind, rank=msg.rank)
+            if msg.worker_id in self.expected:  # a remote worker reusing a name: make it unique
+                handle.worker_id = f"{msg.worker_id}@{identity.hex()[:8]}"
+        handle.identity, handle.kind, handle.rank = identity, msg.kind, msg.rank
+        handle.pid, handle.host, handle.last_seen = msg.pid, msg.host, time.monotonic()
+        self.by_identity[identity] = handle
+        log.info("%s registered (%s, pid %d)", handle.worker_id, msg.host, msg.pid)
+        return handle
+
+    def get(self, identity: bytes) -> WorkerHandle | None:
+        return self.by_identity.get(identity)
+
+    def forget(self, handle: WorkerHandle) -> None:
+        if handle.identity is not None:
+            self.by_identity.pop(handle.identity, None)
+        handle.identity, handle.ready = None, False
+        handle.in_flight.clear()
+
+    # -- queries --------------------------------------------------------------------------------
+
+    def ready(self, kind: WorkerKind) -> list[WorkerHandle]:
+        return [h for h in self.by_identity.values() if h.kind is kind and h.ready]
+
+    def least_loaded(self, kind: WorkerKind, capacity: int | None = None) -> WorkerHandle | None:
+        candidates = [h for h in self.ready(kind)
+                      if capacity is None or len(h.in_flight) < capacity]
+        return min(candidates, key=lambda h: len(h.in_flight), default=None)
+
+    def lost(self, timeout_s: float) -> list[WorkerHandle]:
+        """Registered workers silent for too long, and local processes that exited."""
+        now, out = time.monotonic(), []
+        for handle in self.expected.values():
+            if handle.process is not None and handle.process.poll() is not None:
+                out.append(handle)
+        for handle in self.by_identity.values():
+            if handle not in out and now - handle.last_seen > timeout_s:
+                out.append(handle)
+        return out
+
+    def local_processes(self) -> list[subprocess.Popen]:
+        return [h.process for h in self.expected.values() if h.process is not None]
+
+    def stop_all(self, timeout_s: float = 10.0) -> None:
+        """Wait for local workers to exit after Shutdown; terminate, then kill, stragglers."""
+        deadline = time.monotonic() + timeout_s
+        for proc in self.local_processes():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.terminate()
+        for proc in self.local_processes():
+            try:
+                proc.wait(3)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -1,0 +1,126 @@
+"""Turning what the controller saw into metrics records: per step, per evaluation, per run.
+
+`StepReport` accumulates between training steps (tokens generated, interruptions, weight
+update pauses, reward verdicts) and produces the step record written to metrics.jsonl; the
+summary states held-out accuracy before and after training and the wall time.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from areal.evaluation import summarize
+from areal.messages import Generated, Scored, WeightsUpdated
+from areal.types import Trajectory
+from areal.controller.ledger import Group
+
+if TYPE_CHECKING:
+    from areal.controller.controller import Controller
+
+
+class StepReport:
+    def __init__(self) -> None:
+        self._window_start = time.monotonic()
+        self._train_start: float | None = None
+        self._generated_tokens = 0
+        self._trained_tokens = 0
+        self._pauses: list[float] = []
+        self._verdicts: collections.Counter = collections.Counter()
+        self.num_interruptions = 0
+
+    def on_generated(self, trajectory: Trajectory, msg: Generated) -> None:
+        self._generated_tokens += len(msg.output_ids)
+        self.num_interruptions += msg.num_interruptions
+
+    def on_scored(self, msg: Scored) -> None:
+        self._verdicts[msg.verdict.value] += 1
+
+    def on_weights_updated(self, msg: WeightsUpdated) -> None:
+        self._pauses.append(msg.pause_s)
+
+    def step_record(self, step: int, version: int, groups: list[Group], stats: dict[str, float],
+                    train_s: float, waited_s: float, ctl: "Controller") -> dict[str, Any]:
+        now = time.monotonic()
+        if self._train_start is None:
+            self._train_start = now - train_s - waited_s
+        trajs = [t for g in groups for t in g.trajectories()]
+        trained_version = version - 1  # the batch was trained at the version before publishing
+        staleness = [trained_version - t.oldest_version() for t in trajs]
+        out_lens = np.array([t.num_tokens - t.num_prompt_tokens for t in trajs])
+        rewards = np.array([t.reward for t in trajs])
+        verdicts = [s.verdict for g in groups for s in g.samples]
+        batch_tokens = int(sum(t.num_tokens for t in trajs))
+        self._trained_tokens += batch_tokens
+        window = max(now - self._window_start, 1e-9)
+        record: dict[str, Any] = {
+            "version": version,
+            "rollout/reward_mean": float(rewards.mean()),
+            "rollout/accuracy": float(np.mean([v.value == "ok" for v in verdicts])),
+            "rollout/completion_len_mean": float(out_lens.mean()),
+            "rollout/completion_len_max": int(out_lens.max()),
+            "rollout/truncated_fraction": float(np.mean([t.finish_reason == "length" for t in trajs])),
+            "rollout/interruptions": int(sum(t.timings.get("interruptions", 0) for t in trajs)),
+            "rollout/in_flight": sum(1 for _ in ctl.ledger.in_flight()),
+            "rollout/weight_pause_s_mean": float(np.mean(self._pauses)) if self._pauses else 0.0,
+            "staleness/hist": dict(sorted(collections.Counter(staleness).items())),
+            "staleness/mean": float(np.mean(staleness)),
+            "staleness/max": int(max(staleness)),
+            "reward/verdicts": dict(self._verdicts),
+            "reward/queue": len(ctl._score_queue),
+            "buffer/trajectories": ctl.ledger.num_buffered(),
+            "perf/gen_tokens_per_s": self._generated_tokens / window,
+            "perf/train_tokens_per_s": batch_tokens / max(train_s, 1e-9),
+            "perf/trained_tokens_per_s": self._trained_tokens / max(now - self._train_start, 1e-9),
+            "perf/train_s": train_s,
+            "perf/train_wait_s": waited_s,
+            "perf/elapsed_s": now - ctl._started,
+            "perf/trained_tokens": self._trained_tokens,
+        }
+        record.update({f"train/{k}": v for k, v in stats.items()})
+        self._window_start, self._generated_tokens = now, 0
+        self._pauses, self._verdicts = [], collections.Counter()
+        return record
+
+    def summary(self, before: dict[str, Any], after: dict[str, Any], wall_s: float, steps: int,
+                ctl: "Controller") -> dict[str, Any]:
+        train_s = time.monotonic() - self._train_start if self._train_start else 0.0
+        return {
+            "run_dir": str(ctl.run_dir),
+            "mode": ctl.cfg.mode,
+            "steps": steps,
+            "final_version": ctl.version,
+            "eval_pass@1_before": before["eval/pass@1"],
+            "eval_pass@1_after": after["eval/pass@1"],
+            "eval_pass@1_gain": after["eval/pass@1"] - before["eval/pass@1"],
+            "wall_time_s": wall_s,
+            "train_time_s": train_s,
+            "trained_tokens": self._trained_tokens,
+            "trained_tokens_per_s": self._trained_tokens / train_s if train_s else 0.0,
+            "interruptions": self.num_interruptions,
+            "malformed_messages": ctl.num_malformed,
+        }
+
+
+def eval_record(groups: list[Group], version: int, seconds: float) -> dict[str, Any]:
+    groups = sorted(groups, key=lambda g: g.prompt.prompt_id)
+    record: dict[str, Any] = {"version": version, "eval/seconds": seconds}
+    record.update(summarize([[s.verdict for s in g.samples] for g in groups],
+                            [[s.trajectory.reward for s in g.samples] for g in groups]))
+    return record
+
+
+def summary_lines(summary: dict[str, Any]) -> list[str]:
+    before, after = summary["eval_pass@1_before"], summary["eval_pass@1_after"]
+    return [
+        "",
+        f"run finished: {summary['steps']} steps in {summary['wall_time_s']:.0f} s "
+        f"({summary['mode']} mode), results in {summary['run_dir']}",
+        f"held-out accuracy (pass@1): {100 * before:.1f}% before -> {100 * after:.1f}% after "
+        f"training ({100 * (after - before):+.1f} points)",
+        f"trained {summary['trained_tokens']} tokens at {summary['trained_tokens_per_s']:.0f} "
+        f"tokens/s; {summary['interruptions']} interruptions",
+    ]

@@ -1,0 +1,108 @@
+"""Everything a run needs before its first message: directory, model, task, tokenized prompts.
+
+`prepare_run` is blocking (it may warm-start the embedded model, which trains for a minute)
+and is called in a thread. It resolves `model.path` (the embedded default is built and
+cached on first use), writes the resolved config to `<run_dir>/config.yaml`, loads the task
+and tokenizer, and tokenizes the held-out prompts. Training prompts are tokenized lazily,
+one group at a time, off the event loop (`next_train_prompt`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from areal.config import RunConfig, config_to_dict, config_to_yaml
+from areal.models.hf import load_tokenizer
+from areal.tasks import Prompt, Task, load_task
+
+
+@dataclass(kw_only=True)
+class RunSetup:
+    cfg: RunConfig
+    run_dir: Path
+    task: Task
+    tokenizer: Any
+    eval_prompts: list[tuple[Prompt, np.ndarray]]
+    stop_token_ids: list[int]
+    config_dict: dict[str, Any] = field(default_factory=dict)
+    _train_iter: Iterator[Prompt] | None = None
+
+    def tokenize(self, prompt: Prompt) -> np.ndarray:
+        ids = self.tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise ValueError(f"prompt {prompt.prompt_id!r} tokenizes to nothing")
+        return np.asarray(ids, dtype=np.int32)
+
+    def _next_train_prompt_sync(self) -> tuple[Prompt, np.ndarray]:
+        prompt = next(self._train_iter)
+        return prompt, self.tokenize(prompt)
+
+    async def next_train_prompt(self) -> tuple[Prompt, np.ndarray]:
+        return await asyncio.to_thread(self._next_train_prompt_sync)
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+
+
+def _endless(task: Task, seed: int) -> Iterator[Prompt]:
+    """The task's training prompts; a finite split is cycled, reshuffled by the task's seed."""
+    for epoch in itertools.count():
+        yielded = False
+        for prompt in task.train_prompts(seed + epoch):
+            yielded = True
+            yield prompt
+        if not yielded:
+            raise ValueError(f"task {task.name!r} has no training prompts")
+
+
+def resolve_run_dir(cfg: RunConfig) -> Path:
+    if cfg.run_dir:
+        return Path(cfg.run_dir).expanduser()
+    return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+
+
+def prepare_run(cfg: RunConfig) -> RunSetup:
+    run_dir = resolve_run_dir(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.model.path is None:
+        from areal.models.warmstart import ensure_warm_model
+
+        model = dataclasses.replace(cfg.model, path=str(ensure_warm_model(cfg)))
+        cfg = dataclasses.replace(cfg, model=model)
+    cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
+    (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
+    task = load_task(cfg.task.name, cfg.task.params)
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+    setup = RunSetup(cfg=cfg, run_dir=run_dir, task=task, tokenizer=tokenizer, eval_prompts=[],
+                     stop_token_ids=stop_token_ids(task, tokenizer),
+                     config_dict=config_to_dict(cfg))
+    prompts = task.eval_prompts()
+    if cfg.eval.max_prompts is not None:
+        prompts = prompts[: cfg.eval.max_prompts]
+    if not prompts:
+        raise ValueError(f"task {task.name!r} has no held-out prompts to evaluate on")
+    setup.eval_prompts = [(p, setup.tokenize(p)) for p in prompts]
+    setup._train_iter = _endless(task, cfg.seed)
+    return setup
+
+
+def stop_token_ids(task: Task, tokenizer: Any) -> list[int]:
+    """EOS plus the task's stop strings, each of which must be a single token."""
+    ids = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+    for text in task.stop_strings():
+        tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(tokens) != 1:
+            raise ValueError(
+                f"task {task.name!r}: stop string {text!r} is {len(tokens)} tokens for this "
+                "tokenizer; only single-token stop strings are supported")
+        ids.append(int(tokens[0]))
+    return sorted(set(ids))

@@ -1,0 +1,97 @@
+"""Ledger: samples move through their stages once; a lost worker's work is re-queued, never lost."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from areal.controller.ledger import Ledger, Purpose, Stage
+from areal.messages import FinishReason, Generated, Scored
+from areal.tasks.base import Prompt, Verdict
+
+W1, W2, R1 = b"rollout-1", b"rollout-2", b"reward-1"
+
+
+def _prompt(i=0):
+    return Prompt(prompt_id=f"p{i}", text="1+1=", reference="2")
+
+
+def _generated(sample, n=3, version=0):
+    return Generated(request_id=sample.request_id, output_ids=np.arange(n, dtype=np.int32),
+                     logprobs=np.full(n, -0.5, np.float32), versions=np.full(n, version, np.int32),
+                     finish_reason=FinishReason.STOP)
+
+
+def _scored(sample, reward=1.0):
+    return Scored(request_id=sample.request_id, reward=reward,
+                  verdict=Verdict.OK if reward else Verdict.WRONG)
+
+
+def _run_sample(ledger, sample, worker=W1, reward=1.0):
+    ledger.start_generation(sample, worker, now=0.0)
+    assert ledger.finish_generation(_generated(sample), worker) is sample
+    ledger.start_scoring(sample, R1)
+    return ledger.finish_scoring(_scored(sample, reward), R1)
+
+
+def test_group_reaches_the_buffer_only_when_every_sample_is_scored():
+    ledger = Ledger()
+    group = ledger.add_group(_prompt(), np.array([5, 6], np.int32), size=3, version=0)
+    assert [s.stage for s in group.samples] == [Stage.PENDING] * 3
+    assert len(ledger.pending) == 3
+    samples = [ledger.pending.popleft() for _ in range(3)]
+    assert _run_sample(ledger, samples[0]) is None
+    assert _run_sample(ledger, samples[1], reward=0.0) is None
+    assert _run_sample(ledger, samples[2]) is group
+    assert list(ledger.buffer) == [group] and ledger.num_buffered() == 3
+    traj = group.trajectories()[1]
+    assert traj.reward == 0.0 and list(traj.versions) == [-1, -1, 0, 0, 0]
+    assert ledger.take_batch(1) == [group] and ledger.trained_group_ids == [group.group_id]
+    with pytest.raises(RuntimeError, match="buffer holds 0 groups"):
+        ledger.take_batch(1)
+
+
+def test_lost_rollout_worker_requeues_its_generations_under_new_ids():
+    ledger = Ledger()
+    group = ledger.add_group(_prompt(), np.array([5], np.int32), size=2, version=0)
+    a, b = ledger.pending.popleft(), ledger.pending.popleft()
+    ledger.start_generation(a, W1, 0.0)
+    ledger.start_generation(b, W2, 0.0)
+    old_id = a.request_id
+    requeued, rescore = ledger.release_worker(W1)
+    assert requeued == [a] and rescore == [] and a.stage is Stage.PENDING
+    assert a.request_id != old_id and list(ledger.pending) == [a]
+    # The lost worker's late answer is ignored; the re-queued attempt is accepted.
+    late = _generated(a)
+    late.request_id = old_id
+    assert ledger.finish_generation(late, W1) is None
+    ledger.pending.popleft()
+    assert _run_sample(ledger, a, worker=W2) is None
+    assert ledger.finish_generation(_generated(b), W2) is b
+    ledger.start_scoring(b, R1)
+    assert ledger.finish_scoring(_scored(b), R1) is group
+
+
+def test_lost_reward_worker_returns_its_samples_for_rescoring():
+    ledger = Ledger()
+    ledger.add_group(_prompt(), np.array([5], np.int32), size=1, version=0)
+    sample = ledger.pending.popleft()
+    ledger.start_generation(sample, W1, 0.0)
+    ledger.finish_generation(_generated(sample), W1)
+    ledger.start_scoring(sample, R1)
+    requeued, rescore = ledger.release_worker(R1)
+    assert requeued == [] and rescore == [sample] and sample.stage is Stage.SCORING
+    assert ledger.finish_scoring(_scored(sample), R1) is None  # the lost worker's answer
+    ledger.start_scoring(sample, b"reward-2")
+    assert ledger.finish_scoring(_scored(sample), b"reward-2") is not None
+
+
+def test_eval_groups_never_enter_the_replay_buffer():
+    ledger = Ledger()
+    ledger.add_group(_prompt(0), np.array([5], np.int32), size=1, version=0)
+    group = ledger.add_group(_prompt(1), np.array([5], np.int32), size=1, version=0,
+                             purpose=Purpose.EVAL, front=True)
+    sample = ledger.pending.popleft()
+    assert sample.group_id == group.group_id  # eval work goes first
+    assert _run_sample(ledger, sample) is group
+    assert not ledger.buffer
