@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass
 from typing import NoReturn
 
-from areal.sandbox import _linux
+from areal.sandbox import _cgroup, _linux
 from areal.sandbox._pyrun import run_main
 from areal.sandbox.result import cpu_rlimit_seconds
 from areal.sandbox.spec import Language, Limits
@@ -50,6 +50,8 @@ class ChildPlan:
     """(blocker, paths): `blocker` is a folder the run's uid cannot traverse (e.g. /root,
     0700) above `paths` it must read (the interpreter); it is covered by an empty read-only
     tmpfs holding read-only bind mounts of just those paths."""
+    cgroup: str | None
+    """Memory cgroup to join before anything else (see _cgroup.py)."""
     stdin_fd: int
     stdout_fd: int
     stderr_fd: int
@@ -68,6 +70,8 @@ def child_main(plan: ChildPlan) -> NoReturn:
 
 
 def _prepare(plan: ChildPlan) -> None:
+    if plan.cgroup is not None:
+        _cgroup.join(plan.cgroup)
     os.setsid()
     if plan.mount_jail:
         _mount_jail(plan)

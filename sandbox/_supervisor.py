@@ -26,7 +26,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from areal.sandbox import _linux, _wire
+from areal.sandbox import _cgroup, _linux, _wire
 from areal.sandbox._child import NS_WORKDIR, ChildPlan, child_main
 from areal.sandbox.result import Ending, ExecResult, ExecStatus, classify
 from areal.sandbox.spec import Language, Limits, language_from_json, limits_from_json
@@ -49,6 +49,8 @@ class RunSetup:
     uid_base: int
     exposures: tuple[tuple[str, tuple[str, ...]], ...] = ()
     """See `ChildPlan.exposures`; root mode only."""
+    memory_cgroup_root: str | None = None
+    """Folder for per-run memory cgroups (see _cgroup.py), or None."""
     env: tuple[tuple[str, str], ...]
     python: str
 
@@ -105,6 +107,8 @@ def run_request(header: dict[str, Any], blobs: list[bytes], setup: RunSetup, slo
 def supervise(*, language: Language, limits: Limits, files: dict[str, bytes], stdin: bytes,
               argv: tuple[str, ...], setup: RunSetup, slot: int) -> ExecResult:
     run_uid = setup.uid_base + slot if setup.mode in ("root", "none") and os.geteuid() == 0 else None
+    cgroup = _cgroup.create_run(setup.memory_cgroup_root, limits.run_memory_bytes) \
+        if setup.memory_cgroup_root else None
     workdir = _enter_namespaces(setup, run_uid)
     stdin_fd = _memfd_with(stdin)
     out_r, out_w = os.pipe()
@@ -116,7 +120,7 @@ def supervise(*, language: Language, limits: Limits, files: dict[str, bytes], st
                      drop_capabilities=setup.mode == "userns", mount_jail=setup.mount_jail,
                      read_only_root=setup.read_only_root,
                      exposures=setup.exposures if run_uid is not None and setup.mount_jail else (),
-                     stdin_fd=stdin_fd, stdout_fd=out_w,
+                     cgroup=cgroup, stdin_fd=stdin_fd, stdout_fd=out_w,
                      stderr_fd=err_w, status_fd=st_w)
     pid = os.fork()
     if pid == 0:
@@ -125,10 +129,12 @@ def supervise(*, language: Language, limits: Limits, files: dict[str, bytes], st
         os.close(fd)
     signal.signal(signal.SIGTERM, lambda *_: (os.kill(pid, signal.SIGKILL), os._exit(1)))
     try:
-        return _watch(pid, out_r, err_r, st_r, language, limits, setup)
+        return _watch(pid, out_r, err_r, st_r, language, limits, setup, cgroup)
     finally:
         if not setup.mount_jail:
             shutil.rmtree(workdir, ignore_errors=True)
+        if cgroup is not None:
+            _cgroup.remove_run(cgroup)
 
 
 def _memfd_with(data: bytes) -> int:
@@ -167,7 +173,7 @@ def _private_workdir(run_uid: int | None) -> str:
 
 
 def _watch(pid: int, out_r: int, err_r: int, st_r: int, language: Language, limits: Limits,
-           setup: RunSetup) -> ExecResult:
+           setup: RunSetup, cgroup: str | None) -> ExecResult:
     pidfd = os.pidfd_open(pid)
     out, err = _Capture(cap=limits.stdout_bytes), _Capture(cap=limits.stderr_bytes)
     status_msg = bytearray()
@@ -214,16 +220,25 @@ def _watch(pid: int, out_r: int, err_r: int, st_r: int, language: Language, limi
     _drain(err_r, err)
     for fd in (out_r, err_r, st_r, pidfd):
         os.close(fd)
-    return _result(started, ended, wait_status, usage, bytes(status_msg), out, err, timed_out,
-                   overflow, language, limits)
+    memory = _Memory(peak_bytes=usage.ru_maxrss * 1024, oom_killed=False)
+    if cgroup is not None:
+        memory = _Memory(peak_bytes=_cgroup.peak_bytes(cgroup), oom_killed=_cgroup.oom_kills(cgroup) > 0)
+    return _result(started, ended, wait_status, usage, memory, bytes(status_msg), out, err,
+                   timed_out, overflow, language, limits)
 
 
-def _result(started: float | None, ended: float, wait_status: int, usage: Any, status_msg: bytes,
-            out: _Capture, err: _Capture, timed_out: bool, overflow: str, language: Language,
-            limits: Limits) -> ExecResult:
+@dataclass(frozen=True)
+class _Memory:
+    peak_bytes: int
+    oom_killed: bool
+
+
+def _result(started: float | None, ended: float, wait_status: int, usage: Any, memory: _Memory,
+            status_msg: bytes, out: _Capture, err: _Capture, timed_out: bool, overflow: str,
+            language: Language, limits: Limits) -> ExecResult:
     common = dict(stdout=bytes(out.data), stderr=bytes(err.data), stdout_truncated=out.overflow,
                   stderr_truncated=err.overflow, cpu_s=usage.ru_utime + usage.ru_stime,
-                  peak_memory_bytes=usage.ru_maxrss * 1024)
+                  peak_memory_bytes=memory.peak_bytes)
     message = status_msg.decode("utf-8", errors="replace")
     if message.startswith("compile:"):
         return ExecResult(status=ExecStatus.COMPILE_ERROR, exit_code=int(message[8:] or 1),
@@ -233,7 +248,7 @@ def _result(started: float | None, ended: float, wait_status: int, usage: Any, s
         return ExecResult(status=ExecStatus.SANDBOX_ERROR, detail=f"sandbox set-up: {detail}", **common)
     ending = Ending(wait_status=wait_status, cpu_s=common["cpu_s"],
                     peak_memory_bytes=common["peak_memory_bytes"], timed_out=timed_out,
-                    output_overflow=overflow)
+                    output_overflow=overflow, oom_killed=memory.oom_killed)
     tail = bytes(err.data[-4096:]).decode("utf-8", errors="replace")
     status, code, sig, detail = classify(ending, limits, language, tail)
     return ExecResult(status=status, exit_code=code, signal=sig, wall_s=ended - started,

@@ -64,8 +64,9 @@ class ExecResult:
     cpu_s: float = 0.0
     """User + system CPU seconds of the program and the children it waited for."""
     peak_memory_bytes: int = 0
-    """Peak resident set of the main process (includes ~the launcher's baseline when the
-    program runs in-process)."""
+    """Peak memory of the whole run where a memory cgroup is in force (IsolationReport.
+    memory_cgroup), else peak resident set of the main process (which then includes the
+    launcher's ~20 MB baseline for in-process Python)."""
     detail: str = ""
     """Why, in words: the limit hit, the signal name, or the sandbox failure."""
 
@@ -111,6 +112,10 @@ class IsolationReport:
     """How leftover processes are found and killed."""
     rlimits: tuple[str, ...] = ()
     """Resource limits applied to every run."""
+    memory_cgroup: bool = False
+    """Each run has its own memory cgroup: `Limits.run_memory_bytes` bounds all its
+    processes together and `peak_memory_bytes` is the run's peak (else: the main process's
+    ru_maxrss, which includes the launcher's ~20 MB baseline)."""
     kernel: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
     """Why a mechanism is missing (the failing call and errno)."""
@@ -126,7 +131,7 @@ class IsolationReport:
 
     def describe(self) -> str:
         lines = [f"sandbox isolation: {self.level} (mode {self.mode}, kernel {self.kernel})"]
-        for name in ("pid_namespace", "net_namespace", "mount_namespace", "read_only_root"):
+        for name in ("pid_namespace", "net_namespace", "mount_namespace", "read_only_root", "memory_cgroup"):
             lines.append(f"  {name:16s} {'yes' if getattr(self, name) else 'NO'}")
         lines.append(f"  {'unprivileged':16s} {self.unprivileged}")
         lines.append(f"  {'cleanup':16s} {self.process_cleanup}")
@@ -159,6 +164,8 @@ class Ending:
     """The supervisor killed the run at its wall-clock deadline."""
     output_overflow: str = ""
     """'stdout' or 'stderr' when the supervisor killed the run for writing too much."""
+    oom_killed: bool = False
+    """The kernel killed a process of the run for exceeding the run's memory cgroup."""
 
 
 def classify(ending: Ending, limits: Limits, language: Language, stderr_tail: str) -> tuple[ExecStatus, int | None, int | None, str]:
@@ -174,6 +181,8 @@ def classify(ending: Ending, limits: Limits, language: Language, stderr_tail: st
         return ExecStatus.OUTPUT_LIMIT, code, sig, f"{ending.output_overflow} exceeded {cap} bytes"
     if ending.timed_out:
         return ExecStatus.TIMEOUT, code, sig, f"wall-clock limit {limits.wall_s:g} s exceeded"
+    if ending.oom_killed and (sig == signal.SIGKILL or code):
+        return ExecStatus.MEMORY_LIMIT, code, sig, f"run memory limit {limits.run_memory_bytes} bytes exceeded"
     cpu_limit = cpu_rlimit_seconds(limits)
     if sig == signal.SIGXCPU or (sig == signal.SIGKILL and ending.cpu_s >= cpu_limit - 0.05):
         return ExecStatus.TIMEOUT, code, sig, f"CPU-time limit {cpu_limit} s exceeded"

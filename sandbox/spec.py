@@ -86,6 +86,9 @@ class Limits:
     """CPU time of the main process (RLIMIT_CPU, rounded up to whole seconds)."""
     memory_bytes: int = 1 << 30
     """Address space per process (RLIMIT_AS). Includes the launcher's own mappings (~30 MB)."""
+    run_memory_bytes: int = 2 << 30
+    """Resident memory of the whole run: all its processes and the files it writes to its
+    tmpfs (a memory cgroup; root mode where cgroup v1 is available, see IsolationReport)."""
     file_size_bytes: int = 16 << 20
     """Largest file the program may write (RLIMIT_FSIZE)."""
     disk_bytes: int = 64 << 20
@@ -103,7 +106,7 @@ class Limits:
         for name in ("wall_s", "cpu_s"):
             if not getattr(self, name) > 0:
                 raise SandboxConfigError(f"Limits.{name}={getattr(self, name)!r} must be > 0 seconds")
-        for name in ("memory_bytes", "file_size_bytes", "disk_bytes", "num_processes",
+        for name in ("memory_bytes", "run_memory_bytes", "file_size_bytes", "disk_bytes", "num_processes",
                      "num_open_files", "stdout_bytes", "stderr_bytes"):
             if not getattr(self, name) >= 1:
                 raise SandboxConfigError(f"Limits.{name}={getattr(self, name)!r} must be >= 1")

@@ -31,7 +31,7 @@ import socket
 import sys
 import tempfile
 
-from areal.sandbox import _linux, _wire
+from areal.sandbox import _cgroup, _linux, _wire
 from areal.sandbox._child import reset_all_signals
 from areal.sandbox._prefork import SupervisorPool
 from areal.sandbox._supervisor import RunSetup, request_message, serve_connection
@@ -63,6 +63,8 @@ try:
     report["stdlib"] = True
 except ImportError:
     report["stdlib"] = False
+with open("/proc/self/cgroup") as f:
+    report["cgroup"] = [l.split(":", 2)[2].strip() for l in f if ":memory:" in l or l.startswith("0::")][0]
 with open("/proc/self/status") as f:
     report["cap_eff"] = [l.split()[1] for l in f if l.startswith("CapEff")][0]
 print(json.dumps(report))
@@ -99,6 +101,8 @@ def main() -> None:
                        spares=config.spare_supervisors).serve()
     finally:
         shutil.rmtree(sock_dir, ignore_errors=True)
+        if setup.memory_cgroup_root is not None:
+            _cgroup.remove_root(setup.memory_cgroup_root)
 
 
 def _config_from_json(data: dict) -> SandboxConfig:
@@ -116,8 +120,11 @@ def establish(config: SandboxConfig) -> tuple[RunSetup, IsolationReport]:
     if mode == "auto":
         mode = "root" if os.geteuid() == 0 else "userns"
     shared = _linux.CLONE_NEWNET | _linux.CLONE_NEWIPC | _linux.CLONE_NEWUTS
+    cgroup_root = None
     if mode == "root":
         _try(lambda: _linux.unshare(shared), notes)
+        cgroup_root, why = _cgroup.create_root()
+        notes.extend([why] if why else [])
     elif mode == "userns":
         uid, gid = os.geteuid(), os.getegid()
         if not _try(lambda: _linux.unshare(_linux.CLONE_NEWUSER | shared), notes):
@@ -133,7 +140,8 @@ def establish(config: SandboxConfig) -> tuple[RunSetup, IsolationReport]:
     for candidate in candidates:
         setup = RunSetup(mode=mode, private_network=config.private_network_per_run and mode != "none",
                          uid_base=config.uid_base, env=config.env, python=config.python,
-                         exposures=plan_exposures(config.python, config.expose), **candidate)
+                         exposures=plan_exposures(config.python, config.expose),
+                         memory_cgroup_root=cgroup_root, **candidate)
         seen = _probe(setup, notes)
         if seen is not None:
             return setup, _report(setup, seen, config, notes, outer_uid)
@@ -220,6 +228,7 @@ def _report(setup: RunSetup, seen: dict, config: SandboxConfig, notes: list[str]
         pid_namespace=pid_ns,
         net_namespace=seen["net"] == errno.ENETUNREACH,
         mount_namespace=setup.mount_jail and seen["tmp"] == ["work"],
+        memory_cgroup=setup.memory_cgroup_root is not None and "/run-" in seen["cgroup"],
         read_only_root=bool(seen["ro"]),
         unprivileged=unprivileged,
         process_cleanup="PID namespace: the kernel kills every process when the program exits"

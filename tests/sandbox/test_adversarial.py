@@ -48,6 +48,20 @@ CASES = {
             threading.Thread(target=time.sleep, args=(100,), daemon=True).start()
         """, ExecStatus.RUNTIME_ERROR),
     "memory_bomb_at_once": Case("x = bytearray(8 * 1024**3)", ExecStatus.MEMORY_LIMIT),
+    # Each process stays under its own address-space limit; together they exceed the run's.
+    "memory_bomb_across_processes": Case("""
+        import os, time
+        kids = []
+        for _ in range(8):
+            pid = os.fork()
+            if pid == 0:
+                block = bytearray(b'x') * (300 << 20)
+                time.sleep(3)
+                os._exit(0)
+            kids.append(pid)
+        statuses = [os.waitpid(kid, 0)[1] for kid in kids]
+        raise SystemExit(1 if any(os.WIFSIGNALED(s) for s in statuses) else 0)
+        """, ExecStatus.MEMORY_LIMIT, dataclasses.replace(SLOW, run_memory_bytes=512 << 20)),
     "memory_bomb_gradual": Case("""
         chunks = []
         while True:

@@ -35,6 +35,9 @@ def test_limits_take_precedence_over_the_exit_status():
     status, _, _, detail = _status(signal.SIGKILL, cpu_s=2.0)  # hard CPU limit (soft + 1)
     assert status is ExecStatus.TIMEOUT and "CPU-time limit 2 s" in detail
     assert _status(signal.SIGXFSZ)[0] is ExecStatus.OUTPUT_LIMIT
+    assert _status(signal.SIGKILL, oom_killed=True)[0] is ExecStatus.MEMORY_LIMIT
+    assert _status(_exited(1), oom_killed=True)[0] is ExecStatus.MEMORY_LIMIT  # a child was killed
+    assert _status(_exited(0), oom_killed=True)[0] is ExecStatus.OK  # ...and the program coped
 
 
 def test_stderr_markers_refine_failures_but_never_make_a_success():

@@ -114,6 +114,17 @@ def test_isolation_report_matches_what_a_program_observes(sandbox):
     assert pid == "1" and 61000 <= int(uid) < 61064 and tmp.strip() == "['work']"
 
 
+def test_peak_memory_is_the_whole_runs_own(sandbox):
+    if not sandbox.isolation.memory_cgroup:
+        pytest.skip("no memory cgroup: peak is the main process's ru_maxrss")
+    small = sandbox.run("print(1)")
+    big = sandbox.run("import os, time\nif os.fork() == 0:\n    x = bytearray(b'x') * (80 << 20)\n"
+                      "    os._exit(0)\ny = bytearray(b'y') * (60 << 20)\nos.wait()", limits=QUICK)
+    assert big.status is ExecStatus.OK, big.stderr_text
+    assert small.peak_memory_bytes < 40 << 20  # the launcher's shared pages are not charged
+    assert big.peak_memory_bytes > 60 << 20, big.peak_memory_bytes
+
+
 def test_running_without_isolation_is_refused_unless_allowed():
     bare = IsolationReport(mode="none", unprivileged="none", kernel="x", notes=("unshare: EPERM",))
     with pytest.raises(IsolationError, match="allow_unisolated"):
