@@ -96,6 +96,7 @@ def _prepare(plan: ChildPlan) -> None:
 
 
 def _mount_jail(plan: ChildPlan) -> None:
+    _linux.unshare(_linux.CLONE_NEWNS)
     _linux.make_mounts_private()
     if plan.read_only_root:
         _linux.make_tree_read_only("/")

@@ -151,9 +151,9 @@ def _enter_namespaces(setup: RunSetup, run_uid: int | None) -> str:
     if not setup.pid_namespace:
         _linux.set_child_subreaper()
         return _private_workdir(run_uid)
+    # The mount namespace is the program's own (it unshares it, see _child._mount_jail):
+    # the supervisor keeps the launcher's view, to clean up the cgroup and workdir after.
     flags = _linux.CLONE_NEWPID
-    if setup.mount_jail:
-        flags |= _linux.CLONE_NEWNS
     if setup.private_network:
         flags |= _linux.CLONE_NEWNET
     if setup.mode == "userns":

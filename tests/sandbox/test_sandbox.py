@@ -4,6 +4,7 @@ report and policy, launcher lifecycle, and the fallback modes."""
 from __future__ import annotations
 
 import asyncio
+import glob
 import os
 import signal
 import textwrap
@@ -123,6 +124,8 @@ def test_peak_memory_is_the_whole_runs_own(sandbox):
     assert big.status is ExecStatus.OK, big.stderr_text
     assert small.peak_memory_bytes < 40 << 20  # the launcher's shared pages are not charged
     assert big.peak_memory_bytes > 60 << 20, big.peak_memory_bytes
+    mine = glob.glob(f"/sys/fs/cgroup/memory/**/areal-sandbox-{sandbox.launcher_pid}", recursive=True)
+    assert len(mine) == 1 and glob.glob(f"{mine[0]}/run-*") == []  # removed before answering
 
 
 def test_running_without_isolation_is_refused_unless_allowed():
