@@ -101,7 +101,8 @@ class CheckerPool:
         return outcome
 
     def _start(self, fn: Callable[..., Any], args: tuple) -> asyncio.Future:
-        if inspect.iscoroutinefunction(fn):
+        if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "func", None)):
+            # (the second test sees through functools.partial, which 3.11 does not)
             return asyncio.ensure_future(fn(*args))
         return asyncio.wrap_future(self._executor.submit(fn, *args))
 

@@ -4,6 +4,7 @@ the reason, for plain, coroutine and real (sandbox, math) checkers."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
 import threading
 import time
@@ -89,7 +90,7 @@ async def test_coroutine_check_is_cancelled_at_its_timeout():
             cancelled.set()
             raise
 
-    outcome = await pool.check(hangs, "t", "r")
+    outcome = await pool.check(functools.partial(hangs, "t"), "r")
     assert outcome.verdict is Verdict.TIMEOUT
     await asyncio.wait_for(cancelled.wait(), 1.0)
     assert (await pool.check(Gauge().check, 0.0, 1.0)).verdict is Verdict.OK  # slot came back
