@@ -1,7 +1,9 @@
 """The program's side of a run: set up the jail, then become the program. Never returns.
 
 Runs in the process the supervisor forked (PID 1 of a fresh PID namespace when one is in
-force). Order matters: mounts and file ownership need privilege, so they come first; then
+force). Order matters: joining the run's memory cgroup, a private mount namespace (tmpfs
+/tmp and /dev/shm, fresh /proc, everything else read-only) and file ownership need
+privilege, so they come first; then
 standard streams, rlimits, dropping privilege (setuid to the run's uid, or emptying the
 capability sets inside a user namespace), no_new_privs, the parent-death signal (cleared by
 any uid change, so set last), the scrubbed environment, and finally either exec of the

@@ -9,8 +9,9 @@ forks a supervisor per run, so no run pays for interpreter start-up.
         '--- stdin pipe: EOF = caller gone --> SIGTERM every supervisor, exit
 
 Start-up namespaces are shared by all runs: one empty network namespace (no interfaces up,
-so any connect fails with ENETUNREACH), private IPC and hostname. Per-run namespaces (PID,
-mount, and in userns mode a user namespace) are created by each supervisor. The probe runs
+so any connect fails with ENETUNREACH), private IPC and hostname; in root mode also the
+folder for per-run memory cgroups. Per-run namespaces (PID, and in userns mode a user
+namespace) are created by each supervisor, the mount namespace by the program itself. The probe runs
 a real program through the full path and records what it observed, degrading from the
 strongest set-up to weaker ones; the caller decides whether what is left is acceptable.
 
