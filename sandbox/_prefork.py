@@ -32,7 +32,8 @@ _PR_SET_PDEATHSIG = 1
 
 
 class SupervisorPool:
-    def __init__(self, listener: socket.socket, setup: RunSetup, *, max_concurrency: int, spares: int) -> None:
+    def __init__(self, listener: socket.socket, setup: RunSetup, *, max_concurrency: int,
+                 spares: int) -> None:
         self.listener = listener
         self.setup = setup
         self.spares = max(1, min(spares, max_concurrency))

@@ -135,7 +135,8 @@ class _Tally:
             self.num_passed += 1
             return True
         if not self.first_failure:
-            self.first_failure = f"test {index + 1}/{len(self.prep.tests)} failed: {why}; input {_short(test.input)}"
+            self.first_failure = (f"test {index + 1}/{len(self.prep.tests)} failed: {why}; "
+                                  f"input {_short(test.input)}")
         return not self.config.stop_on_first_failure
 
     def outcome(self) -> RewardOutcome:

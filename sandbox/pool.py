@@ -75,7 +75,8 @@ class CheckerPool:
         mean = c.check_s_total / c.completed if c.completed else 0.0
         return {**{f"reward/{k}": float(v) for k, v in self.counts().items()}, "reward/check_s_mean": mean}
 
-    async def check(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> RewardOutcome:
+    async def check(self, fn: Callable[..., Any], *args: Any,
+                    timeout_s: float | None = None) -> RewardOutcome:
         """Run `fn(*args)` under the concurrency bound and the time limit."""
         limit = self.timeout_s if timeout_s is None else timeout_s
         self._counts.queued += 1

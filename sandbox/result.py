@@ -168,7 +168,8 @@ class Ending:
     """The kernel killed a process of the run for exceeding the run's memory cgroup."""
 
 
-def classify(ending: Ending, limits: Limits, language: Language, stderr_tail: str) -> tuple[ExecStatus, int | None, int | None, str]:
+def classify(ending: Ending, limits: Limits, language: Language,
+             stderr_tail: str) -> tuple[ExecStatus, int | None, int | None, str]:
     """(status, exit_code, signal, detail) of a finished run."""
     code = sig = None
     if ending.wait_status is not None:
@@ -182,7 +183,8 @@ def classify(ending: Ending, limits: Limits, language: Language, stderr_tail: st
     if ending.timed_out:
         return ExecStatus.TIMEOUT, code, sig, f"wall-clock limit {limits.wall_s:g} s exceeded"
     if ending.oom_killed and (sig == signal.SIGKILL or code):
-        return ExecStatus.MEMORY_LIMIT, code, sig, f"run memory limit {limits.run_memory_bytes} bytes exceeded"
+        detail = f"run memory limit {limits.run_memory_bytes} bytes exceeded"
+        return ExecStatus.MEMORY_LIMIT, code, sig, detail
     cpu_limit = cpu_rlimit_seconds(limits)
     if sig == signal.SIGXCPU or (sig == signal.SIGKILL and ending.cpu_s >= cpu_limit - 0.05):
         return ExecStatus.TIMEOUT, code, sig, f"CPU-time limit {cpu_limit} s exceeded"
