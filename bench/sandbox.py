@@ -6,7 +6,9 @@ For each program, three runners execute it with the same stdin:
 - bare:    `subprocess.run([python, "main.py"])` in a temp folder: no isolation at all;
 - sandbox: the warm launcher, in-process Python (fork per run, full isolation);
 - sandbox-exec: the launcher exec'ing a fresh `python main.py` (isolation + interpreter start).
-Runs are interleaved round-robin so load drift on a shared machine hits all runners alike.
+Each runner executes in blocks of consecutive runs, the blocks of all runners alternating
+over `--rounds`, so load drift on a shared machine hits all runners alike while each keeps
+the cache locality it would have in a reward worker (one run after another).
 Reported: mean and median milliseconds per execution (sequential), executions per second
 sequential and with `--concurrency` callers, and each runner's time relative to bare.
 No thresholds: this prints numbers, it does not judge them.
@@ -59,17 +61,19 @@ def sandbox_runner(sb: Sandbox, language) -> Callable[[str, bytes], bytes]:
     return run
 
 
-def measure(runners: dict[str, Callable], source: str, stdin: bytes, runs: int,
+def measure(runners: dict[str, Callable], source: str, stdin: bytes, runs: int, rounds: int,
             concurrency: int) -> dict[str, dict[str, float]]:
     expected = runners["bare"](source, stdin)
     for run in runners.values():  # warm-up, and every runner must agree on the output
         assert run(source, stdin) == expected
     samples: dict[str, list[float]] = {name: [] for name in runners}
-    for _ in range(runs):
-        for name, run in runners.items():
-            start = time.perf_counter()
-            run(source, stdin)
-            samples[name].append(time.perf_counter() - start)
+    for round_index in range(rounds):
+        order = list(runners.items())[:: 1 if round_index % 2 == 0 else -1]
+        for name, run in order:
+            for _ in range(max(1, runs // rounds)):
+                start = time.perf_counter()
+                run(source, stdin)
+                samples[name].append(time.perf_counter() - start)
     stats = {}
     for name, run in runners.items():
         start = time.perf_counter()
@@ -85,12 +89,13 @@ def measure(runners: dict[str, Callable], source: str, stdin: bytes, runs: int,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=30, help="sequential executions per runner and program")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating blocks the runs are split into")
     parser.add_argument("--concurrency", type=int, default=2, help="callers in the parallel measurement")
     args = parser.parse_args()
     with Sandbox() as sb, tempfile.TemporaryDirectory() as folder:
         print(sb.isolation.describe())
         print(f"python {sys.version.split()[0]}, {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}, "
-              f"runs={args.runs}, concurrency={args.concurrency}\n")
+              f"runs={args.runs} in {args.rounds} rounds, concurrency={args.concurrency}\n")
         runners = {"bare": bare_runner(folder), "sandbox": sandbox_runner(sb, PYTHON),
                    "sandbox-exec": sandbox_runner(sb, PYTHON_EXEC)}
         header = f"{'program':16s} {'runner':13s} {'mean ms':>8s} {'median ms':>9s} {'exec/s':>7s} " \
@@ -98,7 +103,7 @@ def main() -> None:
         print(header)
         print("-" * len(header))
         for program, (source, stdin) in PROGRAMS.items():
-            stats = measure(runners, source, stdin, args.runs, args.concurrency)
+            stats = measure(runners, source, stdin, args.runs, args.rounds, args.concurrency)
             bare = stats["bare"]
             for name, s in stats.items():
                 print(f"{program:16s} {name:13s} {s['mean_ms']:8.1f} {s['median_ms']:9.1f} {s['per_s']:7.1f} "

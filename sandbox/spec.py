@@ -139,6 +139,9 @@ class SandboxConfig:
     real account uses."""
     max_concurrency: int = 64
     """Runs the launcher executes at once; further requests wait in its queue."""
+    memory_cgroup: bool = True
+    """Root mode: give each run its own memory cgroup (cgroup v1), bounding all its processes
+    together by `Limits.run_memory_bytes`. Without it only per-process limits apply."""
     spare_supervisors: int = 2
     """Supervisor processes kept forked and waiting, so a run costs one fork, not two."""
     private_network_per_run: bool = False

@@ -124,8 +124,9 @@ def establish(config: SandboxConfig) -> tuple[RunSetup, IsolationReport]:
     cgroup_root = None
     if mode == "root":
         _try(lambda: _linux.unshare(shared), notes)
-        cgroup_root, why = _cgroup.create_root()
-        notes.extend([why] if why else [])
+        if config.memory_cgroup:
+            cgroup_root, why = _cgroup.create_root()
+            notes.extend([why] if why else [])
     elif mode == "userns":
         uid, gid = os.geteuid(), os.getegid()
         if not _try(lambda: _linux.unshare(_linux.CLONE_NEWUSER | shared), notes):

@@ -235,3 +235,9 @@ def sandbox_factory():
     yield make
     for sb in made:
         sb.close()
+
+
+def test_memory_cgroup_can_be_turned_off(sandbox_factory):
+    sb = sandbox_factory(SandboxConfig(memory_cgroup=False))
+    assert not sb.isolation.memory_cgroup
+    assert sb.run("print(2)").stdout == b"2\n"
