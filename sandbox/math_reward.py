@@ -7,10 +7,12 @@ Extraction, in order: the last `\\boxed{...}`/`\\fbox{...}` (nested braces balan
 "the (final) answer is ...", the last number. Equivalence runs in `MathVerifier` worker
 processes, not in the caller: math-verify's own timeouts use SIGALRM, which only works in
 a process's main thread, and sympy can spin or allocate without bound on a pathological
-expression. A worker handles one check at a time in its main thread (math-verify's timeout
-armed as a first line); the caller waits at most `timeout_s` and otherwise kills and
+expression. A worker handles one check at a time in its main thread (math-verify's own
+SIGALRM timeout armed as a backstop); the caller waits at most `timeout_s` and otherwise kills and
 replaces the worker, so a check costs at most its timeout whatever the input. Identical or
-numerically equal answers are settled in the caller without a worker.
+numerically equal answers are settled in the caller without a worker. Only math-verify's
+LaTeX extractor is used (answers are wrapped in a box): its plain-expression extractor
+goes through sympy's `parse_expr`, which evaluates model-written text with `eval`.
 
 Verdicts: OK/WRONG are judgements; NO_ANSWER when nothing could be extracted; TIMEOUT when
 the worker ran out of time; ERROR when the reference itself cannot be parsed or a worker
@@ -207,8 +209,11 @@ def _worker_main() -> None:
 
     memory = int(sys.argv[1])
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-    from math_verify import parse, verify
+    from math_verify import LatexExtractionConfig, parse, verify
 
+    # LaTeX extraction only: the answer is wrapped in \boxed{} anyway, and the plain-expression
+    # extractor goes through sympy's parse_expr, which eval()s text the model wrote.
+    latex_only = [LatexExtractionConfig()]
     out = sys.stdout
     out.write(json.dumps({"ready": True}) + "\n")
     out.flush()
@@ -216,8 +221,8 @@ def _worker_main() -> None:
         request = json.loads(line)
         timeout = request["timeout"]
         try:
-            gold = parse(f"\\boxed{{{request['reference']}}}", parsing_timeout=timeout)
-            pred = parse(f"\\boxed{{{request['answer']}}}", parsing_timeout=timeout)
+            gold = parse(f"\\boxed{{{request['reference']}}}", latex_only, parsing_timeout=timeout)
+            pred = parse(f"\\boxed{{{request['answer']}}}", latex_only, parsing_timeout=timeout)
             if not gold:
                 reply = {"status": "error", "reason": f"reference {request['reference']!r} does not parse"}
             elif not pred:

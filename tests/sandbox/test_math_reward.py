@@ -92,6 +92,15 @@ def test_unusable_reference_is_an_error_not_a_wrong_answer(verifier):
         assert outcome.verdict is Verdict.ERROR and outcome.reward == 0.0 and "reference" in outcome.detail
 
 
+def test_answers_are_parsed_as_latex_never_evaluated_as_python(verifier, tmp_path):
+    marker = tmp_path / "evaluated"
+    payload = f"__import__('os').system('touch {marker}')"
+    for text in (f"\\boxed{{{payload}}}", f"The answer is {payload}"):
+        outcome = math_reward(text, "0", verifier=verifier)
+        assert outcome.reward == 0.0 and outcome.verdict in (Verdict.WRONG, Verdict.ERROR)
+    assert not marker.exists()
+
+
 @pytest.mark.slow
 def test_pathological_expression_times_out_and_the_verifier_recovers(verifier):
     outcome = math_reward("\\boxed{9^{9^{9^{9}}}-1}", "2", timeout_s=1.0, verifier=verifier)
