@@ -11,8 +11,9 @@ expression. A worker handles one check at a time in its main thread (math-verify
 SIGALRM timeout armed as a backstop); the caller waits at most `timeout_s` and otherwise kills and
 replaces the worker, so a check costs at most its timeout whatever the input. Identical or
 numerically equal answers are settled in the caller without a worker. Only math-verify's
-LaTeX extractor is used (answers are wrapped in a box): its plain-expression extractor
-goes through sympy's `parse_expr`, which evaluates model-written text with `eval`.
+LaTeX extractor is used (answers are wrapped in a box anyway); its plain-expression
+extractor feeds sympy's eval-based `parse_expr`. math-verify restricts that input to digits
+and operators, so this is defence in depth, not the fix of a known hole.
 
 Verdicts: OK/WRONG are judgements; NO_ANSWER when nothing could be extracted; TIMEOUT when
 the worker ran out of time; ERROR when the reference itself cannot be parsed or a worker
@@ -211,8 +212,8 @@ def _worker_main() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     from math_verify import LatexExtractionConfig, parse, verify
 
-    # LaTeX extraction only: the answer is wrapped in \boxed{} anyway, and the plain-expression
-    # extractor goes through sympy's parse_expr, which eval()s text the model wrote.
+    # LaTeX extraction only: answers arrive boxed, and the plain-expression extractor would
+    # hand (regex-restricted) model text to sympy's eval-based parse_expr. Defence in depth.
     latex_only = [LatexExtractionConfig()]
     out = sys.stdout
     out.write(json.dumps({"ready": True}) + "\n")
