@@ -112,6 +112,8 @@ class IsolationReport:
     """How leftover processes are found and killed."""
     rlimits: tuple[str, ...] = ()
     """Resource limits applied to every run."""
+    run_uids: tuple[int, ...] = ()
+    """(first, last) uid programs of this launcher run as (root mode), else empty."""
     memory_cgroup: bool = False
     """Each run has its own memory cgroup: `Limits.run_memory_bytes` bounds all its
     processes together and `peak_memory_bytes` is the run's peak (else: the main process's

@@ -134,9 +134,10 @@ class SandboxConfig:
     limits: Limits = field(default_factory=Limits)
     """Default limits of a run (each call may pass its own)."""
     uid_base: int = 61000
-    """Root mode: runs execute as uids uid_base .. uid_base+max_concurrency-1, one per
-    concurrent run, so RLIMIT_NPROC counts only that run's processes. Pick a range no
-    real account uses."""
+    """Root mode: each launcher claims a block of max_concurrency uids from here up (the
+    first block no other launcher on the machine holds) and gives each concurrent run its
+    own uid, so RLIMIT_NPROC counts only that run's processes. Pick a range no real account
+    uses; IsolationReport.run_uids says which block is in use."""
     max_concurrency: int = 64
     """Runs the launcher executes at once; further requests wait in its queue."""
     memory_cgroup: bool = True

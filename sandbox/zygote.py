@@ -15,13 +15,16 @@ namespace) are created by each supervisor, the mount namespace by the program it
 a real program through the full path and records what it observed, degrading from the
 strongest set-up to weaker ones; the caller decides whether what is left is acceptable.
 
-Root mode runs each program as uid `uid_base + slot`; a slot is held from fork to reap of
-its supervisor, so concurrent runs never share a uid (RLIMIT_NPROC is per uid).
+Root mode runs each program as uid `base + slot`; a slot is held from fork to reap of its
+supervisor, so concurrent runs never share a uid (RLIMIT_NPROC is per uid). Launchers on
+one machine (several reward workers) each claim their own block of `max_concurrency` uids
+from `uid_base` up, with an flock held for the launcher's life (`claim_uid_block`).
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import gc
 import importlib
 import json
@@ -120,6 +123,7 @@ def establish(config: SandboxConfig) -> tuple[RunSetup, IsolationReport]:
     mode = config.mode
     if mode == "auto":
         mode = "root" if os.geteuid() == 0 else "userns"
+    uid_base = claim_uid_block(config) if outer_uid == 0 and mode in ("root", "none") else config.uid_base
     shared = _linux.CLONE_NEWNET | _linux.CLONE_NEWIPC | _linux.CLONE_NEWUTS
     cgroup_root = None
     if mode == "root":
@@ -141,7 +145,7 @@ def establish(config: SandboxConfig) -> tuple[RunSetup, IsolationReport]:
         candidates = candidates[-1:]
     for candidate in candidates:
         setup = RunSetup(mode=mode, private_network=config.private_network_per_run and mode != "none",
-                         uid_base=config.uid_base, env=config.env, python=config.python,
+                         uid_base=uid_base, env=config.env, python=config.python,
                          exposures=plan_exposures(config.python, config.expose),
                          memory_cgroup_root=cgroup_root, **candidate)
         seen = _probe(setup, notes)
@@ -173,6 +177,26 @@ def _first_closed_ancestor(path: str) -> str | None:
         if not os.stat(ancestor).st_mode & 0o001:
             return ancestor
     return None
+
+
+_UID_LOCKS: list[int] = []  # held open for the launcher's life; closing releases the block
+
+
+def claim_uid_block(config: SandboxConfig) -> int:
+    """First uid of a block of `max_concurrency` uids no other launcher on this machine holds."""
+    folder = os.path.join(tempfile.gettempdir(), "areal-sandbox-uids")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    for block in range(4096):
+        base = config.uid_base + block * config.max_concurrency
+        fd = os.open(os.path.join(folder, f"{base}.lock"), os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        _UID_LOCKS.append(fd)
+        return base
+    raise RuntimeError(f"no free block of {config.max_concurrency} sandbox uids from {config.uid_base}")
 
 
 def _try(action, notes: list[str]) -> bool:
@@ -211,8 +235,10 @@ def _setup_name(setup: RunSetup) -> str:
 
 def _report(setup: RunSetup, seen: dict, config: SandboxConfig, notes: list[str],
             outer_uid: int) -> IsolationReport:
-    if seen["uid"] >= config.uid_base:
-        unprivileged = f"uid {config.uid_base}+slot, no capabilities"
+    run_uids: tuple[int, ...] = ()
+    if seen["uid"] == setup.uid_base:  # the probe runs in slot 0
+        run_uids = (setup.uid_base, setup.uid_base + config.max_concurrency - 1)
+        unprivileged = f"uids {run_uids[0]}..{run_uids[1]} (one per concurrent run), no capabilities"
     elif setup.mode == "userns" and int(seen["cap_eff"], 16) == 0:
         unprivileged = "user namespace, no capabilities"
         if outer_uid == 0:
@@ -236,6 +262,7 @@ def _report(setup: RunSetup, seen: dict, config: SandboxConfig, notes: list[str]
         process_cleanup="PID namespace: the kernel kills every process when the program exits"
         if pid_ns else "subreaper sweep: orphans re-parent to the supervisor, which kills them",
         rlimits=RLIMITS,
+        run_uids=run_uids,
         kernel=os.uname().release,
         notes=tuple(notes),
     )

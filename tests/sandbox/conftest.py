@@ -47,14 +47,14 @@ def sandbox():
     os.environ.pop(SECRET_NAME, None)
 
 
-def sandboxed_processes(uid_base: int = 61000, num_uids: int = 64) -> set[int]:
+def sandboxed_processes(first_uid: int = 61000, num_uids: int = 64 * 64) -> set[int]:
     """Processes that can only belong to sandbox runs: those in a PID namespace other than
-    ours, or running under a sandbox uid."""
+    ours, or running under a sandbox uid (any launcher's block)."""
     own_ns = os.readlink("/proc/self/ns/pid")
     found = set()
     for proc in psutil.process_iter(["uids"]):
         try:
-            if uid_base <= proc.info["uids"].real < uid_base + num_uids:
+            if first_uid <= proc.info["uids"].real < first_uid + num_uids:
                 found.add(proc.pid)
             elif os.readlink(f"/proc/{proc.pid}/ns/pid") != own_ns:
                 found.add(proc.pid)

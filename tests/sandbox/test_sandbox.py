@@ -109,10 +109,20 @@ def test_isolation_report_matches_what_a_program_observes(sandbox):
         pytest.skip(f"this kernel does not allow full isolation:\n{report.describe()}")
     assert report.mode == "root" and report.pid_namespace and report.net_namespace
     assert report.mount_namespace and report.read_only_root
-    assert "RLIMIT_NPROC" in report.rlimits and "uid 61000" in report.unprivileged
+    assert "RLIMIT_NPROC" in report.rlimits and report.run_uids[0] >= 61000
+    first, last = report.run_uids
+    assert last - first + 1 == sandbox.config.max_concurrency and f"uids {first}.." in report.unprivileged
     seen = sandbox.run("import os\nprint(os.getpid(), os.getuid(), sorted(os.listdir('/tmp')))")
     pid, uid, tmp = seen.stdout_text.split(" ", 2)
-    assert pid == "1" and 61000 <= int(uid) < 61064 and tmp.strip() == "['work']"
+    assert pid == "1" and first <= int(uid) <= last and tmp.strip() == "['work']"
+
+
+def test_launchers_on_one_machine_get_disjoint_uid_blocks(sandbox, sandbox_factory):
+    other = sandbox_factory()
+    if not (sandbox.isolation.run_uids and other.isolation.run_uids):
+        pytest.skip("not in root mode: programs keep the caller's uid")
+    mine, theirs = sandbox.isolation.run_uids, other.isolation.run_uids
+    assert mine[1] < theirs[0] or theirs[1] < mine[0]
 
 
 def test_peak_memory_is_the_whole_runs_own(sandbox):
