@@ -299,6 +299,8 @@ class LoggingConfig:
     tensorboard: bool = opt(True, "TensorBoard event files in the run directory")
     wandb_project: str | None = opt(None, "Weights & Biases project (needs wandb installed)")
     level: str = opt("INFO", "log level", ["DEBUG", "INFO", "WARNING", "ERROR"])
+    save_batches: bool = opt(False, "save every trained batch (tokens, behaviour log-probs, "
+                             "versions, rewards) to <run_dir>/batches/step_<n>.npz")
 
     def check(self, key: str) -> None:
         pass

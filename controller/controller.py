@@ -69,7 +69,8 @@ class Controller:
         self.ledger = Ledger()
         self.changed = Changed()
         self.admission_log: list[dict[str, int]] = []
-        """One entry per admitted training group: version, trajectories admitted so far."""
+        """One entry per admitted training group: its id, the version at admission and the
+        trajectories generated or in flight after admitting it (N_r)."""
         self.num_malformed = 0
         self._setup: RunSetup | None = None
         self._metrics: MetricsSink | None = None
@@ -227,6 +228,8 @@ class Controller:
             await self.changed.wait_for(lambda: bool(self.pool.ready(WorkerKind.TRAINER)))
             trainer = self.pool.ready(WorkerKind.TRAINER)[0]
         batch = pack([t for g in groups for t in g.trajectories()])
+        if self.cfg.logging.save_batches:
+            await asyncio.to_thread(self._setup.save_batch, step, self.version, batch)
         msg = Train(step=step, version=self.version,
                     token_ids=batch.token_ids.numpy().astype(np.int32),
                     logprobs=batch.logprobs.numpy(), versions=batch.versions.numpy().astype(np.int32),
@@ -295,8 +298,8 @@ class Controller:
                 and self.staleness.capacity(self.version) >= size)
             prompt, prompt_ids = await self._setup.next_train_prompt()
             self.staleness.admit(size, self.version)
-            self.ledger.add_group(prompt, prompt_ids, size, self.version)
-            self.admission_log.append({"version": self.version,
+            group = self.ledger.add_group(prompt, prompt_ids, size, self.version)
+            self.admission_log.append({"group_id": group.group_id, "version": self.version,
                                        "num_admitted": self.staleness.num_live})
             self.changed.notify()
 

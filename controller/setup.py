@@ -23,6 +23,7 @@ import numpy as np
 from areal.config import RunConfig, config_to_dict, config_to_yaml
 from areal.models.hf import load_tokenizer
 from areal.tasks import Prompt, Task, load_task
+from areal.types import PackedBatch
 
 
 @dataclass(kw_only=True)
@@ -48,6 +49,15 @@ class RunSetup:
 
     async def next_train_prompt(self) -> tuple[Prompt, np.ndarray]:
         return await asyncio.to_thread(self._next_train_prompt_sync)
+
+    def save_batch(self, step: int, version: int, batch: PackedBatch) -> None:
+        """`<run_dir>/batches/step_<n>.npz`: the packed batch as trained, for inspection."""
+        directory = self.run_dir / "batches"
+        directory.mkdir(exist_ok=True)
+        np.savez(directory / f"step_{step:06d}.npz", version=version,
+                 **{name: getattr(batch, name).numpy() for name in (
+                     "token_ids", "logprobs", "versions", "loss_mask", "cu_seqlens", "rewards",
+                     "group_ids")})
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))

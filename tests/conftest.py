@@ -16,6 +16,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A randomly initialised embedded-architecture model (Qwen2 + char tokenizer) on disk."""
+    from areal.models.tiny import save_tiny_model
+
+    return str(save_tiny_model(tmp_path_factory.mktemp("tiny-model")))
+
+
 def pytest_collection_modifyitems(config, items):
     """vLLM tests skip with a reason where vLLM is absent, but fail in CI (AREAL_REQUIRE_VLLM=1)."""
     try:
