@@ -1,0 +1,210 @@
+"""The built-in engine on the real tiny model: log-prob parity, weight updates without stale
+caches, pause/abort semantics, stop tokens and budgets, and errors for misuse."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from rollout_helpers import assert_close, random_prompts, recompute_logprobs
+
+from areal.models.logprobs import packed_logprobs
+from areal.models.weights import WeightMismatchError, load_tensors
+from areal.workers.rollout.engine import (
+    DiskWeights, EngineState, EngineStateError, FinishReason, SamplingParams, TensorWeights,
+)
+from areal.workers.rollout.torch_engine import TorchEngine
+
+ATOL = 1e-4
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+async def test_logprobs_equal_full_forward_recomputation(make_engine, reference_models,
+                                                         temperature):
+    engine = await make_engine()
+    prompts = random_prompts(32, min_len=1, max_len=90, seed=int(temperature * 10))
+    params = SamplingParams(max_new_tokens=24, temperature=temperature)
+    outs = await asyncio.gather(*(engine.generate(f"r{i}", p, params)
+                                  for i, p in enumerate(prompts)))
+    model = reference_models[0]
+    engine_lp, forward_lp, trainer_lp = [], [], []
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.finish_reason is FinishReason.LENGTH and len(out.token_ids) == 24
+        engine_lp += out.logprobs
+        forward_lp += recompute_logprobs(model, prompt, out.token_ids,
+                                         temperature=temperature).tolist()
+    # The trainer's packed recomputation of the same sequences, in one forward.
+    seqs = [p + o.token_ids for p, o in zip(prompts, outs, strict=True)]
+    cu = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0)
+    with torch.no_grad():
+        packed = packed_logprobs(model, torch.tensor(sum(seqs, [])), cu, temperature=temperature)
+    for start, prompt, out in zip(cu[:-1].tolist(), prompts, outs, strict=True):
+        trainer_lp += packed[start + len(prompt):start + len(prompt) + len(out.token_ids)].tolist()
+    assert_close(engine_lp, forward_lp, atol=ATOL, what=f"engine vs forward, T={temperature}")
+    assert_close(engine_lp, trainer_lp, atol=ATOL, what=f"engine vs trainer, T={temperature}")
+
+
+async def test_top_p_logprobs_are_of_the_renormalised_nucleus(make_engine, reference_models):
+    engine = await make_engine()
+    prompts = random_prompts(12, min_len=3, max_len=40, seed=3)
+    params = SamplingParams(max_new_tokens=16, temperature=1.3, top_p=0.6)
+    outs = await asyncio.gather(*(engine.generate(f"p{i}", p, params)
+                                  for i, p in enumerate(prompts)))
+    got, nucleus, full = [], [], []
+    for prompt, out in zip(prompts, outs, strict=True):
+        got += out.logprobs
+        nucleus += recompute_logprobs(reference_models[0], prompt, out.token_ids,
+                                      temperature=1.3, top_p=0.6).tolist()
+        full += recompute_logprobs(reference_models[0], prompt, out.token_ids,
+                                   temperature=1.3).tolist()
+    assert_close(got, nucleus, atol=ATOL, what="engine vs nucleus log-probs")
+    # Every sampled token was inside the nucleus, and renormalising raised its log-prob.
+    assert all(n > f for n, f in zip(nucleus, full, strict=True))
+
+
+async def test_greedy_equals_transformers_generate_with_zero_logprobs(make_engine,
+                                                                     reference_models):
+    engine = await make_engine()
+    prompts = random_prompts(6, min_len=2, max_len=30, seed=4)
+    params = SamplingParams(max_new_tokens=20, temperature=0.0)
+    outs = await asyncio.gather(*(engine.generate(f"g{i}", p, params)
+                                  for i, p in enumerate(prompts)))
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == _hf_greedy(reference_models[0], prompt, 20)
+        assert out.logprobs == [0.0] * 20
+
+
+def _hf_greedy(model: torch.nn.Module, prompt: list[int], num_tokens: int) -> list[int]:
+    with torch.no_grad():
+        ids = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=num_tokens,
+                             eos_token_id=None, pad_token_id=0)  # None: no EOS stop
+    return ids[0, len(prompt):].tolist()
+
+
+async def test_outputs_follow_new_weights_after_update(make_engine, weights_dirs,
+                                                       reference_models):
+    """No stale KV or prefix cache: prompts longer than a cache page (64) are cached as
+    shareable prefix blocks; after the update the same prompts must be recomputed."""
+    engine = await make_engine()
+    prompts = random_prompts(4, min_len=140, max_len=200, seed=5)
+    params = SamplingParams(max_new_tokens=16, temperature=0.0)
+
+    async def greedy_all() -> list[list[int]]:
+        outs = await asyncio.gather(*(engine.generate(f"u{i}", p, params)
+                                      for i, p in enumerate(prompts)))
+        return [o.token_ids for o in outs]
+
+    expected = [[_hf_greedy(m, p, 16) for p in prompts] for m in reference_models]
+    assert expected[0] != expected[1], "the two weight sets must disagree for this test"
+    assert await greedy_all() == expected[0]
+    await engine.pause()
+    await engine.update_weights(DiskWeights(weights_dirs[1]))
+    await engine.resume()
+    assert await greedy_all() == expected[1]
+    await engine.pause()
+    await engine.update_weights(TensorWeights(load_tensors(weights_dirs[0])))
+    await engine.resume()
+    assert await greedy_all() == expected[0]
+
+
+async def test_pause_returns_tokens_so_far_as_abort(make_engine, reference_models):
+    engine = await make_engine()
+    prompts = random_prompts(8, min_len=5, max_len=30, seed=6)
+    params = SamplingParams(max_new_tokens=400, temperature=1.0)
+    long = [asyncio.create_task(engine.generate(f"l{i}", p, params))
+            for i, p in enumerate(prompts)]
+    # A short request decoded in the same batches: when it is done, the long ones have
+    # about as many tokens (scheduling is by steps, not by time).
+    short = await engine.generate("short", prompts[0], SamplingParams(max_new_tokens=8))
+    assert len(short.token_ids) == 8
+    await engine.pause()
+    outs = await asyncio.gather(*long)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.finish_reason is FinishReason.ABORT
+        assert 1 <= len(out.token_ids) < 400
+        assert_close(out.logprobs, recompute_logprobs(reference_models[0], prompt,
+                                                      out.token_ids, temperature=1.0),
+                     atol=ATOL, what="partial output log-probs")
+    # Paused: generate returns at once, with nothing.
+    out = await engine.generate("late", prompts[0], params)
+    assert (out.token_ids, out.finish_reason) == ([], FinishReason.ABORT)
+    await engine.resume()
+    again = await engine.generate("l0", prompts[0], SamplingParams(max_new_tokens=5))
+    assert again.finish_reason is FinishReason.LENGTH and len(again.token_ids) == 5
+
+
+async def test_life_cycle_errors_are_clear(make_engine, weights_dirs):
+    idle = TorchEngine(weights_dirs[0])
+    with pytest.raises(EngineStateError, match=r"generate\(\) on a created engine"):
+        await idle.generate("x", [5], SamplingParams(max_new_tokens=1))
+    engine = await make_engine()
+    with pytest.raises(EngineStateError, match=r"update_weights\(\) needs a paused engine.*"
+                                               r"call pause\(\) first"):
+        await engine.update_weights(DiskWeights(weights_dirs[1]))
+    with pytest.raises(EngineStateError, match=r"resume\(\) needs a paused engine"):
+        await engine.resume()
+    await engine.pause()  # nothing in flight
+    assert engine.state is EngineState.PAUSED
+    with pytest.raises(EngineStateError, match=r"pause\(\) needs a running engine, but it is "
+                                               r"paused; call resume\(\)"):
+        await engine.pause()
+    with pytest.raises(WeightMismatchError):
+        await engine.update_weights(TensorWeights({"model.norm.weight": torch.ones(128)}))
+    await engine.resume()
+    await engine.close()
+    await engine.close()  # idempotent
+    with pytest.raises(EngineStateError, match="closed"):
+        await engine.generate("x", [5], SamplingParams(max_new_tokens=1))
+
+
+async def test_stop_tokens_and_budget_are_respected(make_engine, reference_models):
+    engine = await make_engine()
+    prompt = random_prompts(1, min_len=10, max_len=10, seed=7)[0]
+    free = _hf_greedy(reference_models[0], prompt, 30)
+    stop = free[9]
+    first = free.index(stop)
+    out = await engine.generate("s", prompt, SamplingParams(max_new_tokens=30, temperature=0.0,
+                                                            stop_token_ids=[stop, 2]))
+    assert out.finish_reason is FinishReason.STOP
+    assert out.token_ids == free[:first + 1]
+    budget = await engine.generate("b", prompt, SamplingParams(max_new_tokens=7,
+                                                               temperature=0.0))
+    assert budget.finish_reason is FinishReason.LENGTH and budget.token_ids == free[:7]
+    sampled = await asyncio.gather(*(engine.generate(f"m{i}", prompt, SamplingParams(
+        max_new_tokens=13, stop_token_ids=[stop])) for i in range(8)))
+    for out in sampled:
+        assert len(out.token_ids) <= 13 and out.token_ids.count(stop) <= 1
+        if out.finish_reason is FinishReason.STOP:
+            assert out.token_ids[-1] == stop
+        else:
+            assert out.finish_reason is FinishReason.LENGTH and len(out.token_ids) == 13
+
+
+async def test_cancelled_request_leaves_the_engine_serving(make_engine):
+    engine = await make_engine()
+    task = asyncio.create_task(engine.generate("c", [5, 6, 7], SamplingParams(max_new_tokens=400)))
+    done = await engine.generate("d", [5, 6, 7], SamplingParams(max_new_tokens=4))
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert len(done.token_ids) == 4
+    again = await engine.generate("c", [5, 6, 7], SamplingParams(max_new_tokens=4))
+    assert again.finish_reason is FinishReason.LENGTH
+
+
+async def test_invalid_requests_are_refused_before_reaching_the_loop(make_engine):
+    engine = await make_engine()
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        await engine.generate("v", [5, 10_000], SamplingParams(max_new_tokens=1))
+    with pytest.raises(ValueError, match="prompt is empty"):
+        await engine.generate("e", [], SamplingParams(max_new_tokens=1))
+    with pytest.raises(ValueError, match="exceeds the engine's max_seq_len=512"):
+        await engine.generate("t", [5] * 500, SamplingParams(max_new_tokens=13))
+    task = asyncio.create_task(engine.generate("dup", [5], SamplingParams(max_new_tokens=50)))
+    await asyncio.sleep(0)  # let it register
+    with pytest.raises(ValueError, match="already running"):
+        await engine.generate("dup", [5], SamplingParams(max_new_tokens=1))
+    assert (await task).finish_reason is FinishReason.LENGTH
+    # The loop survived all of it.
+    assert len((await engine.generate("ok", [5], SamplingParams(max_new_tokens=3))).token_ids) == 3
