@@ -9,6 +9,9 @@ from areal.tasks.base import Prompt, RewardOutcome, Task, Verdict
 
 BUILTIN_TASKS = {
     "arithmetic": "areal.tasks.arithmetic:ArithmeticTask",
+    "gsm8k": "areal.tasks.datasets:GSM8KTask",
+    "math": "areal.tasks.datasets:MathTask",
+    "code": "areal.tasks.datasets:CodeTask",
 }
 """Built-in task names and the import paths they stand for."""
 
