@@ -29,7 +29,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from areal.config import ConfigError, RunConfig, load_config
 from areal.evaluation import pass_at_k, summarize
@@ -184,7 +184,7 @@ def make_record(cfg: RunConfig, samples: list[list[Sample]], ks: list[int], seco
     return record
 
 
-def evaluate(cfg: RunConfig, ks: list[int] = (), step: int | None = None) -> EvalResult:
+def evaluate(cfg: RunConfig, ks: Sequence[int] = (), step: int | None = None) -> EvalResult:
     """Sample and score the held-out prompts of `cfg` with `cfg.model.path`; blocking."""
     import torch
 

@@ -92,16 +92,21 @@ def _read_file(path: str, cache_dir: str | None) -> list[dict[str, Any]]:
     bars_were_off = datasets.are_progress_bars_disabled()
     datasets.disable_progress_bars()  # they would tear the controller's progress bar
     try:
-        table = datasets.load_dataset(builder, data_files=path, split="train",
-                                      cache_dir=cache_dir)
-        return table.to_list()
-    except datasets.exceptions.DatasetGenerationError as err:
-        if builder == "json":
-            return _read_jsonl_plainly(path, err)
-        raise DataFileError(f"{path}: cannot be read as Parquet: {err.__cause__ or err}") from err
+        records = datasets.load_dataset(builder, data_files=path, split="train",
+                                        cache_dir=cache_dir).to_list()
+    # DatasetGenerationError: Arrow failed on the content; ValueError (ArrowInvalid is one):
+    # a broken or empty file; StopIteration: an empty JSON file (datasets 5.2).
+    except (datasets.exceptions.DatasetGenerationError, ValueError, StopIteration) as err:
+        if builder != "json":
+            raise DataFileError(f"{path}: cannot be read as Parquet: {err.__cause__ or err}") \
+                from err
+        records = _read_jsonl_plainly(path, err)
     finally:
         if not bars_were_off:
             datasets.enable_progress_bars()
+    if not records:
+        raise DataFileError(f"{path} holds no rows")
+    return records
 
 
 def _read_jsonl_plainly(path: str, arrow_error: Exception) -> list[dict[str, Any]]:
@@ -109,6 +114,10 @@ def _read_jsonl_plainly(path: str, arrow_error: Exception) -> list[dict[str, Any
     holding different types in different rows, as code test cases often do, is fine)."""
     records = []
     with open(path, encoding="utf-8") as f:
+        if f.read(4096).lstrip().startswith("["):  # a .json file holding one array
+            f.seek(0)
+            return _json_array(path, f.read())
+        f.seek(0)
         for line_number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -121,8 +130,19 @@ def _read_jsonl_plainly(path: str, arrow_error: Exception) -> list[dict[str, Any
                 raise DataFileError(f"{path} row {len(records)} (line {line_number}): a JSON "
                                     f"{type(record).__name__}, not an object")
             records.append(record)
-    log.info("%s: read line by line (Arrow could not type it: %s)", path,
+    log.info("%s: read line by line (Arrow could not read it: %r)", path,
              arrow_error.__cause__ or arrow_error)
+    return records
+
+
+def _json_array(path: str, text: str) -> list[dict[str, Any]]:
+    try:
+        records = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise DataFileError(f"{path}: not valid JSON: {err}") from None
+    for i, record in enumerate(records):
+        if not isinstance(record, dict):
+            raise DataFileError(f"{path} row {i}: a JSON {type(record).__name__}, not an object")
     return records
 
 

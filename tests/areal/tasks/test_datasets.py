@@ -100,7 +100,8 @@ def test_shipped_code_solutions_pass_their_tests_and_wrong_programs_fail():
 
 def test_math_reward_checks_the_final_answer_with_math_verify():
     task = MathTask(path=str(MATH_FILE))
-    assert task.reward("so the answer is \\boxed{\\dfrac{6}{8}}", "\\frac{3}{4}").verdict is Verdict.OK
+    outcome = task.reward("so the answer is \\boxed{\\dfrac{6}{8}}", "\\frac{3}{4}")
+    assert outcome.verdict is Verdict.OK
     assert task.reward("\\boxed{5/6}", "\\frac{5}{6}").reward == 1.0
     assert task.reward("\\boxed{7}", "8").verdict is Verdict.WRONG
     assert task.reward("I do not know", "8").verdict is Verdict.NO_ANSWER
@@ -175,6 +176,15 @@ def test_a_line_that_is_not_json_names_the_file_row_and_line(tmp_path):
     path.write_text('{"question": "a", "answer": "#### 1"}\n\n{"question": "b" "answer": 2}\n')
     with pytest.raises(DataFileError, match=r"broken\.jsonl row 1 \(line 3\): not valid JSON"):
         GSM8KTask(path=str(path), eval_fraction=0.5).eval_prompts()
+
+
+def test_empty_and_broken_files_are_errors_naming_the_file(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(DataFileError, match=r"empty\.jsonl holds no rows"):
+        read_rows([str(tmp_path / "empty.jsonl")])
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet")
+    with pytest.raises(DataFileError, match=r"bad\.parquet: cannot be read as Parquet"):
+        read_rows([str(tmp_path / "bad.parquet")])
 
 
 def test_a_mapped_column_missing_from_the_file_is_a_row_error(tmp_path):

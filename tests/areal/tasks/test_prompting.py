@@ -33,7 +33,8 @@ def test_plain_template_is_question_then_instruction():
 
 def test_system_prompt_instruction_and_templates_are_configurable():
     style = PromptStyle(system_prompt="You are terse.", instruction="Answer in \\boxed{}.",
-                        template="Q: {question}\n{instruction}", plain_template="{system}{user}\nA:")
+                        template="Q: {question}\n{instruction}",
+                        plain_template="{system}{user}\nA:")
     assert render(style, EXAMPLE, MATH_INSTRUCTION, None) == \
         "You are terse.\n\nQ: What is 2+3?\nAnswer in \\boxed{}.\nA:"
     assert render(PromptStyle(instruction=""), EXAMPLE, MATH_INSTRUCTION, None) == "What is 2+3?\n"
@@ -79,7 +80,8 @@ def test_use_tokenizer_switches_the_task_to_the_chat_template(chat_tokenizer):
     task.use_tokenizer(chat_tokenizer)
     chat = task.eval_prompts()[0].text
     assert not plain.startswith("<|user|>") and chat.startswith("<|user|>")
-    assert chat.endswith("<|assistant|>") and next(task.train_prompts(0)).text.startswith("<|user|>")
+    assert chat.endswith("<|assistant|>")
+    assert next(task.train_prompts(0)).text.startswith("<|user|>")
     ids = chat_tokenizer(chat, add_special_tokens=False)["input_ids"]
     assert chat_tokenizer.decode(ids) == chat
 
