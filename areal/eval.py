@@ -78,7 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="write every completion, verdict and reward as JSONL")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="dotted config overrides (e.g. task.params.eval_path=test.jsonl)")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)
 
 
 def build_config(args: argparse.Namespace) -> RunConfig:
