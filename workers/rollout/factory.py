@@ -31,7 +31,7 @@ async def make_engine(cfg: RunConfig, index: int = 0) -> Engine:
                                "pip install -e '.[vllm]' or use rollout.engine=torch")
         from areal.workers.rollout.vllm_engine import VllmEngine
 
-        engine = VllmEngine.from_config(cfg)
+        engine = VllmEngine.from_config(cfg, index)  # index: its GPU(s) and seed
     else:
         raise ValueError(f"rollout.engine={name!r} is not one of auto, torch, vllm")
     log.info("rollout engine: %s", name)

@@ -223,8 +223,8 @@ class VllmEngine(Engine):
         self._submitted.clear()
         try:
             try:
-                queue = await self._llm.add_request(
-                    internal_id, {"prompt_token_ids": prompt}, self._sampling_params(params))
+                queue = await self._llm.add_request(internal_id, _tokens_input(prompt),
+                                                    self._sampling_params(params))
             finally:
                 self._num_submitting -= 1
                 if not self._num_submitting:
@@ -259,7 +259,7 @@ class VllmEngine(Engine):
         params = VllmSamplingParams(max_tokens=1, prompt_logprobs=0, flat_logprobs=True,
                                     detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
         self._num_requests += 1
-        async for out in self._llm.generate({"prompt_token_ids": sequence}, params,
+        async for out in self._llm.generate(_tokens_input(sequence), params,
                                             f"score@{self._num_requests}"):
             pass
         return [0.0] + _sampled_logprobs(out.prompt_logprobs[1:], sequence[1:])
@@ -374,6 +374,13 @@ def _sampled_logprobs(flat: Any, tokens: list[int]) -> list[float]:
     if any(flat.token_ids[s] != t for s, t in zip(starts, tokens, strict=True)):
         raise RuntimeError("vLLM's first log-prob entry is not the sampled token")
     return [flat.logprobs[s] for s in starts]
+
+
+def _tokens_input(token_ids: list[int]) -> Any:
+    """A prompt of token ids in vLLM's engine-input form (nothing to render or tokenise)."""
+    from vllm.inputs.engine import tokens_input
+
+    return tokens_input(token_ids)
 
 
 def _vllm_dead_error() -> type[BaseException]:
