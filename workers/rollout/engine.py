@@ -14,7 +14,9 @@ Life cycle (one asyncio event loop; every method must be called from it):
     any state --close()--> closed
 
 A method called in the wrong state raises `EngineStateError` naming the state and the fix.
-`generate` while paused returns at once with no tokens and finish reason ABORT.
+`generate` while paused returns at once with no tokens and finish reason ABORT. Control
+calls (start, pause, update_weights, resume, close) are atomic: cancelling the caller does
+not cancel the operation, which completes in the background; the next one waits for it.
 
 Behaviour log-probs (DESIGN.md section 4). `logprobs[i]` is the natural log of the
 probability with which `token_ids[i]` was drawn, under the distribution actually sampled

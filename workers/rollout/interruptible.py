@@ -158,9 +158,11 @@ class InterruptibleGenerator:
         interrupt=True: running segments are aborted at once and continue under the new
         weights. interrupt=False: no new segment starts; running ones finish under the old
         weights first (0 interrupted). On error the old weights and version stay, the
-        engine is resumed and the error propagates.
+        engine is resumed and the error propagates. Cancelled, it resumes the engine too; a
+        load already started still completes and takes effect with its version.
         """
         async with self._update_lock:
+            stopping, load = False, None
             try:
                 if version <= self._version:
                     raise ValueError(f"weights version {version} is not newer than the served "
@@ -168,19 +170,30 @@ class InterruptibleGenerator:
                 self._updating = True
                 self._epoch += 1
                 self._refresh_gate()
+                stopping = True
                 num_interrupted = await self._stop_engine(interrupt)
-                try:
-                    await self._engine.update_weights(source)
-                    self._version = version
-                finally:
-                    await self._engine.resume()
+                # Shielded: a load that started must end with its version, even if this call
+                # is cancelled (the copy itself runs on in the engine's thread regardless).
+                load = asyncio.ensure_future(self._load(source, version))
+                await asyncio.shield(load)
                 log.debug("serving version %d (%d segments interrupted)", version,
                           num_interrupted)
                 return num_interrupted
             finally:
-                self._num_holds = max(0, self._num_holds - 1)
-                self._updating = False
-                self._refresh_gate()
+                try:
+                    if load is not None:
+                        await asyncio.wait({load})  # cancelled: the version is set before serving
+                    # Also after an error or a cancellation: never leave the engine paused.
+                    if stopping and self._engine.state is EngineState.PAUSED:
+                        await self._engine.resume()
+                finally:
+                    self._num_holds = max(0, self._num_holds - 1)
+                    self._updating = False
+                    self._refresh_gate()
+
+    async def _load(self, source: WeightSource, version: int) -> None:
+        await self._engine.update_weights(source)
+        self._version = version  # before the gate reopens: update_weights waits for this
 
     async def _stop_engine(self, interrupt: bool) -> int:
         """Pause the engine, aborting running segments or (interrupt=False) after them."""

@@ -92,10 +92,10 @@ class TorchEngine(Engine):
     def __init__(self, model_path: str | Path, *, dtype: str = "float32", device: str = "cpu",
                  threads: int = 1, max_concurrent: int = 128, seed: int = 0,
                  max_cached_tokens: int | None = None, page_size: int = 64,
-                 max_batch_tokens: int = 1024, trust_remote_code: bool = False) -> None:
+                 max_batch_tokens: int = 512, trust_remote_code: bool = False) -> None:
         """max_concurrent: sequences decoded in one forward (more wait in the scheduler).
         max_cached_tokens: KV-cache capacity in tokens; None: max_concurrent sequences of
-        min(model max length, 1024) tokens. page_size: tokens per cache page.
+        min(model max length, 512) tokens. page_size: tokens per cache page.
         max_batch_tokens: tokens per forward (prefill is chunked to fit).
         threads: torch intra-op threads of the generation thread (process-wide setting)."""
         for name, value in (("threads", threads), ("max_concurrent", max_concurrent),
@@ -143,7 +143,26 @@ class TorchEngine(Engine):
 
     # ---------------------------------------------------------------- life cycle
 
+    # Control calls are atomic: each runs as its own task, shielded, so a cancelled caller
+    # cannot leave a half-stopped session behind (e.g. a hard stop cancelled before its
+    # thread ran, orphaning a generation loop). The next control call waits for it.
+
     async def start(self) -> None:
+        await asyncio.shield(self._start())
+
+    async def pause(self) -> None:
+        await asyncio.shield(self._pause())
+
+    async def update_weights(self, source: WeightSource) -> None:
+        await asyncio.shield(self._update_weights(source))
+
+    async def resume(self) -> None:
+        await asyncio.shield(self._resume())
+
+    async def close(self) -> None:
+        await asyncio.shield(self._close())
+
+    async def _start(self) -> None:
         async with self._control:
             self._require(EngineState.CREATED, "start", "an engine starts once")
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="torch-engine")
@@ -151,7 +170,7 @@ class TorchEngine(Engine):
             self._session = await self._run_blocking(self._open_session)
             self._state = EngineState.RUNNING
 
-    async def pause(self) -> None:
+    async def _pause(self) -> None:
         async with self._control:
             self._require(EngineState.RUNNING, "pause", "call resume() before pausing again")
             self._state = EngineState.PAUSED
@@ -159,18 +178,18 @@ class TorchEngine(Engine):
             assert session is not None
             await self._retire(session)
 
-    async def update_weights(self, source: WeightSource) -> None:
+    async def _update_weights(self, source: WeightSource) -> None:
         async with self._control:
             self._require(EngineState.PAUSED, "update_weights", "call pause() first")
             await self._run_blocking(self._load_weights, source)
 
-    async def resume(self) -> None:
+    async def _resume(self) -> None:
         async with self._control:
             self._require(EngineState.PAUSED, "resume", "resume() follows pause()")
             self._session = await self._run_blocking(self._open_session)
             self._state = EngineState.RUNNING
 
-    async def close(self) -> None:
+    async def _close(self) -> None:
         async with self._control:
             if self._state is EngineState.CLOSED:
                 return
@@ -280,7 +299,7 @@ class TorchEngine(Engine):
         self._vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self._max_positions = int(getattr(text, "max_position_embeddings", 1 << 20))
         max_cached = self._max_cached_tokens or self._max_concurrent * min(self._max_positions,
-                                                                            1024)
+                                                                            512)
         self._num_blocks = max(1, math.ceil(max_cached / self._page_size))
         self._generation_config = GenerationConfig(
             do_sample=True, temperature=0.5, top_k=self._vocab_size, top_p=0.5,

@@ -142,3 +142,22 @@ async def test_an_abort_not_caused_by_an_update_is_an_error(make_engine):
     with pytest.raises(RuntimeError, match="only InterruptibleGenerator.update_weights may "
                                            "pause the engine"):
         await generator.generate("x", [5, 6], SamplingParams(max_new_tokens=4))
+
+
+async def test_a_cancelled_update_leaves_the_generator_serving_consistently(
+        make_engine, weights_dirs, reference_models):
+    generator = InterruptibleGenerator(await make_engine(), version=0)
+    prompt = [9, 8, 7, 6]
+    running = asyncio.create_task(generator.generate("r", prompt, SamplingParams(
+        max_new_tokens=100)))
+    await _wait_for_progress(generator, prompt)
+    update = asyncio.create_task(generator.update_weights(DiskWeights(weights_dirs[1]), 1))
+    await asyncio.sleep(0)  # the update has closed the gate and is pausing the engine
+    update.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await update
+    # The pause happened, the load did not: the sequence continues on version 0 weights.
+    result = await running
+    assert generator.version == 0 and result.num_interruptions == 1
+    assert result.versions == [0] * 100
+    assert_logprobs_per_version(prompt, result, reference_models, 1.0)
