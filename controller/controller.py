@@ -82,6 +82,7 @@ class Controller:
         self._stream_chunks: list[WeightsChunk] = []
         self._stream_expected = 0
         self._eval_rounds: dict[int, dict[str, Any]] = {}
+        self._periodic_evals: list[asyncio.Task] = []
         self._report = StepReport()
         self._started = time.monotonic()
 
@@ -127,6 +128,7 @@ class Controller:
         self.pool = WorkerPool(self.cfg, self._setup.run_dir, self.channel.address, secret)
         self._metrics.console(f"run directory: {self._setup.run_dir}  |  controller at "
                               f"{self.channel.address}")
+        self._record_event("data_loaded", **getattr(self._setup.task, "counts", {}))
         try:
             return await self._supervise()
         finally:
@@ -156,9 +158,10 @@ class Controller:
                                 f"{'failed: ' + repr(exc) if exc else 'returned on its own'}") from exc
             return driver.result()
         finally:
-            for task in [driver, *loops.values()]:
+            for task in [driver, *loops.values(), *self._periodic_evals]:
                 task.cancel()
-            await asyncio.gather(driver, *loops.values(), return_exceptions=True)
+            await asyncio.gather(driver, *loops.values(), *self._periodic_evals,
+                                 return_exceptions=True)
 
     def _spawn_local_workers(self) -> None:
         for i in range(self.cfg.rollout.num_workers):
@@ -198,9 +201,11 @@ class Controller:
             self._metrics.progress(step, {k.split("/")[-1]: record[k] for k in (
                 "rollout/reward_mean", "train/loss") if k in record})
             if self._eval_due(step):
-                asyncio.create_task(self._evaluate(), name=f"eval-{step}")
+                self._periodic_evals.append(
+                    asyncio.create_task(self._evaluate(), name=f"eval-{step}"))
         self._admission_open = False
         await self._cancel_training_requests()
+        await asyncio.gather(*self._periodic_evals)  # their records precede the summary
         after = await self._evaluate()
         summary = self._report.summary(before, after, time.monotonic() - self._started, step,
                                        self)

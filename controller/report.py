@@ -33,6 +33,7 @@ class StepReport:
         self.num_interruptions = 0
 
     def on_generated(self, trajectory: Trajectory, msg: Generated) -> None:
+        """Every completed generation (trained or not) counts toward throughput."""
         self._generated_tokens += len(msg.output_ids)
         self.num_interruptions += msg.num_interruptions
 
@@ -100,7 +101,7 @@ class StepReport:
             "train_time_s": train_s,
             "trained_tokens": self._trained_tokens,
             "trained_tokens_per_s": self._trained_tokens / train_s if train_s else 0.0,
-            "interruptions": self.num_interruptions,
+            "interruptions_total": self.num_interruptions,
             "malformed_messages": ctl.num_malformed,
         }
 
@@ -122,5 +123,5 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
         f"held-out accuracy (pass@1): {100 * before:.1f}% before -> {100 * after:.1f}% after "
         f"training ({100 * (after - before):+.1f} points)",
         f"trained {summary['trained_tokens']} tokens at {summary['trained_tokens_per_s']:.0f} "
-        f"tokens/s; {summary['interruptions']} interruptions",
+        f"tokens/s; {summary['interruptions_total']} interruptions by weight updates",
     ]

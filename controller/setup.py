@@ -91,7 +91,9 @@ def prepare_run(cfg: RunConfig) -> RunSetup:
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
     (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
     task = load_task(cfg.task.name, cfg.task.params)
-    tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path,
+                               trust_remote_code=cfg.model.trust_remote_code)
+    task.use_tokenizer(tokenizer)
     setup = RunSetup(cfg=cfg, run_dir=run_dir, task=task, tokenizer=tokenizer, eval_prompts=[],
                      stop_token_ids=stop_token_ids(task, tokenizer),
                      config_dict=config_to_dict(cfg))

@@ -73,6 +73,10 @@ class Task(ABC):
     def reward(self, completion: str, reference: Any) -> RewardOutcome:
         """Score one completion (the generated text only, without the prompt)."""
 
+    def use_tokenizer(self, tokenizer: Any) -> None:
+        """The tokenizer that will tokenize this task's prompts, given before any prompt is
+        asked for (controller, areal.eval); tasks that render chat templates keep it."""
+
     def stop_strings(self) -> list[str]:
         """Texts that end a completion early (the engines stop at the tokenizer's EOS too)."""
         return []

@@ -30,7 +30,8 @@ class RewardWorker(Worker):
         cfg = self.config
         self.task = await asyncio.to_thread(load_task, cfg.task.name, cfg.task.params)
         self.tokenizer = await asyncio.to_thread(
-            load_tokenizer, cfg.model.tokenizer_path or cfg.model.path)
+            load_tokenizer, cfg.model.tokenizer_path or cfg.model.path,
+            trust_remote_code=cfg.model.trust_remote_code)
         from areal.sandbox.pool import CheckerPool
 
         self.pool = CheckerPool(max_concurrency=cfg.reward.max_concurrency,

@@ -113,4 +113,5 @@ class TrainerWorker(Worker):
     def _save_final(self, target: Path) -> None:
         self.model.save_pretrained(target, safe_serialization=True)
         cfg = self.config.model
-        load_tokenizer(cfg.tokenizer_path or cfg.path).save_pretrained(target)
+        load_tokenizer(cfg.tokenizer_path or cfg.path,
+                       trust_remote_code=cfg.trust_remote_code).save_pretrained(target)
