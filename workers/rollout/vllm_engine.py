@@ -132,8 +132,25 @@ class VllmEngine(Engine):
         return self._max_seq_len
 
     # ---------------------------------------------------------------- life cycle
+    # Control calls are atomic (engine.py): each runs shielded, so a cancelled caller cannot
+    # leave vLLM half paused or half loaded; the next control call waits for it.
 
     async def start(self) -> None:
+        await asyncio.shield(self._start())
+
+    async def pause(self) -> None:
+        await asyncio.shield(self._pause())
+
+    async def update_weights(self, source: WeightSource) -> None:
+        await asyncio.shield(self._update_weights(source))
+
+    async def resume(self) -> None:
+        await asyncio.shield(self._resume())
+
+    async def close(self) -> None:
+        await asyncio.shield(self._close())
+
+    async def _start(self) -> None:
         async with self._control:
             self._require(EngineState.CREATED, "start", "an engine starts once")
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="vllm-engine")
@@ -143,13 +160,13 @@ class VllmEngine(Engine):
             await self._llm.collective_rpc("areal_check_updatable")
             self._state = EngineState.RUNNING
 
-    async def pause(self) -> None:
+    async def _pause(self) -> None:
         async with self._control:
             self._require(EngineState.RUNNING, "pause", "call resume() before pausing again")
             self._state = EngineState.PAUSED  # generate() submits nothing from now on
             await self._abort_all()
 
-    async def update_weights(self, source: WeightSource) -> None:
+    async def _update_weights(self, source: WeightSource) -> None:
         async with self._control:
             self._require(EngineState.PAUSED, "update_weights", "call pause() first")
             if isinstance(source, DiskWeights):
@@ -169,13 +186,13 @@ class VllmEngine(Engine):
                 raise TypeError(f"weight source {type(source).__name__} is not DiskWeights or "
                                 "TensorWeights")
 
-    async def resume(self) -> None:
+    async def _resume(self) -> None:
         async with self._control:
             self._require(EngineState.PAUSED, "resume", "resume() follows pause()")
             await self._llm.resume_generation()
             self._state = EngineState.RUNNING
 
-    async def close(self) -> None:
+    async def _close(self) -> None:
         async with self._control:
             if self._state is EngineState.CLOSED:
                 return
@@ -333,6 +350,8 @@ class VllmEngine(Engine):
         index = int(self._device.partition(":")[2] or 0)
         num = int(self._args["tensor_parallel_size"])
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible == str(index):
+            return {}  # the controller started this worker with its GPU only (pool placement)
         ids = visible.split(",") if visible else [str(i) for i in range(index + num)]
         if index + num > len(ids):
             raise ValueError(f"rollout device {self._device!r} with tensor_parallel_size={num} "
