@@ -194,7 +194,6 @@ class Controller:
             groups = self.ledger.take_batch(groups_per_step)
             self.staleness.consume(self.cfg.trainer.batch_size)
             trained, train_s = await self._train_step(step, groups)
-            await self._publish(trained)
             record = self._report.step_record(step, self.version, groups, trained.stats,
                                               train_s, waited, self)
             self._metrics.record("step", record, step=step)
@@ -428,6 +427,10 @@ class Controller:
         if self._trained is None or self._trained.done():
             log.warning("unexpected Trained for step %d from %s", msg.step, handle.worker_id)
             return
+        # Announce the version here, in the receive loop: in stream mode the trainer's
+        # WeightsChunks are the next messages, and they must reach the rollout workers after
+        # the UpdateWeights that tells them to expect the chunks.
+        await self._publish(msg)
         self._trained.set_result(msg)
 
     async def _on_weights_chunk(self, identity: bytes, handle: WorkerHandle,

@@ -67,7 +67,7 @@ class StepReport:
             "rollout/interruptions": int(sum(t.timings.get("interruptions", 0) for t in trajs)),
             "rollout/in_flight": sum(1 for _ in ctl.ledger.in_flight()),
             "rollout/weight_pause_s_mean": float(np.mean(self._pauses)) if self._pauses else 0.0,
-            "staleness/hist": dict(sorted(collections.Counter(staleness).items())),
+            "staleness/hist": {str(k): v for k, v in sorted(collections.Counter(staleness).items())},
             "staleness/mean": float(np.mean(staleness)),
             "staleness/max": int(max(staleness)),
             "reward/verdicts": dict(self._verdicts),
