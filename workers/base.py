@@ -111,6 +111,7 @@ class Worker(ABC):
             self.config = config_from_dict(welcome.config)
             heartbeat = asyncio.create_task(self._heartbeat_loop())
             version = await self.setup(welcome)
+            self._last_heard = time.monotonic()  # nothing is read during setup (vLLM: ~30 s)
             self._ready = True
             await self.send(Ready(version=version))
             log.info("%s ready at version %d", self.worker_id, version)
@@ -187,7 +188,7 @@ class Worker(ABC):
                 await self.send(Heartbeat())
             await asyncio.sleep(cfg.heartbeat_interval_s)
             silent = time.monotonic() - self._last_heard
-            if silent > cfg.heartbeat_timeout_s:
+            if self._ready and silent > cfg.heartbeat_timeout_s:
                 raise ControllerLost(f"controller silent for {silent:.1f} s")
 
 
