@@ -209,10 +209,12 @@ def save_plot(rows: dict[str, dict[str, float]], path: Path) -> None:
     ax1.bar(names, [rows[n]["tokens_per_s"] for n in names], color="tab:blue")
     ax1.set_title("generation (tokens/s)")
     engines = [n for n in names if "disk_total_s" in rows[n]]
-    ax2.bar(engines, [rows[n]["disk_total_s"] for n in engines], color="tab:orange",
-            label="pause+load+resume")
-    ax2.bar(engines, [max(rows[n]["overhead_s"], 0) for n in engines], color="tab:red",
-            alpha=0.5, label="end-to-end overhead")
+    x = range(len(engines))
+    ax2.bar([i - 0.2 for i in x], [rows[n]["disk_total_s"] for n in engines], width=0.4,
+            color="tab:orange", label="pause+load(disk)+resume")
+    ax2.bar([i + 0.2 for i in x], [max(rows[n]["overhead_s"], 0) for n in engines], width=0.4,
+            color="tab:red", label="end-to-end overhead")
+    ax2.set_xticks(list(x), engines)
     ax2.set_title("one interruption (s)")
     ax2.legend()
     fig.tight_layout()

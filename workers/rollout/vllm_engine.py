@@ -266,7 +266,7 @@ class VllmEngine(Engine):
 
         vLLM's prompt log-probs (a prefill, no sampling): what `packed_logprobs` of the
         trainer computes for one sequence. A diagnostic of trainer/engine parity, not part of
-        the Engine interface; running only.
+        the Engine interface: running only, and not to be overlapped with pause().
         """
         self._require(EngineState.RUNNING, "score", "score while the engine serves")
         from vllm import SamplingParams as VllmSamplingParams

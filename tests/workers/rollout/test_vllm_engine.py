@@ -80,7 +80,8 @@ async def test_options_reach_vllm_through_the_factory(shared_engine):
     assert config.model_config.max_model_len == MAX_MODEL_LEN == shared_engine.max_seq_len
     assert config.model_config.logprobs_mode == "processed_logprobs"
     assert config.model_config.enforce_eager
-    assert config.cache_config.kv_cache_memory_bytes == 1 << 28
+    if shared_engine._device == "cpu":  # rollout.vllm.cpu_kvcache_space_gb
+        assert config.cache_config.kv_cache_memory_bytes == 1 << 28
     assert config.parallel_config.worker_extension_cls.endswith("WeightUpdateExtension")
     assert factory.resolve_engine_name("auto") == "vllm"
 
