@@ -181,6 +181,7 @@ class Controller:
     async def _train_driver(self) -> dict[str, Any]:
         await self._wait_ready()
         before = await self._evaluate()
+        self._report.start_training()
         groups_per_step = self.cfg.trainer.batch_size // self.cfg.task.group_size
         step = 0
         while step < self.cfg.trainer.total_steps and not self._stopping:
@@ -286,6 +287,7 @@ class Controller:
         start = time.monotonic()
         await state["done"].wait()
         record = eval_record(state["groups"], version, time.monotonic() - start)
+        record["perf/train_elapsed_s"] = self._report.train_elapsed()
         self._metrics.record("eval", record, step=version)
         self._metrics.console(
             f"eval @ version {version}: pass@1 {record['eval/pass@1']:.3f} "

@@ -26,11 +26,21 @@ class StepReport:
     def __init__(self) -> None:
         self._window_start = time.monotonic()
         self._train_start: float | None = None
+        self._last_step_at: float | None = None
         self._generated_tokens = 0
         self._trained_tokens = 0
         self._pauses: list[float] = []
         self._verdicts: collections.Counter = collections.Counter()
         self.num_interruptions = 0
+
+    def start_training(self) -> None:
+        """The clock of training throughput starts (after workers are up and the first
+        evaluation is done); generation counted from here on too."""
+        self._train_start = self._window_start = time.monotonic()
+        self._generated_tokens = 0
+
+    def train_elapsed(self) -> float:
+        return time.monotonic() - self._train_start if self._train_start else 0.0
 
     def on_generated(self, trajectory: Trajectory, msg: Generated) -> None:
         """Every completed generation (trained or not) counts toward throughput."""
@@ -45,9 +55,7 @@ class StepReport:
 
     def step_record(self, step: int, version: int, groups: list[Group], stats: dict[str, float],
                     train_s: float, waited_s: float, ctl: "Controller") -> dict[str, Any]:
-        now = time.monotonic()
-        if self._train_start is None:
-            self._train_start = now - train_s - waited_s
+        now = self._last_step_at = time.monotonic()
         trajs = [t for g in groups for t in g.trajectories()]
         trained_version = version - 1  # the batch was trained at the version before publishing
         staleness = [trained_version - t.oldest_version() for t in trajs]
@@ -79,6 +87,7 @@ class StepReport:
             "perf/train_s": train_s,
             "perf/train_wait_s": waited_s,
             "perf/elapsed_s": now - ctl._started,
+            "perf/train_elapsed_s": now - self._train_start,
             "perf/trained_tokens": self._trained_tokens,
         }
         record.update({f"train/{k}": v for k, v in stats.items()})
@@ -88,7 +97,9 @@ class StepReport:
 
     def summary(self, before: dict[str, Any], after: dict[str, Any], wall_s: float, steps: int,
                 ctl: "Controller") -> dict[str, Any]:
-        train_s = time.monotonic() - self._train_start if self._train_start else 0.0
+        # Training time runs from the start of training to the end of the last step (the
+        # final evaluation is not part of it).
+        train_s = (self._last_step_at - self._train_start) if self._last_step_at else 0.0
         return {
             "run_dir": str(ctl.run_dir),
             "mode": ctl.cfg.mode,

@@ -1,0 +1,126 @@
+"""Synchronous vs asynchronous RL on the same machine, model, task and number of samples.
+
+    python bench/speedup.py [--steps N] [--eta E] [--target ACC] [--out DIR] [key=value ...]
+
+Both runs use the same code (the synchronous baseline is `mode=sync`: eta = 0, the whole
+batch is generated before training, no interruption), the same warm-started model, the same
+long-tailed task setting (completion lengths from a power law, as reasoning traces have) and
+the same `steps x batch_size` samples. Prints, for each mode, the effective training
+throughput (trained tokens per second of training wall time) and their ratio, and the
+training time to reach a target held-out accuracy; saves a plot of held-out accuracy and
+reward against wall time. Extra key=value overrides apply to both runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+import uvloop
+
+from areal.config import load_config
+from areal.controller import Controller
+
+LONG_TAIL_TASK = ["task.params.min_k=2", "task.params.max_k=24", "task.params.k_alpha=1.0"]
+"""The arithmetic task with a long tail of trace lengths (most short, a few ~10x longer)."""
+
+
+def _overrides(args: argparse.Namespace, out: Path, mode: str) -> list[str]:
+    return [
+        *LONG_TAIL_TASK,
+        f"mode={mode}", f"staleness.eta={args.eta}", f"trainer.total_steps={args.steps}",
+        f"eval.every_steps={args.eval_every}", f"run_dir={out / mode}",
+        "logging.progress=false", "logging.tensorboard=false", *args.overrides,
+    ]
+
+
+async def _run(overrides: list[str]) -> tuple[dict, list[dict]]:
+    ctl = Controller(load_config(overrides=overrides))
+    run = asyncio.create_task(ctl.run())
+    records = [r async for r in ctl.events() if r["kind"] in ("step", "eval")]
+    return await run, records
+
+
+def _time_to_target(records: list[dict], target: float) -> float | None:
+    for r in records:
+        if r["kind"] == "eval" and r["eval/pass@1"] >= target:
+            return r["perf/train_elapsed_s"]
+    return None
+
+
+def _table(results: dict[str, tuple[dict, list[dict]]], target: float) -> str:
+    head = (f"{'mode':<6} {'steps':>5} {'trained tok':>11} {'train s':>8} {'tok/s':>8} "
+            f"{'pass@1 0->end':>14} {'s to ' + format(target, '.0%'):>9}")
+    lines = [head, "-" * len(head)]
+    for mode, (summary, records) in results.items():
+        reach = _time_to_target(records, target)
+        lines.append(
+            f"{mode:<6} {summary['steps']:>5} {summary['trained_tokens']:>11} "
+            f"{summary['train_time_s']:>8.1f} {summary['trained_tokens_per_s']:>8.0f} "
+            f"{summary['eval_pass@1_before']:>6.3f}->{summary['eval_pass@1_after']:<6.3f} "
+            f"{'never' if reach is None else format(reach, '.1f'):>9}")
+    sync, async_ = results["sync"][0], results["async"][0]
+    ratio = async_["trained_tokens_per_s"] / sync["trained_tokens_per_s"]
+    lines.append(f"async / sync effective training throughput: {ratio:.2f}x")
+    reach_s = _time_to_target(results["sync"][1], target)
+    reach_a = _time_to_target(results["async"][1], target)
+    if reach_s is not None and reach_a is not None:
+        lines.append(f"time to {target:.0%} held-out accuracy: sync / async = "
+                     f"{reach_s / reach_a:.2f}x")
+    return "\n".join(lines)
+
+
+def _plot(results: dict[str, tuple[dict, list[dict]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (acc, rew) = plt.subplots(1, 2, figsize=(11, 4))
+    for mode, (_, records) in results.items():
+        evals = [r for r in records if r["kind"] == "eval"]
+        steps = [r for r in records if r["kind"] == "step"]
+        acc.plot([r["perf/train_elapsed_s"] for r in evals], [r["eval/pass@1"] for r in evals],
+                 marker="o", label=mode)
+        rew.plot([r["perf/train_elapsed_s"] for r in steps],
+                 [r["rollout/reward_mean"] for r in steps], label=mode)
+    acc.set(xlabel="training wall time (s)", ylabel="held-out pass@1", title="accuracy")
+    rew.set(xlabel="training wall time (s)", ylabel="mean reward", title="training reward")
+    for ax in (acc, rew):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=40, help="training steps of each run")
+    parser.add_argument("--eta", type=int, default=2, help="staleness bound of the async run")
+    parser.add_argument("--eval-every", type=int, default=5, help="held-out eval interval")
+    parser.add_argument("--target", type=float, default=0.6, help="held-out pass@1 target")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/speedup"))
+    parser.add_argument("overrides", nargs="*", help="key=value applied to both runs")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for mode in ("sync", "async"):
+        start = time.monotonic()
+        results[mode] = uvloop.run(_run(_overrides(args, args.out, mode)))
+        print(f"{mode} run finished in {time.monotonic() - start:.0f} s", file=sys.stderr)
+    table = _table(results, args.target)
+    print(table)
+    (args.out / "table.txt").write_text(table + "\n")
+    (args.out / "summaries.json").write_text(json.dumps({m: r[0] for m, r in results.items()},
+                                                        indent=2))
+    _plot(results, args.out / "speedup.png")
+    print(f"plot: {args.out / 'speedup.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
