@@ -55,7 +55,7 @@ class WeightUpdateExtension:
 
         source: {"disk": directory} or {"shared": SharedWeights.rpc_args()}.
         repack=False skips the CPU refresh; it exists only so that a test can show that the
-        CPU backend then keeps serving the old weights.
+        CPU backend then serves stale weights (new embeddings and norms, old linear layers).
         """
         if "disk" in source:
             tensors = list(load_tensors(source["disk"]).items())
