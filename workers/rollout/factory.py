@@ -24,7 +24,7 @@ async def make_engine(cfg: RunConfig, index: int = 0) -> Engine:
     if name == "torch":
         from areal.workers.rollout.torch_engine import TorchEngine
 
-        engine: Engine = TorchEngine.from_config(cfg)
+        engine: Engine = TorchEngine.from_config(cfg, index)  # index: its device and seed
     elif name == "vllm":
         if importlib.util.find_spec("vllm") is None:
             raise RuntimeError("rollout.engine='vllm' but vLLM is not installed; "
