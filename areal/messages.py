@@ -65,12 +65,29 @@ class MsgType(enum.IntEnum):
     WORKER_ERROR = 14
     CANCEL = 15
     READY = 16
+    JOIN_GROUP = 17
+    GROUP_STATUS = 18
+    BROADCAST_WEIGHTS = 19
 
 
 class WorkerKind(str, enum.Enum):
     ROLLOUT = "rollout"
     TRAINER = "trainer"
     REWARD = "reward"
+
+
+class GroupName(str, enum.Enum):
+    """torch.distributed process groups the controller forms among workers."""
+
+    TRAINER = "trainer"
+    """The data-parallel trainer ranks (each rank's default process group)."""
+    WEIGHTS = "weights"
+    """Trainer rank 0 (rank 0, the sender) and the rollout workers: collective weight sync."""
+
+
+class GroupState(str, enum.Enum):
+    JOINED = "joined"
+    FAILED = "failed"
 
 
 class FinishReason(str, enum.Enum):
@@ -141,6 +158,9 @@ class Ready:
     """Worker -> controller: set up (model loaded) and serving policy `version`; send work."""
 
     version: int = 0
+    store: str = ""
+    """Trainer rank 0 when process groups are used: "host:port" of the TCPStore it hosts,
+    where groups meet (JoinGroup.store); empty otherwise."""
 
 
 @message(MsgType.HEARTBEAT)
@@ -205,6 +225,11 @@ class UpdateWeights:
     num_chunks: int = 0
     interrupt: bool = True
     """Interrupt in-flight sequences (async mode) or let them finish first."""
+    generation: int = 0
+    """Collective: the weights-group generation the broadcast runs in (see JoinGroup)."""
+    manifest: list[dict[str, Any]] = field(default_factory=list)
+    """Collective: the buckets to receive, in order; each {"num_bytes": int, "tensors":
+    [[name, dtype, shape, byte offset, num_bytes], ...]} (areal.models.weights.TensorSpec)."""
 
 
 @message(MsgType.WEIGHTS_CHUNK)
@@ -247,6 +272,16 @@ class Train:
     group_ids: np.ndarray  # [S] int64
     loss_normalizer: int = 0
     """Loss tokens in the global batch (all ranks); 0: this message's own count."""
+    advantages: np.ndarray | None = None
+    """[S] float32 per-sequence advantages computed over the global batch (a data-parallel
+    shard cannot compute group baselines); None: computed from this message's rewards."""
+    minibatch_sizes: list[int] = field(default_factory=list)
+    """Sequences of each PPO minibatch in this message, in order (every rank of a step
+    lists the same number of minibatches, some possibly 0); empty: the trainer cuts the
+    batch into trainer.num_minibatches itself."""
+    minibatch_loss_tokens: list[int] = field(default_factory=list)
+    """Loss tokens of each minibatch over all ranks: the loss normaliser of that minibatch's
+    optimiser step."""
 
 
 @message(MsgType.TRAINED)
@@ -260,6 +295,52 @@ class Trained:
     weights_path: str | None = None
     num_chunks: int = 0
     """Stream mode: WeightsChunk messages sent after this one."""
+    manifest: list[dict[str, Any]] = field(default_factory=list)
+    """Collective mode: the buckets rank 0 will broadcast (see UpdateWeights.manifest)."""
+    rank: int = 0
+    """Data-parallel rank that sent this; every rank answers each Train (rank 0 with the
+    published weights), with the same reduced stats."""
+
+
+@message(MsgType.JOIN_GROUP)
+@dataclass(kw_only=True)
+class JoinGroup:
+    """Controller -> worker: join a torch.distributed process group (leaving any earlier
+    generation of it). The worker answers GroupStatus."""
+
+    group: GroupName
+    generation: int
+    """Increases each time the controller (re)forms this group; members of older
+    generations are abandoned (the weights group is re-formed when its members change)."""
+    rank: int
+    world_size: int
+    backend: str
+    """'gloo' or 'nccl'."""
+    store: str
+    """"host:port" of the TCPStore hosted by trainer rank 0 (Ready.store)."""
+    timeout_s: float = 600.0
+    """Rendezvous and collective timeout of the group."""
+
+
+@message(MsgType.GROUP_STATUS)
+@dataclass(kw_only=True)
+class GroupStatus:
+    """Worker -> controller: the outcome of a JoinGroup, or a failed collective in a group."""
+
+    group: GroupName
+    generation: int
+    state: GroupState
+    error: str = ""
+
+
+@message(MsgType.BROADCAST_WEIGHTS)
+@dataclass(kw_only=True)
+class BroadcastWeights:
+    """Controller -> trainer rank 0: broadcast published version `version` in weights-group
+    `generation` (the rollout workers got the matching UpdateWeights)."""
+
+    version: int
+    generation: int
 
 
 @message(MsgType.SCORE)

@@ -7,7 +7,8 @@ Socket types, chosen on purpose:
   worker can stream results and heartbeats while requests keep arriving.
 
 Sends are serialised by a lock: a multipart message must never interleave with another
-coroutine's. Array frames go out with `copy=False`. This module does not interpret messages.
+coroutine's. Array frames go out with `copy=False`. Given keys (areal.auth), the ROUTER is a
+CurveZMQ server and a DEALER its client. This module does not interpret messages.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from areal.auth import ClientKeys, ServerKeys, make_client, make_server
 from areal.messages import DEFAULT_MAX_BYTES, MessageError, decode, encode
 
 log = logging.getLogger(__name__)
@@ -28,8 +30,10 @@ class RouterChannel:
     """The controller's end: receives (identity, message), sends to one identity."""
 
     def __init__(self, ctx: zmq.asyncio.Context, host: str, port: int,
-                 max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+                 max_bytes: int = DEFAULT_MAX_BYTES, curve: ServerKeys | None = None) -> None:
         self.socket = ctx.socket(zmq.ROUTER)
+        if curve is not None:
+            make_server(self.socket, curve)  # before bind: every peer then goes through ZAP
         self.socket.setsockopt(zmq.LINGER, 0)
         # A peer that vanished must not make sends block or silently queue forever.
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -93,8 +97,10 @@ class DealerChannel:
     """A worker's end: one connection to the controller."""
 
     def __init__(self, ctx: zmq.asyncio.Context, address: str, identity: bytes,
-                 max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+                 max_bytes: int = DEFAULT_MAX_BYTES, curve: ClientKeys | None = None) -> None:
         self.socket = ctx.socket(zmq.DEALER)
+        if curve is not None:
+            make_client(self.socket, curve)
         self.socket.setsockopt(zmq.LINGER, 2000)  # let a final result/error drain on exit
         self.socket.setsockopt(zmq.IDENTITY, identity)
         self.socket.setsockopt(zmq.SNDHWM, 0)

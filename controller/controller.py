@@ -8,13 +8,15 @@
                        unblocked by: Generated, Ready, a lost worker's re-queue
     Generated --> (handler) --Score--> least-loaded reward worker (queued if none is ready)
     Scored    --> (handler) --> whole group done --> ledger.buffer (replay buffer)
-    ledger.buffer --> [train driver] --Train(B trajectories, whole groups)--> trainer
-                       waits: B trajectories in the buffer, then Trained;
+    ledger.buffer --> [train driver] --Train(shard r of B trajectories, whole groups)--> rank r
+                       waits: B trajectories in the buffer, then Trained from every rank;
                        then: version + 1, UpdateWeights to every rollout worker (stream mode:
-                       the trainer's WeightsChunks are relayed), metrics, periodic eval
+                       the trainer's WeightsChunks are relayed; collective: rank 0 broadcasts
+                       in the weights group, see groups.py), metrics, periodic eval
     [recv loop]     every message from the ROUTER socket -> handler; malformed -> log, drop
     [liveness loop] Heartbeat to every worker; a silent or exited worker is lost: its work
-                    is re-queued (never lost), a local worker is restarted
+                    is re-queued (never lost), a local worker is restarted; a lost trainer
+                    rank fails the run; a failed weights group is re-formed
 
 Every loop is a named task; one that fails or returns on its own brings the run down
 loudly. Shutdown: Shutdown to every worker -> cancel loops -> gather -> reap processes.
@@ -34,14 +36,19 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from areal.algorithms.advantages import compute_advantages
+from areal.algorithms.sharding import shard_batch
 from areal.algorithms.staleness import StalenessController
-from areal.config import RunConfig
+from areal.auth import ZapHandler, run_keys, watch_handshakes
+from areal.config import RunConfig, is_loopback
 from areal.messages import (
-    Cancel, Generate, Generated, Heartbeat, Ready, Register, Score, Scored, Shutdown, Train,
-    Trained, UpdateWeights, Welcome, WeightsChunk, WeightsUpdated, WorkerError, WorkerKind,
+    Cancel, Generate, Generated, GroupStatus, Heartbeat, Ready, Register, Score, Scored,
+    Shutdown, Train, Trained, UpdateWeights, Welcome, WeightsChunk, WeightsUpdated, WorkerError,
+    WorkerKind,
 )
 from areal.transport import PeerMessageError, RouterChannel
 from areal.types import pack
+from areal.controller.groups import GroupError, Groups
 from areal.controller.ledger import Group, Ledger, Purpose, Sample, Stage
 from areal.controller.metrics import MetricsSink, closed_marker, is_closed
 from areal.controller.pool import WorkerHandle, WorkerPool
@@ -78,6 +85,10 @@ class Controller:
         self._stopping = False
         self._admission_open = True
         self._trained: asyncio.Future | None = None
+        self._trained_ranks: dict[int, Trained] = {}
+        self.zap: ZapHandler | None = None
+        self.handshake_failures: list[str] = []
+        self._auth_tasks: list[asyncio.Task] = []
         self._score_queue: list[Sample] = []
         self._stream_chunks: list[WeightsChunk] = []
         self._stream_expected = 0
@@ -122,10 +133,15 @@ class Controller:
         self._metrics._subscribers.extend(self._early_subscribers)
         self.staleness = StalenessController(self.cfg.trainer.batch_size, self.cfg.eta)
         ctx = zmq.asyncio.Context()
+        secret, keys, keys_dir = self._credentials(ctx)
         self.channel = RouterChannel(ctx, self.cfg.controller.host, self.cfg.controller.port,
-                                     self.cfg.controller.max_message_mb << 20)
-        secret = self.cfg.controller.secret or secrets.token_hex(16)
-        self.pool = WorkerPool(self.cfg, self._setup.run_dir, self.channel.address, secret)
+                                     self.cfg.controller.max_message_mb << 20, curve=keys)
+        if keys is not None:
+            self._auth_tasks.append(asyncio.create_task(
+                watch_handshakes(self.channel.socket, self.handshake_failures), name="handshakes"))
+        self.pool = WorkerPool(self.cfg, self._setup.run_dir, self.channel.address, secret,
+                               keys_dir)
+        self.groups = Groups(self.cfg, self.channel, self.pool, self._record_event)
         self._metrics.console(f"run directory: {self._setup.run_dir}  |  controller at "
                               f"{self.channel.address}")
         self._record_event("data_loaded", **getattr(self._setup.task, "counts", {}))
@@ -133,9 +149,27 @@ class Controller:
             return await self._supervise()
         finally:
             await self._shutdown()
+            for task in self._auth_tasks:
+                task.cancel()
+            await asyncio.gather(*self._auth_tasks, return_exceptions=True)
             self.channel.close()
             ctx.term()
             self._metrics.close()
+
+    def _credentials(self, ctx: zmq.asyncio.Context):
+        """(Register secret or None, CurveZMQ server keys or None, key directory or None).
+        Under CurveZMQ the ZAP handler starts here, before the socket binds."""
+        cfg = self.cfg.controller
+        if not cfg.uses_curve:
+            if not is_loopback(cfg.host):
+                log.warning("controller.auth=secret on %s: traffic and the secret travel "
+                            "unencrypted; use controller.auth=curve off a trusted network",
+                            cfg.host)
+            return cfg.secret or secrets.token_hex(16), None, None
+        keys, keys_dir = run_keys(cfg.keys_dir, self._setup.run_dir)
+        self.zap = ZapHandler(ctx, keys)
+        self._auth_tasks.append(asyncio.create_task(self.zap.serve(), name="zap"))
+        return cfg.secret, keys, keys_dir
 
     # -- supervision ----------------------------------------------------------------------------
 
@@ -149,7 +183,7 @@ class Controller:
         )}
         driver = asyncio.create_task(self._train_driver(), name="train-driver")
         try:
-            done, _ = await asyncio.wait([driver, *loops.values()],
+            done, _ = await asyncio.wait([driver, *loops.values(), *self._auth_tasks],
                                          return_when=asyncio.FIRST_COMPLETED)
             if driver not in done:
                 (task,) = [t for t in done][:1]
@@ -164,12 +198,19 @@ class Controller:
                                  return_exceptions=True)
 
     def _spawn_local_workers(self) -> None:
-        for i in range(self.cfg.rollout.num_workers):
-            self.pool.spawn(WorkerKind.ROLLOUT, i)
-        for i in range(self.cfg.reward.num_workers):
-            self.pool.spawn(WorkerKind.REWARD, i)
-        for rank in range(self.cfg.trainer.num_ranks):
-            self.pool.spawn(WorkerKind.TRAINER, rank, rank=rank)
+        remote = set(self.cfg.controller.remote_kinds)
+        if "rollout" not in remote:
+            for i in range(self.cfg.rollout.num_workers):
+                self.pool.spawn(WorkerKind.ROLLOUT, i, rank=i)
+        if "reward" not in remote:
+            for i in range(self.cfg.reward.num_workers):
+                self.pool.spawn(WorkerKind.REWARD, i)
+        if "trainer" not in remote:
+            for rank in range(self.cfg.trainer.num_ranks):
+                self.pool.spawn(WorkerKind.TRAINER, rank, rank=rank)
+        if remote:
+            self._metrics.console(f"waiting for remote workers ({', '.join(sorted(remote))}) "
+                                  f"to join at {self.channel.address}")
 
     async def _shutdown(self) -> None:
         for handle in list(self.pool.by_identity.values()):
@@ -180,6 +221,11 @@ class Controller:
 
     async def _train_driver(self) -> dict[str, Any]:
         await self._wait_ready()
+        if self.cfg.trainer.num_ranks > 1:
+            try:
+                await self.groups.form_trainer_group()
+            except GroupError as err:
+                raise RunFailed(str(err)) from err
         before = await self._evaluate()
         self._report.start_training()
         groups_per_step = self.cfg.trainer.batch_size // self.cfg.task.group_size
@@ -228,22 +274,30 @@ class Controller:
         self._metrics.console(f"workers ready after {time.monotonic() - self._started:.1f} s")
 
     async def _train_step(self, step: int, groups: list[Group]) -> tuple[Trained, float]:
-        (trainer,) = self.pool.ready(WorkerKind.TRAINER)[:1] or [None]
-        if trainer is None:
-            await self.changed.wait_for(lambda: bool(self.pool.ready(WorkerKind.TRAINER)))
-            trainer = self.pool.ready(WorkerKind.TRAINER)[0]
+        """Send each trainer rank its shard (areal.algorithms.sharding); wait for them all."""
+        ranks = sorted(self.pool.ready(WorkerKind.TRAINER), key=lambda h: h.rank)
+        if len(ranks) != self.cfg.trainer.num_ranks:  # a lost rank fails the run first
+            raise RunFailed(f"{len(ranks)} of {self.cfg.trainer.num_ranks} trainer ranks ready")
         batch = pack([t for g in groups for t in g.trajectories()])
         if self.cfg.logging.save_batches:
             await asyncio.to_thread(self._setup.save_batch, step, self.version, batch)
-        msg = Train(step=step, version=self.version,
-                    token_ids=batch.token_ids.numpy().astype(np.int32),
-                    logprobs=batch.logprobs.numpy(), versions=batch.versions.numpy().astype(np.int32),
-                    loss_mask=batch.loss_mask.numpy(), cu_seqlens=batch.cu_seqlens.numpy(),
-                    rewards=batch.rewards.numpy(), group_ids=batch.group_ids.numpy(),
-                    loss_normalizer=int(batch.loss_mask.sum()))
+        trainer_cfg = self.cfg.trainer
+        advantages = compute_advantages(batch.rewards, batch.group_ids, trainer_cfg.advantage)
+        shards = shard_batch(batch, advantages, trainer_cfg.num_ranks, trainer_cfg.num_minibatches)
         self._trained = asyncio.get_running_loop().create_future()
+        self._trained_ranks = {}
         start = time.monotonic()
-        await self.channel.send(trainer.identity, msg)
+        for handle, shard in zip(ranks, shards, strict=True):
+            part = shard.batch
+            await self.channel.send(handle.identity, Train(
+                step=step, version=self.version, token_ids=part.token_ids.numpy().astype(np.int32),
+                logprobs=part.logprobs.numpy(), versions=part.versions.numpy().astype(np.int32),
+                loss_mask=part.loss_mask.numpy(), cu_seqlens=part.cu_seqlens.numpy(),
+                rewards=part.rewards.numpy(), group_ids=part.group_ids.numpy(),
+                loss_normalizer=int(batch.loss_mask.sum()),
+                advantages=shard.advantages.numpy().astype(np.float32),
+                minibatch_sizes=shard.minibatch_sizes,
+                minibatch_loss_tokens=shard.minibatch_loss_tokens))
         trained = await self._trained
         return trained, time.monotonic() - start
 
@@ -256,8 +310,11 @@ class Controller:
                                interrupt=self.cfg.mode == "async" and self.cfg.rollout.interrupt)
         self._stream_chunks, self._stream_expected = [], trained.num_chunks
         self._latest_weights = trained.weights_path
-        for handle in self.pool.ready(WorkerKind.ROLLOUT):
-            await self.channel.send(handle.identity, update)
+        if mode == "collective":
+            await self.groups.publish(self.version, trained.manifest, update.interrupt)
+        else:
+            for handle in self.pool.ready(WorkerKind.ROLLOUT):
+                await self.channel.send(handle.identity, update)
         self.changed.notify()
 
     async def _cancel_training_requests(self) -> None:
@@ -355,7 +412,7 @@ class Controller:
                     Heartbeat: self._on_heartbeat, Generated: self._on_generated,
                     Scored: self._on_scored, Trained: self._on_trained,
                     WeightsChunk: self._on_weights_chunk, WeightsUpdated: self._on_weights_updated,
-                    WorkerError: self._on_worker_error}
+                    WorkerError: self._on_worker_error, GroupStatus: self._on_group_status}
         while True:
             try:
                 identity, msg = await self.channel.recv()
@@ -397,8 +454,20 @@ class Controller:
                 await self.channel.send(identity, chunk)
 
     async def _on_ready(self, identity: bytes, handle: WorkerHandle, msg: Ready) -> None:
+        self.groups.on_ready(handle, msg.store)
+        if handle.kind is WorkerKind.ROLLOUT and self.version > 0 \
+                and self.cfg.weight_sync.mode == "collective":
+            # Before it is ready for work: its first Generate must wait for this version.
+            await self.groups.publish(self.version, [], self._interrupt(), joining=handle)
         handle.ready, handle.version = True, msg.version
         self._record_event("worker_ready", worker_id=handle.worker_id)
+
+    def _interrupt(self) -> bool:
+        return self.cfg.mode == "async" and self.cfg.rollout.interrupt
+
+    async def _on_group_status(self, identity: bytes, handle: WorkerHandle,
+                               msg: GroupStatus) -> None:
+        self.groups.on_status(handle, msg)
 
     async def _on_heartbeat(self, identity: bytes, handle: WorkerHandle, msg: Heartbeat) -> None:
         pass  # last_seen is updated for every message
@@ -426,14 +495,17 @@ class Controller:
                 state["done"].set()
 
     async def _on_trained(self, identity: bytes, handle: WorkerHandle, msg: Trained) -> None:
-        if self._trained is None or self._trained.done():
+        if self._trained is None or self._trained.done() or msg.rank in self._trained_ranks:
             log.warning("unexpected Trained for step %d from %s", msg.step, handle.worker_id)
             return
-        # Announce the version here, in the receive loop: in stream mode the trainer's
-        # WeightsChunks are the next messages, and they must reach the rollout workers after
-        # the UpdateWeights that tells them to expect the chunks.
-        await self._publish(msg)
-        self._trained.set_result(msg)
+        self._trained_ranks[msg.rank] = msg
+        if msg.rank == 0:
+            # Announce the version here, in the receive loop: in stream mode the trainer's
+            # WeightsChunks are the next messages, and they must reach the rollout workers
+            # after the UpdateWeights that tells them to expect the chunks.
+            await self._publish(msg)
+        if len(self._trained_ranks) == self.cfg.trainer.num_ranks:
+            self._trained.set_result(self._trained_ranks[0])
 
     async def _on_weights_chunk(self, identity: bytes, handle: WorkerHandle,
                                 msg: WeightsChunk) -> None:
@@ -470,6 +542,7 @@ class Controller:
             for handle in self.pool.lost(cfg.heartbeat_timeout_s):
                 await self._lose(handle, "process exited" if handle.process is not None
                                  and handle.process.poll() is not None else "silent")
+            await self.groups.tick(self.version, self._interrupt())
             self.changed.notify()
 
     async def _lose(self, handle: WorkerHandle, why: str) -> None:
@@ -481,22 +554,29 @@ class Controller:
                     why, len(requeued), len(rescore))
         self._record_event("worker_lost", worker_id=handle.worker_id, reason=why,
                            requeued=len(requeued), rescored=len(rescore))
+        self.groups.member_lost(handle)
         self.pool.forget(handle)
         for sample in rescore:
             await self._send_score(sample)
-        if handle.kind is WorkerKind.TRAINER and self._trained is not None \
-                and not self._trained.done():
-            self._trained.set_exception(RunFailed(
-                f"trainer {handle.worker_id} lost during a step ({why}); see "
-                f"{self._setup.run_dir / 'logs' / (handle.worker_id + '.log')}"))
+        if handle.kind is WorkerKind.TRAINER:
+            # A rank holds optimiser state and a place in the data-parallel group: the run
+            # cannot go on without it.
+            failure = RunFailed(
+                f"trainer rank {handle.rank} ({handle.worker_id} on {handle.host or '?'}) lost "
+                f"({why}); the trainer group cannot continue without it; see "
+                f"{self._setup.run_dir / 'logs' / (handle.worker_id + '.log')} (local) or "
+                "that worker's own log (remote)")
+            if self._trained is not None and not self._trained.done():
+                self._trained.set_exception(failure)
+            if handle.process is not None and handle.process.poll() is None:
+                handle.process.kill()
+                await asyncio.to_thread(handle.process.wait)
+            raise failure
         if handle.process is None:
             return
         if handle.process.poll() is None:
             handle.process.kill()
             await asyncio.to_thread(handle.process.wait)
-        if handle.kind is WorkerKind.TRAINER:
-            handle.process = None
-            return
         if handle.num_restarts >= MAX_RESTARTS:
             raise RunFailed(f"{handle.worker_id} died {handle.num_restarts + 1} times; see "
                             f"{self._setup.run_dir / 'logs' / (handle.worker_id + '.log')}")

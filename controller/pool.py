@@ -1,11 +1,16 @@
 """Which workers exist, which are alive and how loaded they are; starting local ones.
 
-A worker is known by its ZeroMQ identity once it has registered with the run's secret.
-Local workers are child processes started here (`python -m areal.workers.<kind>`), with the
-secret in their environment, their output in `<run_dir>/logs/<worker_id>.log` and their
-devices set from the config. A worker is lost when its process exits or when it has been
-silent for `controller.heartbeat_timeout_s`; the controller then re-queues its work and, for
-a local worker, starts a replacement. This module decides nothing about work.
+A worker is known by its ZeroMQ identity once it has registered (with the run's secret
+where one is in force; under CurveZMQ the connection itself is already authenticated).
+Trainer ranks are unique and below trainer.num_ranks. Local workers are child processes
+started here (`python -m areal.workers.<kind>`), with their credentials (secret or key
+directory) in their environment, their output in `<run_dir>/logs/<worker_id>.log` and their
+devices and CPU cores set from the config. A worker is lost when its process exits or when it has been
+silent for `controller.heartbeat_timeout_s` after it became ready (its set-up may block it
+for longer: imports, model loading; it holds no work then); the controller then re-queues
+its work and, for a local worker, starts a replacement. A worker that registers again under
+the identity of one still setting up replaces it (it restarted). This module decides
+nothing about work.
 """
 
 from __future__ import annotations
@@ -42,11 +47,14 @@ class WorkerHandle:
 
 
 class WorkerPool:
-    def __init__(self, cfg: RunConfig, run_dir: Path, address: str, secret: str) -> None:
+    def __init__(self, cfg: RunConfig, run_dir: Path, address: str, secret: str | None,
+                 keys_dir: Path | None = None) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
         self.address = address
         self.secret = secret
+        """Register.secret every peer must present; None: not checked (CurveZMQ only)."""
+        self.keys_dir = keys_dir
         self.by_identity: dict[bytes, WorkerHandle] = {}
         self.expected: dict[str, WorkerHandle] = {}
         """Local workers by id, registered or not yet."""
@@ -58,8 +66,12 @@ class WorkerPool:
         worker_id = f"{kind.value}-{index}"
         handle = self.expected.get(worker_id) or WorkerHandle(worker_id=worker_id, kind=kind,
                                                               rank=rank)
-        env = dict(os.environ, AREAL_SECRET=self.secret, PYTHONUNBUFFERED="1",
-                   AREAL_LOG_LEVEL=self.cfg.logging.level, TOKENIZERS_PARALLELISM="false")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", AREAL_LOG_LEVEL=self.cfg.logging.level,
+                   TOKENIZERS_PARALLELISM="false")
+        if self.secret is not None:
+            env["AREAL_SECRET"] = self.secret
+        if self.keys_dir is not None:
+            env["AREAL_KEYS"] = str(self.keys_dir)
         env.update(self._placement_env(kind, index))
         logs = self.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
@@ -74,7 +86,7 @@ class WorkerPool:
         return handle
 
     def _placement_env(self, kind: WorkerKind, index: int) -> dict[str, str]:
-        """Thread counts and device visibility of one worker."""
+        """Thread counts, device visibility and CPU cores of one worker."""
         threads = {WorkerKind.ROLLOUT: self.cfg.rollout.threads,
                    WorkerKind.TRAINER: self.cfg.trainer.threads}.get(kind, 1)
         env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
@@ -82,19 +94,32 @@ class WorkerPool:
                    WorkerKind.TRAINER: self.cfg.trainer.devices}.get(kind, [])
         if devices and devices[index].startswith("cuda:"):
             env["CUDA_VISIBLE_DEVICES"] = devices[index].removeprefix("cuda:")
+        cpus = {WorkerKind.ROLLOUT: self.cfg.rollout.cpus,
+                WorkerKind.TRAINER: self.cfg.trainer.cpus}.get(kind, [])
+        if cpus:
+            env["AREAL_CPUS"] = cpus[index]  # the worker pins itself (sched_setaffinity)
         return env
 
     # -- registration ---------------------------------------------------------------------------
 
     def register(self, identity: bytes, msg: Register) -> WorkerHandle | None:
         """Admit a peer presenting the right secret; None (and a log line) otherwise."""
-        if not hmac.compare_digest(msg.secret.encode(), self.secret.encode()):
+        if self.secret is not None \
+                and not hmac.compare_digest(msg.secret.encode(), self.secret.encode()):
             self.refused.append(msg.worker_id)
             log.warning("refused %s from %s (pid %d): wrong secret", msg.worker_id, msg.host,
                         msg.pid)
             return None
-        if identity in self.by_identity:
+        earlier = self.by_identity.get(identity)
+        if earlier is not None and earlier.ready:
             log.warning("refused a second registration from identity %r", identity)
+            return None
+        if earlier is not None:  # it restarted during set-up: the new process replaces it
+            log.warning("%s registered again before it was ready; replacing it",
+                        earlier.worker_id)
+            self.forget(earlier)
+        if msg.kind is WorkerKind.TRAINER and not self._rank_free(msg):
+            self.refused.append(msg.worker_id)
             return None
         handle = self.expected.get(msg.worker_id)
         if handle is None or handle.identity is not None:
@@ -106,6 +131,19 @@ class WorkerPool:
         self.by_identity[identity] = handle
         log.info("%s registered (%s, pid %d)", handle.worker_id, msg.host, msg.pid)
         return handle
+
+    def _rank_free(self, msg: Register) -> bool:
+        num_ranks = self.cfg.trainer.num_ranks
+        if not 0 <= msg.rank < num_ranks:
+            log.warning("refused %s from %s: trainer rank %d outside 0..%d (trainer.num_ranks="
+                        "%d)", msg.worker_id, msg.host, msg.rank, num_ranks - 1, num_ranks)
+            return False
+        for handle in self.by_identity.values():
+            if handle.kind is WorkerKind.TRAINER and handle.rank == msg.rank:
+                log.warning("refused %s from %s: trainer rank %d is held by %s", msg.worker_id,
+                            msg.host, msg.rank, handle.worker_id)
+                return False
+        return True
 
     def get(self, identity: bytes) -> WorkerHandle | None:
         return self.by_identity.get(identity)
@@ -127,13 +165,13 @@ class WorkerPool:
         return min(candidates, key=lambda h: len(h.in_flight), default=None)
 
     def lost(self, timeout_s: float) -> list[WorkerHandle]:
-        """Registered workers silent for too long, and local processes that exited."""
+        """Ready workers silent for too long, and local processes that exited."""
         now, out = time.monotonic(), []
         for handle in self.expected.values():
             if handle.process is not None and handle.process.poll() is not None:
                 out.append(handle)
         for handle in self.by_identity.values():
-            if handle not in out and now - handle.last_seen > timeout_s:
+            if handle not in out and handle.ready and now - handle.last_seen > timeout_s:
                 out.append(handle)
         return out
 

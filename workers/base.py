@@ -26,7 +26,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from areal.config import RunConfig, config_from_dict
+from areal.auth import KEYS_ENV, ClientKeys, KeyFileError, load_client_keys
+from areal.config import RunConfig, config_from_dict, parse_cpu_list
 from areal.messages import (
     Heartbeat, MessageError, Ready, Register, Shutdown, Welcome, WorkerError, WorkerKind,
 )
@@ -37,6 +38,8 @@ log = logging.getLogger(__name__)
 SECRET_ENV = "AREAL_SECRET"
 """Environment variable holding the run's shared secret (never passed on the command line,
 where other users of the machine could read it)."""
+CPUS_ENV = "AREAL_CPUS"
+"""CPU list this worker pins itself to (set by the controller from rollout/trainer.cpus)."""
 REGISTER_TIMEOUT_S = 60.0
 
 
@@ -47,10 +50,12 @@ class ControllerLost(RuntimeError):
 class Worker(ABC):
     kind: WorkerKind
 
-    def __init__(self, address: str, worker_id: str, secret: str, rank: int = 0) -> None:
+    def __init__(self, address: str, worker_id: str, secret: str, rank: int = 0,
+                 keys: ClientKeys | None = None) -> None:
         self.address = address
         self.worker_id = worker_id
         self.secret = secret
+        self.keys = keys
         self.rank = rank
         self.config: RunConfig | None = None
         self.channel: DealerChannel | None = None
@@ -70,6 +75,10 @@ class Worker(ABC):
 
     def num_running(self) -> int:
         return 0
+
+    def ready_message(self, version: int) -> Ready:
+        """What to announce once set up (the trainer adds where its process groups meet)."""
+        return Ready(version=version)
 
     def stats(self) -> dict[str, float]:
         return {}
@@ -102,7 +111,7 @@ class Worker(ABC):
     async def serve(self) -> int:
         """Run until shutdown; returns the process exit code."""
         ctx = zmq.asyncio.Context()
-        self.channel = DealerChannel(ctx, self.address, self.worker_id.encode())
+        self.channel = DealerChannel(ctx, self.address, self.worker_id.encode(), curve=self.keys)
         heartbeat = None
         try:
             welcome = await self._register()
@@ -113,7 +122,7 @@ class Worker(ABC):
             version = await self.setup(welcome)
             self._last_heard = time.monotonic()  # nothing is read during setup (vLLM: ~30 s)
             self._ready = True
-            await self.send(Ready(version=version))
+            await self.send(self.ready_message(version))
             log.info("%s ready at version %d", self.worker_id, version)
             return await self._serve_loop(heartbeat)
         except ControllerLost as err:
@@ -143,8 +152,10 @@ class Worker(ABC):
         try:
             reply = await asyncio.wait_for(self.channel.recv(), REGISTER_TIMEOUT_S)
         except asyncio.TimeoutError:
-            log.error("no answer from the controller at %s within %.0f s",
-                      self.address, REGISTER_TIMEOUT_S)
+            log.error("no answer from the controller at %s within %.0f s%s",
+                      self.address, REGISTER_TIMEOUT_S,
+                      "" if self.keys else " (a controller using CurveZMQ answers only peers "
+                      "with its keys: pass --keys DIR)")
             return None
         if isinstance(reply, Shutdown):
             log.error("controller refused registration: %s", reply.reason)
@@ -202,16 +213,35 @@ def worker_main(worker_cls: type[Worker], argv: list[str] | None = None) -> None
     parser.add_argument("--connect", required=True, metavar="tcp://HOST:PORT",
                         help="address of the controller socket")
     parser.add_argument("--worker-id", default=None, help="unique name (default: kind-host-uuid)")
-    parser.add_argument("--rank", type=int, default=0, help="trainer rank (trainer workers)")
+    parser.add_argument("--rank", type=int, default=0,
+                        help="trainer rank; for rollout workers, the index that picks their "
+                             "seed (default 0)")
+    parser.add_argument("--keys", default=os.environ.get(KEYS_ENV), metavar="DIR",
+                        help=f"CurveZMQ key directory holding server.key and client.key_secret "
+                             f"(default ${KEYS_ENV}); see python -m areal.auth")
+    parser.add_argument("--cpus", default=os.environ.get(CPUS_ENV), metavar="LIST",
+                        help=f"pin this worker to these CPUs, e.g. 0-3,8 (default ${CPUS_ENV})")
     args = parser.parse_args(argv)
-    secret = os.environ.get(SECRET_ENV)
-    if not secret:
-        parser.error(f"${SECRET_ENV} is not set: the worker needs the run's shared secret")
+    secret = os.environ.get(SECRET_ENV, "")
+    keys = None
+    if args.keys:
+        try:
+            keys = load_client_keys(args.keys)
+        except KeyFileError as err:
+            parser.error(str(err))
+    elif not secret:
+        parser.error(f"no credentials: pass --keys DIR (CurveZMQ) or set ${SECRET_ENV} (the "
+                     "run's shared secret)")
+    if args.cpus:
+        try:
+            os.sched_setaffinity(0, parse_cpu_list(args.cpus))
+        except (ValueError, OSError) as err:
+            parser.error(f"--cpus {args.cpus!r}: {err}")
     worker_id = args.worker_id or f"{kind}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
     logging.basicConfig(
         level=os.environ.get("AREAL_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s {worker_id} %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     import uvloop
 
-    worker = worker_cls(args.connect, worker_id, secret, args.rank)
+    worker = worker_cls(args.connect, worker_id, secret, args.rank, keys)
     sys.exit(uvloop.run(worker.serve()))

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from areal.messages import (
-    Cancel, FinishReason, Generate, Generated, Heartbeat, MessageError, MsgType, Ready, Register,
-    Score, Scored, Shutdown, Train, Trained, UpdateWeights, Welcome, WeightsChunk,
-    WeightsUpdated, WorkerError, WorkerKind, decode, encode, schemas,
+    BroadcastWeights, Cancel, FinishReason, Generate, Generated, GroupName, GroupState,
+    GroupStatus, Heartbeat, JoinGroup, MessageError, MsgType, Ready, Register, Score, Scored,
+    Shutdown, Train, Trained, UpdateWeights, Welcome, WeightsChunk, WeightsUpdated, WorkerError,
+    WorkerKind, decode, encode, schemas,
 )
 from areal.tasks.base import Verdict
 
@@ -36,7 +37,10 @@ SAMPLES = {
                                  finish_reason=FinishReason.STOP, num_interruptions=1,
                                  generation_s=0.25),
     MsgType.CANCEL: Cancel(request_ids=["a", "b"]),
-    MsgType.UPDATE_WEIGHTS: UpdateWeights(version=2, mode="stream", num_chunks=3, interrupt=False),
+    MsgType.UPDATE_WEIGHTS: UpdateWeights(version=2, mode="collective", num_chunks=3,
+                                          interrupt=False, generation=5, manifest=[
+                                              {"num_bytes": 32, "tensors": [
+                                                  ["w", "bfloat16", [4, 2], 0, 16]]}]),
     MsgType.WEIGHTS_CHUNK: WeightsChunk(version=2, index=0, num_chunks=1, names=["w", "b"],
                                         tensors=[torch.randn(4, 3).bfloat16(), torch.tensor(2.0)]),
     MsgType.WEIGHTS_UPDATED: WeightsUpdated(version=2, pause_s=0.5, num_interrupted=7),
@@ -44,13 +48,20 @@ SAMPLES = {
                          versions=np.full(10, -1, np.int32), loss_mask=np.ones(10, bool),
                          cu_seqlens=np.array([0, 4, 10], np.int32),
                          rewards=np.array([1.0, 0.0], np.float32),
-                         group_ids=np.array([5, 5], np.int64), loss_normalizer=8),
+                         group_ids=np.array([5, 5], np.int64), loss_normalizer=8,
+                         advantages=np.array([0.5, -0.5], np.float32), minibatch_sizes=[1, 1],
+                         minibatch_loss_tokens=[3, 5]),
     MsgType.TRAINED: Trained(step=1, version=2, stats={"loss": 0.1}, weights_path=None),
     MsgType.SCORE: Score(request_id="r", prompt_id="p", completion_ids=_arange(4),
                          reference={"answer": "12", "tests": [[1, 2]]}),
     MsgType.SCORED: Scored(request_id="r", reward=1.0, verdict=Verdict.OK, detail="", check_s=0.1),
     MsgType.SHUTDOWN: Shutdown(reason="done"),
-    MsgType.READY: Ready(version=3),
+    MsgType.READY: Ready(version=3, store="10.0.0.1:29500"),
+    MsgType.JOIN_GROUP: JoinGroup(group=GroupName.WEIGHTS, generation=2, rank=1, world_size=3,
+                                  backend="gloo", store="10.0.0.1:29500", timeout_s=60.0),
+    MsgType.GROUP_STATUS: GroupStatus(group=GroupName.TRAINER, generation=1,
+                                      state=GroupState.FAILED, error="timeout"),
+    MsgType.BROADCAST_WEIGHTS: BroadcastWeights(version=4, generation=2),
     MsgType.WORKER_ERROR: WorkerError(error="boom", fatal=True, request_id="r"),
 }
 

@@ -113,6 +113,11 @@ class InterruptibleGenerator:
         self._num_holds += 1
         self._refresh_gate()
 
+    def release_hold(self) -> None:
+        """Release one `hold_new_requests` whose update will never be applied (superseded)."""
+        self._num_holds = max(0, self._num_holds - 1)
+        self._refresh_gate()
+
     async def generate(self, request_id: str, prompt_ids: Sequence[int],
                        params: SamplingParams) -> GenerationResult:
         """Sample a full completion of `prompt_ids`, across weight updates."""

@@ -3,12 +3,17 @@
     Generate  -> InterruptibleGenerator.generate (a task per request) -> Generated
     UpdateWeights(disk)        -> update from <path>
     UpdateWeights(stream) + WeightsChunk x n -> update from the received tensors
+    JoinGroup(weights)         -> join that generation of the weights group (collective mode)
+    UpdateWeights(collective)  -> receive the broadcast buckets, update from them
     Cancel    -> the request's task is cancelled; no result is sent
 
 Updates are applied one at a time, in version order. In async mode they interrupt
 in-flight sequences, which continue under the new weights (tokens keep the version that
 sampled them); otherwise in-flight sequences finish first. Requests that arrive while an
-update is pending wait for it, so their tokens carry the new version.
+update is pending wait for it, so their tokens carry the new version. In collective mode a
+version may be broadcast again (the group was re-formed for a new member, or a broadcast
+failed): the worker takes part, and drops what it already serves; a failed receive is
+reported as GroupStatus(FAILED) and requests keep waiting for the version.
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ from typing import Any
 import torch
 
 from areal.messages import (
-    Cancel, Generate, Generated, UpdateWeights, Welcome, WeightsChunk, WeightsUpdated, WorkerKind,
+    Cancel, Generate, Generated, GroupName, GroupState, GroupStatus, JoinGroup, UpdateWeights,
+    Welcome, WeightsChunk, WeightsUpdated, WorkerKind,
 )
 from areal.workers.base import Worker
+from areal.workers.collective import SerialThread, WeightsGroup
 from areal.workers.rollout.engine import DiskWeights, SamplingParams, TensorWeights
 from areal.workers.rollout.factory import make_engine
 from areal.workers.rollout.interruptible import InterruptibleGenerator
@@ -48,8 +55,11 @@ class RolloutWorker(Worker):
         self._updates: asyncio.Queue = asyncio.Queue()
         self._stream: tuple[UpdateWeights, list[WeightsChunk]] | None = None
         self._generated_tokens = 0
+        self._weights_group: tuple[WeightsGroup, SerialThread] | None = None
+        self._collective_hold = False
         self.spawn(self._update_loop(), "weight-updates")
-        return welcome.version
+        # What it serves now (stream/collective: the current version arrives after Ready).
+        return self.generator.version
 
     def num_running(self) -> int:
         return len(self._requests)
@@ -71,10 +81,15 @@ class RolloutWorker(Worker):
             self._on_update(msg)
         elif isinstance(msg, WeightsChunk):
             self._on_chunk(msg)
+        elif isinstance(msg, JoinGroup) and msg.group is GroupName.WEIGHTS:
+            self._on_join(msg)
         else:
             log.warning("rollout worker ignores %s", type(msg).__name__)
 
     def _on_update(self, msg: UpdateWeights) -> None:
+        if msg.mode == "collective":
+            self._on_collective_update(msg)
+            return
         # Block new requests *now*, before any later Generate is handled: their tokens must
         # carry the new version.
         self.generator.hold_new_requests()
@@ -100,15 +115,81 @@ class RolloutWorker(Worker):
             self._stream = None
             self._updates.put_nowait((update, TensorWeights(tensors)))
 
+    def _weights(self) -> tuple[WeightsGroup, SerialThread]:
+        if self._weights_group is None:
+            self._weights_group = (WeightsGroup(), SerialThread("weights-group"))
+        return self._weights_group
+
+    def _on_join(self, msg: JoinGroup) -> None:
+        group, thread = self._weights()
+        group.announce(msg.generation)  # unblocks an operation of an older generation
+        joined = thread.submit(lambda: group.join(
+            store=msg.store, generation=msg.generation, rank=msg.rank,
+            world_size=msg.world_size, backend=msg.backend, timeout_s=msg.timeout_s))
+        self.spawn(self._report_join(msg, joined), f"join-weights-{msg.generation}")
+
+    async def _report_join(self, msg: JoinGroup, joined: asyncio.Future) -> None:
+        try:
+            await joined
+        except Exception as err:  # the controller re-forms the group without us, or again
+            log.error("could not join weights group generation %d: %r", msg.generation, err)
+            await self.send(GroupStatus(group=GroupName.WEIGHTS, generation=msg.generation,
+                                        state=GroupState.FAILED, error=repr(err)))
+            return
+        await self.send(GroupStatus(group=GroupName.WEIGHTS, generation=msg.generation,
+                                    state=GroupState.JOINED))
+
+    def _on_collective_update(self, msg: UpdateWeights) -> None:
+        group, thread = self._weights()
+        received = thread.submit(lambda: group.receive(msg.manifest, msg.generation))
+        # One hold at a time: it is released by the next update actually applied.
+        if msg.version > self.generator.version and not self._collective_hold:
+            self.generator.hold_new_requests()
+            self._collective_hold = True
+        self._updates.put_nowait((msg, received))
+
+    async def _collective_source(self, update: UpdateWeights,
+                                 received: asyncio.Future) -> TensorWeights | None:
+        """The received weights, or None: failed (reported) or already served."""
+        try:
+            tensors = await received
+        except Exception as err:  # fault boundary: the controller re-forms and re-sends
+            log.error("weights broadcast of version %d failed: %r", update.version, err)
+            await self.send(GroupStatus(group=GroupName.WEIGHTS, generation=update.generation,
+                                        state=GroupState.FAILED, error=repr(err)))
+            return None
+        if update.version <= self.generator.version:
+            return None
+        self._collective_hold = False  # the update about to run releases it
+        return TensorWeights(tensors)
+
     async def _update_loop(self) -> None:
         while True:
             update, source = await self._updates.get()
+            if isinstance(source, DiskWeights):
+                update, source = self._newest_disk_update(update, source)
+            if isinstance(source, asyncio.Future):
+                source = await self._collective_source(update, source)
+                if source is None:
+                    continue
             start = time.monotonic()
             num_interrupted = await self.generator.update_weights(
                 source, update.version, interrupt=update.interrupt)
             await self.send(WeightsUpdated(version=update.version,
                                            pause_s=time.monotonic() - start,
                                            num_interrupted=num_interrupted))
+
+    def _newest_disk_update(self, update: UpdateWeights,
+                            source: DiskWeights) -> tuple[UpdateWeights, DiskWeights]:
+        """Skip to the newest queued disk update: each is a full weight set, and the trainer
+        prunes old version directories (weight_sync.keep_versions), so a worker that fell
+        behind must not try to load one that may be gone. A run has one weight_sync.mode:
+        every queued update is a disk update too."""
+        while not self._updates.empty():
+            log.info("weights version %d superseded before loading", update.version)
+            self.generator.release_hold()
+            update, source = self._updates.get_nowait()
+        return update, source
 
     async def _generate(self, msg: Generate) -> None:
         start = time.monotonic()

@@ -1,15 +1,20 @@
 """One training step of the decoupled PPO objective over a packed batch (DESIGN.md section 6).
 
-    advantages (per sequence, broadcast to tokens)
+    advantages (per sequence, broadcast to tokens; given when the batch is one rank's
+        shard, since group baselines need the global batch)
     proximal log-probs: a no-grad forward under the weights at the start of the step
         ('recompute'), or the log-linear interpolation from per-token versions ('loglinear')
-    for each PPO minibatch (trainer.num_minibatches, balanced by tokens):
+    for each PPO minibatch (trainer.num_minibatches, balanced by tokens, or as planned by
+    areal.algorithms.sharding for a data-parallel shard):
         for each packed micro-batch (token budget trainer.micro_batch_tokens, FFD-balanced):
             forward with grad -> loss summed over tokens / minibatch loss tokens -> backward
-        clip the gradient norm, optimiser step
+        reduce gradients over ranks (SUM), clip the gradient norm, optimiser step
+    statistics: sums, counts and maxima, reduced over ranks once per step
 
-Gradient accumulation normalises by the loss tokens of the whole minibatch, so the result
-is the token-level mean however the batch is cut. Pure torch: no sockets, no files.
+Gradient accumulation normalises by the loss tokens of the whole minibatch (of the global
+minibatch across ranks when sharded), so the result is the token-level mean however the
+batch is cut into micro-batches and ranks. Pure torch plus the collectives of
+`DataParallel` (no-ops for one rank): no sockets, no files.
 """
 
 from __future__ import annotations
@@ -25,20 +30,32 @@ from areal.algorithms.proximal import loglinear_prox_logprobs
 from areal.config import RunConfig
 from areal.models.logprobs import packed_logprobs, packed_logprobs_and_entropy
 from areal.types import PackedBatch
+from areal.workers.trainer.distributed import DataParallel
+
+_EXTRA_SUMS = ("entropy_sum", "num_entropy_tokens", "fresh_diff_sum", "num_fresh_tokens",
+               "advantage_abs_sum", "num_seqs", "num_tokens")
+_EXTRA_MAXES = ("recompute_s", "step_s")
 
 
 class PPOTrainer:
-    def __init__(self, model: torch.nn.Module, cfg: RunConfig) -> None:
-        self.model = model
+    def __init__(self, model: torch.nn.Module, cfg: RunConfig,
+                 dp: DataParallel | None = None) -> None:
+        self.dp = dp or DataParallel.single()
+        self.model = self.dp.wrap(model)  # FSDP2 shards in place, before the optimiser
         self.cfg = cfg.trainer
         self.temperature = cfg.rollout.temperature
         self.device = next(model.parameters()).device
+        # FSDP2 unshards the root's parameters (the embedding, a tied head) in hooks on the
+        # root's forward, which the chunked-head path of packed_logprobs bypasses.
+        self._chunk_head = False if self.dp.fsdp else None
         beta1, beta2 = self.cfg.adam_betas
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.cfg.lr,
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr,
                                            betas=(beta1, beta2),
                                            weight_decay=self.cfg.weight_decay)
 
     def _micro_batches(self, batch: PackedBatch) -> list[list[int]]:
+        if batch.num_seqs == 0:
+            return []
         return allocate_micro_batches(batch.seqlens.tolist(), self.cfg.micro_batch_tokens)
 
     @torch.no_grad()
@@ -47,62 +64,83 @@ class PPOTrainer:
         logprobs = torch.zeros(len(batch.token_ids))
         entropy = torch.zeros(len(batch.token_ids))
         self.model.eval()
-        for seqs in self._micro_batches(batch):
+        micro_batches = self._micro_batches(batch)
+        for seqs in micro_batches:
             index = batch.token_index(seqs)
             mb = batch.select(seqs)
             lp, ent = packed_logprobs_and_entropy(
                 self.model, mb.token_ids.to(self.device), mb.cu_seqlens.to(self.device),
-                temperature=self.temperature)
+                temperature=self.temperature, chunk_head=self._chunk_head)
             logprobs[index], entropy[index] = lp.float().cpu(), ent.float().cpu()
+        for _ in range(self.dp.sync_num_passes(len(micro_batches)) - len(micro_batches)):
+            self._dummy_pass(backward=False)
         return logprobs, entropy
 
-    def step(self, batch: PackedBatch, version: int) -> dict[str, float]:
-        """Train on `batch` (policy version `version` = i); the result is version i + 1."""
+    def step(self, batch: PackedBatch, version: int, *, advantages: torch.Tensor | None = None,
+             minibatch_sizes: list[int] | None = None,
+             minibatch_loss_tokens: list[int] | None = None) -> dict[str, float]:
+        """Train on `batch` (policy version `version` = i); the result is version i + 1.
+
+        A data-parallel shard passes its [S] global `advantages` and the minibatch plan
+        (`minibatch_sizes`, and the global `minibatch_loss_tokens` as normalisers); without
+        them the batch is the whole global batch and is cut here.
+        """
         start = time.perf_counter()
-        seq_adv = compute_advantages(batch.rewards, batch.group_ids, self.cfg.advantage)
-        advantages = token_advantages(seq_adv, batch.cu_seqlens)
-        stats: dict[str, float] = {}
+        seq_adv = advantages if advantages is not None else compute_advantages(
+            batch.rewards, batch.group_ids, self.cfg.advantage)
+        token_adv = token_advantages(seq_adv, batch.cu_seqlens)
+        extra = dict.fromkeys(_EXTRA_SUMS, 0.0) | dict.fromkeys(_EXTRA_MAXES, 0.0)
+        extra.update(advantage_abs_sum=float(seq_adv.abs().sum()), num_seqs=batch.num_seqs,
+                     num_tokens=len(batch.token_ids))
         prox = None
         if self.cfg.ppo.prox_logp == "recompute":
             prox, entropy = self.recompute_logprobs(batch)
-            stats.update(self._parity_stats(batch, prox, entropy, version))
-        forward_s = time.perf_counter() - start
+            extra.update(self._parity_sums(batch, prox, entropy, version))
+        extra["recompute_s"] = time.perf_counter() - start
         self.model.train()
         ppo_stats, grad_norms = [], []
-        for seqs in partition_balanced(batch.seqlens.tolist(), self.cfg.num_minibatches):
-            if not seqs:
-                continue
+        for seqs, normalizer in self._minibatches(batch, minibatch_sizes, minibatch_loss_tokens):
             index = batch.token_index(seqs)
-            minibatch = batch.select(seqs)
             mb_prox = prox[index] if prox is not None else None
-            mb_stats, grad_norm = self._minibatch_update(minibatch, advantages[index], mb_prox,
-                                                         version)
+            mb_stats, grad_norm = self._minibatch_update(batch.select(seqs), token_adv[index],
+                                                         mb_prox, version, normalizer)
             ppo_stats.append(mb_stats)
             grad_norms.append(grad_norm)
         self.model.eval()
-        stats.update(PPOStats.reduce(ppo_stats).metrics("train/"))
-        stats.update({
-            "train/grad_norm": max(grad_norms),
-            "train/advantage_abs_mean": float(seq_adv.abs().mean()),
-            "train/num_seqs": float(batch.num_seqs),
-            "train/num_tokens": float(len(batch.token_ids)),
-            "train/recompute_s": forward_s,
-            "train/step_s": time.perf_counter() - start,
-        })
-        return {k.removeprefix("train/"): v for k, v in stats.items()}
+        extra["step_s"] = time.perf_counter() - start
+        return self._reduced_stats(PPOStats.reduce(ppo_stats), extra, grad_norms)
+
+    def _minibatches(self, batch: PackedBatch, sizes: list[int] | None,
+                     loss_tokens: list[int] | None) -> list[tuple[list[int], int]]:
+        """(sequence indices, loss normaliser) of each minibatch, in order."""
+        if sizes is None:
+            parts = [s for s in partition_balanced(batch.seqlens.tolist(),
+                                                   self.cfg.num_minibatches) if s]
+            return [(s, max(int(batch.loss_mask[batch.token_index(s)].sum()), 1)) for s in parts]
+        if sum(sizes) != batch.num_seqs or loss_tokens is None \
+                or len(loss_tokens) != len(sizes):
+            raise ValueError(f"minibatch plan {sizes} / {loss_tokens} does not fit a shard of "
+                             f"{batch.num_seqs} sequences")
+        out, offset = [], 0
+        for size, tokens in zip(sizes, loss_tokens, strict=True):
+            out.append((list(range(offset, offset + size)), max(int(tokens), 1)))
+            offset += size
+        return out
 
     def _minibatch_update(self, batch: PackedBatch, advantages: torch.Tensor,
-                          prox: torch.Tensor | None, version: int) -> tuple[PPOStats, float]:
-        normalizer = max(int(batch.loss_mask.sum()), 1)
+                          prox: torch.Tensor | None, version: int,
+                          normalizer: int) -> tuple[PPOStats, float]:
         options = ppo_loss_options(self.cfg.ppo)
         self.optimizer.zero_grad(set_to_none=True)
         pieces = []
-        for seqs in self._micro_batches(batch):
+        micro_batches = self._micro_batches(batch)
+        for seqs in micro_batches:
             index = batch.token_index(seqs)
             mb = batch.select(seqs)
             logprobs = packed_logprobs(self.model, mb.token_ids.to(self.device),
                                        mb.cu_seqlens.to(self.device),
-                                       temperature=self.temperature).float().cpu()
+                                       temperature=self.temperature,
+                                       chunk_head=self._chunk_head).float().cpu()
             behav = mb.logprobs
             if prox is None:
                 mb_prox = loglinear_prox_logprobs(behav, logprobs.detach(), mb.versions, version + 1)
@@ -110,22 +148,67 @@ class PPOTrainer:
                 mb_prox = prox[index]
             loss, piece = decoupled_ppo_loss(logprobs, mb_prox, behav, advantages[index],
                                              mb.loss_mask, loss_normalizer=normalizer, **options)
-            loss.backward()
+            (loss * self.dp.loss_scale).backward()
             pieces.append(piece)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        for _ in range(self.dp.sync_num_passes(len(micro_batches)) - len(micro_batches)):
+            self._dummy_pass(backward=True)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.dp.reduce_gradients(params)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a replicated DTensor
+            grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return PPOStats.reduce(pieces), float(grad_norm)
 
+    def _dummy_pass(self, backward: bool) -> None:
+        """A zero-weight pass over one token pair, so that an FSDP rank with less data runs
+        as many forward/backward collectives as the others."""
+        tokens = torch.zeros(2, dtype=torch.long, device=self.device)
+        cu = torch.tensor([0, 2], dtype=torch.int32, device=self.device)
+        with torch.set_grad_enabled(backward):
+            out = packed_logprobs(self.model, tokens, cu, temperature=self.temperature,
+                                  chunk_head=self._chunk_head)
+            if backward:
+                (out.float().sum() * 0.0).backward()
+
     @staticmethod
-    def _parity_stats(batch: PackedBatch, prox: torch.Tensor, entropy: torch.Tensor,
-                      version: int) -> dict[str, float]:
-        """How far the trainer's log-probs are from the engine's on tokens sampled by these
-        very weights (should be ~0: a large value means the engines disagree), and the
-        policy entropy on loss tokens."""
+    def _parity_sums(batch: PackedBatch, prox: torch.Tensor, entropy: torch.Tensor,
+                     version: int) -> dict[str, float]:
+        """Sums behind two monitors: how far the trainer's log-probs are from the engine's on
+        tokens sampled by these very weights (should be ~0: a large value means the engines
+        disagree), and the policy entropy on loss tokens."""
         mask = batch.loss_mask
         fresh = mask & (batch.versions == version)
-        out = {"train/entropy": float(entropy[mask].mean()) if mask.any() else 0.0}
-        if fresh.any():
-            out["train/logprob_diff_fresh"] = float((prox[fresh] - batch.logprobs[fresh]).abs().mean())
-        return out
+        return {"entropy_sum": float(entropy[mask].double().sum()),
+                "num_entropy_tokens": int(mask.sum()),
+                "fresh_diff_sum": float((prox[fresh] - batch.logprobs[fresh]).abs().double().sum()),
+                "num_fresh_tokens": int(fresh.sum())}
+
+    def _reduced_stats(self, ppo: PPOStats, extra: dict[str, float],
+                       grad_norms: list[float]) -> dict[str, float]:
+        """Metrics of the global step: every sum and maximum reduced over the ranks."""
+        ppo_sums, ppo_maxes = ppo.to_tensors()
+        sums = torch.cat([ppo_sums, torch.tensor([float(extra[k]) for k in _EXTRA_SUMS],
+                                                 dtype=torch.float64)])
+        maxes = torch.cat([ppo_maxes, torch.tensor([float(extra[k]) for k in _EXTRA_MAXES],
+                                                   dtype=torch.float64)])
+        sums, maxes = self.dp.sum_and_max(sums, maxes)
+        num_ppo_sums, num_ppo_maxes = len(ppo_sums), len(ppo_maxes)
+        total = dict(zip(_EXTRA_SUMS, sums[num_ppo_sums:].tolist(), strict=True))
+        total.update(zip(_EXTRA_MAXES, maxes[num_ppo_maxes:].tolist(), strict=True))
+        stats = PPOStats.from_tensors(sums[:num_ppo_sums], maxes[:num_ppo_maxes]).metrics("")
+        stats.update({
+            "grad_norm": max(grad_norms, default=0.0),
+            "advantage_abs_mean": total["advantage_abs_sum"] / max(total["num_seqs"], 1),
+            "num_seqs": total["num_seqs"],
+            "num_tokens": total["num_tokens"],
+            "recompute_s": total["recompute_s"],
+            "step_s": total["step_s"],
+            "num_ranks": float(self.dp.world_size),
+        })
+        if total["num_entropy_tokens"] > 0:
+            stats["entropy"] = total["entropy_sum"] / total["num_entropy_tokens"]
+        if total["num_fresh_tokens"] > 0:
+            stats["logprob_diff_fresh"] = total["fresh_diff_sum"] / total["num_fresh_tokens"]
+        return stats

@@ -1,9 +1,23 @@
-"""The trainer worker: receives packed batches, runs the PPO step, publishes weights.
+"""The trainer worker: one data-parallel rank. Trains on its shard, rank 0 publishes weights.
 
-    Train(step, version i, packed batch) -> PPOTrainer.step (in a thread) -> publish i + 1
-    -> Trained(version i + 1, stats, weights_path | num_chunks) [-> WeightsChunk x num_chunks]
+    setup: load the model; rank 0 hosts the TCPStore where process groups meet (when there
+           are several ranks or weight_sync.mode=collective) -> Ready(store="host:port")
+    JoinGroup(trainer)  -> init_process_group; PPOTrainer over the group (FSDP2 wraps here)
+                        -> GroupStatus(JOINED | FAILED)
+    Train(step, version i, shard) -> PPOTrainer.step -> full weights (rank 0; FSDP: all
+           ranks gather) -> rank 0 publishes i + 1 (disk | stream | collective snapshot)
+           -> Trained(version i + 1, reduced stats, weights_path | num_chunks | manifest)
+              [-> WeightsChunk x num_chunks]; ranks > 0 send Trained with the same stats
+    collective, rank 0 only:
+      JoinGroup(weights)         -> join that generation of the weights group
+      BroadcastWeights(v, gen)   -> broadcast snapshot v; a failure -> GroupStatus(FAILED)
 
-On shutdown after at least one step, the final policy is saved as a normal Hugging Face
+Blocking work runs on two daemon threads (areal.workers.collective.SerialThread): "train"
+(the group rendezvous, steps and publishing, in order, so weights never change while they
+are read) and "weights" (the weights group), so a broadcast overlaps the next step. A rank
+stuck in a collective with a dead peer cannot keep its process alive after Shutdown.
+
+On shutdown after at least one step, rank 0 saves the final policy as a normal Hugging Face
 directory (`<run_dir>/final_model`) with its tokenizer, loadable by transformers or vLLM.
 """
 
@@ -17,13 +31,21 @@ from typing import Any
 
 import torch
 
-from areal.messages import Train, Trained, Welcome, WorkerKind
+from areal.messages import (
+    BroadcastWeights, GroupName, GroupState, GroupStatus, JoinGroup, Ready, Train, Trained,
+    Welcome, WorkerKind,
+)
 from areal.models.hf import load_model, load_tokenizer
 from areal.models.weights import copy_into_model, load_tensors
 from areal.types import PackedBatch
 from areal.workers.base import Worker
+from areal.workers.collective import (
+    SerialThread, WeightSnapshot, WeightsGroup, advertised_host, connect_store, host_store,
+    pin_interface,
+)
+from areal.workers.trainer.distributed import DataParallel, resolve_mode
 from areal.workers.trainer.ppo import PPOTrainer
-from areal.workers.trainer.publish import publish_to_disk, stream_chunks
+from areal.workers.trainer.publish import collective_snapshot, publish_to_disk, stream_chunks
 
 log = logging.getLogger(__name__)
 
@@ -52,19 +74,37 @@ class TrainerWorker(Worker):
 
     async def setup(self, welcome: Welcome) -> int:
         cfg = self.config
+        self._busy = False
+        self.dp = DataParallel.single()
         torch.set_num_threads(cfg.trainer.threads)
         torch.manual_seed(cfg.seed + self.rank)
-        device = trainer_device(cfg.trainer.devices, self.rank)
+        self.device = trainer_device(cfg.trainer.devices, self.rank)
+        if self.device == "cuda":
+            torch.cuda.set_device(0)
         self.model = await asyncio.to_thread(load_model, cfg.model.path, dtype=cfg.model.dtype,
-                                             device=device,
+                                             device=self.device,
                                              trust_remote_code=cfg.model.trust_remote_code)
         if welcome.weights_path:
             tensors = await asyncio.to_thread(load_tensors, welcome.weights_path)
             copy_into_model(self.model, tensors)
-        self.trainer = PPOTrainer(self.model, cfg)
         self.version = welcome.version
-        self._busy = False
+        self._train_thread = SerialThread(f"train-rank{self.rank}")
+        self.trainer: PPOTrainer | None = None
+        if cfg.trainer.num_ranks == 1:
+            self.trainer = PPOTrainer(self.model, cfg)
+        self._store, self._store_address = None, ""
+        if self.rank == 0 and (cfg.trainer.num_ranks > 1 or cfg.weight_sync.mode == "collective"):
+            host = advertised_host(self.address, cfg.trainer.store_host)
+            pin_interface(host)
+            self._store, self._store_address = host_store(host, cfg.trainer.store_port,
+                                                          cfg.trainer.dist_timeout_s)
+            log.info("process groups meet at %s", self._store_address)
+        self._snapshots: dict[int, WeightSnapshot] = {}
+        self._weights: tuple[WeightsGroup, SerialThread] | None = None
         return self.version
+
+    def ready_message(self, version: int) -> Ready:
+        return Ready(version=version, store=self._store_address)
 
     def num_running(self) -> int:
         return int(self._busy)
@@ -72,46 +112,159 @@ class TrainerWorker(Worker):
     async def handle(self, msg: Any) -> None:
         if isinstance(msg, Train):
             self.spawn(self._train(msg), f"train-step-{msg.step}")
+        elif isinstance(msg, JoinGroup) and msg.group is GroupName.TRAINER:
+            self.spawn(self._join_trainer_group(msg), "join-trainer-group")
+        elif isinstance(msg, JoinGroup) and msg.group is GroupName.WEIGHTS and self.rank == 0:
+            self._join_weights_group(msg)
+        elif isinstance(msg, BroadcastWeights) and self.rank == 0:
+            self._broadcast(msg)
         else:
-            log.warning("trainer ignores %s", type(msg).__name__)
+            log.warning("trainer rank %d ignores %s", self.rank, type(msg).__name__)
+
+    # -- the data-parallel group ----------------------------------------------------------------
+
+    async def _join_trainer_group(self, msg: JoinGroup) -> None:
+        try:
+            await self._train_thread.submit(lambda: self._join_trainer_group_sync(msg))
+        except Exception as err:  # fault boundary: the controller fails the run, naming us
+            log.exception("rank %d could not join the trainer group", self.rank)
+            await self.send(GroupStatus(group=GroupName.TRAINER, generation=msg.generation,
+                                        state=GroupState.FAILED, error=repr(err)))
+            return
+        await self.send(GroupStatus(group=GroupName.TRAINER, generation=msg.generation,
+                                    state=GroupState.JOINED))
+
+    def _join_trainer_group_sync(self, msg: JoinGroup) -> None:
+        cfg = self.config.trainer
+        store = self._store  # rank 0 hosts it
+        if store is None:
+            pin_interface(advertised_host(f"tcp://{msg.store}"))
+            store = connect_store(msg.store, msg.timeout_s)
+        self.dp = DataParallel.join(store, rank=msg.rank, world_size=msg.world_size,
+                                    backend=msg.backend, timeout_s=msg.timeout_s,
+                                    mode=resolve_mode(cfg.data_parallel, self.device),
+                                    generation=msg.generation,
+                                    bucket_bytes=self.config.weight_sync.bucket_mb << 20)
+        self.trainer = PPOTrainer(self.model, self.config, self.dp)
+
+    # -- training steps -------------------------------------------------------------------------
 
     async def _train(self, msg: Train) -> None:
+        if self.trainer is None:
+            raise RuntimeError(f"Train for step {msg.step} before the data-parallel group of "
+                               f"{self.config.trainer.num_ranks} ranks was formed")
         if msg.version != self.version:
             raise RuntimeError(f"Train for version {msg.version} but the trainer holds "
                                f"version {self.version}")
         self._busy = True
         try:
-            batch = batch_from_message(msg)
-            stats = await asyncio.to_thread(self.trainer.step, batch, msg.version)
+            stats, published = await self._train_thread.submit(lambda: self._step_sync(msg))
             self.version = msg.version + 1
-            start = time.perf_counter()
-            if self.config.weight_sync.mode == "stream":
-                chunks = await asyncio.to_thread(stream_chunks, self.model, self.config,
-                                                 self.version)
-                stats["publish_s"] = time.perf_counter() - start
-                await self.send(Trained(step=msg.step, version=self.version, stats=stats,
-                                        num_chunks=len(chunks)))
-                for chunk in chunks:
-                    await self.send(chunk)
-            else:
-                path = await asyncio.to_thread(publish_to_disk, self.model, self.config,
-                                               self.version)
-                stats["publish_s"] = time.perf_counter() - start
-                await self.send(Trained(step=msg.step, version=self.version, stats=stats,
-                                        weights_path=path))
+            await self._send_trained(msg, stats, published)
         finally:
             self._busy = False
 
-    async def close(self) -> None:
-        model = getattr(self, "model", None)
-        if model is None or self.version == 0 or self.rank != 0:
+    def _step_sync(self, msg: Train) -> tuple[dict[str, float], Any]:
+        """The step, then (rank 0) the publication of its result, on the train thread."""
+        batch = batch_from_message(msg)
+        plan = {}
+        if msg.minibatch_sizes:
+            plan = {"advantages": torch.from_numpy(msg.advantages.astype("float32")),
+                    "minibatch_sizes": list(msg.minibatch_sizes),
+                    "minibatch_loss_tokens": list(msg.minibatch_loss_tokens)}
+        stats = self.trainer.step(batch, msg.version, **plan)
+        start = time.perf_counter()
+        tensors = self.dp.full_weights(self.trainer.model)
+        if tensors is None:
+            return stats, None
+        if self.dp.fsdp:
+            self._final_weights = tensors  # gathered CPU copies: what close() saves
+        version, mode = msg.version + 1, self.config.weight_sync.mode
+        if mode == "stream":
+            published = stream_chunks(tensors, self.config, version)
+        elif mode == "collective":
+            published = collective_snapshot(tensors, self.config, version)
+        else:
+            published = publish_to_disk(tensors, self.config, version)
+        stats["publish_s"] = time.perf_counter() - start
+        return stats, published
+
+    async def _send_trained(self, msg: Train, stats: dict[str, float], published: Any) -> None:
+        version = msg.version + 1
+        trained = Trained(step=msg.step, version=version, stats=stats, rank=self.rank)
+        if isinstance(published, str):
+            trained.weights_path = published
+        elif isinstance(published, WeightSnapshot):
+            trained.manifest = published.manifest
+            # The controller may still ask for the previous version (a re-broadcast for a
+            # late joiner) but never for older ones.
+            self._snapshots = {v: s for v, s in self._snapshots.items() if v >= version - 1}
+            self._snapshots[version] = published
+        elif published is not None:
+            trained.num_chunks = len(published)
+        await self.send(trained)
+        if isinstance(published, list):
+            for chunk in published:
+                await self.send(chunk)
+
+    # -- the weights group (collective mode, rank 0) --------------------------------------------
+
+    def _weights_group(self) -> tuple[WeightsGroup, SerialThread]:
+        if self._weights is None:
+            self._weights = (WeightsGroup(), SerialThread("weights-group"))
+        return self._weights
+
+    def _join_weights_group(self, msg: JoinGroup) -> None:
+        group, thread = self._weights_group()
+        group.announce(msg.generation)
+        joined = thread.submit(lambda: group.join(
+            store=self._store, generation=msg.generation, rank=0, world_size=msg.world_size,
+            backend=msg.backend, timeout_s=msg.timeout_s))
+        self.spawn(self._report_weights(msg.generation, joined, "join"), "join-weights")
+
+    def _broadcast(self, msg: BroadcastWeights) -> None:
+        group, thread = self._weights_group()
+        snapshot = self._snapshots.get(msg.version)
+        if snapshot is None:
+            raise RuntimeError(f"asked to broadcast version {msg.version}; this rank holds "
+                               f"{sorted(self._snapshots)}")
+        sent = thread.submit(lambda: group.send(snapshot, msg.generation))
+        self.spawn(self._report_weights(msg.generation, sent, f"broadcast of v{msg.version}"),
+                   f"broadcast-{msg.version}")
+
+    async def _report_weights(self, generation: int, done: asyncio.Future, what: str) -> None:
+        try:
+            await done
+        except Exception as err:  # fault boundary: the controller re-forms and re-sends
+            log.error("weights group generation %d: %s failed: %r", generation, what, err)
+            await self.send(GroupStatus(group=GroupName.WEIGHTS, generation=generation,
+                                        state=GroupState.FAILED, error=f"{what}: {err!r}"))
             return
-        target = Path(self.config.run_dir) / "final_model"
-        await asyncio.to_thread(self._save_final, target)
-        log.info("saved the final policy (version %d) to %s", self.version, target)
+        if what == "join":
+            await self.send(GroupStatus(group=GroupName.WEIGHTS, generation=generation,
+                                        state=GroupState.JOINED))
+
+    # -- shutdown -------------------------------------------------------------------------------
+
+    async def close(self) -> None:
+        if getattr(self, "model", None) is None:
+            return
+        if self._busy:  # a step is blocked in a collective (a peer died): save nothing
+            log.warning("rank %d shuts down in the middle of a step; final model not saved",
+                        self.rank)
+            return
+        if self.rank == 0 and self.version > 0:
+            target = Path(self.config.run_dir) / "final_model"
+            await asyncio.to_thread(self._save_final, target)
+            log.info("saved the final policy (version %d) to %s", self.version, target)
+        self.dp.close()
 
     def _save_final(self, target: Path) -> None:
-        self.model.save_pretrained(target, safe_serialization=True)
+        final = getattr(self, "_final_weights", None)
+        if final is not None:  # FSDP: the gathered weights of the last step
+            self.model.save_pretrained(target, state_dict=dict(final), safe_serialization=True)
+        else:
+            self.model.save_pretrained(target, safe_serialization=True)
         cfg = self.config.model
         load_tokenizer(cfg.tokenizer_path or cfg.path,
                        trust_remote_code=cfg.trust_remote_code).save_pretrained(target)
