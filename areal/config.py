@@ -45,6 +45,28 @@ def _non_negative(value: float, key: str) -> None:
         raise ConfigError(f"{key}={value!r} must be >= 0")
 
 
+def parse_cpu_list(text: str) -> set[int]:
+    """CPU ids of a list like '0-3,8,10-11' (the `taskset -c` syntax)."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        if not first.isdigit() or (last and not last.isdigit()) or int(last or first) < int(first):
+            raise ValueError(f"{text!r} is not a CPU list like '0-3,8'")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def _check_cpus(cpus: list[str], count: int, key: str, count_key: str) -> None:
+    if cpus and len(cpus) != count:
+        raise ConfigError(f"{key} lists {len(cpus)} CPU sets for {count_key}={count}; give "
+                          "one per process or none")
+    for item in cpus:
+        try:
+            parse_cpu_list(item)
+        except ValueError as err:
+            raise ConfigError(f"{key}: {err}") from None
+
+
 @dataclass(kw_only=True)
 class TinyModelConfig:
     """Shape of the embedded default model (a Qwen2-architecture model built locally)."""
@@ -77,9 +99,9 @@ class TinyModelConfig:
 class WarmStartConfig:
     """Supervised warm start of the embedded model, so that RL has something to improve."""
 
-    steps: int = opt(150, "SFT optimiser steps on the task's training split")
-    lr: float = opt(3e-3, "SFT learning rate")
-    batch_size: int = opt(64, "SFT sequences per step")
+    steps: int = opt(1200, "SFT optimiser steps on the task's training split")
+    lr: float = opt(2e-3, "SFT learning rate")
+    batch_size: int = opt(32, "SFT sequences per step")
 
     def check(self, key: str) -> None:
         _non_negative(self.steps, f"{key}.steps")
@@ -150,6 +172,8 @@ class RolloutConfig:
     threads: int = opt(1, "torch intra-op threads per worker (CPU)")
     devices: list[str] = opt([], "device per worker, e.g. ['cuda:0', 'cuda:1']; empty: cpu, or "
                              "cuda:i for worker i when CUDA is present")
+    cpus: list[str] = opt([], "CPU cores per local worker, e.g. ['0-3', '4-7'] (pinned with "
+                          "sched_setaffinity); empty: not pinned")
     vllm: VllmConfig = opt(VllmConfig(), "vLLM engine options")
 
     def check(self, key: str) -> None:
@@ -165,6 +189,7 @@ class RolloutConfig:
                 f"{key}.devices lists {len(self.devices)} devices for "
                 f"{key}.num_workers={self.num_workers}; give one per worker or none"
             )
+        _check_cpus(self.cpus, self.num_workers, f"{key}.cpus", f"{key}.num_workers")
         self.vllm.check(f"{key}.vllm")
 
 
@@ -218,6 +243,19 @@ class TrainerConfig:
     num_ranks: int = opt(1, "data-parallel trainer processes")
     threads: int = opt(1, "torch intra-op threads per trainer rank (CPU)")
     devices: list[str] = opt([], "device per rank, e.g. ['cuda:6', 'cuda:7']; empty: cpu")
+    cpus: list[str] = opt([], "CPU cores per local rank, e.g. ['8-11', '12-15']; empty: not "
+                          "pinned")
+    data_parallel: str = opt("auto", "how ranks combine gradients: FSDP2 'fsdp' (shards "
+                             "weights, gradients and optimiser state) or a plain gradient "
+                             "'allreduce' (DDP-equivalent); auto: fsdp on GPUs, allreduce on CPU",
+                             ["auto", "allreduce", "fsdp"])
+    dist_backend: str = opt("auto", "torch.distributed backend of the ranks; auto: nccl on GPUs, "
+                            "gloo on CPU", ["auto", "gloo", "nccl"])
+    dist_timeout_s: float = opt(600.0, "rendezvous and collective timeout of the trainer group")
+    store_host: str | None = opt(None, "address other nodes use to reach trainer rank 0 (its "
+                                 "TCPStore, where process groups meet); null: the address of "
+                                 "its interface that routes to the controller")
+    store_port: int = opt(0, "port of trainer rank 0's TCPStore; 0 picks a free one")
     ppo: PPOConfig = opt(PPOConfig(), "decoupled PPO objective")
     advantage: AdvantageConfig = opt(AdvantageConfig(), "advantage estimator")
 
@@ -238,6 +276,10 @@ class TrainerConfig:
                 f"{key}.devices lists {len(self.devices)} devices for "
                 f"{key}.num_ranks={self.num_ranks}; give one per rank or none"
             )
+        _check_cpus(self.cpus, self.num_ranks, f"{key}.cpus", f"{key}.num_ranks")
+        _positive(self.dist_timeout_s, f"{key}.dist_timeout_s")
+        if not 0 <= self.store_port < 65536:
+            raise ConfigError(f"{key}.store_port={self.store_port!r} must be in [0, 65535]")
         self.ppo.check(f"{key}.ppo")
         self.advantage.check(f"{key}.advantage")
 
@@ -271,10 +313,16 @@ class WeightSyncConfig:
                     ["disk", "stream", "collective"])
     bucket_mb: int = opt(64, "tensor bucket size for stream/collective (MiB)")
     keep_versions: int = opt(2, "weight versions kept on disk (disk mode)")
+    backend: str = opt("auto", "collective mode: process-group backend of trainer rank 0 and "
+                       "the rollout workers; auto: nccl when both sides use GPUs, else gloo",
+                       ["auto", "gloo", "nccl"])
+    timeout_s: float = opt(60.0, "collective mode: rendezvous and broadcast timeout; after a "
+                           "failure the group is re-formed without the members that left")
 
     def check(self, key: str) -> None:
         _positive(self.bucket_mb, f"{key}.bucket_mb")
         _positive(self.keep_versions, f"{key}.keep_versions")
+        _positive(self.timeout_s, f"{key}.timeout_s")
 
 
 @dataclass(kw_only=True)
@@ -316,6 +364,16 @@ class ControllerConfig:
     secret: str | None = opt(None, "shared secret workers must present to join; null: a "
                              "random one per run, passed to spawned workers privately")
     max_message_mb: int = opt(2048, "larger incoming messages are refused")
+    auth: str = opt("auto", "how peers are authenticated: 'curve' (CurveZMQ: only holders of an "
+                    "authorised client key can connect; traffic encrypted), 'secret' (the "
+                    "shared secret in Register, plain TCP); auto: curve when the controller "
+                    "binds a non-loopback address or expects remote workers, else secret",
+                    ["auto", "curve", "secret"])
+    keys_dir: str | None = opt(None, "CurveZMQ key directory (python -m areal.auth init DIR); "
+                               "null: a fresh one in <run_dir>/keys")
+    remote_kinds: list[str] = opt([], "worker kinds the controller does not start; it waits "
+                                  "for rollout.num_workers / reward.num_workers / "
+                                  "trainer.num_ranks of them to join with --connect")
 
     def check(self, key: str) -> None:
         if not 0 <= self.port < 65536:
@@ -327,6 +385,34 @@ class ControllerConfig:
                 f"{key}.heartbeat_interval_s={self.heartbeat_interval_s!r}"
             )
         _positive(self.max_message_mb, f"{key}.max_message_mb")
+        kinds = ("rollout", "reward", "trainer")
+        for kind in self.remote_kinds:
+            if kind not in kinds:
+                raise ConfigError(f"{key}.remote_kinds: {kind!r} is not one of {', '.join(kinds)}")
+        if self.remote_kinds and self.auth == "secret" and self.secret is None:
+            raise ConfigError(
+                f"{key}.remote_kinds={self.remote_kinds} with {key}.auth='secret' needs a "
+                f"{key}.secret that the remote workers are given ($AREAL_SECRET); or use "
+                f"{key}.auth=curve")
+
+    @property
+    def uses_curve(self) -> bool:
+        """The resolved `auth`: CurveZMQ unless 'secret', or 'auto' on a loopback-only run."""
+        if self.auth != "auto":
+            return self.auth == "curve"
+        return bool(self.remote_kinds) or not is_loopback(self.host)
+
+
+def is_loopback(host: str) -> bool:
+    """True for addresses only this machine can reach (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a hostname or '*': assume reachable from elsewhere
 
 
 @dataclass(kw_only=True)
