@@ -24,9 +24,13 @@ import uvloop
 
 from areal.config import load_config
 from areal.controller import Controller
+from areal.tasks.arithmetic import ArithmeticTask
 
-LONG_TAIL_TASK = ["task.params.min_k=2", "task.params.max_k=24", "task.params.k_alpha=1.0"]
-"""The arithmetic task with a long tail of trace lengths (most short, a few ~10x longer)."""
+LONG_TAIL = {key: ArithmeticTask.long_tail().params()[key] for key in ("min_k", "max_k", "k_alpha")}
+LONG_TAIL_TASK = [*(f"task.params.{key}={value}" for key, value in LONG_TAIL.items()),
+                  "rollout.max_new_tokens=384"]
+"""The arithmetic task with a long tail of trace lengths (ArithmeticTask.long_tail(): most
+completions short, a few ~15x longer), and a token budget that fits the longest."""
 
 
 def _overrides(args: argparse.Namespace, out: Path, mode: str) -> list[str]:

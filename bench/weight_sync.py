@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     init_keys(keys)
     modes = args.modes.split(",")
     header = f"{'model':>6} {'params':>8} {'MB':>7} {'memcpy':>8} " + " ".join(
-        f"{m:>13}" for m in modes)
+        f"{m:>20}" for m in modes)
     rows = []
     for size in args.sizes.split(","):
         params = sum(t.numel() for _, t in build_tensors(size, getattr(torch, args.dtype)))
@@ -277,9 +277,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {size} {mode}: {best:.3f} s", file=sys.stderr, flush=True)
         copy = memcpy_seconds(num_bytes, args.repeats)
         rows.append(f"{size:>6} {params / 1e6:>7.1f}M {num_bytes / 2**20:>7.0f} {copy:>7.3f}s "
-                    + " ".join(f"{results[m]:>12.3f}s" for m in modes))
+                    + " ".join(f"{results[m]:>10.3f}s ({results[m] / copy:>5.1f}x)"
+                               for m in modes))
     print(f"seconds to publish one weight version ({args.dtype}, sender and receiver "
-          f"processes on one machine, {os.cpu_count()} CPUs; best of {args.repeats})")
+          f"processes on one machine, {os.cpu_count()} CPUs; best of {args.repeats}; in "
+          "parentheses: time / memcpy of the same bytes)")
     print(header)
     print("\n".join(rows))
     return 0

@@ -21,6 +21,8 @@ import contextlib
 import dataclasses
 import fcntl
 import hashlib
+import importlib
+import inspect
 import json
 import logging
 import math
@@ -35,7 +37,7 @@ import torch
 
 from areal.config import RunConfig, WarmStartConfig
 from areal.models.tiny import build_char_tokenizer, build_tiny_model
-from areal.tasks import load_task
+from areal.tasks import BUILTIN_TASKS, load_task
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +59,21 @@ def warm_key_inputs(cfg: RunConfig) -> dict[str, Any]:
         "version": WARMSTART_VERSION,
         "tiny": dataclasses.asdict(cfg.model.tiny),
         "warmstart": dataclasses.asdict(cfg.model.warmstart),
-        "task": {"name": cfg.task.name, "params": dict(cfg.task.params)},
+        "task": {"name": cfg.task.name, "params": dict(cfg.task.params),
+                 "source": task_source_digest(cfg.task.name)},
         "seed": cfg.seed,
     }
+
+
+def task_source_digest(name: str) -> str:
+    """Digest of the task module's source: editing how a task makes its SFT data (a user's
+    task, or ours) must not reuse a warm model built from the old data."""
+    module_name = BUILTIN_TASKS.get(name, name).partition(":")[0]
+    try:
+        source = Path(inspect.getsourcefile(importlib.import_module(module_name))).read_bytes()
+    except (ImportError, OSError, TypeError):  # load_task reports a bad name with context
+        return ""
+    return hashlib.sha256(source).hexdigest()[:16]
 
 
 def warm_key(cfg: RunConfig) -> str:

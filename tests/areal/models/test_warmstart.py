@@ -77,6 +77,16 @@ def test_key_changes_with_every_input_and_only_with_those(tmp_path):
     assert warmstart.warm_key(unrelated) == warmstart.warm_key(base)
 
 
+def test_key_changes_when_the_task_code_changes(tmp_path, monkeypatch):
+    module = tmp_path / "my_sft_task.py"
+    module.write_text("from areal.tasks.arithmetic import ArithmeticTask as Mine\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = _cfg(tmp_path, "task.name=my_sft_task:Mine")
+    before = warmstart.warm_key(cfg)
+    module.write_text("from areal.tasks.arithmetic import ArithmeticTask as Mine\n# edited\n")
+    assert warmstart.warm_key(cfg) != before
+
+
 def test_second_call_reuses_the_cached_model(tmp_path, monkeypatch):
     cfg = _cfg(tmp_path)
     builds = warmstart.num_builds
