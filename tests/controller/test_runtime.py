@@ -171,15 +171,20 @@ def test_sync_mode_trains_only_on_fresh_data_via_embedding_api(tmp_path, tiny_mo
         ctl = Controller(cfg)
         run = asyncio.create_task(ctl.run())
         kinds = collections.Counter()
-        steps = []
+        steps, evals = [], []
         async for record in ctl.events():
             kinds[record["kind"]] += 1
             if record["kind"] == "step":
                 steps.append(record)
-        return await run, steps, kinds
+            elif record["kind"] == "eval":
+                evals.append(record)
+        return await run, steps, evals, kinds
 
-    summary, steps, kinds = asyncio.run(drive())
+    summary, steps, evals, kinds = asyncio.run(drive())
     assert kinds["step"] == 3 and kinds["eval"] == 2 and kinds["summary"] == 1
+    # The evaluations before and after training sample with exactly their own version.
+    assert [(r["version"], r["eval/token_version_min"], r["eval/token_version_max"])
+            for r in evals] == [(0, 0.0, 0.0), (3, 3.0, 3.0)]
     assert [r["staleness/hist"] for r in steps] == [{"0": BATCH}] * 3
     assert all(r["rollout/interruptions"] == 0 for r in steps)
     assert summary["final_version"] == 3
