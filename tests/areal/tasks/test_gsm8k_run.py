@@ -47,10 +47,10 @@ def test_training_on_the_shipped_gsm8k_file_runs_end_to_end(gsm8k_run):
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
     assert all(0.0 <= r["rollout/reward_mean"] <= 1.0 for r in steps)
     assert sum(r["reward/verdicts"].get("error", 0) for r in steps) == 0  # math-verify judged
-    # before and after; the periodic one (step 2) runs in the background: it may finish
-    # after the final one, or (the controller does not wait for it) not at all
+    # before and after training, and the periodic one at step 2: it runs beside training,
+    # and the controller waits for it before the final evaluation
     eval_steps = sorted(r["step"] for r in evals)
-    assert eval_steps in ([0, STEPS], [0, 2, STEPS]), eval_steps
+    assert eval_steps == [0, 2, STEPS], eval_steps  # before, periodic (every 2), final
     assert all(r["eval/num_problems"] == EVAL_PROMPTS for r in evals)
     resolved = (gsm8k_run / "config.yaml").read_text()
     assert "gsm8k_train.jsonl" in resolved and "${model.path}" not in resolved
