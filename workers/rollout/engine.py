@@ -38,8 +38,10 @@ Not here: processes, transport, policy versions, resubmission, tokenisation.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -57,6 +59,7 @@ __all__ = [
     "EngineStateError",
     "FinishReason",
     "SamplingParams",
+    "SerialControlEngine",
     "TensorWeights",
     "WeightSource",
     "processed_logprobs",
@@ -194,6 +197,65 @@ class Engine(ABC):
     @abstractmethod
     async def close(self) -> None:
         """Abort everything in flight and release the model; idempotent."""
+
+
+class SerialControlEngine(Engine):
+    """The life-cycle machinery both engines share: a state, one lock over control calls,
+    and one worker thread for blocking model work.
+
+    Control calls are atomic: each runs as its own task, shielded, so a cancelled caller
+    cannot leave a half-stopped or half-loaded engine behind; the next control call waits
+    for it (subclasses take `self._control` in `_start`, `_pause`, ...).
+    """
+
+    def __init__(self) -> None:
+        self._state = EngineState.CREATED
+        self._control = asyncio.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        """Created by the subclass's `_start`, shut down by its `_close`."""
+
+    @property
+    def state(self) -> EngineState:
+        return self._state
+
+    async def start(self) -> None:
+        await asyncio.shield(self._start())
+
+    async def pause(self) -> None:
+        await asyncio.shield(self._pause())
+
+    async def update_weights(self, source: WeightSource) -> None:
+        await asyncio.shield(self._update_weights(source))
+
+    async def resume(self) -> None:
+        await asyncio.shield(self._resume())
+
+    async def close(self) -> None:
+        await asyncio.shield(self._close())
+
+    @abstractmethod
+    async def _start(self) -> None: ...
+
+    @abstractmethod
+    async def _pause(self) -> None: ...
+
+    @abstractmethod
+    async def _update_weights(self, source: WeightSource) -> None: ...
+
+    @abstractmethod
+    async def _resume(self) -> None: ...
+
+    @abstractmethod
+    async def _close(self) -> None: ...
+
+    async def _run_blocking(self, fn, *args):
+        assert self._executor is not None
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _require(self, state: EngineState, method: str, fix: str) -> None:
+        if self._state is not state:
+            raise EngineStateError(f"{method}() needs a {state.value} engine, but it is "
+                                   f"{self._state.value}; {fix}")
 
 
 def processed_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, *,

@@ -60,8 +60,8 @@ from areal.config import RunConfig
 from areal.models.hf import load_model
 from areal.models.weights import copy_into_model, load_tensors
 from areal.workers.rollout.engine import (
-    DiskWeights, Engine, EngineDeadError, EngineOutput, EngineState, EngineStateError,
-    FinishReason, SamplingParams, TensorWeights, WeightSource,
+    DiskWeights, EngineDeadError, EngineOutput, EngineState, EngineStateError,
+    FinishReason, SamplingParams, SerialControlEngine, TensorWeights, WeightSource,
 )
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class _Session:
     """Set before the hard stop: from then on, failed outputs are aborts, not errors."""
 
 
-class TorchEngine(Engine):
+class TorchEngine(SerialControlEngine):
     """Continuous batching on CPU or one GPU (see the module docstring)."""
 
     def __init__(self, model_path: str | Path, *, dtype: str = "float32", device: str = "cpu",
@@ -107,14 +107,12 @@ class TorchEngine(Engine):
         self._max_concurrent, self._seed = max_concurrent, seed
         self._max_cached_tokens, self._page_size = max_cached_tokens, page_size
         self._max_batch_tokens, self._trust_remote_code = max_batch_tokens, trust_remote_code
-        self._state = EngineState.CREATED
-        self._control = asyncio.Lock()
+        super().__init__()
         self._session: _Session | None = None
         self._num_sessions = 0
         self._num_requests = 0
         self._running_ids: set[str] = set()
         self._model: Any = None
-        self._executor: ThreadPoolExecutor | None = None
 
     @classmethod
     def from_config(cls, cfg: RunConfig, index: int = 0) -> "TorchEngine":
@@ -133,34 +131,14 @@ class TorchEngine(Engine):
                    seed=cfg.seed * 1000 + index, trust_remote_code=cfg.model.trust_remote_code)
 
     @property
-    def state(self) -> EngineState:
-        return self._state
-
-    @property
     def max_seq_len(self) -> int:
         """Longest prompt + completion a request may ask for."""
         return min(self._max_positions, self._num_blocks * self._page_size)
 
     # ---------------------------------------------------------------- life cycle
 
-    # Control calls are atomic: each runs as its own task, shielded, so a cancelled caller
-    # cannot leave a half-stopped session behind (e.g. a hard stop cancelled before its
-    # thread ran, orphaning a generation loop). The next control call waits for it.
-
-    async def start(self) -> None:
-        await asyncio.shield(self._start())
-
-    async def pause(self) -> None:
-        await asyncio.shield(self._pause())
-
-    async def update_weights(self, source: WeightSource) -> None:
-        await asyncio.shield(self._update_weights(source))
-
-    async def resume(self) -> None:
-        await asyncio.shield(self._resume())
-
-    async def close(self) -> None:
-        await asyncio.shield(self._close())
+    # Control calls are atomic (SerialControlEngine): e.g. a hard stop cancelled before its
+    # thread ran cannot orphan a generation loop.
 
     async def _start(self) -> None:
         async with self._control:
@@ -360,11 +338,3 @@ class TorchEngine(Engine):
                 request.future.set_result(EngineOutput(token_ids=[], logprobs=[],
                                                        finish_reason=FinishReason.ABORT))
 
-    async def _run_blocking(self, fn, *args):
-        assert self._executor is not None
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
-    def _require(self, state: EngineState, method: str, fix: str) -> None:
-        if self._state is not state:
-            raise EngineStateError(f"{method}() needs a {state.value} engine, but it is "
-                                   f"{self._state.value}; {fix}")

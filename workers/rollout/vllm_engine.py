@@ -37,8 +37,8 @@ from typing import Any, Iterator, Sequence
 from areal.config import RunConfig
 from areal.models.hf import check_model_dir
 from areal.workers.rollout.engine import (
-    DiskWeights, Engine, EngineDeadError, EngineOutput, EngineState, EngineStateError,
-    FinishReason, SamplingParams, TensorWeights, WeightSource,
+    DiskWeights, EngineDeadError, EngineOutput, EngineState, EngineStateError,
+    FinishReason, SamplingParams, SerialControlEngine, TensorWeights, WeightSource,
 )
 from areal.workers.rollout.vllm_plugin import EXTENSION_QUALNAME
 from areal.workers.rollout.vllm_transfer import CheckpointLayout, safetensors_shapes, write_shared
@@ -51,7 +51,7 @@ _FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH,
                    "abort": FinishReason.ABORT}
 
 
-class VllmEngine(Engine):
+class VllmEngine(SerialControlEngine):
     """vLLM `AsyncLLM` on one GPU (or `tensor_parallel_size` GPUs) or the CPU backend."""
 
     def __init__(self, model_path: str | Path, *, dtype: str = "float32", device: str = "cpu",
@@ -85,10 +85,8 @@ class VllmEngine(Engine):
         self._max_seq_len = int(max_model_len or text.get("max_position_embeddings", 1 << 20))
         self._layout = CheckpointLayout.of_directory(
             self._model_path, tied_lm_head=bool(config.get("tie_word_embeddings", False)))
-        self._state = EngineState.CREATED
-        self._control = asyncio.Lock()
+        super().__init__()
         self._llm: Any = None
-        self._executor: ThreadPoolExecutor | None = None
         self._num_requests = 0
         self._running: dict[str, Any] = {}
         """request_id -> vLLM's output queue (RequestOutputCollector) of the running call,
@@ -123,32 +121,13 @@ class VllmEngine(Engine):
                    trust_remote_code=cfg.model.trust_remote_code)
 
     @property
-    def state(self) -> EngineState:
-        return self._state
-
-    @property
     def max_seq_len(self) -> int:
         """Longest prompt + completion a request may ask for."""
         return self._max_seq_len
 
     # ---------------------------------------------------------------- life cycle
-    # Control calls are atomic (engine.py): each runs shielded, so a cancelled caller cannot
-    # leave vLLM half paused or half loaded; the next control call waits for it.
-
-    async def start(self) -> None:
-        await asyncio.shield(self._start())
-
-    async def pause(self) -> None:
-        await asyncio.shield(self._pause())
-
-    async def update_weights(self, source: WeightSource) -> None:
-        await asyncio.shield(self._update_weights(source))
-
-    async def resume(self) -> None:
-        await asyncio.shield(self._resume())
-
-    async def close(self) -> None:
-        await asyncio.shield(self._close())
+    # Control calls are atomic (SerialControlEngine): vLLM is never left half paused or
+    # half loaded.
 
     async def _start(self) -> None:
         async with self._control:
@@ -370,14 +349,6 @@ class VllmEngine(Engine):
         await self._submitted.wait()
         await (llm or self._llm).pause_generation(mode="abort", clear_cache=True)
 
-    async def _run_blocking(self, fn, *args):
-        assert self._executor is not None
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
-    def _require(self, state: EngineState, method: str, fix: str) -> None:
-        if self._state is not state:
-            raise EngineStateError(f"{method}() needs a {state.value} engine, but it is "
-                                   f"{self._state.value}; {fix}")
 
 
 class _EngineClosed(Exception):
