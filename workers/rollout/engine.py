@@ -62,6 +62,7 @@ __all__ = [
     "SerialControlEngine",
     "TensorWeights",
     "WeightSource",
+    "check_request",
     "processed_logprobs",
 ]
 
@@ -256,6 +257,25 @@ class SerialControlEngine(Engine):
         if self._state is not state:
             raise EngineStateError(f"{method}() needs a {state.value} engine, but it is "
                                    f"{self._state.value}; {fix}")
+
+
+def check_request(request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *,
+                  vocab_size: int, max_seq_len: int, fix: str) -> list[int]:
+    """The prompt as a list of ints, after the checks every engine makes before submitting:
+    not empty, token ids inside the vocabulary, prompt + budget within `max_seq_len`
+    (`fix`: how to raise that limit on this engine)."""
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise ValueError(f"request {request_id!r}: the prompt is empty")
+    bad = [t for t in (*prompt, *params.stop_token_ids) if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"request {request_id!r}: token id {bad[0]} is outside the "
+                         f"vocabulary [0, {vocab_size})")
+    if len(prompt) + params.max_new_tokens > max_seq_len:
+        raise ValueError(
+            f"request {request_id!r}: prompt ({len(prompt)}) + max_new_tokens "
+            f"({params.max_new_tokens}) exceeds the engine's max_seq_len={max_seq_len}{fix}")
+    return prompt
 
 
 def processed_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, *,

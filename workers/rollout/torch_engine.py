@@ -62,6 +62,7 @@ from areal.models.weights import copy_into_model, load_tensors
 from areal.workers.rollout.engine import (
     DiskWeights, EngineDeadError, EngineOutput, EngineState, EngineStateError,
     FinishReason, SamplingParams, SerialControlEngine, TensorWeights, WeightSource,
+    check_request,
 )
 
 log = logging.getLogger(__name__)
@@ -246,19 +247,10 @@ class TorchEngine(SerialControlEngine):
 
     def _check_request(self, request_id: str, prompt_ids: Sequence[int],
                        params: SamplingParams) -> list[int]:
-        prompt = [int(t) for t in prompt_ids]
-        if not prompt:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
-        bad = [t for t in (*prompt, *params.stop_token_ids) if not 0 <= t < self._vocab_size]
-        if bad:
-            raise ValueError(f"request {request_id!r}: token id {bad[0]} is outside the "
-                             f"vocabulary [0, {self._vocab_size})")
-        if len(prompt) + params.max_new_tokens > self.max_seq_len:
-            raise ValueError(
-                f"request {request_id!r}: prompt ({len(prompt)}) + max_new_tokens "
-                f"({params.max_new_tokens}) exceeds the engine's max_seq_len={self.max_seq_len} "
-                "(model positions and KV-cache capacity); shorten it or raise max_cached_tokens")
-        return prompt
+        return check_request(request_id, prompt_ids, params, vocab_size=self._vocab_size,
+                             max_seq_len=self.max_seq_len,
+                             fix=" (model positions and KV-cache capacity); shorten it or raise "
+                                 "max_cached_tokens")
 
     def _sampling_kwargs(self, params: SamplingParams) -> dict[str, Any]:
         # Python float/int exactly: transformers type-checks these with isinstance.

@@ -39,6 +39,7 @@ from areal.models.hf import check_model_dir
 from areal.workers.rollout.engine import (
     DiskWeights, EngineDeadError, EngineOutput, EngineState, EngineStateError,
     FinishReason, SamplingParams, SerialControlEngine, TensorWeights, WeightSource,
+    check_request,
 )
 from areal.workers.rollout.vllm_plugin import EXTENSION_QUALNAME
 from areal.workers.rollout.vllm_transfer import CheckpointLayout, safetensors_shapes, write_shared
@@ -287,19 +288,9 @@ class VllmEngine(SerialControlEngine):
 
     def _check_request(self, request_id: str, prompt_ids: Sequence[int],
                        params: SamplingParams) -> list[int]:
-        prompt = [int(t) for t in prompt_ids]
-        if not prompt:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
-        bad = [t for t in (*prompt, *params.stop_token_ids) if not 0 <= t < self._vocab_size]
-        if bad:
-            raise ValueError(f"request {request_id!r}: token id {bad[0]} is outside the "
-                             f"vocabulary [0, {self._vocab_size})")
-        if len(prompt) + params.max_new_tokens > self._max_seq_len:
-            raise ValueError(
-                f"request {request_id!r}: prompt ({len(prompt)}) + max_new_tokens "
-                f"({params.max_new_tokens}) exceeds the engine's max_seq_len={self._max_seq_len}; "
-                "shorten it or raise rollout.vllm.max_model_len")
-        return prompt
+        return check_request(request_id, prompt_ids, params, vocab_size=self._vocab_size,
+                             max_seq_len=self._max_seq_len,
+                             fix="; shorten it or raise rollout.vllm.max_model_len")
 
     # ---------------------------------------------------------------- helpers
 

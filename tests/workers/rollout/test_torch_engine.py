@@ -7,7 +7,10 @@ import asyncio
 
 import pytest
 import torch
-from rollout_helpers import assert_close, random_prompts, recompute_logprobs
+from rollout_helpers import (
+    assert_close, check_pause_returns_tokens_so_far, check_sampled_stops,
+    check_top_p_logprobs_are_of_the_nucleus, random_prompts, recompute_logprobs,
+)
 
 from areal.models.logprobs import packed_logprobs
 from areal.models.weights import WeightMismatchError, load_tensors
@@ -46,21 +49,8 @@ async def test_logprobs_equal_full_forward_recomputation(make_engine, reference_
 
 
 async def test_top_p_logprobs_are_of_the_renormalised_nucleus(make_engine, reference_models):
-    engine = await make_engine()
-    prompts = random_prompts(12, min_len=3, max_len=40, seed=3)
-    params = SamplingParams(max_new_tokens=16, temperature=1.3, top_p=0.6)
-    outs = await asyncio.gather(*(engine.generate(f"p{i}", p, params)
-                                  for i, p in enumerate(prompts)))
-    got, nucleus, full = [], [], []
-    for prompt, out in zip(prompts, outs, strict=True):
-        got += out.logprobs
-        nucleus += recompute_logprobs(reference_models[0], prompt, out.token_ids,
-                                      temperature=1.3, top_p=0.6).tolist()
-        full += recompute_logprobs(reference_models[0], prompt, out.token_ids,
-                                   temperature=1.3).tolist()
-    assert_close(got, nucleus, atol=ATOL, what="engine vs nucleus log-probs")
-    # Every sampled token was inside the nucleus, and renormalising raised its log-prob.
-    assert all(n > f for n, f in zip(nucleus, full, strict=True))
+    await check_top_p_logprobs_are_of_the_nucleus(await make_engine(), reference_models[0],
+                                                  atol=ATOL)
 
 
 async def test_greedy_equals_transformers_generate_with_zero_logprobs(make_engine,
@@ -109,29 +99,8 @@ async def test_outputs_follow_new_weights_after_update(make_engine, weights_dirs
 
 
 async def test_pause_returns_tokens_so_far_as_abort(make_engine, reference_models):
-    engine = await make_engine()
-    prompts = random_prompts(8, min_len=5, max_len=30, seed=6)
-    params = SamplingParams(max_new_tokens=400, temperature=1.0)
-    long = [asyncio.create_task(engine.generate(f"l{i}", p, params))
-            for i, p in enumerate(prompts)]
-    # A short request decoded in the same batches: when it is done, the long ones have
-    # about as many tokens (scheduling is by steps, not by time).
-    short = await engine.generate("short", prompts[0], SamplingParams(max_new_tokens=8))
-    assert len(short.token_ids) == 8
-    await engine.pause()
-    outs = await asyncio.gather(*long)
-    for prompt, out in zip(prompts, outs, strict=True):
-        assert out.finish_reason is FinishReason.ABORT
-        assert 1 <= len(out.token_ids) < 400
-        assert_close(out.logprobs, recompute_logprobs(reference_models[0], prompt,
-                                                      out.token_ids, temperature=1.0),
-                     atol=ATOL, what="partial output log-probs")
-    # Paused: generate returns at once, with nothing.
-    out = await engine.generate("late", prompts[0], params)
-    assert (out.token_ids, out.finish_reason) == ([], FinishReason.ABORT)
-    await engine.resume()
-    again = await engine.generate("l0", prompts[0], SamplingParams(max_new_tokens=5))
-    assert again.finish_reason is FinishReason.LENGTH and len(again.token_ids) == 5
+    await check_pause_returns_tokens_so_far(await make_engine(), reference_models[0],
+                                            max_new_tokens=400, atol=ATOL)
 
 
 async def test_life_cycle_errors_are_clear(make_engine, weights_dirs):
@@ -171,14 +140,7 @@ async def test_stop_tokens_and_budget_are_respected(make_engine, reference_model
     budget = await engine.generate("b", prompt, SamplingParams(max_new_tokens=7,
                                                                temperature=0.0))
     assert budget.finish_reason is FinishReason.LENGTH and budget.token_ids == free[:7]
-    sampled = await asyncio.gather(*(engine.generate(f"m{i}", prompt, SamplingParams(
-        max_new_tokens=13, stop_token_ids=[stop])) for i in range(8)))
-    for out in sampled:
-        assert len(out.token_ids) <= 13 and out.token_ids.count(stop) <= 1
-        if out.finish_reason is FinishReason.STOP:
-            assert out.token_ids[-1] == stop
-        else:
-            assert out.finish_reason is FinishReason.LENGTH and len(out.token_ids) == 13
+    await check_sampled_stops(engine, prompt, stop)
 
 
 async def test_cancelled_request_leaves_the_engine_serving(make_engine):

@@ -16,7 +16,10 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 import torch
-from rollout_helpers import assert_close, random_prompts, recompute_logprobs
+from rollout_helpers import (
+    assert_close, check_pause_returns_tokens_so_far, check_sampled_stops,
+    check_top_p_logprobs_are_of_the_nucleus, random_prompts, recompute_logprobs,
+)
 
 from areal.config import load_config
 from areal.models.logprobs import packed_logprobs
@@ -102,19 +105,7 @@ async def test_logprobs_equal_trainer_recomputation(engine, reference_models, te
 
 
 async def test_top_p_logprobs_are_of_the_renormalised_nucleus(engine, reference_models):
-    prompts = random_prompts(12, min_len=3, max_len=40, seed=3)
-    params = SamplingParams(max_new_tokens=16, temperature=1.3, top_p=0.6)
-    outs = await asyncio.gather(*(engine.generate(f"p{i}", p, params)
-                                  for i, p in enumerate(prompts)))
-    got, nucleus, full = [], [], []
-    for prompt, out in zip(prompts, outs, strict=True):
-        got += out.logprobs
-        nucleus += recompute_logprobs(reference_models[0], prompt, out.token_ids,
-                                      temperature=1.3, top_p=0.6).tolist()
-        full += recompute_logprobs(reference_models[0], prompt, out.token_ids,
-                                   temperature=1.3).tolist()
-    assert_close(got, nucleus, atol=ATOL, what="vLLM vs nucleus log-probs")
-    assert all(n > f for n, f in zip(nucleus, full, strict=True))
+    await check_top_p_logprobs_are_of_the_nucleus(engine, reference_models[0], atol=ATOL)
 
 
 async def test_greedy_equals_argmax_with_zero_logprobs(engine, reference_models):
@@ -205,25 +196,8 @@ async def test_invalid_updates_are_refused_and_keep_the_weights(engine, referenc
 
 
 async def test_pause_returns_tokens_so_far_as_abort(engine, reference_models):
-    prompts = random_prompts(8, min_len=5, max_len=30, seed=6)
-    params = SamplingParams(max_new_tokens=300, temperature=1.0)
-    long = [asyncio.create_task(engine.generate(f"l{i}", p, params))
-            for i, p in enumerate(prompts)]
-    short = await engine.generate("short", prompts[0], SamplingParams(max_new_tokens=8))
-    assert len(short.token_ids) == 8
-    await engine.pause()
-    outs = await asyncio.gather(*long)
-    for prompt, out in zip(prompts, outs, strict=True):
-        assert out.finish_reason is FinishReason.ABORT
-        assert 1 <= len(out.token_ids) < 300
-        assert_close(out.logprobs, recompute_logprobs(reference_models[0], prompt,
-                                                      out.token_ids, temperature=1.0),
-                     atol=ATOL, what="partial output log-probs")
-    out = await engine.generate("late", prompts[0], params)  # paused: at once, nothing
-    assert (out.token_ids, out.finish_reason) == ([], FinishReason.ABORT)
-    await engine.resume()
-    again = await engine.generate("l0", prompts[0], SamplingParams(max_new_tokens=5))
-    assert again.finish_reason is FinishReason.LENGTH and len(again.token_ids) == 5
+    await check_pause_returns_tokens_so_far(engine, reference_models[0], max_new_tokens=300,
+                                            atol=ATOL)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -259,14 +233,7 @@ async def test_stop_tokens_and_budget_are_respected(engine):
                                                             stop_token_ids=[stop, 2]))
     assert out.finish_reason is FinishReason.STOP
     assert out.token_ids == free[:free.index(stop) + 1]
-    sampled = await asyncio.gather(*(engine.generate(f"m{i}", prompt, SamplingParams(
-        max_new_tokens=13, stop_token_ids=[stop])) for i in range(8)))
-    for out in sampled:
-        assert len(out.token_ids) <= 13 and out.token_ids.count(stop) <= 1
-        if out.finish_reason is FinishReason.STOP:
-            assert out.token_ids[-1] == stop
-        else:
-            assert out.finish_reason is FinishReason.LENGTH and len(out.token_ids) == 13
+    await check_sampled_stops(engine, prompt, stop)
 
 
 async def test_cancelled_request_is_aborted_in_vllm(engine):
