@@ -81,7 +81,8 @@ class Controller:
         self.num_malformed = 0
         self._setup: RunSetup | None = None
         self._metrics: MetricsSink | None = None
-        self._early_subscribers: list[asyncio.Queue] = []
+        self._subscribers: list[asyncio.Queue] = []
+        """One queue per `events()` iterator; MetricsSink feeds them (the same list)."""
         self._stopping = False
         self._admission_open = True
         self._trained: asyncio.Future | None = None
@@ -101,9 +102,8 @@ class Controller:
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:
         """Every record (steps, evals, events, the summary) as it happens, until the run ends."""
-        queue = self._metrics.subscribe() if self._metrics else asyncio.Queue()
-        if self._metrics is None:
-            self._early_subscribers.append(queue)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._subscribers.append(queue)
         while True:
             record = await queue.get()
             if is_closed(record):
@@ -125,12 +125,12 @@ class Controller:
         try:
             self._setup = await asyncio.to_thread(prepare_run, self.cfg)
         except BaseException:
-            for queue in self._early_subscribers:  # end their iteration: nothing will come
+            for queue in self._subscribers:  # end their iteration: nothing will come
                 queue.put_nowait(closed_marker())
             raise
         self.cfg = self._setup.cfg
-        self._metrics = MetricsSink(self.cfg, self._setup.run_dir, self.cfg.trainer.total_steps)
-        self._metrics._subscribers.extend(self._early_subscribers)
+        self._metrics = MetricsSink(self.cfg, self._setup.run_dir, self.cfg.trainer.total_steps,
+                                    self._subscribers)
         self.staleness = StalenessController(self.cfg.trainer.batch_size, self.cfg.eta)
         ctx = zmq.asyncio.Context()
         secret, keys, keys_dir = self._credentials(ctx)

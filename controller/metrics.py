@@ -4,7 +4,8 @@ Every record is a flat dict with a `kind` ('step', 'eval', 'event', 'summary') a
 namespaced keys (`rollout/`, `train/`, `reward/`, `perf/`, `staleness/`, `eval/`). JSONL is
 always written (one line per record, flushed, so a crashed run keeps its history);
 TensorBoard when `logging.tensorboard`; W&B when `logging.wandb_project` is set and wandb is
-installed. Embedding applications receive the same records through `subscribe()`.
+installed. Embedding applications receive the same records through `Controller.events()`,
+whose queues the sink is given.
 Writes are a line of text or a queue put; TensorBoard and W&B write from their own threads.
 """
 
@@ -27,10 +28,13 @@ _CLOSED = object()
 
 
 class MetricsSink:
-    def __init__(self, cfg: RunConfig, run_dir: Path, total_steps: int) -> None:
+    def __init__(self, cfg: RunConfig, run_dir: Path, total_steps: int,
+                 subscribers: list[asyncio.Queue]) -> None:
+        """subscribers: the owner's list of queues; every record is put into each queue
+        in it, including queues appended later."""
         self.run_dir = run_dir
         self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
-        self._subscribers: list[asyncio.Queue] = []
+        self._subscribers = subscribers
         self._tb = self._open_tensorboard(cfg, run_dir)
         self._wandb = self._open_wandb(cfg, run_dir)
         self._bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True,
@@ -58,11 +62,6 @@ class MetricsSink:
 
         return wandb.init(project=cfg.logging.wandb_project, dir=str(run_dir),
                           name=run_dir.name, config=config_to_dict(cfg))
-
-    def subscribe(self) -> asyncio.Queue:
-        queue: asyncio.Queue = asyncio.Queue()
-        self._subscribers.append(queue)
-        return queue
 
     def record(self, kind: str, values: dict[str, Any], step: int | None = None) -> None:
         record = {"kind": kind, **({"step": step} if step is not None else {}), **values}
