@@ -57,19 +57,17 @@ async def _run(overrides: list[str]) -> tuple[dict, list[dict]]:
     return await run, records
 
 
-def _evaluate_versions(run_dir: Path, every: int, steps: int) -> list[dict]:
-    """Greedy held-out pass@1 of the versions `every, 2*every, ...` a run published, each
-    as an eval record stamped with the training time at which that version existed."""
+def _evaluate_versions(run_dir: Path, step_records: list[dict], every: int) -> list[dict]:
+    """Greedy held-out pass@1 of every `every`-th version a run published, each as an eval
+    record stamped with the training time at which that version existed."""
     from areal.eval import evaluate
+    from areal.workers.trainer.publish import version_dir
 
-    cfg = load_config(run_dir / "config.yaml")
-    base = Path(cfg.model.path).resolve()
-    stamps = {r["version"]: r["perf/train_elapsed_s"]
-              for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-              if r["kind"] == "step"}
+    base = Path(load_config(run_dir / "config.yaml").model.path).resolve()
+    stamps = {r["version"]: r["perf/train_elapsed_s"] for r in step_records}
     records = []
-    for version in range(every, steps + 1, every):
-        weights = (run_dir / "weights" / f"v{version:06d}" / "model.safetensors").resolve()
+    for version in sorted(v for v in stamps if v % every == 0):
+        weights = (version_dir(run_dir, version) / "model.safetensors").resolve()
         with tempfile.TemporaryDirectory() as tmp:
             for item in base.iterdir():  # config and tokenizer of the run's model
                 if item.name != "model.safetensors":
@@ -152,8 +150,8 @@ def main() -> int:
         summary, records = uvloop.run(_run(_overrides(args, args.out, mode)))
         print(f"{mode} run finished in {time.monotonic() - start:.0f} s", file=sys.stderr)
         before = [r for r in records if r["kind"] == "eval"][:1]  # version 0, before training
-        records = [r for r in records if r["kind"] == "step"] + before + _evaluate_versions(
-            args.out / mode, args.eval_every, args.steps)
+        steps = [r for r in records if r["kind"] == "step"]
+        records = steps + before + _evaluate_versions(args.out / mode, steps, args.eval_every)
         results[mode] = (summary, sorted(records, key=lambda r: r["perf/train_elapsed_s"]))
     table = _table(results, args.target)
     print(table)
