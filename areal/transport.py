@@ -70,17 +70,6 @@ class RouterChannel:
                 raise
         return True
 
-    async def forward(self, identity: bytes, frames: list[Any]) -> bool:
-        """Send already-encoded frames (relaying a message) to one peer."""
-        async with self._send_lock:
-            try:
-                await self.socket.send_multipart([identity, *frames], copy=False)
-            except zmq.ZMQError as err:
-                if err.errno == zmq.EHOSTUNREACH:
-                    return False
-                raise
-        return True
-
     def close(self) -> None:
         self.socket.close(0)
 
@@ -112,9 +101,6 @@ class DealerChannel:
 
     async def recv(self) -> Any:
         return decode(await self.socket.recv_multipart(copy=False), self.max_bytes)
-
-    async def recv_raw(self) -> list[Any]:
-        return await self.socket.recv_multipart(copy=False)
 
     async def send(self, msg: Any) -> None:
         frames = encode(msg)

@@ -222,4 +222,3 @@ CODE = RowFormat(
     },
     build=_build_code,
 )
-FORMATS = {f.name: f for f in (GSM8K, MATH, CODE)}
