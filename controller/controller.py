@@ -92,7 +92,6 @@ class Controller:
         self._auth_tasks: list[asyncio.Task] = []
         self._score_queue: list[Sample] = []
         self._stream_chunks: list[WeightsChunk] = []
-        self._stream_expected = 0
         self._eval_rounds: dict[int, dict[str, Any]] = {}
         self._periodic_evals: list[asyncio.Task] = []
         self._report = StepReport()
@@ -124,9 +123,11 @@ class Controller:
         self._started = time.monotonic()
         try:
             self._setup = await asyncio.to_thread(prepare_run, self.cfg)
-        except BaseException:
+        except BaseException as err:
             for queue in self._subscribers:  # end their iteration: nothing will come
                 queue.put_nowait(closed_marker())
+            if isinstance(err, ValueError):  # the task, its data or the model do not fit
+                raise RunFailed(f"cannot set up the run: {err}") from err
             raise
         self.cfg = self._setup.cfg
         self._metrics = MetricsSink(self.cfg, self._setup.run_dir, self.cfg.trainer.total_steps,
@@ -188,6 +189,8 @@ class Controller:
             if driver not in done:
                 (task,) = [t for t in done][:1]
                 exc = task.exception()
+                if isinstance(exc, RunFailed):
+                    raise exc
                 raise RunFailed(f"controller loop {task.get_name()!r} "
                                 f"{'failed: ' + repr(exc) if exc else 'returned on its own'}") from exc
             return driver.result()
@@ -308,7 +311,7 @@ class Controller:
         update = UpdateWeights(version=self.version, mode=mode, path=trained.weights_path,
                                num_chunks=trained.num_chunks,
                                interrupt=self.cfg.mode == "async" and self.cfg.rollout.interrupt)
-        self._stream_chunks, self._stream_expected = [], trained.num_chunks
+        self._stream_chunks = []
         self._latest_weights = trained.weights_path
         if mode == "collective":
             await self.groups.publish(self.version, trained.manifest, update.interrupt)
@@ -530,6 +533,12 @@ class Controller:
         elif msg.request_id and handle.kind is WorkerKind.TRAINER and self._trained is not None \
                 and not self._trained.done():
             self._trained.set_exception(RunFailed(f"trainer failed: {msg.error}"))
+        elif handle.kind is WorkerKind.ROLLOUT and msg.request_id in self.ledger.by_request:
+            # The engine refused or failed a generation (e.g. prompt + rollout.max_new_tokens
+            # beyond the model's length): sent again it would fail again, and left alone its
+            # group would never finish and the run would wait forever.
+            raise RunFailed(f"{handle.worker_id} could not generate request {msg.request_id}: "
+                            f"{msg.error}")
 
     # -- liveness -------------------------------------------------------------------------------
 

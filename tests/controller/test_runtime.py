@@ -21,7 +21,7 @@ import zmq
 import zmq.asyncio
 
 from areal.config import load_config
-from areal.controller import Controller
+from areal.controller import Controller, RunFailed
 from areal.controller.ledger import Purpose
 from areal.messages import MsgType, Register, WorkerKind, encode
 from areal.models.hf import load_model
@@ -190,3 +190,11 @@ def test_sync_mode_trains_only_on_fresh_data_via_embedding_api(tmp_path, tiny_mo
     assert summary["final_version"] == 3
     assert all(abs(r["train/logprob_diff_fresh"]) < 1e-4 for r in steps)
     assert (Path(summary["run_dir"]) / "final_model" / "config.json").is_file()
+
+
+def test_a_request_the_engine_refuses_fails_the_run_instead_of_hanging(tmp_path, tiny_model_dir):
+    # The tiny model has 512 positions: every prompt + 512 new tokens is refused.
+    cfg = _config(tmp_path / "run", tiny_model_dir, "rollout.max_new_tokens=512")
+    with pytest.raises(RunFailed, match=r"could not generate request g\d+-s\d+-a\d+: "
+                                         r"ValueError: .*exceeds the engine's max_seq_len=512"):
+        asyncio.run(asyncio.wait_for(Controller(cfg).run(), 120))
