@@ -256,6 +256,11 @@ class TrainerConfig:
                                  "TCPStore, where process groups meet); null: the address of "
                                  "its interface that routes to the controller")
     store_port: int = opt(0, "port of trainer rank 0's TCPStore; 0 picks a free one")
+    checkpoint_every: int = opt(10, "save the trainer's state (weights + optimiser, "
+                                "<run_dir>/checkpoints) every N steps; a lost trainer rank is "
+                                "restarted from the latest one and the controller replays the "
+                                "batches trained since; 0: never, and a lost rank fails the run")
+    keep_checkpoints: int = opt(2, "trainer checkpoints kept on disk (the newest)")
     ppo: PPOConfig = opt(PPOConfig(), "decoupled PPO objective")
     advantage: AdvantageConfig = opt(AdvantageConfig(), "advantage estimator")
 
@@ -271,6 +276,8 @@ class TrainerConfig:
         _positive(self.num_minibatches, f"{key}.num_minibatches")
         _positive(self.num_ranks, f"{key}.num_ranks")
         _positive(self.threads, f"{key}.threads")
+        _non_negative(self.checkpoint_every, f"{key}.checkpoint_every")
+        _positive(self.keep_checkpoints, f"{key}.keep_checkpoints")
         if self.devices and len(self.devices) != self.num_ranks:
             raise ConfigError(
                 f"{key}.devices lists {len(self.devices)} devices for "

@@ -150,6 +150,9 @@ class Welcome:
     weights_path: str | None = None
     """Directory of the current weights when they differ from the config's model (disk)."""
     run_dir: str = ""
+    checkpoint: str = ""
+    """Trainer only: the checkpoint to resume from (areal.workers.trainer.checkpoint); empty:
+    start from the config's model at version 0."""
 
 
 @message(MsgType.READY)
@@ -282,6 +285,9 @@ class Train:
     minibatch_loss_tokens: list[int] = field(default_factory=list)
     """Loss tokens of each minibatch over all ranks: the loss normaliser of that minibatch's
     optimiser step."""
+    replay: bool = False
+    """A step already trained and published before the trainer was lost, sent again after
+    its restart from a checkpoint: train it, publish nothing."""
 
 
 @message(MsgType.TRAINED)
@@ -300,6 +306,10 @@ class Trained:
     rank: int = 0
     """Data-parallel rank that sent this; every rank answers each Train (rank 0 with the
     published weights), with the same reduced stats."""
+    replay: bool = False
+    """Answers a replayed Train: nothing was published."""
+    checkpoint: str = ""
+    """Rank 0: the trainer checkpoint this step saved (trainer.checkpoint_every), if any."""
 
 
 @message(MsgType.JOIN_GROUP)
@@ -368,7 +378,16 @@ class Scored:
 @message(MsgType.SHUTDOWN)
 @dataclass(kw_only=True)
 class Shutdown:
+    """Controller -> worker: exit (exit code 0; REJOIN_EXIT_CODE when `rejoin`)."""
+
     reason: str = ""
+    rejoin: bool = False
+    """The run goes on without this process, but needs it back: start it again (a trainer
+    rank whose group lost a member resumes from the newest checkpoint)."""
+
+
+REJOIN_EXIT_CODE = 75
+"""Exit code of a worker told to stop and be started again (EX_TEMPFAIL)."""
 
 
 @message(MsgType.WORKER_ERROR)

@@ -16,7 +16,9 @@
     [recv loop]     every message from the ROUTER socket -> handler; malformed -> log, drop
     [liveness loop] Heartbeat to every worker; a silent or exited worker is lost: its work
                     is re-queued (never lost), a local worker is restarted; a lost trainer
-                    rank fails the run; a failed weights group is re-formed
+                    rank: every rank restarts from the newest checkpoint, the steps trained
+                    since are replayed (recovery.py), then the step in progress is sent
+                    again; a failed weights group is re-formed
 
 Every loop is a named task; one that fails or returns on its own brings the run down
 loudly. Shutdown: Shutdown to every worker -> cancel loops -> gather -> reap processes.
@@ -52,6 +54,7 @@ from areal.controller.groups import GroupError, Groups
 from areal.controller.ledger import Group, Ledger, Purpose, Sample, Stage
 from areal.controller.metrics import MetricsSink, closed_marker, is_closed
 from areal.controller.pool import WorkerHandle, WorkerPool
+from areal.controller.recovery import TrainerRecovery
 from areal.controller.report import StepReport, eval_record, summary_lines
 from areal.controller.setup import RunSetup, prepare_run
 from areal.controller.signal import Changed
@@ -64,6 +67,10 @@ MAX_RESTARTS = 3
 
 class RunFailed(RuntimeError):
     """The run cannot go on (a worker keeps dying, the trainer failed, ...)."""
+
+
+class TrainerLost(RuntimeError):
+    """A trainer rank was lost during a step: the step is sent again after the restart."""
 
 
 class Controller:
@@ -87,6 +94,11 @@ class Controller:
         self._admission_open = True
         self._trained: asyncio.Future | None = None
         self._trained_ranks: dict[int, Trained] = {}
+        self._trainers_formed = False
+        """The ranks are ready, in one group, and hold the run's current version."""
+        self.recovery = TrainerRecovery(cfg.trainer.checkpoint_every)
+        self._losing: set[str] = set()
+        """Worker ids whose loss is being handled."""
         self.zap: ZapHandler | None = None
         self.handshake_failures: list[str] = []
         self._auth_tasks: list[asyncio.Task] = []
@@ -224,11 +236,6 @@ class Controller:
 
     async def _train_driver(self) -> dict[str, Any]:
         await self._wait_ready()
-        if self.cfg.trainer.num_ranks > 1:
-            try:
-                await self.groups.form_trainer_group()
-            except GroupError as err:
-                raise RunFailed(str(err)) from err
         before = await self._evaluate()
         self._report.start_training()
         groups_per_step = self.cfg.trainer.batch_size // self.cfg.task.group_size
@@ -243,7 +250,10 @@ class Controller:
             waited = time.monotonic() - waited
             groups = self.ledger.take_batch(groups_per_step)
             self.staleness.consume(self.cfg.trainer.batch_size)
-            trained, train_s = await self._train_step(step, groups)
+            result = await self._train_step(step, groups)
+            if result is None:  # stopped while a lost trainer was being restored
+                break
+            trained, train_s = result
             record = self._report.step_record(step, self.version, groups, trained.stats,
                                               train_s, waited, self)
             self._metrics.record("step", record, step=step)
@@ -276,33 +286,81 @@ class Controller:
             lambda: all(len(self.pool.ready(k)) >= n for k, n in kinds.items()))
         self._metrics.console(f"workers ready after {time.monotonic() - self._started:.1f} s")
 
-    async def _train_step(self, step: int, groups: list[Group]) -> tuple[Trained, float]:
-        """Send each trainer rank its shard (areal.algorithms.sharding); wait for them all."""
-        ranks = sorted(self.pool.ready(WorkerKind.TRAINER), key=lambda h: h.rank)
-        if len(ranks) != self.cfg.trainer.num_ranks:  # a lost rank fails the run first
-            raise RunFailed(f"{len(ranks)} of {self.cfg.trainer.num_ranks} trainer ranks ready")
+    async def _train_step(self, step: int, groups: list[Group]) -> tuple[Trained, float] | None:
+        """Send each trainer rank its shard (areal.algorithms.sharding); wait for them all.
+        A rank lost meanwhile: restart the ranks, replay, send the step again (None: the run
+        was stopped while waiting for them)."""
+        messages = await self._train_messages(step, groups)
+        self.recovery.record(messages)
+        start = time.monotonic()
+        while True:
+            try:
+                if not self._trainers_formed and not await self._ensure_trainers(step):
+                    return None
+                trained = await self._send_train(messages)
+                return trained, time.monotonic() - start
+            except TrainerLost as lost:
+                log.warning("step %d: %s; it is sent again once the trainer is back", step, lost)
+
+    async def _train_messages(self, step: int, groups: list[Group]) -> list[Train]:
         batch = pack([t for g in groups for t in g.trajectories()])
         if self.cfg.logging.save_batches:
             await asyncio.to_thread(self._setup.save_batch, step, self.version, batch)
         trainer_cfg = self.cfg.trainer
         advantages = compute_advantages(batch.rewards, batch.group_ids, trainer_cfg.advantage)
         shards = shard_batch(batch, advantages, trainer_cfg.num_ranks, trainer_cfg.num_minibatches)
+        return [Train(step=step, version=self.version,
+                      token_ids=part.token_ids.numpy().astype(np.int32),
+                      logprobs=part.logprobs.numpy(), versions=part.versions.numpy().astype(np.int32),
+                      loss_mask=part.loss_mask.numpy(), cu_seqlens=part.cu_seqlens.numpy(),
+                      rewards=part.rewards.numpy(), group_ids=part.group_ids.numpy(),
+                      loss_normalizer=int(batch.loss_mask.sum()),
+                      advantages=shard.advantages.numpy().astype(np.float32),
+                      minibatch_sizes=shard.minibatch_sizes,
+                      minibatch_loss_tokens=shard.minibatch_loss_tokens)
+                for shard in shards for part in (shard.batch,)]
+
+    async def _send_train(self, messages: list[Train]) -> Trained:
+        """Each rank its message; rank 0's Trained once every rank answered."""
+        ranks = sorted(self.pool.ready(WorkerKind.TRAINER), key=lambda h: h.rank)
+        if len(ranks) != len(messages):
+            raise TrainerLost(f"{len(ranks)} of {len(messages)} trainer ranks ready")
         self._trained = asyncio.get_running_loop().create_future()
         self._trained_ranks = {}
+        for handle, msg in zip(ranks, messages, strict=True):
+            await self.channel.send(handle.identity, msg)
+        return await self._trained
+
+    async def _ensure_trainers(self, step: int) -> bool:
+        """Wait for every rank, form their group, replay the steps since the checkpoint they
+        resumed from (none at the start of a run). False: the run was stopped meanwhile."""
+        restores = self.recovery.num_restores
         start = time.monotonic()
-        for handle, shard in zip(ranks, shards, strict=True):
-            part = shard.batch
-            await self.channel.send(handle.identity, Train(
-                step=step, version=self.version, token_ids=part.token_ids.numpy().astype(np.int32),
-                logprobs=part.logprobs.numpy(), versions=part.versions.numpy().astype(np.int32),
-                loss_mask=part.loss_mask.numpy(), cu_seqlens=part.cu_seqlens.numpy(),
-                rewards=part.rewards.numpy(), group_ids=part.group_ids.numpy(),
-                loss_normalizer=int(batch.loss_mask.sum()),
-                advantages=shard.advantages.numpy().astype(np.float32),
-                minibatch_sizes=shard.minibatch_sizes,
-                minibatch_loss_tokens=shard.minibatch_loss_tokens))
-        trained = await self._trained
-        return trained, time.monotonic() - start
+        await self.changed.wait_for(lambda: self._stopping or len(
+            self.pool.ready(WorkerKind.TRAINER)) >= self.cfg.trainer.num_ranks)
+        if self._stopping:
+            return False
+        if self.cfg.trainer.num_ranks > 1:
+            try:
+                await self.groups.form_trainer_group()
+            except GroupError as err:
+                if self.recovery.num_restores != restores:
+                    raise TrainerLost(str(err)) from err
+                raise RunFailed(str(err)) from err
+        replays = self.recovery.replays(step)
+        last = None
+        for messages in replays:
+            last = await self._send_train(messages)
+        self._trainers_formed = True
+        if restores:
+            self._record_event(
+                "trainer_restored", checkpoint=self.recovery.checkpoint,
+                replayed_steps=len(replays), restore_s=round(time.monotonic() - start, 3),
+                replay_max_abs_diff=last.stats.get("replay_max_abs_diff") if last else None)
+            origin = self.recovery.checkpoint or "the initial model"
+            self._metrics.console(f"trainer restored from {origin} (+{len(replays)} replayed "
+                                  f"steps) in {time.monotonic() - start:.1f} s")
+        return True
 
     async def _publish(self, trained: Trained) -> None:
         """The trainer published `trained.version`: tell every rollout worker to serve it."""
@@ -445,10 +503,12 @@ class Controller:
             self._record_event("worker_refused", worker_id=msg.worker_id, host=msg.host)
             return
         latest = getattr(self, "_latest_weights", None)
+        trainer = handle.kind is WorkerKind.TRAINER
         await self.channel.send(identity, Welcome(
             config=self._setup.config_dict, version=self.version,
-            weights_path=latest if self.cfg.weight_sync.mode == "disk" else None,
-            run_dir=str(self._setup.run_dir)))
+            weights_path=latest if self.cfg.weight_sync.mode == "disk" and not trainer else None,
+            run_dir=str(self._setup.run_dir),
+            checkpoint=self.recovery.checkpoint if trainer else ""))
         if handle.kind is WorkerKind.ROLLOUT and self.version > 0 \
                 and self.cfg.weight_sync.mode == "stream":
             await self.channel.send(identity, UpdateWeights(
@@ -502,7 +562,11 @@ class Controller:
             log.warning("unexpected Trained for step %d from %s", msg.step, handle.worker_id)
             return
         self._trained_ranks[msg.rank] = msg
-        if msg.rank == 0:
+        if msg.rank == 0 and msg.checkpoint:
+            self.recovery.checkpointed(msg.step, msg.checkpoint)
+            self._record_event("checkpoint", step=msg.step, path=msg.checkpoint,
+                               seconds=msg.stats.get("checkpoint_s"))
+        if msg.rank == 0 and not msg.replay:
             # Announce the version here, in the receive loop: in stream mode the trainer's
             # WeightsChunks are the next messages, and they must reach the rollout workers
             # after the UpdateWeights that tells them to expect the chunks.
@@ -532,7 +596,7 @@ class Controller:
             await self._lose(handle, f"fatal error: {msg.error}")
         elif msg.request_id and handle.kind is WorkerKind.TRAINER and self._trained is not None \
                 and not self._trained.done():
-            self._trained.set_exception(RunFailed(f"trainer failed: {msg.error}"))
+            await self._trainer_step_failed(handle, msg.error)
         elif handle.kind is WorkerKind.ROLLOUT and msg.request_id in self.ledger.by_request:
             # The engine refused or failed a generation (e.g. prompt + rollout.max_new_tokens
             # beyond the model's length): sent again it would fail again, and left alone its
@@ -549,13 +613,25 @@ class Controller:
             for handle in list(self.pool.by_identity.values()):
                 await self.channel.send(handle.identity, Heartbeat())
             for handle in self.pool.lost(cfg.heartbeat_timeout_s):
+                if handle not in self.pool.lost(cfg.heartbeat_timeout_s):
+                    continue  # restarted meanwhile, with its trainer group
                 await self._lose(handle, "process exited" if handle.process is not None
                                  and handle.process.poll() is not None else "silent")
             await self.groups.tick(self.version, self._interrupt())
             self.changed.notify()
 
     async def _lose(self, handle: WorkerHandle, why: str) -> None:
-        """Re-queue everything `handle` held, forget it, and restart it if it is ours."""
+        """Re-queue everything `handle` held, forget it, and restart it if it is ours. Once:
+        the liveness loop and a failed trainer step may both find the same dead rank."""
+        if handle.worker_id in self._losing:
+            return
+        self._losing.add(handle.worker_id)
+        try:
+            await self._lose_once(handle, why)
+        finally:
+            self._losing.discard(handle.worker_id)
+
+    async def _lose_once(self, handle: WorkerHandle, why: str) -> None:
         requeued, rescore = [], []
         if handle.identity is not None:
             requeued, rescore = self.ledger.release_worker(handle.identity)
@@ -568,19 +644,8 @@ class Controller:
         for sample in rescore:
             await self._send_score(sample)
         if handle.kind is WorkerKind.TRAINER:
-            # A rank holds optimiser state and a place in the data-parallel group: the run
-            # cannot go on without it.
-            failure = RunFailed(
-                f"trainer rank {handle.rank} ({handle.worker_id} on {handle.host or '?'}) lost "
-                f"({why}); the trainer group cannot continue without it; see "
-                f"{self._setup.run_dir / 'logs' / (handle.worker_id + '.log')} (local) or "
-                "that worker's own log (remote)")
-            if self._trained is not None and not self._trained.done():
-                self._trained.set_exception(failure)
-            if handle.process is not None and handle.process.poll() is None:
-                handle.process.kill()
-                await asyncio.to_thread(handle.process.wait)
-            raise failure
+            await self._lose_trainer(handle, why)
+            return
         if handle.process is None:
             return
         if handle.process.poll() is None:
@@ -592,6 +657,70 @@ class Controller:
         handle.num_restarts += 1
         index = int(handle.worker_id.rsplit("-", 1)[1])
         self.pool.spawn(handle.kind, index, handle.rank)
+
+    async def _trainer_step_failed(self, handle: WorkerHandle, error: str) -> None:
+        """One rank alone fails the same way again: the run fails. With several ranks the
+        usual cause is a peer that died mid-collective (its process is gone a moment later):
+        that one is lost; else the reporting rank is (restarts are bounded)."""
+        if self.cfg.trainer.num_ranks == 1 or not self.recovery.enabled:
+            self._trained.set_exception(RunFailed(f"trainer failed: {error}"))
+            return
+        for _ in range(20):
+            if any(h.worker_id in self._losing for h in self.pool.trainers()):
+                return  # the liveness loop found the dead rank first; it ends the step
+            dead = [h for h in self.pool.trainers()
+                    if h.process is not None and h.process.poll() is not None]
+            if dead:
+                await self._lose(dead[0], "process exited")
+                return
+            await asyncio.sleep(0.1)
+        await self._lose(handle, f"step failed: {error}")
+
+    async def _lose_trainer(self, handle: WorkerHandle, why: str) -> None:
+        """A rank holds optimiser state and a place in the data-parallel group: every rank
+        restarts from the newest checkpoint (local ones here; remote ones are told to stop
+        and must be started again), and the step in progress is sent again afterwards."""
+        where = (f"{self._setup.run_dir / 'logs' / (handle.worker_id + '.log')} (local) or "
+                 "that worker's own log (remote)")
+        lost = f"trainer rank {handle.rank} ({handle.worker_id} on {handle.host or '?'}) lost ({why})"
+        if not self.recovery.enabled or handle.num_restarts >= MAX_RESTARTS:
+            failure = RunFailed(
+                f"{lost}; the trainer group cannot continue without it "
+                + ("(trainer.checkpoint_every=0: no checkpoint to restart from)"
+                   if not self.recovery.enabled else f"(lost {handle.num_restarts + 1} times)")
+                + f"; see {where}")
+            if self._trained is not None and not self._trained.done():
+                self._trained.set_exception(failure)
+            await self._stop_process(handle)
+            raise failure
+        handle.num_restarts += 1
+        others = [h for h in self.pool.trainers() if h is not handle]
+        for other in others:
+            if other.identity is not None and other.process is None:
+                await self.channel.send(other.identity, Shutdown(
+                    reason="a trainer rank was lost: start this rank again to resume the run "
+                           "from the checkpoint", rejoin=True))
+            self.groups.member_lost(other)
+            self.pool.forget(other)
+            await self._stop_process(other)
+        await self._stop_process(handle)
+        self.groups.trainer_group_lost()
+        self._trainers_formed = False
+        self.recovery.num_restores += 1
+        if self._trained is not None and not self._trained.done():
+            self._trained.set_exception(TrainerLost(lost))
+        remote = [h.rank for h in [handle, *others] if h.process is None]
+        for local in [h for h in [handle, *others] if h.process is not None]:
+            self.pool.spawn(WorkerKind.TRAINER, local.rank, local.rank)
+        self._metrics.console(
+            f"{lost}: restarting the trainer from {self.recovery.checkpoint or 'the initial model'}"
+            + (f"; waiting for remote trainer ranks {remote} to join again at "
+               f"{self.channel.address}" if remote else ""))
+
+    async def _stop_process(self, handle: WorkerHandle) -> None:
+        if handle.process is not None and handle.process.poll() is None:
+            handle.process.kill()
+            await asyncio.to_thread(handle.process.wait)
 
     def _record_event(self, event: str, **values: Any) -> None:
         self._metrics.record("event", {"event": event, "version": self.version, **values})

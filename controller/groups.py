@@ -3,7 +3,8 @@
     trainer group   after all R trainer ranks are Ready: JoinGroup(trainer, 1, rank, R,
                     backend, store of rank 0) to each -> wait for R GroupStatus(JOINED);
                     a FAILED one or the timeout fails the run, naming the rank and the fix.
-                    Fixed for the run: a lost rank fails the run (it holds optimiser state).
+                    A lost rank: every rank is restarted from the newest checkpoint
+                    (controller.py) and the group formed again, generation + 1.
     weights group   (weight_sync.mode=collective) rank 0 = trainer rank 0 (the sender),
                     ranks 1.. = rollout workers. For each published version:
                       members changed or a failure reported -> re-form: generation + 1,
@@ -72,6 +73,8 @@ class Groups:
         self.record_event = record_event
         self.store = ""
         """Trainer rank 0's TCPStore (Ready.store)."""
+        self.trainer_generation = 0
+        """How often the trainer group was formed (again after its ranks were restarted)."""
         self._trainer_status: dict[int, GroupStatus] = {}
         self._trainer_done = asyncio.Event()
         # weights group
@@ -93,6 +96,8 @@ class Groups:
         self.record_event(f"{msg.group.value}_group_{msg.state.value}", worker_id=handle.worker_id,
                           generation=msg.generation, error=msg.error)
         if msg.group is GroupName.TRAINER:
+            if msg.generation != self.trainer_generation:
+                return  # from ranks stopped since
             self._trainer_status[handle.rank] = msg
             if msg.state is GroupState.FAILED or \
                     len(self._trainer_status) == self.cfg.trainer.num_ranks:
@@ -111,9 +116,13 @@ class Groups:
         if not self.store:
             raise GroupError("trainer rank 0 announced no TCPStore address in Ready")
         timeout = self.cfg.trainer.dist_timeout_s
+        self.trainer_generation += 1
+        self._trainer_status = {}
+        self._trainer_done = asyncio.Event()
         for handle in ranks:
             await self.channel.send(handle.identity, JoinGroup(
-                group=GroupName.TRAINER, generation=1, rank=handle.rank, world_size=num_ranks,
+                group=GroupName.TRAINER, generation=self.trainer_generation, rank=handle.rank,
+                world_size=num_ranks,
                 backend=trainer_backend(self.cfg), store=self.store, timeout_s=timeout))
         try:
             await asyncio.wait_for(self._trainer_done.wait(), timeout + 30)
@@ -125,10 +134,19 @@ class Groups:
                 "and each other (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)") from None
         failed = {r: s.error for r, s in self._trainer_status.items()
                   if s.state is GroupState.FAILED}
+        if not failed and len(self._trainer_status) < num_ranks:
+            raise GroupError("a trainer rank was lost while the data-parallel group formed")
         if failed:
             raise GroupError(f"trainer ranks could not join the data-parallel group at "
                              f"{self.store}: {failed}")
         log.info("data-parallel trainer group of %d ranks formed at %s", num_ranks, self.store)
+
+    def trainer_group_lost(self) -> None:
+        """Every trainer rank is being restarted: the new rank 0 announces a new TCPStore, and
+        the weights group (collective mode), whose sender it is, must be re-formed."""
+        self.store = ""
+        self._dirty = True
+        self._trainer_done.set()  # a formation in progress ends now, incomplete
 
     # -- the weights group ----------------------------------------------------------------------
 

@@ -175,6 +175,13 @@ class WorkerPool:
                 out.append(handle)
         return out
 
+    def trainers(self) -> list[WorkerHandle]:
+        """Every trainer rank known: local ones (running or not) and registered remote ones."""
+        handles = {id(h): h for h in self.expected.values() if h.kind is WorkerKind.TRAINER}
+        handles.update((id(h), h) for h in self.by_identity.values()
+                       if h.kind is WorkerKind.TRAINER)
+        return list(handles.values())
+
     def local_processes(self) -> list[subprocess.Popen]:
         return [h.process for h in self.expected.values() if h.process is not None]
 

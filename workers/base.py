@@ -3,7 +3,8 @@
     connect DEALER --Register--> controller --Welcome(config, version)--> setup() --Ready-->
     serve: recv loop -> handle(msg) (never blocks: long work runs in tasks/threads)
     heartbeat loop: Heartbeat every interval; exit when the controller is silent too long
-    Shutdown, a fatal error, or a lost controller -> close() -> exit code
+    Shutdown, a fatal error, or a lost controller -> close() -> exit code (0: shut down;
+    1: refused; 2: failed; 3: controller lost; 75: told to stop and be started again)
 
 A worker holds no state that must survive: the controller re-queues whatever a lost worker
 was doing. Subclasses implement `setup`, `handle`, `num_running` and `close`. Work items
@@ -29,7 +30,8 @@ import zmq.asyncio
 from areal.auth import KEYS_ENV, ClientKeys, KeyFileError, load_client_keys
 from areal.config import RunConfig, config_from_dict, parse_cpu_list
 from areal.messages import (
-    Heartbeat, MessageError, Ready, Register, Shutdown, Welcome, WorkerError, WorkerKind,
+    REJOIN_EXIT_CODE, Heartbeat, MessageError, Ready, Register, Shutdown, Welcome, WorkerError,
+    WorkerKind,
 )
 from areal.transport import DealerChannel
 
@@ -184,7 +186,7 @@ class Worker(ABC):
                 recv = asyncio.create_task(self.channel.recv())
                 if isinstance(msg, Shutdown):
                     log.info("%s shutting down: %s", self.worker_id, msg.reason)
-                    return 0
+                    return REJOIN_EXIT_CODE if msg.rejoin else 0
                 if not isinstance(msg, Heartbeat):
                     await self.handle(msg)
         finally:

@@ -45,10 +45,13 @@ CONTROLLER=$!
 # Trainer ranks: one task per GPU of the head node; the rank is the task id. Rank 0 hosts
 # the TCPStore where the process groups meet, on the interface that routes to the
 # controller (set trainer.store_host otherwise); pin gloo/NCCL with *_SOCKET_IFNAME if the
-# nodes have several networks.
+# nodes have several networks. When a rank is lost, the controller tells the others to stop
+# with exit code 75: the loop starts them again and they resume from the newest checkpoint
+# (start a lost rank's task again by hand, or let Slurm requeue it).
 srun --nodes=1 --ntasks="$NUM_RANKS" --nodelist="$HEAD" --gpus-per-task=1 --overlap \
-    bash -c "exec python -m areal.workers.trainer --connect $ADDRESS --keys $KEYS_DIR \
-                 --worker-id trainer-\$SLURM_PROCID --rank \$SLURM_PROCID" &
+    bash -c "while :; do python -m areal.workers.trainer --connect $ADDRESS --keys $KEYS_DIR \
+                 --worker-id trainer-\$SLURM_PROCID --rank \$SLURM_PROCID; \
+             [ \$? -eq 75 ] || break; done" &
 
 # Rollout workers: one vLLM engine per GPU of the other nodes; --rank picks the seed.
 srun --nodes=$(( ${#NODES[@]} - 1 )) --ntasks="$NUM_ROLLOUT" --nodelist="$ROLLOUT_NODES" \

@@ -6,8 +6,12 @@
                         -> GroupStatus(JOINED | FAILED)
     Train(step, version i, shard) -> PPOTrainer.step -> full weights (rank 0; FSDP: all
            ranks gather) -> rank 0 publishes i + 1 (disk | stream | collective snapshot)
-           -> Trained(version i + 1, reduced stats, weights_path | num_chunks | manifest)
-              [-> WeightsChunk x num_chunks]; ranks > 0 send Trained with the same stats
+           -> every trainer.checkpoint_every steps: checkpoint (all ranks, DCP)
+           -> Trained(version i + 1, reduced stats, weights_path | num_chunks | manifest,
+              checkpoint) [-> WeightsChunk x num_chunks]; ranks > 0 send Trained with the
+              same stats
+    Train(replay)  after a restart from Welcome.checkpoint (loaded at setup, or after the
+           group formed): the step again, publishing nothing -> Trained(replay)
     collective, rank 0 only:
       JoinGroup(weights)         -> join that generation of the weights group
       BroadcastWeights(v, gen)   -> broadcast snapshot v; a failure -> GroupStatus(FAILED)
@@ -36,7 +40,7 @@ from areal.messages import (
     Welcome, WorkerKind,
 )
 from areal.models.hf import load_model, load_tokenizer
-from areal.models.weights import copy_into_model, load_tensors
+from areal.models.weights import load_tensors
 from areal.types import PackedBatch
 from areal.workers.base import Worker
 from areal.workers.collective import (
@@ -45,7 +49,10 @@ from areal.workers.collective import (
 )
 from areal.workers.trainer.distributed import DataParallel, resolve_mode
 from areal.workers.trainer.ppo import PPOTrainer
-from areal.workers.trainer.publish import collective_snapshot, publish_to_disk, stream_chunks
+from areal.workers.trainer.checkpoint import load_checkpoint, read_info, save_checkpoint
+from areal.workers.trainer.publish import (
+    collective_snapshot, publish_to_disk, stream_chunks, version_dir,
+)
 
 log = logging.getLogger(__name__)
 
@@ -84,14 +91,15 @@ class TrainerWorker(Worker):
         self.model = await asyncio.to_thread(load_model, cfg.model.path, dtype=cfg.model.dtype,
                                              device=self.device,
                                              trust_remote_code=cfg.model.trust_remote_code)
-        if welcome.weights_path:
-            tensors = await asyncio.to_thread(load_tensors, welcome.weights_path)
-            copy_into_model(self.model, tensors)
-        self.version = welcome.version
+        self.checkpoint = read_info(welcome.checkpoint) if welcome.checkpoint else None
+        self.version = self.checkpoint.version if self.checkpoint else 0
+        self.resume_to = welcome.version
+        """The run's version when this rank joined: replayed steps lead up to it."""
         self._train_thread = SerialThread(f"train-rank{self.rank}")
         self.trainer: PPOTrainer | None = None
         if cfg.trainer.num_ranks == 1:
             self.trainer = PPOTrainer(self.model, cfg)
+            await self._train_thread.submit(self._restore_sync)
         self._store, self._store_address = None, ""
         if self.rank == 0 and (cfg.trainer.num_ranks > 1 or cfg.weight_sync.mode == "collective"):
             host = advertised_host(self.address, cfg.trainer.store_host)
@@ -146,6 +154,17 @@ class TrainerWorker(Worker):
                                     generation=msg.generation,
                                     bucket_bytes=self.config.weight_sync.bucket_mb << 20)
         self.trainer = PPOTrainer(self.model, self.config, self.dp)
+        self._restore_sync()
+
+    def _restore_sync(self) -> None:
+        """Resume from the checkpoint in Welcome (a restart after a trainer rank was lost)."""
+        if self.checkpoint is None:
+            return
+        start = time.perf_counter()
+        load_checkpoint(self.trainer.model, self.trainer.optimizer, self.checkpoint.path)
+        log.info("rank %d resumed from %s (step %d, version %d) in %.2f s", self.rank,
+                 self.checkpoint.path, self.checkpoint.step, self.checkpoint.version,
+                 time.perf_counter() - start)
 
     # -- training steps -------------------------------------------------------------------------
 
@@ -158,14 +177,18 @@ class TrainerWorker(Worker):
                                f"version {self.version}")
         self._busy = True
         try:
-            stats, published = await self._train_thread.submit(lambda: self._step_sync(msg))
+            stats, published, checkpoint = await self._train_thread.submit(
+                lambda: self._step_sync(msg))
             self.version = msg.version + 1
-            await self._send_trained(msg, stats, published)
+            await self._send_trained(msg, stats, published, checkpoint)
         finally:
             self._busy = False
 
-    def _step_sync(self, msg: Train) -> tuple[dict[str, float], Any]:
-        """The step, then (rank 0) the publication of its result, on the train thread."""
+    def _step_sync(self, msg: Train) -> tuple[dict[str, float], Any, str]:
+        """The step, then (rank 0) the publication of its result and (every
+        trainer.checkpoint_every steps, all ranks) a checkpoint, on the train thread. A
+        replayed step publishes nothing; it checks its result against the weights the lost
+        trainer published for that version, where they are still on disk."""
         batch = batch_from_message(msg)
         plan = {}
         if msg.minibatch_sizes:
@@ -173,13 +196,23 @@ class TrainerWorker(Worker):
                     "minibatch_sizes": list(msg.minibatch_sizes),
                     "minibatch_loss_tokens": list(msg.minibatch_loss_tokens)}
         stats = self.trainer.step(batch, msg.version, **plan)
+        version, mode = msg.version + 1, self.config.weight_sync.mode
+        if msg.replay and version < self.resume_to:
+            return stats, None, ""
         start = time.perf_counter()
         tensors = self.dp.full_weights(self.trainer.model)
+        if msg.replay:  # the last one: this rank now holds the run's current version
+            if tensors is None:
+                return stats, None, ""
+            stats.update(self._replay_check(tensors, version))
+            # Collective mode: a late joiner may need this version broadcast again.
+            return stats, collective_snapshot(tensors, self.config, version) \
+                if mode == "collective" else None, ""
+        checkpoint = self._checkpoint_sync(msg, stats)
         if tensors is None:
-            return stats, None
+            return stats, None, checkpoint
         if self.dp.fsdp:
             self._final_weights = tensors  # gathered CPU copies: what close() saves
-        version, mode = msg.version + 1, self.config.weight_sync.mode
         if mode == "stream":
             published = stream_chunks(tensors, self.config, version)
         elif mode == "collective":
@@ -187,11 +220,35 @@ class TrainerWorker(Worker):
         else:
             published = publish_to_disk(tensors, self.config, version)
         stats["publish_s"] = time.perf_counter() - start
-        return stats, published
+        return stats, published, checkpoint
 
-    async def _send_trained(self, msg: Train, stats: dict[str, float], published: Any) -> None:
+    def _checkpoint_sync(self, msg: Train, stats: dict[str, float]) -> str:
+        every = self.config.trainer.checkpoint_every
+        if not every or msg.step % every:
+            return ""
+        start = time.perf_counter()
+        path = save_checkpoint(self.trainer.model, self.trainer.optimizer, self.config.run_dir,
+                               msg.step, msg.version + 1, self.config.trainer.keep_checkpoints)
+        stats["checkpoint_s"] = time.perf_counter() - start
+        return str(path) if self.rank == 0 else ""
+
+    def _replay_check(self, tensors: list[tuple[str, torch.Tensor]],
+                      version: int) -> dict[str, float]:
+        """Largest |difference| between the weights after the replay and those the lost
+        trainer published for `version` (disk mode: they are still kept)."""
+        published = version_dir(self.config.run_dir, version)
+        if not published.exists():
+            return {}
+        saved = load_tensors(published)
+        diff = max((float((t.float().cpu() - saved[name].float()).abs().max())
+                    for name, t in tensors), default=0.0)
+        return {"replay_max_abs_diff": diff}
+
+    async def _send_trained(self, msg: Train, stats: dict[str, float], published: Any,
+                            checkpoint: str) -> None:
         version = msg.version + 1
-        trained = Trained(step=msg.step, version=version, stats=stats, rank=self.rank)
+        trained = Trained(step=msg.step, version=version, stats=stats, rank=self.rank,
+                          replay=msg.replay, checkpoint=checkpoint)
         if isinstance(published, str):
             trained.weights_path = published
         elif isinstance(published, WeightSnapshot):

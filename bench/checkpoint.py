@@ -1,0 +1,120 @@
+"""Seconds to save and to load a trainer checkpoint (weights + AdamW state), next to a raw
+memory copy of the same bytes and to one publication of the weights alone.
+
+    python bench/checkpoint.py [--sizes 10M,100M] [--repeats 2] [--out bench/results/checkpoint]
+
+For Qwen2-architecture models of about 10M and 100M parameters (random init, fp32 as the
+trainer holds them, built here), after one AdamW step so that the optimiser state exists
+(exp_avg, exp_avg_sq: the checkpoint is ~3x the weights):
+
+- memcpy:   `dst.copy_(src)` of all checkpoint tensors in this process: the physical reference.
+- publish:  publish_to_disk of the weights alone (what every step already does in disk mode).
+- save:     save_checkpoint (torch.distributed.checkpoint, one process), every
+            trainer.checkpoint_every steps.
+- load:     load_checkpoint into a fresh model and optimiser, what a restarted trainer does.
+
+The best of `--repeats` runs is reported (the machine is shared). A checkpoint every N steps
+costs save / N per step; compare it with the step time of your run (metrics.jsonl, train_s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from weight_sync import MODELS  # noqa: E402  (the same model sizes)
+
+from areal.config import load_config  # noqa: E402
+from areal.workers.trainer.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from areal.workers.trainer.publish import publish_to_disk  # noqa: E402
+
+
+def build(name: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    hidden, layers, inter, vocab, heads, kv = MODELS[name]
+    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                         num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=kv, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    for param in model.parameters():
+        param.grad = torch.randn_like(param) * 1e-3
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return model, optimizer
+
+
+def _best(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def measure(name: str, repeats: int, root: Path) -> dict[str, float]:
+    model, optimizer = build(name)
+    tensors = [p.detach() for p in model.parameters()] + [
+        t for state in optimizer.state.values() for t in state.values() if t.dim() > 0]
+    copies = [torch.empty_like(t) for t in tensors]
+    params = sum(p.numel() for p in model.parameters())
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    cfg = load_config(overrides=[f"run_dir={root}", "weight_sync.keep_versions=1"])
+    named = list(model.named_parameters())
+    step = iter(range(1, 1000))
+
+    def save():
+        save_checkpoint(model, optimizer, root, next(step), 0, keep=1)
+
+    row = {
+        "params": params, "gb": nbytes / 1e9,
+        "memcpy": _best(lambda: [c.copy_(t) for c, t in zip(copies, tensors)], repeats),
+        "publish": _best(lambda: publish_to_disk(named, cfg, 1), repeats),
+        "save": _best(save, repeats),
+    }
+    latest = sorted((root / "checkpoints").iterdir())[-1]
+    fresh, fresh_optimizer = build(name)
+    row["load"] = _best(lambda: load_checkpoint(fresh, fresh_optimizer, latest), repeats)
+    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+    if not same:
+        raise AssertionError("the loaded weights differ from the saved ones")
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="10M,100M")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/checkpoint"))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rows = {}
+    for name in args.sizes.split(","):
+        with tempfile.TemporaryDirectory(prefix="areal-ckpt-bench-") as root:
+            rows[name] = measure(name, args.repeats, Path(root))
+    header = (f"{'model':>6} {'params':>7} {'ckpt GB':>8} {'memcpy s':>9} {'publish s':>10} "
+              f"{'save s':>8} {'load s':>8} {'save/memcpy':>12} {'load/memcpy':>12}")
+    print(header)
+    print("-" * len(header))
+    for name, r in rows.items():
+        print(f"{name:>6} {r['params'] / 1e6:>6.1f}M {r['gb']:>8.3f} {r['memcpy']:>9.3f} "
+              f"{r['publish']:>10.3f} {r['save']:>8.3f} {r['load']:>8.3f} "
+              f"{r['save'] / r['memcpy']:>11.1f}x {r['load'] / r['memcpy']:>11.1f}x")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "checkpoint.json").write_text(json.dumps(
+        {"args": {k: str(v) for k, v in vars(args).items()}, "results": rows}, indent=2))
+    print(f"saved {args.out / 'checkpoint.json'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""A trainer resumed from a checkpoint and given the same batches again ends where the
+original did: same weights, same AdamW state, bitwise (one process, same thread count).
+
+This is what makes a lost trainer replaceable: the controller replays the steps trained
+since the newest checkpoint (controller/recovery.py, tests/controller/test_trainer_recovery.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from areal.config import load_config
+from areal.models.hf import load_model
+from areal.types import PackedBatch
+from areal.workers.trainer.checkpoint import (
+    META, checkpoint_dir, load_checkpoint, read_info, save_checkpoint,
+)
+from areal.workers.trainer.ppo import PPOTrainer
+
+LENGTHS = [9, 17, 6, 23, 12, 14, 8, 20]
+
+
+def _batch(seed: int) -> PackedBatch:
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(LENGTHS)
+    cu = torch.tensor([0, *LENGTHS], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    mask = torch.ones(total, dtype=torch.bool)
+    for start in cu[:-1].tolist():
+        mask[start:start + 3] = False
+    return PackedBatch(token_ids=torch.randint(3, 90, (total,), generator=gen),
+                       logprobs=torch.where(mask, -2.0 - torch.rand(total, generator=gen), 0.0),
+                       versions=torch.where(mask, 0, -1), loss_mask=mask, cu_seqlens=cu,
+                       rewards=torch.randint(0, 2, (len(LENGTHS),), generator=gen).float(),
+                       group_ids=torch.arange(len(LENGTHS)) // 4)
+
+
+def _trainer(model_dir: str, run_dir) -> PPOTrainer:
+    cfg = load_config(overrides=[f"model.path={model_dir}", f"run_dir={run_dir}",
+                                 "trainer.lr=1e-2", "trainer.num_minibatches=2"])
+    return PPOTrainer(load_model(model_dir), cfg)
+
+
+def _optimizer_tensors(trainer: PPOTrainer) -> list[torch.Tensor]:
+    return [t for state in trainer.optimizer.state.values() for t in state.values()]
+
+
+def test_resume_and_replay_reaches_the_same_weights_and_optimiser_state(tmp_path, tiny_model_dir):
+    torch.set_num_threads(1)
+    batches = [_batch(seed) for seed in range(4)]
+    original = _trainer(tiny_model_dir, tmp_path)
+    for version, batch in enumerate(batches[:2]):
+        original.step(batch, version)
+    path = save_checkpoint(original.model, original.optimizer, tmp_path, step=2, version=2, keep=2)
+    for version, batch in enumerate(batches[2:], start=2):
+        original.step(batch, version)
+
+    resumed = _trainer(tiny_model_dir, tmp_path)  # fresh weights, no optimiser state
+    info = load_checkpoint(resumed.model, resumed.optimizer, path)
+    assert (info.step, info.version) == (2, 2)
+    for version, batch in enumerate(batches[2:], start=2):  # the replay
+        resumed.step(batch, version)
+
+    for (name, a), b in zip(original.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b), name
+    theirs, ours = _optimizer_tensors(original), _optimizer_tensors(resumed)
+    assert len(theirs) == len(ours) > 0
+    assert all(torch.equal(a, b) for a, b in zip(theirs, ours))
+
+
+def test_only_the_newest_complete_checkpoints_are_kept(tmp_path, tiny_model_dir):
+    trainer = _trainer(tiny_model_dir, tmp_path)
+    (tmp_path / "checkpoints" / "step_000003").mkdir(parents=True)  # a dead trainer's partial one
+    for step in (2, 4, 6):
+        save_checkpoint(trainer.model, trainer.optimizer, tmp_path, step, step, keep=2)
+    kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert kept == ["step_000004", "step_000006"]
+    assert json.loads((checkpoint_dir(tmp_path, 6) / META).read_text()) == {
+        "step": 6, "version": 6}
+
+
+def test_an_incomplete_checkpoint_is_refused_by_name(tmp_path, tiny_model_dir):
+    trainer = _trainer(tiny_model_dir, tmp_path)
+    path = save_checkpoint(trainer.model, trainer.optimizer, tmp_path, 3, 3, keep=2)
+    (path / META).unlink()  # as if the trainer died before marking it complete
+    with pytest.raises(ValueError, match=f"{path} is not a complete trainer checkpoint"):
+        read_info(path)
+    with pytest.raises(ValueError, match="not a complete trainer checkpoint"):
+        load_checkpoint(trainer.model, trainer.optimizer, tmp_path / "nowhere")

@@ -1,0 +1,105 @@
+"""Trainer checkpoints: the weights and optimiser state a restarted trainer resumes from.
+
+    <run_dir>/checkpoints/step_<step>/   torch.distributed.checkpoint (DCP) files
+                                         (every rank writes its part: replicated tensors
+                                         once, FSDP2 shards each by its owner)
+                                         + areal.json {"step", "version"}, written last by
+                                         rank 0: a directory without it is incomplete
+
+Why DCP: one format for a single process, the CPU all-reduce replicas and FSDP2 shards,
+loadable at another world size; `get_state_dict` also creates AdamW's state before a load.
+A checkpoint is what makes a trainer rank replaceable (DESIGN.md section 3): the controller
+keeps the batches trained since the newest one and replays them, so the restarted trainer
+reaches the weights and optimiser state of the lost one (see controller.py, "trainer lost").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+META = "areal.json"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: Path
+    step: int
+    version: int
+    """Policy version of the saved weights (training steps done)."""
+
+
+def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
+
+
+def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    run_dir: str | Path, step: int, version: int, keep: int) -> Path:
+    """Save on every rank of the default group (a collective when there are several);
+    rank 0 then marks it complete and removes all but the `keep` newest."""
+    target = checkpoint_dir(run_dir, step)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    with _single_process_quiet():
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=target)
+    if _rank() == 0:
+        partial = target / (META + ".tmp")
+        partial.write_text(json.dumps({"step": step, "version": version}))
+        partial.replace(target / META)
+        _prune(target.parent, keep)
+    return target
+
+
+def read_info(path: str | Path) -> CheckpointInfo:
+    """Step and version of a complete checkpoint; ValueError naming the path otherwise."""
+    path = Path(path)
+    try:
+        meta = json.loads((path / META).read_text())
+        return CheckpointInfo(path=path, step=int(meta["step"]), version=int(meta["version"]))
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{path} is not a complete trainer checkpoint ({META}: {err})") from err
+
+
+def load_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    path: str | Path) -> CheckpointInfo:
+    """Load weights and optimiser state in place (every rank of the default group)."""
+    info = read_info(path)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=info.path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    return info
+
+
+def _prune(root: Path, keep: int) -> None:
+    """Remove every directory older than the `keep` newest complete ones (incomplete ones
+    that a dead trainer left behind included)."""
+    complete = sorted(p.name for p in root.iterdir() if (p / META).exists())
+    if len(complete) <= keep:
+        return
+    for old in root.iterdir():
+        if old.name < complete[-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns that it assumes one process when no group exists: that is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*in a single process")
+        yield
