@@ -260,7 +260,8 @@ class TrainerConfig:
                                 "<run_dir>/checkpoints) every N steps; a lost trainer rank is "
                                 "restarted from the latest one and the controller replays the "
                                 "batches trained since; 0: never, and a lost rank fails the run")
-    keep_checkpoints: int = opt(2, "trainer checkpoints kept on disk (the newest)")
+    keep_checkpoints: int = opt(2, "trainer checkpoints kept on disk (the newest; at least 2, "
+                                "so that the one the controller last heard of is never gone)")
     ppo: PPOConfig = opt(PPOConfig(), "decoupled PPO objective")
     advantage: AdvantageConfig = opt(AdvantageConfig(), "advantage estimator")
 
@@ -277,7 +278,9 @@ class TrainerConfig:
         _positive(self.num_ranks, f"{key}.num_ranks")
         _positive(self.threads, f"{key}.threads")
         _non_negative(self.checkpoint_every, f"{key}.checkpoint_every")
-        _positive(self.keep_checkpoints, f"{key}.keep_checkpoints")
+        if self.keep_checkpoints < 2:
+            raise ConfigError(f"{key}.keep_checkpoints={self.keep_checkpoints!r} must be >= 2: a "
+                              "trainer lost while saving a checkpoint resumes from the one before")
         if self.devices and len(self.devices) != self.num_ranks:
             raise ConfigError(
                 f"{key}.devices lists {len(self.devices)} devices for "

@@ -562,15 +562,15 @@ class Controller:
             log.warning("unexpected Trained for step %d from %s", msg.step, handle.worker_id)
             return
         self._trained_ranks[msg.rank] = msg
-        if msg.rank == 0 and msg.checkpoint:
-            self.recovery.checkpointed(msg.step, msg.checkpoint)
-            self._record_event("checkpoint", step=msg.step, path=msg.checkpoint,
-                               seconds=msg.stats.get("checkpoint_s"))
         if msg.rank == 0 and not msg.replay:
             # Announce the version here, in the receive loop: in stream mode the trainer's
             # WeightsChunks are the next messages, and they must reach the rollout workers
             # after the UpdateWeights that tells them to expect the chunks.
             await self._publish(msg)
+        if msg.rank == 0 and msg.checkpoint:
+            self.recovery.checkpointed(msg.step, msg.checkpoint)
+            self._record_event("checkpoint", step=msg.step, path=msg.checkpoint,
+                               seconds=msg.stats.get("checkpoint_s"))
         if len(self._trained_ranks) == self.cfg.trainer.num_ranks:
             self._trained.set_result(self._trained_ranks[0])
 
@@ -708,7 +708,13 @@ class Controller:
         self._trainers_formed = False
         self.recovery.num_restores += 1
         if self._trained is not None and not self._trained.done():
-            self._trained.set_exception(TrainerLost(lost))
+            published = self._trained_ranks.get(0)
+            if published is not None and not published.replay:
+                # Rank 0 finished the step and published it: the step is done, and the
+                # restarted ranks replay it (it is kept) before the next one.
+                self._trained.set_result(published)
+            else:
+                self._trained.set_exception(TrainerLost(lost))
         remote = [h.rank for h in [handle, *others] if h.process is None]
         for local in [h for h in [handle, *others] if h.process is not None]:
             self.pool.spawn(WorkerKind.TRAINER, local.rank, local.rank)

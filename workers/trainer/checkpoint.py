@@ -47,7 +47,7 @@ def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     run_dir: str | Path, step: int, version: int, keep: int) -> Path:
     """Save on every rank of the default group (a collective when there are several);
     rank 0 then marks it complete and removes all but the `keep` newest."""
-    target = checkpoint_dir(run_dir, step)
+    target = checkpoint_dir(run_dir, step).resolve()  # workers elsewhere may have another cwd
     model_state, optim_state = get_state_dict(model, optimizer)
     with _single_process_quiet():
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=target)
