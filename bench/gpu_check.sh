@@ -16,7 +16,8 @@
 #            on this machine's torch/transformers; the vLLM tests if vLLM imports
 #                                                                   -> pytest.txt
 #   bench    bench/engines.py on CUDA (vLLM skipped if absent)     -> bench/, bench.txt
-#   run      a short controller run, rollout and trainer on cuda:0 -> run/, run.txt
+#   run      a short controller run, rollout and trainer on cuda:0, trainer checkpoints
+#            (torch.distributed.checkpoint from CUDA) every 4 steps -> run/, run.txt
 # Every phase's status is in OUT_DIR/summary.txt; the exit code is 1 if any phase failed.
 set -uo pipefail
 
@@ -189,11 +190,12 @@ phase bench 100 "$PY" "$REPO/bench/engines.py" --device "$DEVICE" --engines vllm
 PLACEMENT=()
 if [[ $DEVICE == cuda* ]]; then PLACEMENT=("rollout.devices=[cuda:0]" "trainer.devices=[cuda:0]"); fi
 phase run 200 "$PY" -m areal.controller run_dir=run logging.progress=false "${PLACEMENT[@]}" \
-  rollout.engine=auto trainer.total_steps=8 eval.every_steps=0 eval.max_prompts=64 \
-  controller.heartbeat_timeout_s=120
+  rollout.engine=auto trainer.total_steps=8 trainer.checkpoint_every=4 eval.every_steps=0 \
+  eval.max_prompts=64 controller.heartbeat_timeout_s=120
 
 if ((!HAVE_VLLM)); then echo "vllm: SKIPPED (vLLM is not importable here)" | tee -a summary.txt; fi
 grep -h -A3 "^engine " bench.txt >> summary.txt 2>/dev/null
 grep -h "held-out accuracy\|run finished\|tokens/s" run.txt >> summary.txt 2>/dev/null
+grep -h '"event": "checkpoint"' run/metrics.jsonl >> summary.txt 2>/dev/null
 echo "total $(($(date +%s) - START))s" | tee -a summary.txt
 exit $FAILED
