@@ -1,4 +1,5 @@
-"""`python -m areal.controller [--config FILE] [key=value ...]`: run one training job."""
+"""`python -m areal.controller [--config FILE | --resume RUN_DIR] [key=value ...]`: run one
+training job, or continue one from its newest checkpoint."""
 
 from __future__ import annotations
 
@@ -25,7 +26,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Train a language model with fully asynchronous RL. With no arguments: "
                     "the embedded tiny model on the synthetic arithmetic task, on this CPU.",
         epilog=_options_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", metavar="FILE", help="YAML file with any of the options")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--config", metavar="FILE", help="YAML file with any of the options")
+    source.add_argument("--resume", metavar="RUN_DIR",
+                        help="continue the run in RUN_DIR from its newest checkpoint, with its "
+                             "config.yaml (overrides still apply, e.g. trainer.total_steps=200)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="dotted overrides, applied after the file (e.g. trainer.lr=1e-5)")
     return parser.parse_args(argv)
@@ -33,8 +38,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    overrides = list(args.overrides)
+    config_file = args.config
+    if args.resume:
+        config_file = f"{args.resume.rstrip('/')}/config.yaml"
+        overrides.append(f"run_dir={args.resume}")
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(config_file, overrides)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -45,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     from areal.controller.controller import Controller, RunFailed
 
     try:
-        uvloop.run(Controller(cfg).run())
+        uvloop.run(Controller(cfg, resume=bool(args.resume)).run())
     except RunFailed as err:
         print(f"error: the run failed: {err}", file=sys.stderr)
         return 1

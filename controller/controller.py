@@ -23,6 +23,8 @@
 Every loop is a named task; one that fails or returns on its own brings the run down
 loudly. Shutdown: Shutdown to every worker -> cancel loops -> gather -> reap processes.
 Workers hold no state that must survive; everything here does (data cursor, ledger, version).
+At each trainer checkpoint the controller writes its part (resume.py: data position, untrained
+groups), so that `Controller(cfg, resume=True)` (`--resume RUN_DIR`) continues the run there.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from areal.controller.ledger import Group, Ledger, Purpose, Sample, Stage
 from areal.controller.metrics import MetricsSink, closed_marker, is_closed
 from areal.controller.pool import WorkerHandle, WorkerPool
 from areal.controller.recovery import TrainerRecovery
+from areal.controller.resume import ResumeState, find_state, write_state
 from areal.controller.report import StepReport, eval_record, summary_lines
 from areal.controller.setup import RunSetup, prepare_run
 from areal.controller.signal import Changed
@@ -77,14 +80,20 @@ class Controller:
     """Run one training job. Embeddable: `await Controller(cfg).run()` inside any event loop,
     with `events()` streaming every metrics record while it runs."""
 
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, *, resume: bool = False) -> None:
+        """`resume`: continue the run in cfg.run_dir from its newest checkpoint (resume.py)."""
         self.cfg = cfg
+        self.resume = resume
+        self.resumed: ResumeState | None = None
+        self._start_step = 0
+        self._eval_before: dict[str, Any] | None = None
         self.version = 0
         self.ledger = Ledger()
         self.changed = Changed()
         self.admission_log: list[dict[str, int]] = []
-        """One entry per admitted training group: its id, the version at admission and the
-        trajectories generated or in flight after admitting it (N_r)."""
+        """One entry per admitted training group: its id, the version at admission, the
+        trajectories generated or in flight after admitting it (N_r), and the prompt's draw
+        position in the task's stream."""
         self.num_malformed = 0
         self._setup: RunSetup | None = None
         self._metrics: MetricsSink | None = None
@@ -142,9 +151,18 @@ class Controller:
                 raise RunFailed(f"cannot set up the run: {err}") from err
             raise
         self.cfg = self._setup.cfg
+        if self.resume:
+            try:
+                self.resumed = find_state(self._setup.run_dir)
+            except ValueError as err:
+                for queue in self._subscribers:
+                    queue.put_nowait(closed_marker())
+                raise RunFailed(f"cannot resume: {err}") from err
         self._metrics = MetricsSink(self.cfg, self._setup.run_dir, self.cfg.trainer.total_steps,
                                     self._subscribers)
         self.staleness = StalenessController(self.cfg.trainer.batch_size, self.cfg.eta)
+        if self.resumed is not None:
+            self._restore_state(self.resumed)
         ctx = zmq.asyncio.Context()
         secret, keys, keys_dir = self._credentials(ctx)
         self.channel = RouterChannel(ctx, self.cfg.controller.host, self.cfg.controller.port,
@@ -168,6 +186,21 @@ class Controller:
             self.channel.close()
             ctx.term()
             self._metrics.close()
+
+    def _restore_state(self, state: ResumeState) -> None:
+        """Continue after step `state.step`: its version, its checkpoint for the trainer, its
+        weights for the rollout workers, and the task's prompts from where they stopped."""
+        self.version, self._start_step = state.version, state.step
+        self.recovery.checkpoint = state.path
+        self._latest_weights = str(state.weights)
+        self._eval_before = state.eval_before
+        self._setup.redraw(state.drawn, state.untrained)
+        self.staleness.resume(state.step * self.cfg.trainer.batch_size)
+        self._metrics.console(f"resuming after step {state.step} (version {state.version}) "
+                              f"from {state.path}; {len(state.untrained)} untrained prompt "
+                              "groups are generated again")
+        self._record_event("resumed", step=state.step, checkpoint=state.path,
+                           regenerated_groups=len(state.untrained))
 
     def _credentials(self, ctx: zmq.asyncio.Context):
         """(Register secret or None, CurveZMQ server keys or None, key directory or None).
@@ -237,9 +270,11 @@ class Controller:
     async def _train_driver(self) -> dict[str, Any]:
         await self._wait_ready()
         before = await self._evaluate()
+        if self._eval_before is None:
+            self._eval_before = before
         self._report.start_training()
         groups_per_step = self.cfg.trainer.batch_size // self.cfg.task.group_size
-        step = 0
+        step = self._start_step
         while step < self.cfg.trainer.total_steps and not self._stopping:
             step += 1
             waited = time.monotonic()
@@ -266,8 +301,10 @@ class Controller:
         await self._cancel_training_requests()
         await asyncio.gather(*self._periodic_evals)  # their records precede the summary
         after = await self._evaluate()
-        summary = self._report.summary(before, after, time.monotonic() - self._started, step,
-                                       self)
+        summary = self._report.summary(self._eval_before, after,
+                                       time.monotonic() - self._started, step, self)
+        if self.resumed is not None:
+            summary["resumed_after_step"] = self.resumed.step
         self._metrics.record("summary", summary)
         for line in summary_lines(summary):
             self._metrics.console(line)
@@ -420,11 +457,13 @@ class Controller:
             await self.changed.wait_for(
                 lambda: self._admission_open and not self._stopping
                 and self.staleness.capacity(self.version) >= size)
-            prompt, prompt_ids = await self._setup.next_train_prompt()
+            position, prompt, prompt_ids = await self._setup.next_train_prompt()
             self.staleness.admit(size, self.version)
-            group = self.ledger.add_group(prompt, prompt_ids, size, self.version)
+            group = self.ledger.add_group(prompt, prompt_ids, size, self.version,
+                                          position=position)
             self.admission_log.append({"group_id": group.group_id, "version": self.version,
-                                       "num_admitted": self.staleness.num_live})
+                                       "num_admitted": self.staleness.num_live,
+                                       "position": position})
             self.changed.notify()
 
     async def _dispatch_loop(self) -> None:
@@ -504,12 +543,16 @@ class Controller:
             return
         latest = getattr(self, "_latest_weights", None)
         trainer = handle.kind is WorkerKind.TRAINER
+        # Disk mode: the newest published version; after a resume, until the first new
+        # version: the checkpoint's weights, whatever the mode.
+        from_disk = self.cfg.weight_sync.mode == "disk" or (
+            self.resumed is not None and self.version == self.resumed.version)
         await self.channel.send(identity, Welcome(
             config=self._setup.config_dict, version=self.version,
-            weights_path=latest if self.cfg.weight_sync.mode == "disk" and not trainer else None,
+            weights_path=latest if from_disk and not trainer else None,
             run_dir=str(self._setup.run_dir),
             checkpoint=self.recovery.checkpoint if trainer else ""))
-        if handle.kind is WorkerKind.ROLLOUT and self.version > 0 \
+        if handle.kind is WorkerKind.ROLLOUT and self._stream_chunks \
                 and self.cfg.weight_sync.mode == "stream":
             await self.channel.send(identity, UpdateWeights(
                 version=self.version, mode="stream", num_chunks=len(self._stream_chunks)))
@@ -569,6 +612,11 @@ class Controller:
             await self._publish(msg)
         if msg.rank == 0 and msg.checkpoint:
             self.recovery.checkpointed(msg.step, msg.checkpoint)
+            write_state(ResumeState(
+                step=msg.step, version=msg.version, drawn=self._setup.num_drawn,
+                untrained=sorted(self.ledger.untrained_positions()
+                                 + self._setup.requeued_positions()),
+                eval_before=self._eval_before, path=msg.checkpoint))
             self._record_event("checkpoint", step=msg.step, path=msg.checkpoint,
                                seconds=msg.stats.get("checkpoint_s"))
         if len(self._trained_ranks) == self.cfg.trainer.num_ranks:

@@ -64,6 +64,8 @@ class Group:
     admitted_version: int
     samples: list[Sample] = field(default_factory=list)
     eval_round: int = -1
+    position: int = -1
+    """Training groups: the prompt's draw position in the task's stream (RunSetup)."""
 
     @property
     def done(self) -> bool:
@@ -88,10 +90,11 @@ class Ledger:
 
     def add_group(self, prompt: Prompt, prompt_ids: np.ndarray, size: int, version: int,
                   purpose: Purpose = Purpose.TRAIN, eval_round: int = -1,
-                  front: bool = False) -> Group:
+                  front: bool = False, position: int = -1) -> Group:
         """Admit a prompt group; its samples wait in `pending` (at the front if `front`)."""
         group = Group(group_id=self._next_group_id, purpose=purpose, prompt=prompt,
-                      prompt_ids=prompt_ids, admitted_version=version, eval_round=eval_round)
+                      prompt_ids=prompt_ids, admitted_version=version, eval_round=eval_round,
+                      position=position)
         self._next_group_id += 1
         group.samples = [Sample(group_id=group.group_id, index=i) for i in range(size)]
         self.groups[group.group_id] = group
@@ -183,6 +186,12 @@ class Ledger:
         batch = [self.buffer.popleft() for _ in range(num_groups)]
         self.trained_group_ids.extend(g.group_id for g in batch)
         return batch
+
+    def untrained_positions(self) -> list[int]:
+        """Draw positions of the training groups admitted and not (yet) trained: those still
+        generating or scoring, and those complete in the buffer."""
+        running = [g.position for g in self.groups.values() if g.purpose is Purpose.TRAIN]
+        return sorted(running + [g.position for g in self.buffer])
 
     def in_flight(self, purpose: Purpose | None = None) -> Iterable[Sample]:
         for sample in self.by_request.values():

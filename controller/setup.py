@@ -10,6 +10,7 @@ one group at a time, off the event loop (`next_train_prompt`).
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import itertools
 import json
@@ -35,7 +36,10 @@ class RunSetup:
     eval_prompts: list[tuple[Prompt, np.ndarray]]
     stop_token_ids: list[int]
     config_dict: dict[str, Any] = field(default_factory=dict)
+    num_drawn: int = 0
+    """Training prompts drawn so far: the next one's position in the task's prompt stream."""
     _train_iter: Iterator[Prompt] | None = None
+    _requeued: collections.deque[tuple[int, Prompt]] = field(default_factory=collections.deque)
 
     def tokenize(self, prompt: Prompt) -> np.ndarray:
         ids = self.tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
@@ -43,12 +47,31 @@ class RunSetup:
             raise ValueError(f"prompt {prompt.prompt_id!r} tokenizes to nothing")
         return np.asarray(ids, dtype=np.int32)
 
-    def _next_train_prompt_sync(self) -> tuple[Prompt, np.ndarray]:
-        prompt = next(self._train_iter)
-        return prompt, self.tokenize(prompt)
+    def _next_train_prompt_sync(self) -> tuple[int, Prompt, np.ndarray]:
+        if self._requeued:
+            position, prompt = self._requeued.popleft()
+        else:
+            position, prompt = self.num_drawn, next(self._train_iter)
+            self.num_drawn += 1
+        return position, prompt, self.tokenize(prompt)
 
-    async def next_train_prompt(self) -> tuple[Prompt, np.ndarray]:
+    async def next_train_prompt(self) -> tuple[int, Prompt, np.ndarray]:
+        """(draw position, prompt, token ids) of the next training prompt."""
         return await asyncio.to_thread(self._next_train_prompt_sync)
+
+    def requeued_positions(self) -> list[int]:
+        """Positions queued again by `redraw` and not admitted yet."""
+        return [position for position, _ in self._requeued]
+
+    def redraw(self, drawn: int, untrained: list[int]) -> None:
+        """Resume the prompt stream where a checkpoint left it: the same prompts, those at
+        `untrained` positions first (their groups were not trained), then from `drawn` on."""
+        wanted = set(untrained)
+        for position in range(drawn):
+            prompt = next(self._train_iter)
+            if position in wanted:
+                self._requeued.append((position, prompt))
+        self.num_drawn = drawn
 
     def save_batch(self, step: int, version: int, batch: PackedBatch) -> None:
         """`<run_dir>/batches/step_<n>.npz`: the packed batch as trained, for inspection."""

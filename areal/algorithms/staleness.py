@@ -70,6 +70,14 @@ class StalenessController:
         """N_r without the one being admitted: in flight + buffered + consumed."""
         return self.num_admitted - self.num_aborted - self.num_rejected
 
+    def resume(self, num_trained: int) -> None:
+        """Start as a run that has trained `num_trained` trajectories and holds nothing else
+        (resuming after a checkpoint: whatever was in flight is generated again)."""
+        if self.num_admitted:
+            raise RuntimeError("resume() is only for a fresh controller")
+        self._check_count("resume", num_trained)
+        self.num_admitted = self.num_finished = self.num_consumed = num_trained
+
     def capacity(self, version: int) -> int:
         """How many requests may be admitted now, at policy `version` (training steps done)."""
         self._check_version(version)

@@ -29,3 +29,11 @@ def test_a_task_the_embedded_model_cannot_warm_start_on_is_refused(tmp_path):
     assert done.returncode == 1
     assert "cannot set up the run: task.name='gsm8k' has no sft_examples" in done.stderr
     assert "model.warmstart.steps=0" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_resume_needs_a_run_directory_with_a_checkpoint(tmp_path):
+    done = _controller("--resume", str(tmp_path / "nowhere"), cwd=tmp_path)
+    assert done.returncode == 2
+    assert f"cannot read config file '{tmp_path / 'nowhere'}/config.yaml'" in done.stderr
+    both = _controller("--resume", str(tmp_path), "--config", "x.yaml", cwd=tmp_path)
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr

@@ -95,3 +95,16 @@ def test_eval_groups_never_enter_the_replay_buffer():
     assert sample.group_id == group.group_id  # eval work goes first
     assert _run_sample(ledger, sample) is group
     assert not ledger.buffer
+
+
+def test_untrained_positions_cover_running_and_buffered_groups_not_trained_ones():
+    ledger = Ledger()
+    groups = [ledger.add_group(_prompt(i), np.array([5], np.int32), size=1, version=0,
+                               position=10 + i) for i in range(4)]
+    for group in groups[:3]:
+        _run_sample(ledger, ledger.pending.popleft())
+    ledger.take_batch(1)  # position 10 trained; 11, 12 buffered; 13 still pending
+    assert ledger.untrained_positions() == [11, 12, 13]
+    ledger.add_group(_prompt(9), np.array([5], np.int32), size=1, version=0,
+                     purpose=Purpose.EVAL)  # evaluation groups are not part of the stream
+    assert ledger.untrained_positions() == [11, 12, 13]

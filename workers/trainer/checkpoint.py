@@ -3,6 +3,8 @@
     <run_dir>/checkpoints/step_<step>/   torch.distributed.checkpoint (DCP) files
                                          (every rank writes its part: replicated tensors
                                          once, FSDP2 shards each by its owner)
+                                         + weights/ (rank 0: the full weights as
+                                         safetensors, what rollout workers load on resume)
                                          + areal.json {"step", "version"}, written last by
                                          rank 0: a directory without it is incomplete
 
@@ -28,6 +30,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from areal.models.weights import save_tensors
+
 META = "areal.json"
 
 
@@ -44,14 +48,18 @@ def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
 
 
 def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    run_dir: str | Path, step: int, version: int, keep: int) -> Path:
+                    run_dir: str | Path, step: int, version: int, keep: int,
+                    weights: list[tuple[str, torch.Tensor]] | None = None) -> Path:
     """Save on every rank of the default group (a collective when there are several);
-    rank 0 then marks it complete and removes all but the `keep` newest."""
+    rank 0 also writes `weights` (its full weights, see DataParallel.full_weights), then
+    marks the checkpoint complete and removes all but the `keep` newest."""
     target = checkpoint_dir(run_dir, step).resolve()  # workers elsewhere may have another cwd
     model_state, optim_state = get_state_dict(model, optimizer)
     with _single_process_quiet():
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=target)
     if _rank() == 0:
+        if weights is not None:
+            save_tensors(target / "weights", weights, metadata={"version": str(version)})
         partial = target / (META + ".tmp")
         partial.write_text(json.dumps({"step": step, "version": version}))
         partial.replace(target / META)

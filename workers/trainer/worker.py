@@ -208,7 +208,7 @@ class TrainerWorker(Worker):
             # Collective mode: a late joiner may need this version broadcast again.
             return stats, collective_snapshot(tensors, self.config, version) \
                 if mode == "collective" else None, ""
-        checkpoint = self._checkpoint_sync(msg, stats)
+        checkpoint = self._checkpoint_sync(msg, stats, tensors)
         if tensors is None:
             return stats, None, checkpoint
         if self.dp.fsdp:
@@ -222,13 +222,15 @@ class TrainerWorker(Worker):
         stats["publish_s"] = time.perf_counter() - start
         return stats, published, checkpoint
 
-    def _checkpoint_sync(self, msg: Train, stats: dict[str, float]) -> str:
+    def _checkpoint_sync(self, msg: Train, stats: dict[str, float],
+                         tensors: list[tuple[str, torch.Tensor]] | None) -> str:
         every = self.config.trainer.checkpoint_every
         if not every or msg.step % every:
             return ""
         start = time.perf_counter()
         path = save_checkpoint(self.trainer.model, self.trainer.optimizer, self.config.run_dir,
-                               msg.step, msg.version + 1, self.config.trainer.keep_checkpoints)
+                               msg.step, msg.version + 1, self.config.trainer.keep_checkpoints,
+                               weights=tensors)
         stats["checkpoint_s"] = time.perf_counter() - start
         return str(path) if self.rank == 0 else ""
 

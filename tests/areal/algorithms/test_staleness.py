@@ -187,3 +187,12 @@ def test_random_lifecycles_never_break_the_bound(batch_size, eta, script):
         assert ctl.num_live <= (version + eta + 1) * batch_size, ctl.state_dict()
         if ctl.num_in_flight == 0 and ctl.num_buffered < batch_size:  # never deadlocked
             assert ctl.capacity(version) >= batch_size - ctl.num_buffered, ctl.state_dict()
+
+
+def test_resume_starts_as_a_run_that_trained_that_many_and_holds_nothing():
+    ctl = StalenessController(batch_size=4, eta=1)
+    ctl.resume(12)  # 3 steps of 4 trajectories
+    assert (ctl.num_live, ctl.num_in_flight, ctl.num_buffered) == (12, 0, 0)
+    assert ctl.capacity(3) == (3 + 1 + 1) * 4 - 12  # the same window as at version 3
+    with pytest.raises(RuntimeError, match="only for a fresh controller"):
+        ctl.resume(4)

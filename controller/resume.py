@@ -1,0 +1,62 @@
+"""Resuming a run from its newest checkpoint: what the controller saves beside the trainer's.
+
+    <run_dir>/checkpoints/step_<s>/   the trainer's state (areal.workers.trainer.checkpoint),
+                                      weights/ (safetensors: what rollout workers load)
+        controller.json               written by the controller when it hears of the
+                                      checkpoint: step, version, how many training prompts
+                                      were drawn, the draw positions of prompt groups not
+                                      trained by then, the evaluation before training
+
+`python -m areal.controller --resume RUN_DIR` reads the newest step directory that has both,
+restarts the trainer from it and the rollout workers from its weights, draws the same
+prompts again (the untrained groups first, then where the data stopped) and continues at
+step s + 1. Groups in flight or buffered at the checkpoint are generated again; steps
+trained after the checkpoint are trained again.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from areal.workers.trainer.checkpoint import META
+
+STATE = "controller.json"
+
+
+@dataclass(kw_only=True)
+class ResumeState:
+    step: int
+    version: int
+    drawn: int
+    """Training prompts drawn from the task so far (the data cursor)."""
+    untrained: list[int] = field(default_factory=list)
+    """Draw positions of prompt groups admitted but not trained by this step."""
+    eval_before: dict[str, Any] | None = None
+    """The run's evaluation before any training (for the final summary)."""
+    path: str = ""
+
+    @property
+    def weights(self) -> Path:
+        return Path(self.path) / "weights"
+
+
+def write_state(state: ResumeState) -> None:
+    target = Path(state.path) / STATE
+    partial = target.with_suffix(".tmp")
+    partial.write_text(json.dumps(asdict(state), indent=1))
+    partial.replace(target)
+
+
+def find_state(run_dir: str | Path) -> ResumeState:
+    """The newest checkpoint of `run_dir` that can be resumed; ValueError saying why not."""
+    root = Path(run_dir) / "checkpoints"
+    candidates = sorted(root.iterdir(), reverse=True) if root.is_dir() else []
+    for path in candidates:
+        if (path / META).is_file() and (path / STATE).is_file() and (path / "weights").is_dir():
+            data = json.loads((path / STATE).read_text())
+            return ResumeState(**{**data, "path": str(path.resolve())})
+    raise ValueError(f"{root} holds no complete checkpoint to resume from (the trainer saves "
+                     "one every trainer.checkpoint_every steps)")

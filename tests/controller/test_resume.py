@@ -1,0 +1,106 @@
+"""Resuming a finished (or stopped) run from its newest checkpoint, as real processes.
+
+A first run trains 4 steps with a checkpoint every 2; a second one resumes it
+(`Controller(cfg, resume=True)`, what `--resume RUN_DIR` builds) up to 6 steps. The task
+(letter_task.py) is one a random tiny model learns in a few steps, so the greedy evaluation
+is a sensitive fingerprint of the weights: the resumed run's first evaluation must equal the
+first run's last one exactly (both on version 4: the rollout workers start from the
+checkpoint's weights). The prompt stream continues where it stopped: prompt groups admitted
+but not trained at the checkpoint are generated again first, and no prompt is trained twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from areal.config import load_config
+from areal.controller import Controller, RunFailed
+
+pytestmark = pytest.mark.slow
+
+HERE = Path(__file__).parent
+BATCH, GROUP, FIRST, TOTAL = 8, 4, 4, 6
+
+
+def _config(run_dir: Path, model_dir: str, steps: int):
+    return load_config(overrides=[
+        f"model.path={model_dir}", f"run_dir={run_dir}", "task.name=letter_task:LetterTask",
+        f"trainer.total_steps={steps}", f"trainer.batch_size={BATCH}", f"task.group_size={GROUP}",
+        "trainer.checkpoint_every=2", "trainer.lr=1e-2", "rollout.max_new_tokens=16",
+        "eval.every_steps=0", "logging.progress=false", "logging.tensorboard=false",
+        "controller.heartbeat_interval_s=0.5"])
+
+
+async def _run(cfg, resume: bool) -> dict:
+    ctl = Controller(cfg, resume=resume)
+    run = asyncio.create_task(ctl.run())
+    records = [record async for record in ctl.events()]
+    return {"ctl": ctl, "records": records, "summary": await run}
+
+
+def _trained_positions(run: dict) -> list[int]:
+    ctl = run["ctl"]
+    by_group = {e["group_id"]: e["position"] for e in ctl.admission_log}
+    return [by_group[g] for g in ctl.ledger.trained_group_ids]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model_dir):
+    run_dir = tmp_path_factory.mktemp("resume") / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(HERE))  # the task imports here and in the workers
+        mp.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+        first = asyncio.run(_run(_config(run_dir, tiny_model_dir, FIRST), resume=False))
+        state = json.loads((run_dir / "checkpoints" / "step_000004" / "controller.json")
+                           .read_text())
+        second = asyncio.run(_run(_config(run_dir, tiny_model_dir, TOTAL), resume=True))
+    return {"first": first, "second": second, "state": state, "run_dir": run_dir}
+
+
+def _evals(run: dict) -> list[dict]:
+    return [r for r in run["records"] if r["kind"] == "eval"]
+
+
+def test_the_resumed_run_continues_from_the_checkpoint(runs):
+    first, second = runs["first"], runs["second"]
+    assert [r["step"] for r in second["records"] if r["kind"] == "step"] == [5, 6]
+    assert second["summary"]["final_version"] == TOTAL
+    assert second["summary"]["resumed_after_step"] == FIRST
+    # The summary's "before" is the first run's evaluation before any training.
+    assert second["summary"]["eval_pass@1_before"] == first["summary"]["eval_pass@1_before"]
+    lines = (runs["run_dir"] / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line)["step"] for line in lines if '"kind": "step"' in line]
+    assert steps == list(range(1, TOTAL + 1))
+
+
+def test_rollout_workers_start_from_the_checkpoint_weights(runs):
+    last_of_first = _evals(runs["first"])[-1]
+    first_of_second = _evals(runs["second"])[0]
+    assert last_of_first["version"] == first_of_second["version"] == FIRST
+    assert last_of_first["eval/reward_mean"] > _evals(runs["first"])[0]["eval/reward_mean"]
+    assert first_of_second["eval/reward_mean"] == last_of_first["eval/reward_mean"]
+
+
+def test_the_prompt_stream_continues_and_no_prompt_is_trained_twice(runs):
+    state, second = runs["state"], runs["second"]
+    first_trained = _trained_positions(runs["first"])
+    second_trained = _trained_positions(second)
+    assert len(first_trained) == FIRST * BATCH // GROUP
+    assert len(second_trained) == (TOTAL - FIRST) * BATCH // GROUP
+    assert not set(first_trained) & set(second_trained)
+    assert state["untrained"] and not set(state["untrained"]) & set(first_trained)
+    # The groups left untrained at the checkpoint are admitted again first, then new ones.
+    admitted = [e["position"] for e in second["ctl"].admission_log]
+    assert admitted[:len(state["untrained"])] == state["untrained"]
+    assert admitted[len(state["untrained"])] == state["drawn"]
+
+
+def test_resuming_a_run_without_checkpoints_says_so(tmp_path, tiny_model_dir):
+    cfg = _config(tmp_path / "empty", tiny_model_dir, TOTAL)
+    with pytest.raises(RunFailed, match="cannot resume: .* holds no complete checkpoint"):
+        asyncio.run(Controller(cfg, resume=True).run())
