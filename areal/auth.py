@@ -31,7 +31,6 @@ zmq; it opens no socket of its own except the ZAP handler's inproc one.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import shutil

@@ -31,7 +31,6 @@ import socket
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp

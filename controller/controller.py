@@ -52,28 +52,19 @@ from areal.messages import (
 )
 from areal.transport import PeerMessageError, RouterChannel
 from areal.types import pack
-from areal.controller.groups import GroupError, Groups
+from areal.controller.groups import Groups
 from areal.controller.ledger import Group, Ledger, Purpose, Sample, Stage
 from areal.controller.metrics import MetricsSink, closed_marker, is_closed
-from areal.controller.pool import WorkerHandle, WorkerPool
+from areal.controller.pool import WorkerHandle, WorkerPool, stop_process
 from areal.controller.recovery import TrainerRecovery
 from areal.controller.resume import ResumeState, find_state, write_state
 from areal.controller.report import StepReport, eval_record, summary_lines
 from areal.controller.setup import RunSetup, prepare_run
+from areal.controller.trainers import MAX_RESTARTS, RunFailed, Trainers
 from areal.controller.signal import Changed
 
 log = logging.getLogger("areal.controller")
 
-MAX_RESTARTS = 3
-"""A local worker that dies more often than this fails the run (its log is named)."""
-
-
-class RunFailed(RuntimeError):
-    """The run cannot go on (a worker keeps dying, the trainer failed, ...)."""
-
-
-class TrainerLost(RuntimeError):
-    """A trainer rank was lost during a step: the step is sent again after the restart."""
 
 
 class Controller:
@@ -101,11 +92,8 @@ class Controller:
         """One queue per `events()` iterator; MetricsSink feeds them (the same list)."""
         self._stopping = False
         self._admission_open = True
-        self._trained: asyncio.Future | None = None
-        self._trained_ranks: dict[int, Trained] = {}
-        self._trainers_formed = False
-        """The ranks are ready, in one group, and hold the run's current version."""
         self.recovery = TrainerRecovery(cfg.trainer.checkpoint_every)
+        self.trainers: Trainers | None = None
         self._losing: set[str] = set()
         """Worker ids whose loss is being handled."""
         self.zap: ZapHandler | None = None
@@ -173,6 +161,9 @@ class Controller:
         self.pool = WorkerPool(self.cfg, self._setup.run_dir, self.channel.address, secret,
                                keys_dir)
         self.groups = Groups(self.cfg, self.channel, self.pool, self._record_event)
+        self.trainers = Trainers(self.cfg, self.channel, self.pool, self.groups, self.changed,
+                                 self.recovery, self._record_event, self._metrics.console,
+                                 self._log_of)
         self._metrics.console(f"run directory: {self._setup.run_dir}  |  controller at "
                               f"{self.channel.address}")
         self._record_event("data_loaded", **getattr(self._setup.task, "counts", {}))
@@ -324,20 +315,12 @@ class Controller:
         self._metrics.console(f"workers ready after {time.monotonic() - self._started:.1f} s")
 
     async def _train_step(self, step: int, groups: list[Group]) -> tuple[Trained, float] | None:
-        """Send each trainer rank its shard (areal.algorithms.sharding); wait for them all.
-        A rank lost meanwhile: restart the ranks, replay, send the step again (None: the run
-        was stopped while waiting for them)."""
+        """Send each trainer rank its shard (areal.algorithms.sharding); wait for them all,
+        through the loss and restart of ranks (trainers.py). None: the run was stopped."""
         messages = await self._train_messages(step, groups)
-        self.recovery.record(messages)
         start = time.monotonic()
-        while True:
-            try:
-                if not self._trainers_formed and not await self._ensure_trainers(step):
-                    return None
-                trained = await self._send_train(messages)
-                return trained, time.monotonic() - start
-            except TrainerLost as lost:
-                log.warning("step %d: %s; it is sent again once the trainer is back", step, lost)
+        trained = await self.trainers.run_step(step, messages, lambda: self._stopping)
+        return None if trained is None else (trained, time.monotonic() - start)
 
     async def _train_messages(self, step: int, groups: list[Group]) -> list[Train]:
         batch = pack([t for g in groups for t in g.trajectories()])
@@ -356,48 +339,6 @@ class Controller:
                       minibatch_sizes=shard.minibatch_sizes,
                       minibatch_loss_tokens=shard.minibatch_loss_tokens)
                 for shard in shards for part in (shard.batch,)]
-
-    async def _send_train(self, messages: list[Train]) -> Trained:
-        """Each rank its message; rank 0's Trained once every rank answered."""
-        ranks = sorted(self.pool.ready(WorkerKind.TRAINER), key=lambda h: h.rank)
-        if len(ranks) != len(messages):
-            raise TrainerLost(f"{len(ranks)} of {len(messages)} trainer ranks ready")
-        self._trained = asyncio.get_running_loop().create_future()
-        self._trained_ranks = {}
-        for handle, msg in zip(ranks, messages, strict=True):
-            await self.channel.send(handle.identity, msg)
-        return await self._trained
-
-    async def _ensure_trainers(self, step: int) -> bool:
-        """Wait for every rank, form their group, replay the steps since the checkpoint they
-        resumed from (none at the start of a run). False: the run was stopped meanwhile."""
-        restores = self.recovery.num_restores
-        start = time.monotonic()
-        await self.changed.wait_for(lambda: self._stopping or len(
-            self.pool.ready(WorkerKind.TRAINER)) >= self.cfg.trainer.num_ranks)
-        if self._stopping:
-            return False
-        if self.cfg.trainer.num_ranks > 1:
-            try:
-                await self.groups.form_trainer_group()
-            except GroupError as err:
-                if self.recovery.num_restores != restores:
-                    raise TrainerLost(str(err)) from err
-                raise RunFailed(str(err)) from err
-        replays = self.recovery.replays(step)
-        last = None
-        for messages in replays:
-            last = await self._send_train(messages)
-        self._trainers_formed = True
-        if restores:
-            self._record_event(
-                "trainer_restored", checkpoint=self.recovery.checkpoint,
-                replayed_steps=len(replays), restore_s=round(time.monotonic() - start, 3),
-                replay_max_abs_diff=last.stats.get("replay_max_abs_diff") if last else None)
-            origin = self.recovery.checkpoint or "the initial model"
-            self._metrics.console(f"trainer restored from {origin} (+{len(replays)} replayed "
-                                  f"steps) in {time.monotonic() - start:.1f} s")
-        return True
 
     async def _publish(self, trained: Trained) -> None:
         """The trainer published `trained.version`: tell every rollout worker to serve it."""
@@ -601,10 +542,9 @@ class Controller:
                 state["done"].set()
 
     async def _on_trained(self, identity: bytes, handle: WorkerHandle, msg: Trained) -> None:
-        if self._trained is None or self._trained.done() or msg.rank in self._trained_ranks:
+        if not self.trainers.answer(msg):
             log.warning("unexpected Trained for step %d from %s", msg.step, handle.worker_id)
             return
-        self._trained_ranks[msg.rank] = msg
         if msg.rank == 0 and not msg.replay:
             # Announce the version here, in the receive loop: in stream mode the trainer's
             # WeightsChunks are the next messages, and they must reach the rollout workers
@@ -619,8 +559,7 @@ class Controller:
                 eval_before=self._eval_before, path=msg.checkpoint))
             self._record_event("checkpoint", step=msg.step, path=msg.checkpoint,
                                seconds=msg.stats.get("checkpoint_s"))
-        if len(self._trained_ranks) == self.cfg.trainer.num_ranks:
-            self._trained.set_result(self._trained_ranks[0])
+        self.trainers.finish_if_complete()
 
     async def _on_weights_chunk(self, identity: bytes, handle: WorkerHandle,
                                 msg: WeightsChunk) -> None:
@@ -642,9 +581,8 @@ class Controller:
                            fatal=msg.fatal)
         if msg.fatal:
             await self._lose(handle, f"fatal error: {msg.error}")
-        elif msg.request_id and handle.kind is WorkerKind.TRAINER and self._trained is not None \
-                and not self._trained.done():
-            await self._trainer_step_failed(handle, msg.error)
+        elif msg.request_id and handle.kind is WorkerKind.TRAINER and self.trainers.busy:
+            await self.trainers.step_failed(handle, msg.error, self._losing, self._lose)
         elif handle.kind is WorkerKind.ROLLOUT and msg.request_id in self.ledger.by_request:
             # The engine refused or failed a generation (e.g. prompt + rollout.max_new_tokens
             # beyond the model's length): sent again it would fail again, and left alone its
@@ -692,89 +630,20 @@ class Controller:
         for sample in rescore:
             await self._send_score(sample)
         if handle.kind is WorkerKind.TRAINER:
-            await self._lose_trainer(handle, why)
+            await self.trainers.lost(handle, why)
             return
         if handle.process is None:
             return
-        if handle.process.poll() is None:
-            handle.process.kill()
-            await asyncio.to_thread(handle.process.wait)
+        await stop_process(handle)
         if handle.num_restarts >= MAX_RESTARTS:
             raise RunFailed(f"{handle.worker_id} died {handle.num_restarts + 1} times; see "
-                            f"{self._setup.run_dir / 'logs' / (handle.worker_id + '.log')}")
+                            f"{self._log_of(handle.worker_id)}")
         handle.num_restarts += 1
         index = int(handle.worker_id.rsplit("-", 1)[1])
         self.pool.spawn(handle.kind, index, handle.rank)
 
-    async def _trainer_step_failed(self, handle: WorkerHandle, error: str) -> None:
-        """One rank alone fails the same way again: the run fails. With several ranks the
-        usual cause is a peer that died mid-collective (its process is gone a moment later):
-        that one is lost; else the reporting rank is (restarts are bounded)."""
-        if self.cfg.trainer.num_ranks == 1 or not self.recovery.enabled:
-            self._trained.set_exception(RunFailed(f"trainer failed: {error}"))
-            return
-        for _ in range(20):
-            if any(h.worker_id in self._losing for h in self.pool.trainers()):
-                return  # the liveness loop found the dead rank first; it ends the step
-            dead = [h for h in self.pool.trainers()
-                    if h.process is not None and h.process.poll() is not None]
-            if dead:
-                await self._lose(dead[0], "process exited")
-                return
-            await asyncio.sleep(0.1)
-        await self._lose(handle, f"step failed: {error}")
-
-    async def _lose_trainer(self, handle: WorkerHandle, why: str) -> None:
-        """A rank holds optimiser state and a place in the data-parallel group: every rank
-        restarts from the newest checkpoint (local ones here; remote ones are told to stop
-        and must be started again), and the step in progress is sent again afterwards."""
-        where = (f"{self._setup.run_dir / 'logs' / (handle.worker_id + '.log')} (local) or "
-                 "that worker's own log (remote)")
-        lost = f"trainer rank {handle.rank} ({handle.worker_id} on {handle.host or '?'}) lost ({why})"
-        if not self.recovery.enabled or handle.num_restarts >= MAX_RESTARTS:
-            failure = RunFailed(
-                f"{lost}; the trainer group cannot continue without it "
-                + ("(trainer.checkpoint_every=0: no checkpoint to restart from)"
-                   if not self.recovery.enabled else f"(lost {handle.num_restarts + 1} times)")
-                + f"; see {where}")
-            if self._trained is not None and not self._trained.done():
-                self._trained.set_exception(failure)
-            await self._stop_process(handle)
-            raise failure
-        handle.num_restarts += 1
-        others = [h for h in self.pool.trainers() if h is not handle]
-        for other in others:
-            if other.identity is not None and other.process is None:
-                await self.channel.send(other.identity, Shutdown(
-                    reason="a trainer rank was lost: start this rank again to resume the run "
-                           "from the checkpoint", rejoin=True))
-            self.groups.member_lost(other)
-            self.pool.forget(other)
-            await self._stop_process(other)
-        await self._stop_process(handle)
-        self.groups.trainer_group_lost()
-        self._trainers_formed = False
-        self.recovery.num_restores += 1
-        if self._trained is not None and not self._trained.done():
-            published = self._trained_ranks.get(0)
-            if published is not None and not published.replay:
-                # Rank 0 finished the step and published it: the step is done, and the
-                # restarted ranks replay it (it is kept) before the next one.
-                self._trained.set_result(published)
-            else:
-                self._trained.set_exception(TrainerLost(lost))
-        remote = [h.rank for h in [handle, *others] if h.process is None]
-        for local in [h for h in [handle, *others] if h.process is not None]:
-            self.pool.spawn(WorkerKind.TRAINER, local.rank, local.rank)
-        self._metrics.console(
-            f"{lost}: restarting the trainer from {self.recovery.checkpoint or 'the initial model'}"
-            + (f"; waiting for remote trainer ranks {remote} to join again at "
-               f"{self.channel.address}" if remote else ""))
-
-    async def _stop_process(self, handle: WorkerHandle) -> None:
-        if handle.process is not None and handle.process.poll() is None:
-            handle.process.kill()
-            await asyncio.to_thread(handle.process.wait)
+    def _log_of(self, worker_id: str) -> Path:
+        return self._setup.run_dir / "logs" / f"{worker_id}.log"
 
     def _record_event(self, event: str, **values: Any) -> None:
         self._metrics.record("event", {"event": event, "version": self.version, **values})

@@ -15,6 +15,7 @@ nothing about work.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import os
@@ -44,6 +45,13 @@ class WorkerHandle:
     num_restarts: int = 0
     pid: int = 0
     host: str = ""
+
+
+async def stop_process(handle: WorkerHandle) -> None:
+    """Kill a local worker's process if it still runs, and reap it."""
+    if handle.process is not None and handle.process.poll() is None:
+        handle.process.kill()
+        await asyncio.to_thread(handle.process.wait)
 
 
 class WorkerPool:

@@ -28,7 +28,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from areal.auth import load_client_keys, make_client
+from areal.auth import load_client_keys
 from areal.config import load_config
 from areal.controller import Controller
 from areal.messages import FinishReason, Generated, Register, Trained, WorkerKind, encode

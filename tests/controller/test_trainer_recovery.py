@@ -47,7 +47,7 @@ async def _kill_trainer_mid_step(cfg, victim: str) -> dict:
         records.append(record)
         if killed is None and record["kind"] == "step" and record["step"] == KILL_AFTER:
             for _ in range(400):  # until the next step is on the trainer
-                if ctl._trained is not None and not ctl._trained.done():
+                if ctl.trainers.busy:
                     break
                 await asyncio.sleep(0.02)
             killed = ctl.pool.expected[victim].process.pid

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
 import socket
 import time
 from dataclasses import dataclass, field

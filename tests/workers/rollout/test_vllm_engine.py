@@ -23,7 +23,7 @@ from rollout_helpers import (
 
 from areal.config import load_config
 from areal.models.logprobs import packed_logprobs
-from areal.models.weights import WeightMismatchError, load_tensors, named_tensors
+from areal.models.weights import WeightMismatchError, named_tensors
 from areal.workers.rollout import factory
 from areal.workers.rollout.engine import (
     DiskWeights, EngineState, EngineStateError, FinishReason, SamplingParams, TensorWeights,

@@ -1,0 +1,202 @@
+"""The trainer ranks as the controller drives them: each step out to every rank and back,
+their group formed before the first step, and every rank replaced when one is lost.
+
+    run_step(step, messages)  Train to each rank -> Trained from each (the controller
+                              publishes rank 0's as it arrives) -> rank 0's Trained
+    ensure (before a step, when not formed): wait for R ready ranks -> form their group
+                              (R > 1) -> replay the steps since the checkpoint they resumed
+                              from (recovery.py; none at the start of a run) -> formed
+    lost(rank)                checkpoint_every = 0, or lost too often: RunFailed. Else every
+                              rank stops (local ones are killed and started again, remote
+                              ones get Shutdown(rejoin) and are started again by their
+                              launcher), the group is formed again before the next step, and
+                              the step in progress ends: done if rank 0 already published it
+                              (it is replayed), else TrainerLost and it is sent again
+    step_failed(rank, error)  one rank alone: RunFailed (it would fail again). Several: the
+                              usual cause is a peer that died in a collective, which is lost
+                              instead; else the reporting rank is
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Awaitable, Callable
+
+from areal.config import RunConfig
+from areal.controller.groups import GroupError, Groups
+from areal.controller.pool import WorkerHandle, WorkerPool, stop_process
+from areal.controller.recovery import TrainerRecovery
+from areal.controller.signal import Changed
+from areal.messages import Shutdown, Train, Trained, WorkerKind
+from areal.transport import RouterChannel
+
+log = logging.getLogger(__name__)
+
+MAX_RESTARTS = 3
+"""A local worker that dies more often than this fails the run (its log is named)."""
+
+
+class RunFailed(RuntimeError):
+    """The run cannot go on (a worker keeps dying, the trainer failed, ...)."""
+
+
+class TrainerLost(RuntimeError):
+    """A trainer rank was lost during a step: the step is sent again after the restart."""
+
+
+class Trainers:
+    def __init__(self, cfg: RunConfig, channel: RouterChannel, pool: WorkerPool, groups: Groups,
+                 changed: Changed, recovery: TrainerRecovery,
+                 record_event: Callable[..., None], console: Callable[[str], None],
+                 log_of: Callable[[str], str]) -> None:
+        self.cfg = cfg
+        self.channel = channel
+        self.pool = pool
+        self.groups = groups
+        self.changed = changed
+        self.recovery = recovery
+        self.record_event = record_event
+        self.console = console
+        self.log_of = log_of
+        """Where a worker's log is, by worker id (for error messages)."""
+        self.formed = False
+        """The ranks are ready, in one group, and hold the run's current version."""
+        self._pending: asyncio.Future | None = None
+        self._answers: dict[int, Trained] = {}
+
+    @property
+    def busy(self) -> bool:
+        """A step (or replay) is out on the ranks."""
+        return self._pending is not None and not self._pending.done()
+
+    # -- steps ----------------------------------------------------------------------------------
+
+    async def run_step(self, step: int, messages: list[Train],
+                       stopping: Callable[[], bool]) -> Trained | None:
+        """Rank 0's Trained for `step`, whatever ranks are lost meanwhile (None: the run was
+        stopped while waiting for them)."""
+        self.recovery.record(messages)
+        while True:
+            try:
+                if not self.formed and not await self._ensure(step, stopping):
+                    return None
+                return await self._send(messages)
+            except TrainerLost as lost:
+                log.warning("step %d: %s; it is sent again once the trainer is back", step, lost)
+
+    def answer(self, msg: Trained) -> bool:
+        """Record one rank's Trained; False (changing nothing) if no step expects it."""
+        if not self.busy or msg.rank in self._answers:
+            return False
+        self._answers[msg.rank] = msg
+        return True
+
+    def finish_if_complete(self) -> None:
+        if self.busy and len(self._answers) == self.cfg.trainer.num_ranks:
+            self._pending.set_result(self._answers[0])
+
+    async def _send(self, messages: list[Train]) -> Trained:
+        ranks = sorted(self.pool.ready(WorkerKind.TRAINER), key=lambda h: h.rank)
+        if len(ranks) != len(messages):
+            raise TrainerLost(f"{len(ranks)} of {len(messages)} trainer ranks ready")
+        self._pending = asyncio.get_running_loop().create_future()
+        self._answers = {}
+        for handle, msg in zip(ranks, messages, strict=True):
+            await self.channel.send(handle.identity, msg)
+        return await self._pending
+
+    async def _ensure(self, step: int, stopping: Callable[[], bool]) -> bool:
+        restores = self.recovery.num_restores
+        start = time.monotonic()
+        await self.changed.wait_for(lambda: stopping() or len(
+            self.pool.ready(WorkerKind.TRAINER)) >= self.cfg.trainer.num_ranks)
+        if stopping():
+            return False
+        if self.cfg.trainer.num_ranks > 1:
+            try:
+                await self.groups.form_trainer_group()
+            except GroupError as err:
+                if self.recovery.num_restores != restores:  # a rank was lost while forming
+                    raise TrainerLost(str(err)) from err
+                raise RunFailed(str(err)) from err
+        replays = self.recovery.replays(step)
+        last = None
+        for messages in replays:
+            last = await self._send(messages)
+        self.formed = True
+        if restores:
+            seconds = time.monotonic() - start
+            self.record_event(
+                "trainer_restored", checkpoint=self.recovery.checkpoint,
+                replayed_steps=len(replays), restore_s=round(seconds, 3),
+                replay_max_abs_diff=last.stats.get("replay_max_abs_diff") if last else None)
+            self.console(f"trainer restored from {self.recovery.checkpoint or 'the initial model'}"
+                         f" (+{len(replays)} replayed steps) in {seconds:.1f} s")
+        return True
+
+    # -- faults ---------------------------------------------------------------------------------
+
+    async def step_failed(self, handle: WorkerHandle, error: str, losing: set[str],
+                          lose: Callable[[WorkerHandle, str], Awaitable[Any]]) -> None:
+        """A rank reported that the step failed; `losing`: worker ids whose loss is being
+        handled; `lose`: the controller's handling of a lost worker."""
+        if self.cfg.trainer.num_ranks == 1 or not self.recovery.enabled:
+            self._pending.set_exception(RunFailed(f"trainer failed: {error}"))
+            return
+        for _ in range(20):
+            if any(h.worker_id in losing for h in self.pool.trainers()):
+                return  # the liveness loop found the dead rank first; it ends the step
+            dead = [h for h in self.pool.trainers()
+                    if h.process is not None and h.process.poll() is not None]
+            if dead:
+                await lose(dead[0], "process exited")
+                return
+            await asyncio.sleep(0.1)
+        await lose(handle, f"step failed: {error}")
+
+    async def lost(self, handle: WorkerHandle, why: str) -> None:
+        """`handle` (already forgotten by the pool) is gone: restart every rank, or fail."""
+        where = f"{self.log_of(handle.worker_id)} (local) or that worker's own log (remote)"
+        lost = (f"trainer rank {handle.rank} ({handle.worker_id} on {handle.host or '?'}) lost "
+                f"({why})")
+        if not self.recovery.enabled or handle.num_restarts >= MAX_RESTARTS:
+            failure = RunFailed(
+                f"{lost}; the trainer group cannot continue without it "
+                + ("(trainer.checkpoint_every=0: no checkpoint to restart from)"
+                   if not self.recovery.enabled else f"(lost {handle.num_restarts + 1} times)")
+                + f"; see {where}")
+            if self.busy:
+                self._pending.set_exception(failure)
+            await stop_process(handle)
+            raise failure
+        handle.num_restarts += 1
+        others = [h for h in self.pool.trainers() if h is not handle]
+        for other in others:
+            if other.identity is not None and other.process is None:
+                await self.channel.send(other.identity, Shutdown(
+                    reason="a trainer rank was lost: start this rank again to resume the run "
+                           "from the checkpoint", rejoin=True))
+            self.groups.member_lost(other)
+            self.pool.forget(other)
+            await stop_process(other)
+        await stop_process(handle)
+        self.groups.trainer_group_lost()
+        self.formed = False
+        self.recovery.num_restores += 1
+        if self.busy:
+            published = self._answers.get(0)
+            if published is not None and not published.replay:
+                # Rank 0 finished the step and published it: the step is done, and the
+                # restarted ranks replay it (it is kept) before the next one.
+                self._pending.set_result(published)
+            else:
+                self._pending.set_exception(TrainerLost(lost))
+        remote = [h.rank for h in [handle, *others] if h.process is None]
+        for local in [h for h in [handle, *others] if h.process is not None]:
+            self.pool.spawn(WorkerKind.TRAINER, local.rank, local.rank)
+        self.console(
+            f"{lost}: restarting the trainer from {self.recovery.checkpoint or 'the initial model'}"
+            + (f"; waiting for remote trainer ranks {remote} to join again at "
+               f"{self.channel.address}" if remote else ""))
