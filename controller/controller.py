@@ -17,8 +17,8 @@
     [liveness loop] Heartbeat to every worker; a silent or exited worker is lost: its work
                     is re-queued (never lost), a local worker is restarted; a lost trainer
                     rank: every rank restarts from the newest checkpoint, the steps trained
-                    since are replayed (recovery.py), then the step in progress is sent
-                    again; a failed weights group is re-formed
+                    since are replayed, then the step in progress is sent again
+                    (trainers.py, recovery.py); a failed weights group is re-formed
 
 Every loop is a named task; one that fails or returns on its own brings the run down
 loudly. Shutdown: Shutdown to every worker -> cancel loops -> gather -> reap processes.
