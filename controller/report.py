@@ -133,9 +133,12 @@ def eval_record(groups: list[Group], version: int, seconds: float) -> dict[str, 
 
 def summary_lines(summary: dict[str, Any]) -> list[str]:
     before, after = summary["eval_pass@1_before"], summary["eval_pass@1_after"]
+    resumed = summary.get("resumed_after_step")
+    steps = f"{summary['steps']} steps" if resumed is None else \
+        f"steps {resumed + 1}-{summary['steps']} (resumed)"
     return [
         "",
-        f"run finished: {summary['steps']} steps in {summary['wall_time_s']:.0f} s "
+        f"run finished: {steps} in {summary['wall_time_s']:.0f} s "
         f"({summary['mode']} mode), results in {summary['run_dir']}",
         f"held-out accuracy (pass@1): {100 * before:.1f}% before -> {100 * after:.1f}% after "
         f"training ({100 * (after - before):+.1f} points)",

@@ -66,3 +66,14 @@ def test_redraw_gives_untrained_prompts_first_then_continues_the_stream():
     again = [resumed._next_train_prompt_sync()[:2] for _ in range(7)]
     assert again == [drawn[3], drawn[6], drawn[7], *drawn[8:12]]
     assert resumed.num_drawn == 12 and resumed.requeued_positions() == []
+
+
+def test_the_summary_of_a_resumed_run_names_the_steps_it_trained():
+    from areal.controller.report import summary_lines
+
+    summary = {"eval_pass@1_before": 0.25, "eval_pass@1_after": 0.5, "steps": 6,
+               "wall_time_s": 12.4, "mode": "async", "run_dir": "runs/x", "trained_tokens": 10,
+               "trained_tokens_per_s": 2.0, "interruptions_total": 0}
+    assert "run finished: 6 steps in 12 s" in summary_lines(summary)[1]
+    summary["resumed_after_step"] = 4
+    assert "run finished: steps 5-6 (resumed) in 12 s" in summary_lines(summary)[1]
