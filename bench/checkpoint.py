@@ -5,12 +5,14 @@ memory copy of the same bytes and to one publication of the weights alone.
 
 For Qwen2-architecture models of about 10M and 100M parameters (random init, fp32 as the
 trainer holds them, built here), after one AdamW step so that the optimiser state exists
-(exp_avg, exp_avg_sq: the checkpoint is ~3x the weights):
+(exp_avg, exp_avg_sq: a checkpoint writes ~4x the weights):
 
-- memcpy:   `dst.copy_(src)` of all checkpoint tensors in this process: the physical reference.
+- memcpy:   `dst.copy_(src)` of every byte a checkpoint writes, in this process: the
+            physical reference.
 - publish:  publish_to_disk of the weights alone (what every step already does in disk mode).
-- save:     save_checkpoint (torch.distributed.checkpoint, one process), every
-            trainer.checkpoint_every steps.
+- save:     save_checkpoint as the trainer calls it every trainer.checkpoint_every steps:
+            torch.distributed.checkpoint of weights + AdamW (one process), plus the weights
+            again as safetensors for rollout workers on resume.
 - load:     load_checkpoint into a fresh model and optimiser, what a restarted trainer does.
 
 The best of `--repeats` runs is reported (the machine is shared). A checkpoint every N steps
@@ -64,8 +66,10 @@ def _best(fn, repeats: int) -> float:
 
 def measure(name: str, repeats: int, root: Path) -> dict[str, float]:
     model, optimizer = build(name)
-    tensors = [p.detach() for p in model.parameters()] + [
-        t for state in optimizer.state.values() for t in state.values() if t.dim() > 0]
+    weights = [p.detach() for p in model.parameters()]
+    # What a checkpoint writes: weights + AdamW state (DCP), and the weights again (safetensors).
+    tensors = weights + [t for state in optimizer.state.values() for t in state.values()
+                         if t.dim() > 0] + weights
     copies = [torch.empty_like(t) for t in tensors]
     params = sum(p.numel() for p in model.parameters())
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
@@ -74,7 +78,7 @@ def measure(name: str, repeats: int, root: Path) -> dict[str, float]:
     step = iter(range(1, 1000))
 
     def save():
-        save_checkpoint(model, optimizer, root, next(step), 0, keep=1)
+        save_checkpoint(model, optimizer, root, next(step), 0, keep=2, weights=named)
 
     row = {
         "params": params, "gb": nbytes / 1e9,

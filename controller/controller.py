@@ -101,6 +101,9 @@ class Controller:
         self._auth_tasks: list[asyncio.Task] = []
         self._score_queue: list[Sample] = []
         self._stream_chunks: list[WeightsChunk] = []
+        self._latest_weights: str | None = None
+        """Weights a joining rollout worker loads first: the newest published version (disk
+        mode), or a resumed checkpoint's."""
         self._eval_rounds: dict[int, dict[str, Any]] = {}
         self._periodic_evals: list[asyncio.Task] = []
         self._report = StepReport()
@@ -133,8 +136,7 @@ class Controller:
         try:
             self._setup = await asyncio.to_thread(prepare_run, self.cfg)
         except BaseException as err:
-            for queue in self._subscribers:  # end their iteration: nothing will come
-                queue.put_nowait(closed_marker())
+            self._close_subscribers()
             if isinstance(err, ValueError):  # the task, its data or the model do not fit
                 raise RunFailed(f"cannot set up the run: {err}") from err
             raise
@@ -143,8 +145,7 @@ class Controller:
             try:
                 self.resumed = find_state(self._setup.run_dir)
             except ValueError as err:
-                for queue in self._subscribers:
-                    queue.put_nowait(closed_marker())
+                self._close_subscribers()
                 raise RunFailed(f"cannot resume: {err}") from err
         self._metrics = MetricsSink(self.cfg, self._setup.run_dir, self.cfg.trainer.total_steps,
                                     self._subscribers)
@@ -177,6 +178,11 @@ class Controller:
             self.channel.close()
             ctx.term()
             self._metrics.close()
+
+    def _close_subscribers(self) -> None:
+        """The run ends before it started: end every `events()` iteration."""
+        for queue in self._subscribers:
+            queue.put_nowait(closed_marker())
 
     def _restore_state(self, state: ResumeState) -> None:
         """Continue after step `state.step`: its version, its checkpoint for the trainer, its
@@ -482,7 +488,7 @@ class Controller:
             await self.channel.send(identity, Shutdown(reason="registration refused"))
             self._record_event("worker_refused", worker_id=msg.worker_id, host=msg.host)
             return
-        latest = getattr(self, "_latest_weights", None)
+        latest = self._latest_weights
         trainer = handle.kind is WorkerKind.TRAINER
         # Disk mode: the newest published version; after a resume, until the first new
         # version: the checkpoint's weights, whatever the mode.

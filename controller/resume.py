@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from areal.workers.trainer.checkpoint import META
+from areal.workers.trainer.checkpoint import META, write_json
 
 STATE = "controller.json"
 
@@ -44,10 +44,7 @@ class ResumeState:
 
 
 def write_state(state: ResumeState) -> None:
-    target = Path(state.path) / STATE
-    partial = target.with_suffix(".tmp")
-    partial.write_text(json.dumps(asdict(state), indent=1))
-    partial.replace(target)
+    write_json(Path(state.path) / STATE, asdict(state))
 
 
 def find_state(run_dir: str | Path) -> ResumeState:

@@ -60,11 +60,17 @@ def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     if _rank() == 0:
         if weights is not None:
             save_tensors(target / "weights", weights, metadata={"version": str(version)})
-        partial = target / (META + ".tmp")
-        partial.write_text(json.dumps({"step": step, "version": version}))
-        partial.replace(target / META)
+        write_json(target / META, {"step": step, "version": version})
         _prune(target.parent, keep)
     return target
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Write `path` atomically: a reader finds the whole file or none (what marks a
+    checkpoint's parts complete)."""
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text(json.dumps(data, indent=1))
+    partial.replace(path)
 
 
 def read_info(path: str | Path) -> CheckpointInfo:

@@ -187,8 +187,9 @@ class TrainerWorker(Worker):
     def _step_sync(self, msg: Train) -> tuple[dict[str, float], Any, str]:
         """The step, then (rank 0) the publication of its result and (every
         trainer.checkpoint_every steps, all ranks) a checkpoint, on the train thread. A
-        replayed step publishes nothing; it checks its result against the weights the lost
-        trainer published for that version, where they are still on disk."""
+        replayed step publishes nothing; the last one checks its result against the weights
+        the lost trainer published for that version (where still on disk) and, in collective
+        mode, keeps a snapshot of it for late joiners."""
         batch = batch_from_message(msg)
         plan = {}
         if msg.minibatch_sizes:
@@ -208,19 +209,18 @@ class TrainerWorker(Worker):
             # Collective mode: a late joiner may need this version broadcast again.
             return stats, collective_snapshot(tensors, self.config, version) \
                 if mode == "collective" else None, ""
-        checkpoint = self._checkpoint_sync(msg, stats, tensors)
-        if tensors is None:
-            return stats, None, checkpoint
-        if self.dp.fsdp:
-            self._final_weights = tensors  # gathered CPU copies: what close() saves
-        if mode == "stream":
-            published = stream_chunks(tensors, self.config, version)
-        elif mode == "collective":
-            published = collective_snapshot(tensors, self.config, version)
-        else:
-            published = publish_to_disk(tensors, self.config, version)
-        stats["publish_s"] = time.perf_counter() - start
-        return stats, published, checkpoint
+        published = None
+        if tensors is not None:
+            if self.dp.fsdp:
+                self._final_weights = tensors  # gathered CPU copies: what close() saves
+            if mode == "stream":
+                published = stream_chunks(tensors, self.config, version)
+            elif mode == "collective":
+                published = collective_snapshot(tensors, self.config, version)
+            else:
+                published = publish_to_disk(tensors, self.config, version)
+            stats["publish_s"] = time.perf_counter() - start
+        return stats, published, self._checkpoint_sync(msg, stats, tensors)
 
     def _checkpoint_sync(self, msg: Train, stats: dict[str, float],
                          tensors: list[tuple[str, torch.Tensor]] | None) -> str:
