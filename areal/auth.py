@@ -170,7 +170,6 @@ class ZapHandler:
     keys: ServerKeys
     refused: list[dict[str, str]] = field(default_factory=list)
     """One entry per distinct refused (address, mechanism, key)."""
-    num_refusals: int = 0
     _authorized: frozenset[bytes] = frozenset()
     _loaded_mtime: float = -1.0
 
@@ -212,7 +211,6 @@ class ZapHandler:
         return [version, request_id, b"400", b"not authorised", b"", b""]
 
     def _refuse(self, address: str, mechanism: str, key: str) -> None:
-        self.num_refusals += 1
         entry = {"address": address, "mechanism": mechanism, "key": key}
         if entry in self.refused:
             log.debug("refused %s again (%s key %s)", address, mechanism, key or "-")
@@ -224,7 +222,8 @@ class ZapHandler:
 
 
 async def watch_handshakes(socket: zmq.Socket, failures: list[str]) -> None:
-    """Log peers whose handshake failed before ZAP (e.g. plain TCP against CURVE)."""
+    """Log peers whose handshake failed before ZAP (e.g. plain TCP against CURVE); `failures`
+    collects each distinct reason once."""
     events = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
               | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
     monitor = socket.get_monitor_socket(events)
@@ -237,8 +236,8 @@ async def watch_handshakes(socket: zmq.Socket, failures: list[str]) -> None:
                 reason = f"no detail: {os.strerror(event['value'])}"
             else:
                 reason = _protocol_reason(event["value"])
-            failures.append(reason)
-            if failures.count(reason) == 1:
+            if reason not in failures:  # a refused peer keeps reconnecting: log once
+                failures.append(reason)
                 log.warning("refused a connection on %s: handshake failed (%s); peers must "
                             "use CurveZMQ with the controller's server key",
                             event["endpoint"].decode(errors="replace"), reason)

@@ -273,8 +273,6 @@ class Train:
     cu_seqlens: np.ndarray  # [S+1] int32
     rewards: np.ndarray  # [S] float32
     group_ids: np.ndarray  # [S] int64
-    loss_normalizer: int = 0
-    """Loss tokens in the global batch (all ranks); 0: this message's own count."""
     advantages: np.ndarray | None = None
     """[S] float32 per-sequence advantages computed over the global batch (a data-parallel
     shard cannot compute group baselines); None: computed from this message's rewards."""

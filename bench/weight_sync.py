@@ -178,13 +178,13 @@ async def _relay(port: int, keys: str, ready) -> None:
 
     ctx = zmq.asyncio.Context()
     zap = None
-    if keys:
+    server_keys = load_server_keys(keys) if keys else None
+    if server_keys is not None:
         from areal.auth import ZapHandler
 
-        zap = ZapHandler(ctx, load_server_keys(keys))
+        zap = ZapHandler(ctx, server_keys)
         zap_task = asyncio.create_task(zap.serve())
-    channel = RouterChannel(ctx, "127.0.0.1", port, curve=load_server_keys(keys) if keys
-                            else None)
+    channel = RouterChannel(ctx, "127.0.0.1", port, curve=server_keys)
     ready.set()
     peers = {}
     while len(peers) < 2:

@@ -340,7 +340,6 @@ class Controller:
                       logprobs=part.logprobs.numpy(), versions=part.versions.numpy().astype(np.int32),
                       loss_mask=part.loss_mask.numpy(), cu_seqlens=part.cu_seqlens.numpy(),
                       rewards=part.rewards.numpy(), group_ids=part.group_ids.numpy(),
-                      loss_normalizer=int(batch.loss_mask.sum()),
                       advantages=shard.advantages.numpy().astype(np.float32),
                       minibatch_sizes=shard.minibatch_sizes,
                       minibatch_loss_tokens=shard.minibatch_loss_tokens)

@@ -38,12 +38,13 @@ import queue
 import socket
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 
+from areal.messages import GroupName, GroupState, GroupStatus, JoinGroup
 from areal.models.weights import TensorSpec, bucket_tensors, flatten_bucket, unflatten_bucket
 
 log = logging.getLogger(__name__)
@@ -115,6 +116,13 @@ def connect_store(address: str, timeout_s: float = 300.0) -> dist.TCPStore:
                          timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def join_store(address: str, timeout_s: float) -> dist.TCPStore:
+    """Connect to trainer rank 0's store at `address`, over the interface that reaches it
+    (pin_interface: gloo then uses the same one)."""
+    pin_interface(advertised_host(f"tcp://{address}"))
+    return connect_store(address, timeout_s)
+
+
 def _join_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -151,7 +159,6 @@ class SerialThread:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
-        self.busy = False
 
     def submit(self, fn: Callable[[], Any]) -> asyncio.Future:
         loop = asyncio.get_running_loop()
@@ -162,13 +169,10 @@ class SerialThread:
     def _run(self) -> None:
         while True:
             fn, loop, future = self._queue.get()
-            self.busy = True
             try:
                 result, error = fn(), None
             except BaseException as err:  # handed to the awaiting coroutine
                 result, error = None, err
-            finally:
-                self.busy = False
             loop.call_soon_threadsafe(_settle, future, result, error)
 
 
@@ -199,7 +203,7 @@ def snapshot_weights(tensors: list[tuple[str, torch.Tensor]], version: int,
     buffers, manifest = [], []
     for bucket in bucket_tensors(tensors, bucket_bytes):
         flat, specs = flatten_bucket(bucket)
-        flat = flat.cpu() if flat.device.type != "cpu" else flat
+        flat = flat.cpu()  # no copy when it already is
         buffers.append(flat)
         manifest.append({"num_bytes": flat.numel(),
                          "tensors": [[s.name, s.dtype, list(s.shape), s.offset, s.num_bytes]
@@ -223,7 +227,9 @@ class WeightsGroup:
         self.latest = 0
         """Newest generation announced; operations of older ones fail with Superseded."""
         self._group: Any = None
-        self._stores: dict[str, dist.Store] = {}
+        self._store: tuple[str, dist.Store] | None = None
+        """(address, client) of the TCPStore the groups meet at: a new one when trainer rank
+        0 (its host) was restarted."""
 
     def announce(self, generation: int) -> None:
         """A newer generation is coming: queued operations of older ones are skipped, and
@@ -238,10 +244,9 @@ class WeightsGroup:
         """Leave the current generation and join `generation` (blocks until all are in)."""
         self._current(generation, "join")
         if isinstance(store, str):
-            if store not in self._stores:
-                pin_interface(advertised_host(f"tcp://{store}"))
-                self._stores[store] = connect_store(store, timeout_s)
-            store = self._stores[store]
+            if self._store is None or self._store[0] != store:
+                self._store = (store, join_store(store, timeout_s))
+            store = self._store[1]
         self._group = None
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if backend == "nccl" else torch.device("cpu")
@@ -267,7 +272,7 @@ class WeightsGroup:
         """Rank 0: broadcast every bucket of `snapshot`."""
         group = self._group_of(generation, f"broadcast of version {snapshot.version}")
         for flat in snapshot.buffers:
-            buf = flat.to(self.device) if self.device.type != "cpu" else flat
+            buf = flat.to(self.device)
             group.broadcast(buf, 0).wait()
         self._sync()
 
@@ -287,3 +292,36 @@ class WeightsGroup:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+
+
+class WeightsMember:
+    """A worker's place in the weights group: the group, and the thread its blocking
+    operations (join, send, receive) run on, one at a time, in the order asked for."""
+
+    def __init__(self) -> None:
+        self.group = WeightsGroup()
+        self.thread = SerialThread("weights-group")
+
+    def join(self, msg: JoinGroup, store: dist.Store | str) -> asyncio.Future:
+        """Announce the generation at once (it unblocks an operation of an older one), then
+        join it on the thread."""
+        self.group.announce(msg.generation)
+        return self.thread.submit(lambda: self.group.join(
+            store=store, generation=msg.generation, rank=msg.rank, world_size=msg.world_size,
+            backend=msg.backend, timeout_s=msg.timeout_s))
+
+
+async def report_weights_op(send: Callable[[GroupStatus], Awaitable[None]], generation: int,
+                            done: asyncio.Future, what: str) -> None:
+    """Await a weights-group operation: a failure is reported (the controller re-forms the
+    group and sends the version again), a successful "join" too."""
+    try:
+        await done
+    except Exception as err:  # fault boundary
+        log.error("weights group generation %d: %s failed: %r", generation, what, err)
+        await send(GroupStatus(group=GroupName.WEIGHTS, generation=generation,
+                               state=GroupState.FAILED, error=f"{what}: {err!r}"))
+        return
+    if what == "join":
+        await send(GroupStatus(group=GroupName.WEIGHTS, generation=generation,
+                               state=GroupState.JOINED))

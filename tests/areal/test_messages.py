@@ -48,7 +48,7 @@ SAMPLES = {
                          versions=np.full(10, -1, np.int32), loss_mask=np.ones(10, bool),
                          cu_seqlens=np.array([0, 4, 10], np.int32),
                          rewards=np.array([1.0, 0.0], np.float32),
-                         group_ids=np.array([5, 5], np.int64), loss_normalizer=8,
+                         group_ids=np.array([5, 5], np.int64),
                          advantages=np.array([0.5, -0.5], np.float32), minibatch_sizes=[1, 1],
                          minibatch_loss_tokens=[3, 5], replay=True),
     MsgType.TRAINED: Trained(step=1, version=2, stats={"loss": 0.1}, weights_path=None,

@@ -166,6 +166,7 @@ def test_a_worker_restarted_during_setup_replaces_its_earlier_registration(tmp_p
     first = _register(pool, b"t0", "trainer-0", 0)
     second = _register(pool, b"t0", "trainer-0", 0)  # not ready yet: it restarted
     assert second is not None and pool.get(b"t0") is second and first.identity is None
+    assert pool.lost(timeout_s=0.0) == []  # still setting up: silence does not count yet
     second.ready = True
     assert _register(pool, b"t0", "trainer-0", 0) is None  # a ready one is never replaced
     assert pool.lost(timeout_s=0.0) == [second]  # silence counts once a worker is ready

@@ -30,7 +30,7 @@ from areal.messages import (
     Welcome, WeightsChunk, WeightsUpdated, WorkerKind,
 )
 from areal.workers.base import Worker
-from areal.workers.collective import SerialThread, WeightsGroup
+from areal.workers.collective import WeightsMember, report_weights_op
 from areal.workers.rollout.engine import DiskWeights, SamplingParams, TensorWeights
 from areal.workers.rollout.factory import make_engine
 from areal.workers.rollout.interruptible import InterruptibleGenerator
@@ -55,7 +55,7 @@ class RolloutWorker(Worker):
         self._updates: asyncio.Queue = asyncio.Queue()
         self._stream: tuple[UpdateWeights, list[WeightsChunk]] | None = None
         self._generated_tokens = 0
-        self._weights_group: tuple[WeightsGroup, SerialThread] | None = None
+        self._weights_member: WeightsMember | None = None
         self._collective_hold = False
         self.spawn(self._update_loop(), "weight-updates")
         # What it serves now (stream/collective: the current version arrives after Ready).
@@ -115,33 +115,20 @@ class RolloutWorker(Worker):
             self._stream = None
             self._updates.put_nowait((update, TensorWeights(tensors)))
 
-    def _weights(self) -> tuple[WeightsGroup, SerialThread]:
-        if self._weights_group is None:
-            self._weights_group = (WeightsGroup(), SerialThread("weights-group"))
-        return self._weights_group
+    def _weights(self) -> WeightsMember:
+        if self._weights_member is None:
+            self._weights_member = WeightsMember()
+        return self._weights_member
 
     def _on_join(self, msg: JoinGroup) -> None:
-        group, thread = self._weights()
-        group.announce(msg.generation)  # unblocks an operation of an older generation
-        joined = thread.submit(lambda: group.join(
-            store=msg.store, generation=msg.generation, rank=msg.rank,
-            world_size=msg.world_size, backend=msg.backend, timeout_s=msg.timeout_s))
-        self.spawn(self._report_join(msg, joined), f"join-weights-{msg.generation}")
-
-    async def _report_join(self, msg: JoinGroup, joined: asyncio.Future) -> None:
-        try:
-            await joined
-        except Exception as err:  # the controller re-forms the group without us, or again
-            log.error("could not join weights group generation %d: %r", msg.generation, err)
-            await self.send(GroupStatus(group=GroupName.WEIGHTS, generation=msg.generation,
-                                        state=GroupState.FAILED, error=repr(err)))
-            return
-        await self.send(GroupStatus(group=GroupName.WEIGHTS, generation=msg.generation,
-                                    state=GroupState.JOINED))
+        joined = self._weights().join(msg, msg.store)
+        self.spawn(report_weights_op(self.send, msg.generation, joined, "join"),
+                   f"join-weights-{msg.generation}")
 
     def _on_collective_update(self, msg: UpdateWeights) -> None:
-        group, thread = self._weights()
-        received = thread.submit(lambda: group.receive(msg.manifest, msg.generation))
+        member = self._weights()
+        received = member.thread.submit(lambda: member.group.receive(msg.manifest,
+                                                                     msg.generation))
         # One hold at a time: it is released by the next update actually applied.
         if msg.version > self.generator.version and not self._collective_hold:
             self.generator.hold_new_requests()

@@ -121,7 +121,7 @@ class DataParallel:
             StateDictOptions, get_model_state_dict,
         )
 
-        names = [name for name, _ in model.named_parameters()]  # deduplicates tied weights
+        names = [name for name, _ in named_tensors(model)]  # checked layout, tied weights once
         full = get_model_state_dict(model, options=StateDictOptions(
             full_state_dict=True, cpu_offload=True))
         if self.rank != 0:

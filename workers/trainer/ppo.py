@@ -54,8 +54,6 @@ class PPOTrainer:
                                            weight_decay=self.cfg.weight_decay)
 
     def _micro_batches(self, batch: PackedBatch) -> list[list[int]]:
-        if batch.num_seqs == 0:
-            return []
         return allocate_micro_batches(batch.seqlens.tolist(), self.cfg.micro_batch_tokens)
 
     @torch.no_grad()
@@ -72,8 +70,7 @@ class PPOTrainer:
                 self.model, mb.token_ids.to(self.device), mb.cu_seqlens.to(self.device),
                 temperature=self.temperature, chunk_head=self._chunk_head)
             logprobs[index], entropy[index] = lp.float().cpu(), ent.float().cpu()
-        for _ in range(self.dp.sync_num_passes(len(micro_batches)) - len(micro_batches)):
-            self._dummy_pass(backward=False)
+        self._pad_passes(len(micro_batches), backward=False)
         return logprobs, entropy
 
     def step(self, batch: PackedBatch, version: int, *, advantages: torch.Tensor | None = None,
@@ -150,8 +147,7 @@ class PPOTrainer:
                                              mb.loss_mask, loss_normalizer=normalizer, **options)
             (loss * self.dp.loss_scale).backward()
             pieces.append(piece)
-        for _ in range(self.dp.sync_num_passes(len(micro_batches)) - len(micro_batches)):
-            self._dummy_pass(backward=True)
+        self._pad_passes(len(micro_batches), backward=True)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.dp.reduce_gradients(params)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
@@ -161,9 +157,13 @@ class PPOTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         return PPOStats.reduce(pieces), float(grad_norm)
 
+    def _pad_passes(self, num_passes: int, backward: bool) -> None:
+        """Zero-weight passes over one token pair, so that an FSDP rank with less data runs
+        as many forward/backward collectives as the others (none otherwise)."""
+        for _ in range(self.dp.sync_num_passes(num_passes) - num_passes):
+            self._dummy_pass(backward)
+
     def _dummy_pass(self, backward: bool) -> None:
-        """A zero-weight pass over one token pair, so that an FSDP rank with less data runs
-        as many forward/backward collectives as the others."""
         tokens = torch.zeros(2, dtype=torch.long, device=self.device)
         cu = torch.tensor([0, 2], dtype=torch.int32, device=self.device)
         with torch.set_grad_enabled(backward):

@@ -44,8 +44,8 @@ from areal.models.weights import load_tensors
 from areal.types import PackedBatch
 from areal.workers.base import Worker
 from areal.workers.collective import (
-    SerialThread, WeightSnapshot, WeightsGroup, advertised_host, connect_store, host_store,
-    pin_interface,
+    SerialThread, WeightSnapshot, WeightsMember, advertised_host, host_store, join_store,
+    pin_interface, report_weights_op,
 )
 from areal.workers.trainer.distributed import DataParallel, resolve_mode
 from areal.workers.trainer.ppo import PPOTrainer
@@ -108,7 +108,7 @@ class TrainerWorker(Worker):
                                                           cfg.trainer.dist_timeout_s)
             log.info("process groups meet at %s", self._store_address)
         self._snapshots: dict[int, WeightSnapshot] = {}
-        self._weights: tuple[WeightsGroup, SerialThread] | None = None
+        self._weights: WeightsMember | None = None
         return self.version
 
     def ready_message(self, version: int) -> Ready:
@@ -146,8 +146,7 @@ class TrainerWorker(Worker):
         cfg = self.config.trainer
         store = self._store  # rank 0 hosts it
         if store is None:
-            pin_interface(advertised_host(f"tcp://{msg.store}"))
-            store = connect_store(msg.store, msg.timeout_s)
+            store = join_store(msg.store, msg.timeout_s)
         self.dp = DataParallel.join(store, rank=msg.rank, world_size=msg.world_size,
                                     backend=msg.backend, timeout_s=msg.timeout_s,
                                     mode=resolve_mode(cfg.data_parallel, self.device),
@@ -268,40 +267,24 @@ class TrainerWorker(Worker):
 
     # -- the weights group (collective mode, rank 0) --------------------------------------------
 
-    def _weights_group(self) -> tuple[WeightsGroup, SerialThread]:
+    def _weights_member(self) -> WeightsMember:
         if self._weights is None:
-            self._weights = (WeightsGroup(), SerialThread("weights-group"))
+            self._weights = WeightsMember()
         return self._weights
 
     def _join_weights_group(self, msg: JoinGroup) -> None:
-        group, thread = self._weights_group()
-        group.announce(msg.generation)
-        joined = thread.submit(lambda: group.join(
-            store=self._store, generation=msg.generation, rank=0, world_size=msg.world_size,
-            backend=msg.backend, timeout_s=msg.timeout_s))
-        self.spawn(self._report_weights(msg.generation, joined, "join"), "join-weights")
+        joined = self._weights_member().join(msg, self._store)  # rank 0 hosts the store
+        self.spawn(report_weights_op(self.send, msg.generation, joined, "join"), "join-weights")
 
     def _broadcast(self, msg: BroadcastWeights) -> None:
-        group, thread = self._weights_group()
+        member = self._weights_member()
         snapshot = self._snapshots.get(msg.version)
         if snapshot is None:
             raise RuntimeError(f"asked to broadcast version {msg.version}; this rank holds "
                                f"{sorted(self._snapshots)}")
-        sent = thread.submit(lambda: group.send(snapshot, msg.generation))
-        self.spawn(self._report_weights(msg.generation, sent, f"broadcast of v{msg.version}"),
-                   f"broadcast-{msg.version}")
-
-    async def _report_weights(self, generation: int, done: asyncio.Future, what: str) -> None:
-        try:
-            await done
-        except Exception as err:  # fault boundary: the controller re-forms and re-sends
-            log.error("weights group generation %d: %s failed: %r", generation, what, err)
-            await self.send(GroupStatus(group=GroupName.WEIGHTS, generation=generation,
-                                        state=GroupState.FAILED, error=f"{what}: {err!r}"))
-            return
-        if what == "join":
-            await self.send(GroupStatus(group=GroupName.WEIGHTS, generation=generation,
-                                        state=GroupState.JOINED))
+        sent = member.thread.submit(lambda: member.group.send(snapshot, msg.generation))
+        self.spawn(report_weights_op(self.send, msg.generation, sent,
+                                     f"broadcast of v{msg.version}"), f"broadcast-{msg.version}")
 
     # -- shutdown -------------------------------------------------------------------------------
 
