@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -80,6 +81,12 @@ def save_tiny_model(directory: str | Path, shape: TinyModelConfig | None = None,
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(shape or TinyModelConfig(), len(tokenizer),
                              tokenizer.eos_token_id, tokenizer.pad_token_id, seed)
+    return save_model_dir(model, tokenizer, directory)
+
+
+def save_model_dir(model: Any, tokenizer: Any, directory: str | Path) -> Path:
+    """`model` and `tokenizer` as one HF directory; generation stops at the tokenizer's EOS."""
+    directory = Path(directory)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     directory.mkdir(parents=True, exist_ok=True)

@@ -36,7 +36,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from areal.config import RunConfig, WarmStartConfig
-from areal.models.tiny import build_char_tokenizer, build_tiny_model
+from areal.models.tiny import build_char_tokenizer, build_tiny_model, save_model_dir
 from areal.tasks import BUILTIN_TASKS, load_task
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,11 @@ def task_source_digest(name: str) -> str:
 
 def warm_key(cfg: RunConfig) -> str:
     """A short hex digest of `warm_key_inputs(cfg)`: the cache directory's name."""
-    text = json.dumps(warm_key_inputs(cfg), sort_keys=True, default=str)
+    return _digest(warm_key_inputs(cfg))
+
+
+def _digest(inputs: dict[str, Any]) -> str:
+    text = json.dumps(inputs, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -165,13 +169,11 @@ def build_warm_model(cfg: RunConfig, directory: Path) -> dict[str, Any]:
         completions = [ex.completion for ex in examples]
         sequences = encode_sft(tokenizer, prompts, completions)
         losses = sft(model, sequences, ws, pad_token_id=tokenizer.pad_token_id, seed=cfg.seed)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(directory, safe_serialization=True)
-    tokenizer.save_pretrained(directory)
+    save_model_dir(model, tokenizer, directory)
+    inputs = warm_key_inputs(cfg)
     metadata = {
-        "key": warm_key(cfg),
-        "inputs": warm_key_inputs(cfg),
+        "key": _digest(inputs),
+        "inputs": inputs,
         "num_examples": ws.steps * ws.batch_size,
         "loss_first": losses[0] if losses else None,
         "loss_last": _tail_mean(losses),

@@ -9,7 +9,6 @@ bucket). Operations of a generation that a newer one replaced are skipped, not r
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -66,11 +65,8 @@ def _process(index: int, port: int, out: str) -> None:
 
 
 @pytest.mark.slow
-def test_every_member_receives_identical_tensors_across_generations(tmp_path):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.start_processes(_process, args=(port, str(tmp_path)), nprocs=4, start_method="spawn")
+def test_every_member_receives_identical_tensors_across_generations(tmp_path, free_port):
+    mp.start_processes(_process, args=(free_port, str(tmp_path)), nprocs=4, start_method="spawn")
     for version, members in ((1, "AB"), (2, "AC")):
         sent = dict(_weights(version))
         for member in members:
