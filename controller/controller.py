@@ -34,7 +34,7 @@ import logging
 import secrets
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import numpy as np
 import zmq
@@ -100,6 +100,9 @@ class Controller:
         self.handshake_failures: list[str] = []
         self._auth_tasks: list[asyncio.Task] = []
         self._score_queue: list[Sample] = []
+        self.group_filters: list[Callable[[Group], str | None]] = []
+        """Checks of every training group once it is complete, in order: the first that
+        names a reason drops the group (`_drop_group`) instead of training on it."""
         self._stream_chunks: list[WeightsChunk] = []
         self._latest_weights: str | None = None
         """Weights a joining rollout worker loads first: the newest published version (disk
@@ -372,6 +375,21 @@ class Controller:
             s for s in self.ledger.pending
             if self.ledger.groups[s.group_id].purpose is Purpose.EVAL)
 
+    async def _drop_group(self, group: Group, reason: str) -> None:
+        """Never train on `group` (wherever it is): its generations are cancelled, its slots
+        in the staleness window freed (admission replaces it), the cost counted per reason."""
+        dropped = self.ledger.drop_group(group)
+        self._score_queue = [s for s in self._score_queue if s.group_id != group.group_id]
+        for identity, request_ids in dropped.generating.items():
+            handle = self.pool.get(identity)
+            if handle is not None:
+                handle.in_flight.difference_update(request_ids)
+                await self.channel.send(identity, Cancel(request_ids=request_ids))
+        self.staleness.abort(dropped.num_unfinished)
+        self.staleness.reject(dropped.num_finished)
+        self._report.on_dropped(reason, dropped)
+        self.changed.notify()
+
     # -- evaluation -----------------------------------------------------------------------------
 
     async def _evaluate(self) -> dict[str, Any]:
@@ -539,6 +557,10 @@ class Controller:
         handle.in_flight.discard(msg.request_id)
         group = self.ledger.finish_scoring(msg, identity)
         self._report.on_scored(msg)
+        if group is not None and group.purpose is Purpose.TRAIN:
+            reason = next(filter(None, (check(group) for check in self.group_filters)), None)
+            if reason is not None:
+                await self._drop_group(group, reason)
         if group is not None and group.purpose is Purpose.EVAL:
             state = self._eval_rounds[group.eval_round]
             state["groups"].append(group)

@@ -6,10 +6,14 @@ A prompt group (the `group_size` samples of one prompt) moves through:
                                      -> scoring (on a reward worker) -> done
     all samples done -> training groups go to the replay buffer; eval groups to their round
 
-Nothing is ever dropped: a sample whose worker is lost goes back to `pending` (generation)
+Nothing is ever lost: a sample whose worker is lost goes back to `pending` (generation)
 or is re-sent for scoring, under a new attempt id so that a late answer from the lost worker
 is recognised and ignored. The buffer hands out whole groups, oldest first, each at most
-once (`trained_group_ids` proves it). Pure bookkeeping: no sockets, no clocks of its own.
+once (`trained_group_ids` proves it). A training group may be dropped on purpose, at any
+stage (`drop_group`: its rewards carry no signal, it grew too stale, its reward could not be
+computed); it is then never trained on (`dropped_group_ids`), and every admitted group ends
+up in exactly one of the two lists or still in the ledger. Pure bookkeeping: no sockets, no
+clocks of its own.
 """
 
 from __future__ import annotations
@@ -56,6 +60,21 @@ class Sample:
 
 
 @dataclass(kw_only=True)
+class Dropped:
+    """What dropping a group released, for the caller to settle with workers and staleness."""
+
+    group: Group
+    generating: dict[bytes, list[str]]
+    """Request ids being generated, by rollout worker identity (to cancel)."""
+    num_unfinished: int
+    """Samples not yet generated (pending or generating): in flight for the staleness count."""
+    num_finished: int
+    """Samples generated (being scored or done): buffered for the staleness count."""
+    num_tokens: int
+    """Completion tokens generated for the group and thrown away."""
+
+
+@dataclass(kw_only=True)
 class Group:
     group_id: int
     purpose: Purpose
@@ -84,6 +103,7 @@ class Ledger:
         self.pending: collections.deque[Sample] = collections.deque()
         self.buffer: collections.deque[Group] = collections.deque()
         self.trained_group_ids: list[int] = []
+        self.dropped_group_ids: list[int] = []
         self._next_group_id = 0
 
     # -- admission ------------------------------------------------------------------------------
@@ -186,6 +206,37 @@ class Ledger:
         batch = [self.buffer.popleft() for _ in range(num_groups)]
         self.trained_group_ids.extend(g.group_id for g in batch)
         return batch
+
+    def drop_group(self, group: Group) -> Dropped:
+        """Take a training group out of the run, wherever it is (pending, generating, scoring,
+        or complete in the buffer); late answers for its requests are then stale."""
+        if group.purpose is not Purpose.TRAIN:
+            raise ValueError(f"group {group.group_id} is an evaluation group; only training "
+                             "groups are dropped")
+        buffered = any(g is group for g in self.buffer)
+        if buffered:
+            self.buffer = collections.deque(g for g in self.buffer if g is not group)
+        elif self.groups.get(group.group_id) is not group:
+            raise ValueError(f"group {group.group_id} is neither running nor buffered (trained "
+                             "or dropped already)")
+        generating: dict[bytes, list[str]] = {}
+        unfinished = finished = tokens = 0
+        for sample in group.samples:
+            self.by_request.pop(sample.request_id, None)
+            if sample.stage is Stage.GENERATING:
+                generating.setdefault(sample.worker, []).append(sample.request_id)
+            if sample.stage in (Stage.PENDING, Stage.GENERATING):
+                unfinished += 1
+            else:
+                finished += 1
+                tokens += sample.trajectory.num_tokens - sample.trajectory.num_prompt_tokens
+        if unfinished:
+            self.pending = collections.deque(s for s in self.pending
+                                             if s.group_id != group.group_id)
+        self.groups.pop(group.group_id, None)
+        self.dropped_group_ids.append(group.group_id)
+        return Dropped(group=group, generating=generating, num_unfinished=unfinished,
+                       num_finished=finished, num_tokens=tokens)
 
     def untrained_positions(self) -> list[int]:
         """Draw positions of the training groups admitted and not (yet) trained: those still

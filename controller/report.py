@@ -16,7 +16,7 @@ import numpy as np
 from areal.evaluation import summarize
 from areal.messages import Generated, Scored, WeightsUpdated
 from areal.types import Trajectory
-from areal.controller.ledger import Group
+from areal.controller.ledger import Dropped, Group
 
 if TYPE_CHECKING:
     from areal.controller.controller import Controller
@@ -32,6 +32,10 @@ class StepReport:
         self._pauses: list[float] = []
         self._verdicts: collections.Counter = collections.Counter()
         self.num_interruptions = 0
+        self._dropped: collections.Counter = collections.Counter()
+        self._dropped_tokens = 0
+        self.dropped_total: collections.Counter = collections.Counter()
+        """Groups dropped over the run, by reason."""
 
     def start_training(self) -> None:
         """The clock of training throughput starts (after workers are up and the first
@@ -49,6 +53,12 @@ class StepReport:
 
     def on_scored(self, msg: Scored) -> None:
         self._verdicts[msg.verdict.value] += 1
+
+    def on_dropped(self, reason: str, dropped: Dropped) -> None:
+        """A training group was dropped (never trained on) for `reason`."""
+        self._dropped[reason] += 1
+        self.dropped_total[reason] += 1
+        self._dropped_tokens += dropped.num_tokens
 
     def on_weights_updated(self, msg: WeightsUpdated) -> None:
         self._pauses.append(msg.pause_s)
@@ -90,9 +100,13 @@ class StepReport:
             "perf/train_elapsed_s": now - self._train_start,
             "perf/trained_tokens": self._trained_tokens,
         }
+        record["rollout/dropped_groups"] = sum(self._dropped.values())
+        record.update({f"rollout/dropped_groups/{k}": v for k, v in self._dropped.items()})
+        record["rollout/dropped_tokens"] = self._dropped_tokens
         record.update({f"train/{k}": v for k, v in stats.items()})
         self._window_start, self._generated_tokens = now, 0
         self._pauses, self._verdicts = [], collections.Counter()
+        self._dropped, self._dropped_tokens = collections.Counter(), 0
         return record
 
     def summary(self, before: dict[str, Any], after: dict[str, Any], wall_s: float, steps: int,
@@ -114,6 +128,7 @@ class StepReport:
             "trained_tokens_per_s": self._trained_tokens / train_s if train_s else 0.0,
             "interruptions_total": self.num_interruptions,
             "malformed_messages": ctl.num_malformed,
+            "dropped_groups": dict(self.dropped_total),
         }
 
 

@@ -108,3 +108,49 @@ def test_untrained_positions_cover_running_and_buffered_groups_not_trained_ones(
     ledger.add_group(_prompt(9), np.array([5], np.int32), size=1, version=0,
                      purpose=Purpose.EVAL)  # evaluation groups are not part of the stream
     assert ledger.untrained_positions() == [11, 12, 13]
+
+
+def test_dropping_a_running_group_releases_every_stage_and_its_late_answers_are_stale():
+    ledger = Ledger()
+    group = ledger.add_group(_prompt(), np.array([5], np.int32), size=4, version=0)
+    other = ledger.add_group(_prompt(1), np.array([6], np.int32), size=1, version=0)
+    done, scoring, generating, _pending = [ledger.pending.popleft() for _ in range(3)] + [None]
+    _run_sample(ledger, done)
+    ledger.start_generation(scoring, W1, 0.0)
+    ledger.finish_generation(_generated(scoring, n=5), W1)
+    ledger.start_scoring(scoring, R1)
+    ledger.start_generation(generating, W2, 0.0)
+
+    dropped = ledger.drop_group(group)
+
+    assert dropped.generating == {W2: [generating.request_id]}
+    assert (dropped.num_unfinished, dropped.num_finished, dropped.num_tokens) == (2, 2, 3 + 5)
+    assert [s.group_id for s in ledger.pending] == [other.group_id]
+    assert group.group_id not in ledger.groups and ledger.dropped_group_ids == [group.group_id]
+    assert ledger.finish_generation(_generated(generating), W2) is None
+    assert ledger.finish_scoring(_scored(scoring), R1) is None
+    assert all(ledger.groups[s.group_id] is other for s in ledger.in_flight())
+
+
+def test_dropping_a_buffered_group_takes_it_out_of_the_buffer_once():
+    ledger = Ledger()
+    first = ledger.add_group(_prompt(0), np.array([5], np.int32), size=1, version=0)
+    second = ledger.add_group(_prompt(1), np.array([5], np.int32), size=1, version=0)
+    for _ in range(2):
+        _run_sample(ledger, ledger.pending.popleft())
+    dropped = ledger.drop_group(first)
+    assert (dropped.num_unfinished, dropped.num_finished, dropped.num_tokens) == (0, 1, 3)
+    assert list(ledger.buffer) == [second] and ledger.untrained_positions() == [second.position]
+    with pytest.raises(ValueError, match="neither running nor buffered"):
+        ledger.drop_group(first)
+    assert ledger.take_batch(1) == [second]
+    assert ledger.trained_group_ids == [second.group_id]
+    assert ledger.dropped_group_ids == [first.group_id]
+
+
+def test_evaluation_groups_are_never_dropped():
+    ledger = Ledger()
+    group = ledger.add_group(_prompt(), np.array([5], np.int32), size=1, version=0,
+                             purpose=Purpose.EVAL)
+    with pytest.raises(ValueError, match="evaluation group"):
+        ledger.drop_group(group)
