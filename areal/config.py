@@ -142,6 +142,33 @@ class TaskConfig:
 
 
 @dataclass(kw_only=True)
+class EpisodeConfig:
+    """Multi-turn episodes: the model's turns alternate with an environment's observations
+    (tool results) in one trajectory (areal.tasks.environment, DESIGN.md section 10)."""
+
+    environment: str | None = opt(
+        None, "null: one completion per sample; a built-in environment ('tools': the "
+        "calculator and Python tools of episode.params.tools) or 'package.module:Class'")
+    params: dict[str, Any] = opt({}, "keyword arguments for the environment class")
+    max_turns: int = opt(4, "model turns per episode; an episode still unfinished after them "
+                         "ends with reward 0 (turn_limit)")
+    max_turn_tokens: int | None = opt(None, "token budget of one model turn; null: what is "
+                                      "left of rollout.max_new_tokens, the budget of the whole "
+                                      "episode (model and observation tokens)")
+    step_timeout_s: float = opt(60.0, "time the environment may take to answer one turn; "
+                                "over it the episode ends with reward 0 (verdict timeout)")
+
+    def check(self, key: str) -> None:
+        if self.environment is not None and not self.environment.strip():
+            raise ConfigError(f"{key}.environment={self.environment!r} is empty; give null, "
+                              "'tools' or 'package.module:Class'")
+        _positive(self.max_turns, f"{key}.max_turns")
+        if self.max_turn_tokens is not None:
+            _positive(self.max_turn_tokens, f"{key}.max_turn_tokens")
+        _positive(self.step_timeout_s, f"{key}.step_timeout_s")
+
+
+@dataclass(kw_only=True)
 class VllmConfig:
     """Options passed through to vLLM's engine arguments (rollout.engine=vllm)."""
 
@@ -436,6 +463,7 @@ class RunConfig:
     cache_dir: str = opt("~/.cache/areal", "where the warm-started embedded model is kept")
     model: ModelConfig = opt(ModelConfig(), "policy model")
     task: TaskConfig = opt(TaskConfig(), "prompts, references and reward")
+    episode: EpisodeConfig = opt(EpisodeConfig(), "multi-turn episodes with tools")
     rollout: RolloutConfig = opt(RolloutConfig(), "generation")
     trainer: TrainerConfig = opt(TrainerConfig(), "optimisation")
     reward: RewardConfig = opt(RewardConfig(), "reward workers")

@@ -107,7 +107,7 @@ def requested_ks(text: str, num_samples: int) -> list[int]:
 
 def load_prompts(cfg: RunConfig) -> tuple[Any, Any, list[tuple[Any, list[int]]], list[int]]:
     """(task, tokenizer, [(prompt, token ids)], stop token ids): the controller's setup."""
-    from areal.controller.setup import stop_token_ids
+    from areal.controller.setup import episode_environment, stop_token_ids
     from areal.models.hf import load_tokenizer
     from areal.tasks import load_task
 
@@ -116,6 +116,7 @@ def load_prompts(cfg: RunConfig) -> tuple[Any, Any, list[tuple[Any, list[int]]],
                                trust_remote_code=cfg.model.trust_remote_code)
     if hasattr(task, "use_tokenizer"):
         task.use_tokenizer(tokenizer)
+    environment = episode_environment(cfg, task, tokenizer)  # its tools reach the prompts
     prompts = task.eval_prompts()[: cfg.eval.max_prompts]
     if not prompts:
         raise ValueError(f"task {task.name!r} has no held-out prompts")
@@ -125,7 +126,7 @@ def load_prompts(cfg: RunConfig) -> tuple[Any, Any, list[tuple[Any, list[int]]],
         if not ids:
             raise ValueError(f"prompt {prompt.prompt_id!r} tokenizes to nothing")
         tokenized.append((prompt, ids))
-    return task, tokenizer, tokenized, stop_token_ids(task, tokenizer)
+    return task, tokenizer, tokenized, stop_token_ids(task, tokenizer, environment)
 
 
 async def sample_and_score(cfg: RunConfig, task: Any, tokenizer: Any,
@@ -134,15 +135,24 @@ async def sample_and_score(cfg: RunConfig, task: Any, tokenizer: Any,
     """Every prompt `eval.num_samples` times through the engine, each completion scored."""
     from areal.sandbox.pool import CheckerPool
     from areal.workers.rollout.engine import SamplingParams
+    from areal.workers.rollout.episode import start_episodes
     from areal.workers.rollout.factory import make_engine
+    from areal.workers.rollout.interruptible import InterruptibleGenerator
 
     params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
                             temperature=cfg.eval.temperature, top_p=1.0, stop_token_ids=stop_ids)
     engine = await make_engine(cfg)
+    episodes = await start_episodes(cfg, InterruptibleGenerator(engine))
     pool = CheckerPool(max_concurrency=cfg.reward.max_concurrency, timeout_s=cfg.reward.timeout_s)
     slots = asyncio.Semaphore(cfg.rollout.max_concurrent)
 
     async def one(prompt: Any, ids: list[int], index: int) -> Sample:
+        if episodes is not None:
+            async with slots:
+                episode = await episodes.run(f"{prompt.prompt_id}/{index}", ids, params,
+                                             prompt_id=prompt.prompt_id,
+                                             reference=prompt.reference)
+            return episode_sample(prompt.prompt_id, episode, tokenizer)
         async with slots:
             out = await engine.generate(f"{prompt.prompt_id}/{index}", ids, params)
         text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
@@ -155,9 +165,21 @@ async def sample_and_score(cfg: RunConfig, task: Any, tokenizer: Any,
         n = cfg.eval.num_samples
         flat = await asyncio.gather(*(one(p, ids, j) for p, ids in prompts for j in range(n)))
     finally:
+        if episodes is not None:
+            await episodes.close()
         await engine.close()
         pool.close()
     return [list(flat[i * n:(i + 1) * n]) for i in range(len(prompts))]
+
+
+def episode_sample(prompt_id: str, episode: Any, tokenizer: Any) -> Sample:
+    """A finished episode (its whole text after the prompt, observations included) and the
+    reward its environment gave."""
+    text = tokenizer.decode(episode.token_ids, skip_special_tokens=True)
+    return Sample(prompt_id=prompt_id, completion=text, num_tokens=len(episode.token_ids),
+                  finish_reason=episode.finish_reason.value,
+                  reward=float(episode.outcome.reward), verdict=episode.outcome.verdict,
+                  detail=episode.outcome.detail)
 
 
 def make_record(cfg: RunConfig, samples: list[list[Sample]], ks: list[int], seconds: float,

@@ -101,6 +101,23 @@ class FinishReason(str, enum.Enum):
     """Interrupted (pause for new weights, or cancellation); tokens so far are returned."""
 
 
+class EpisodeEnd(str, enum.Enum):
+    """How a multi-turn episode ended (areal.tasks.environment). Each ending carries its
+    reward and verdict in Generated."""
+
+    ENVIRONMENT = "environment"
+    """The environment ended it with a reward (the model answered, or the environment chose)."""
+    TURN_LIMIT = "turn_limit"
+    """The model used episode.max_turns turns and the environment still expected more:
+    reward 0, verdict no_answer."""
+    TOKEN_LIMIT = "token_limit"
+    """The episode's token budget (rollout.max_new_tokens after the prompt) ran out, or the
+    next observation did not fit in it: reward 0, verdict no_answer."""
+    ERROR = "error"
+    """The environment failed (raised, or took longer than episode.step_timeout_s): reward
+    0, verdict error or timeout; the episode is kept, never lost."""
+
+
 Tensor = typing.NewType("Tensor", object)
 """Annotation for a torch tensor field: any dtype, rebuilt with torch.frombuffer."""
 
@@ -188,6 +205,10 @@ class Generate:
     temperature: float
     top_p: float = 1.0
     stop_token_ids: list[int] = field(default_factory=list)
+    prompt_id: str = ""
+    """Episodes only (episode.environment set): the task's prompt id, for the environment."""
+    reference: Any = None
+    """Episodes only: the prompt's reference (plain data) the environment rewards against."""
 
 
 @message(MsgType.GENERATED)
@@ -205,6 +226,26 @@ class Generated:
     finish_reason: FinishReason
     num_interruptions: int = 0
     generation_s: float = 0.0
+    # -- episodes (multi-turn, areal.tasks.environment); defaults describe one completion --
+    loss_mask: np.ndarray | None = None
+    """[T] bool: True for tokens the model sampled (trained on), False for observation
+    tokens an environment inserted, which carry version -1 (PROMPT_VERSION) and log-prob 0.
+    None: every token was sampled (a single completion)."""
+    episode_end: EpisodeEnd | None = None
+    """How the episode ended; None: not an episode (the reward workers score it)."""
+    reward: float = 0.0
+    """Episodes: the reward the episode ended with (the controller does not score it again)."""
+    verdict: Verdict | None = None
+    """Episodes: the verdict that goes with `reward`."""
+    detail: str = ""
+    num_turns: int = 1
+    """Model turns in the episode."""
+    num_tool_calls: int = 0
+    num_tool_errors: int = 0
+    """Tool calls that failed (bad call, unknown tool, error, timeout): each became an
+    observation saying so."""
+    tool_s: float = 0.0
+    """Seconds the environment took to answer, summed over turns."""
 
 
 @message(MsgType.CANCEL)

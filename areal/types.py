@@ -2,7 +2,10 @@
 
 A `Trajectory` is one sampled completion with everything the decoupled PPO objective
 needs per token: the token, the behaviour log-prob recorded when it was sampled, and the
-policy version that sampled it (-1 for prompt tokens). Arrays are numpy so that they travel
+policy version that sampled it (-1 for prompt tokens). An episode (several model turns with
+observations between them, DESIGN.md section 10) is one trajectory too: its observation
+tokens are stored like prompt tokens (version -1, log-prob 0, loss mask False), so nothing
+downstream (packing, staleness, the loss) needs to know about turns. Arrays are numpy so that they travel
 as raw ZeroMQ frames; `pack` turns a batch into flat torch tensors with cumulative sequence
 lengths for varlen forward passes. Nothing here computes losses or talks to processes.
 """
@@ -10,7 +13,7 @@ lengths for varlen forward passes. Nothing here computes losses or talks to proc
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -35,6 +38,9 @@ class Trajectory:
     finish_reason: str = "length"
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds: 'submitted', 'generated', 'rewarded' (controller clock), 'generation' (span)."""
+    episode: dict[str, Any] = field(default_factory=dict)
+    """Episodes only: 'turns', 'tool_calls', 'tool_errors' (counts), 'tool_s' (seconds) and
+    'end' (its EpisodeEnd value); empty for a single completion."""
 
     def __post_init__(self) -> None:
         lengths = {len(self.token_ids), len(self.logprobs), len(self.versions), len(self.loss_mask)}
@@ -61,9 +67,21 @@ class Trajectory:
         output_logprobs: Sequence[float] | np.ndarray,
         output_versions: Sequence[int] | np.ndarray,
         finish_reason: str = "length",
+        output_loss_mask: Sequence[bool] | np.ndarray | None = None,
     ) -> "Trajectory":
-        """Assemble prompt and completion; completion tokens are trained on, prompt tokens not."""
+        """Assemble prompt and completion; completion tokens are trained on, prompt tokens not.
+
+        `output_loss_mask` [T]: False for observation tokens of an episode, which must carry
+        version PROMPT_VERSION; None: every output token was sampled."""
         num_prompt, num_out = len(prompt_ids), len(output_ids)
+        out_mask = np.ones(num_out, bool) if output_loss_mask is None \
+            else np.asarray(output_loss_mask, bool)
+        if len(out_mask) == num_out and not out_mask.all():
+            observed = np.asarray(output_versions)[~out_mask]
+            if (observed != PROMPT_VERSION).any():
+                raise ValueError(f"trajectory {prompt_id!r}: observation tokens (loss mask "
+                                 f"False) must have version {PROMPT_VERSION}, got "
+                                 f"{sorted(set(observed.tolist()))}")
         return cls(
             prompt_id=prompt_id,
             group_id=group_id,
@@ -73,7 +91,7 @@ class Trajectory:
                                      np.asarray(output_logprobs, np.float32)]),
             versions=np.concatenate([np.full(num_prompt, PROMPT_VERSION, np.int32),
                                      np.asarray(output_versions, np.int32)]),
-            loss_mask=np.concatenate([np.zeros(num_prompt, bool), np.ones(num_out, bool)]),
+            loss_mask=np.concatenate([np.zeros(num_prompt, bool), out_mask]),
             num_prompt_tokens=num_prompt,
             finish_reason=finish_reason,
         )
@@ -85,6 +103,11 @@ class Trajectory:
     @property
     def output_ids(self) -> np.ndarray:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_model_tokens(self) -> int:
+        """Output tokens the model sampled (all of them, unless this is an episode)."""
+        return int(self.loss_mask[self.num_prompt_tokens:].sum())
 
     def oldest_version(self) -> int:
         """Version of the oldest policy that sampled any token (staleness = current - this)."""

@@ -52,6 +52,7 @@ from areal.messages import (
 )
 from areal.transport import PeerMessageError, RouterChannel
 from areal.types import pack
+from areal.controller.episodes import episode_fields, episode_scored
 from areal.controller.groups import Groups
 from areal.controller.ledger import Group, Ledger, Purpose, Sample, Stage
 from areal.controller.metrics import MetricsSink, closed_marker, is_closed
@@ -455,7 +456,8 @@ class Controller:
             request_id=sample.request_id, prompt_ids=group.prompt_ids,
             max_new_tokens=rollout.max_new_tokens, temperature=temperature,
             top_p=rollout.top_p if group.purpose is Purpose.TRAIN else 1.0,
-            stop_token_ids=self._setup.stop_token_ids))
+            stop_token_ids=self._setup.stop_token_ids,
+            **episode_fields(self.cfg, group.prompt)))
 
     async def _send_score(self, sample: Sample) -> None:
         worker = self.pool.least_loaded(WorkerKind.REWARD)
@@ -551,6 +553,10 @@ class Controller:
         self._report.on_generated(sample.trajectory, msg)
         if self.ledger.groups[sample.group_id].purpose is Purpose.TRAIN:
             self.staleness.finish(1)
+        if msg.episode_end is not None:  # an episode: its environment gave the reward
+            self.ledger.start_scoring(sample, identity)
+            await self._on_scored(identity, handle, episode_scored(msg))
+            return
         await self._send_score(sample)
 
     async def _on_scored(self, identity: bytes, handle: WorkerHandle, msg: Scored) -> None:

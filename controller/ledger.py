@@ -142,9 +142,14 @@ class Ledger:
             prompt_id=group.prompt.prompt_id, group_id=group.group_id,
             prompt_ids=group.prompt_ids, output_ids=msg.output_ids,
             output_logprobs=msg.logprobs, output_versions=msg.versions,
-            finish_reason=msg.finish_reason.value)
+            finish_reason=msg.finish_reason.value, output_loss_mask=msg.loss_mask)
         sample.trajectory.timings.update(submitted=sample.submitted_at,
                                          generation=msg.generation_s)
+        if msg.episode_end is not None:
+            sample.trajectory.episode = {
+                "turns": msg.num_turns, "tool_calls": msg.num_tool_calls,
+                "tool_errors": msg.num_tool_errors, "tool_s": msg.tool_s,
+                "end": msg.episode_end.value}
         sample.trajectory.timings["interruptions"] = float(msg.num_interruptions)
         sample.stage, sample.worker = Stage.SCORING, None
         return sample

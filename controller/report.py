@@ -16,6 +16,7 @@ import numpy as np
 from areal.evaluation import summarize
 from areal.messages import Generated, Scored, WeightsUpdated
 from areal.types import Trajectory
+from areal.controller.episodes import episode_metrics
 from areal.controller.ledger import Dropped, Group
 
 if TYPE_CHECKING:
@@ -47,8 +48,9 @@ class StepReport:
         return time.monotonic() - self._train_start if self._train_start else 0.0
 
     def on_generated(self, trajectory: Trajectory, msg: Generated) -> None:
-        """Every completed generation (trained or not) counts toward throughput."""
-        self._generated_tokens += len(msg.output_ids)
+        """Every completed generation (trained or not) counts toward throughput (sampled
+        tokens only: not an episode's observations)."""
+        self._generated_tokens += trajectory.num_model_tokens
         self.num_interruptions += msg.num_interruptions
 
     def on_scored(self, msg: Scored) -> None:
@@ -103,6 +105,7 @@ class StepReport:
         record["rollout/dropped_groups"] = sum(self._dropped.values())
         record.update({f"rollout/dropped_groups/{k}": v for k, v in self._dropped.items()})
         record["rollout/dropped_tokens"] = self._dropped_tokens
+        record.update(episode_metrics(trajs, "episode/"))
         record.update({f"train/{k}": v for k, v in stats.items()})
         self._window_start, self._generated_tokens = now, 0
         self._pauses, self._verdicts = [], collections.Counter()
@@ -143,6 +146,7 @@ def eval_record(groups: list[Group], version: int, seconds: float) -> dict[str, 
         record["eval/token_version_max"] = float(max(sampled))
     record.update(summarize([[s.verdict for s in g.samples] for g in groups],
                             [[s.trajectory.reward for s in g.samples] for g in groups]))
+    record.update(episode_metrics([s.trajectory for g in groups for s in g.samples], "eval/"))
     return record
 
 

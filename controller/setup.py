@@ -24,6 +24,7 @@ import numpy as np
 from areal.config import RunConfig, config_to_dict, config_to_yaml
 from areal.models.hf import load_tokenizer
 from areal.tasks import Prompt, Task, load_task
+from areal.tasks.environment import Environment, load_environment
 from areal.types import PackedBatch
 
 
@@ -36,6 +37,9 @@ class RunSetup:
     eval_prompts: list[tuple[Prompt, np.ndarray]]
     stop_token_ids: list[int]
     config_dict: dict[str, Any] = field(default_factory=dict)
+    environment: Environment | None = None
+    """episode.environment, not started (stop strings and tools only; the rollout workers
+    run it)."""
     num_drawn: int = 0
     """Training prompts drawn so far: the next one's position in the task's prompt stream."""
     _train_iter: Iterator[Prompt] | None = None
@@ -117,9 +121,10 @@ def prepare_run(cfg: RunConfig) -> RunSetup:
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path,
                                trust_remote_code=cfg.model.trust_remote_code)
     task.use_tokenizer(tokenizer)
+    environment = episode_environment(cfg, task, tokenizer)
     setup = RunSetup(cfg=cfg, run_dir=run_dir, task=task, tokenizer=tokenizer, eval_prompts=[],
-                     stop_token_ids=stop_token_ids(task, tokenizer),
-                     config_dict=config_to_dict(cfg))
+                     stop_token_ids=stop_token_ids(task, tokenizer, environment),
+                     config_dict=config_to_dict(cfg), environment=environment)
     prompts = task.eval_prompts()
     if cfg.eval.max_prompts is not None:
         prompts = prompts[: cfg.eval.max_prompts]
@@ -130,10 +135,22 @@ def prepare_run(cfg: RunConfig) -> RunSetup:
     return setup
 
 
-def stop_token_ids(task: Task, tokenizer: Any) -> list[int]:
-    """EOS plus the task's stop strings, each of which must be a single token."""
+def episode_environment(cfg: RunConfig, task: Task, tokenizer: Any) -> Environment | None:
+    """episode.environment built (not started), its tools given to the task's prompts."""
+    if cfg.episode.environment is None:
+        return None
+    environment = load_environment(cfg.episode.environment, cfg.episode.params, task=task,
+                                   tokenizer=tokenizer)
+    if environment.tools():
+        task.use_tools(environment.tools())
+    return environment
+
+
+def stop_token_ids(task: Task, tokenizer: Any, environment: Environment | None = None) -> list[int]:
+    """EOS plus the task's (and the environment's) stop strings, each a single token."""
     ids = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
-    for text in task.stop_strings():
+    texts = task.stop_strings() + (environment.stop_strings() if environment else [])
+    for text in texts:
         tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(tokens) != 1:
             raise ValueError(

@@ -166,7 +166,8 @@ def build_warm_model(cfg: RunConfig, directory: Path) -> dict[str, Any]:
     if ws.steps:
         examples = sft_examples(cfg.seed, ws.steps * ws.batch_size)
         prompts = [ex.prompt.text for ex in examples]
-        completions = [ex.completion for ex in examples]
+        # An episode (areal.tasks.environment.SFTEpisode) comes as (text, trained) segments.
+        completions = [getattr(ex, "segments", None) or ex.completion for ex in examples]
         sequences = encode_sft(tokenizer, prompts, completions)
         losses = sft(model, sequences, ws, pad_token_id=tokenizer.pad_token_id, seed=cfg.seed)
     save_model_dir(model, tokenizer, directory)
@@ -194,27 +195,46 @@ def _tail_mean(values: Sequence[float], n: int = 10) -> float | None:
     return sum(tail) / len(tail) if tail else None
 
 
+SFTSequence = tuple[list[int], list[bool]]
+"""One SFT sequence: token ids (prompt + completion + EOS) and, per token, whether it is a
+trained target (completion tokens the model writes, and EOS; not the prompt, not an
+episode's observations)."""
+
+
 def encode_sft(tokenizer: Any, prompts: Sequence[str],
-               completions: Sequence[str]) -> list[tuple[list[int], int]]:
-    """(prompt + completion + EOS token ids, number of prompt tokens) per example."""
+               completions: Sequence[str | Sequence[tuple[str, bool]]]) -> list[SFTSequence]:
+    """(prompt + completion + EOS token ids, trained-target flags) per example. A completion
+    is its text, or (text, trained) segments tokenized one by one (an episode, whose
+    observations are context, not targets)."""
     prompt_ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
-    completion_ids = tokenizer(list(completions), add_special_tokens=False)["input_ids"]
+    texts = [c for c in completions if isinstance(c, str)]
+    text_ids = iter(tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
     eos = tokenizer.eos_token_id
-    return [(p + c + [eos], len(p)) for p, c in zip(prompt_ids, completion_ids, strict=True)]
+    out = []
+    for p, completion in zip(prompt_ids, completions, strict=True):
+        ids, targets = list(p), [False] * len(p)
+        pieces = [(next(text_ids), True)] if isinstance(completion, str) else [
+            (tokenizer(text, add_special_tokens=False)["input_ids"], trained)
+            for text, trained in completion]
+        for piece, trained in pieces:
+            ids += piece
+            targets += [trained] * len(piece)
+        out.append((ids + [eos], targets + [True]))
+    return out
 
 
-def collate(sequences: Sequence[tuple[list[int], int]],
+def collate(sequences: Sequence[SFTSequence],
             pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded input ids [B, T], attention mask [B, T], and loss mask [B, T-1] that is
-    1 where the next token is a completion token (or the final EOS)."""
+    1 where the next token is a trained target."""
     width = max(len(ids) for ids, _ in sequences)
     input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
     attention = torch.zeros((len(sequences), width), dtype=torch.long)
     loss_mask = torch.zeros((len(sequences), width - 1))
-    for row, (ids, num_prompt) in enumerate(sequences):
+    for row, (ids, targets) in enumerate(sequences):
         input_ids[row, : len(ids)] = torch.tensor(ids)
         attention[row, : len(ids)] = 1
-        loss_mask[row, num_prompt - 1 : len(ids) - 1] = 1.0
+        loss_mask[row, : len(ids) - 1] = torch.tensor(targets[1:], dtype=torch.float32)
     return input_ids, attention, loss_mask
 
 
@@ -227,11 +247,11 @@ def completion_nll(model: torch.nn.Module, input_ids: torch.Tensor, attention: t
     return (nll * loss_mask).sum()
 
 
-def length_buckets(sequences: Sequence[tuple[list[int], int]]) -> list[list[tuple[list[int], int]]]:
+def length_buckets(sequences: Sequence[SFTSequence]) -> list[list[SFTSequence]]:
     """Split a batch into micro-batches of similar length (longest first; a new one starts
     where a sequence is at most half the micro-batch's longest), so short sequences (bare
     answers) are not padded to the longest trace. Padding costs ~1.5x compute otherwise."""
-    buckets: list[list[tuple[list[int], int]]] = []
+    buckets: list[list[SFTSequence]] = []
     for seq in sorted(sequences, key=lambda s: len(s[0]), reverse=True):
         if not buckets or 2 * len(seq[0]) <= len(buckets[-1][0][0]):
             buckets.append([])
@@ -239,11 +259,11 @@ def length_buckets(sequences: Sequence[tuple[list[int], int]]) -> list[list[tupl
     return buckets
 
 
-def batch_loss(model: torch.nn.Module, batch: Sequence[tuple[list[int], int]],
+def batch_loss(model: torch.nn.Module, batch: Sequence[SFTSequence],
                pad_token_id: int) -> torch.Tensor:
     """Mean NLL per completion token over the whole batch, accumulated over length buckets
     (backward is called per bucket to free activations early); returns the detached loss."""
-    num_tokens = sum(len(ids) - num_prompt for ids, num_prompt in batch)
+    num_tokens = sum(sum(targets) for _, targets in batch)
     total = torch.zeros(())
     for bucket in length_buckets(batch):
         nll = completion_nll(model, *collate(bucket, pad_token_id)) / max(num_tokens, 1)
@@ -261,7 +281,7 @@ def lr_factor(step: int, num_steps: int) -> float:
     return _FINAL_LR_FRACTION + (1 - _FINAL_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def sft(model: torch.nn.Module, sequences: Sequence[tuple[list[int], int]], ws: WarmStartConfig,
+def sft(model: torch.nn.Module, sequences: Sequence[SFTSequence], ws: WarmStartConfig,
         *, pad_token_id: int, seed: int, log_every: int = 50) -> list[float]:
     """`ws.steps` AdamW steps over consecutive batches of `sequences`; the loss per step."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=ws.lr, betas=_BETAS, weight_decay=0.0)

@@ -12,6 +12,7 @@ BUILTIN_TASKS = {
     "gsm8k": "areal.tasks.datasets:GSM8KTask",
     "math": "areal.tasks.datasets:MathTask",
     "code": "areal.tasks.datasets:CodeTask",
+    "tool_arithmetic": "areal.tasks.tool_arithmetic:ToolArithmeticTask",
 }
 """Built-in task names and the import paths they stand for."""
 

@@ -77,6 +77,12 @@ class Task(ABC):
         """The tokenizer that will tokenize this task's prompts, given before any prompt is
         asked for (controller, areal.eval); tasks that render chat templates keep it."""
 
+    def use_tools(self, tools: list[dict[str, Any]]) -> None:
+        """Tool definitions (JSON schema) of the run's environment (episode.environment),
+        given before any prompt is asked for; tasks that render chat templates pass them as
+        `apply_chat_template(..., tools=tools)`. Others need not: their prompts state the
+        tool format themselves."""
+
     def stop_strings(self) -> list[str]:
         """Texts that end a completion early (the engines stop at the tokenizer's EOS too)."""
         return []

@@ -23,6 +23,7 @@ call `reward`. Rewards run in the reward worker's threads: math-verify for gsm8k
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import threading
@@ -126,6 +127,13 @@ class DatasetTask(Task):
             if self.tokenizer_path is None:
                 self._tokenizer, self._tokenizer_loaded = tokenizer, True
                 self._eval_prompts = None  # render again with the template now known
+
+    def use_tools(self, tools: list[dict[str, Any]]) -> None:
+        """The environment's tools go to the chat template (`tools=`) of every prompt."""
+        with self._lock:
+            kwargs = {**self.style.chat_template_kwargs, "tools": list(tools)}
+            self.style = dataclasses.replace(self.style, chat_template_kwargs=kwargs)
+            self._eval_prompts = None
 
     def _get_tokenizer(self) -> Any:
         if not self._tokenizer_loaded:

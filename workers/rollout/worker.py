@@ -6,6 +6,9 @@
     JoinGroup(weights)         -> join that generation of the weights group (collective mode)
     UpdateWeights(collective)  -> receive the broadcast buckets, update from them
     Cancel    -> the request's task is cancelled; no result is sent
+    Generate with episode.environment set -> EpisodeRunner.run (episode.py): model turns
+                 and the environment's observations in one trajectory -> Generated with
+                 its loss mask and the environment's reward
 
 Updates are applied one at a time, in version order. In async mode they interrupt
 in-flight sequences, which continue under the new weights (tokens keep the version that
@@ -32,6 +35,7 @@ from areal.messages import (
 from areal.workers.base import Worker
 from areal.workers.collective import WeightsMember, report_weights_op
 from areal.workers.rollout.engine import DiskWeights, SamplingParams, TensorWeights
+from areal.workers.rollout.episode import generated_episode, start_episodes
 from areal.workers.rollout.factory import make_engine
 from areal.workers.rollout.interruptible import InterruptibleGenerator
 
@@ -57,6 +61,7 @@ class RolloutWorker(Worker):
         self._generated_tokens = 0
         self._weights_member: WeightsMember | None = None
         self._collective_hold = False
+        self.episodes = await start_episodes(cfg, self.generator)
         self.spawn(self._update_loop(), "weight-updates")
         # What it serves now (stream/collective: the current version arrives after Ready).
         return self.generator.version
@@ -182,6 +187,12 @@ class RolloutWorker(Worker):
         start = time.monotonic()
         params = SamplingParams(max_new_tokens=msg.max_new_tokens, temperature=msg.temperature,
                                 top_p=msg.top_p, stop_token_ids=list(msg.stop_token_ids))
+        if self.episodes is not None:
+            episode = await self.episodes.run(msg.request_id, msg.prompt_ids.tolist(), params,
+                                              prompt_id=msg.prompt_id, reference=msg.reference)
+            self._generated_tokens += sum(episode.loss_mask)
+            await self.send(generated_episode(msg.request_id, episode, time.monotonic() - start))
+            return
         result = await self.generator.generate(msg.request_id, msg.prompt_ids.tolist(), params)
         self._generated_tokens += len(result.token_ids)
         await self.send(Generated(
@@ -191,6 +202,8 @@ class RolloutWorker(Worker):
             generation_s=time.monotonic() - start))
 
     async def close(self) -> None:
+        if getattr(self, "episodes", None) is not None:
+            await self.episodes.close()
         engine = getattr(self, "engine", None)
         if engine is not None:
             await engine.close()

@@ -27,10 +27,11 @@ def _cfg(cache_dir: Path, *overrides: str) -> RunConfig:
 
 def test_loss_mask_covers_the_completion_and_eos_only():
     tokenizer = build_char_tokenizer()
-    ((ids, num_prompt),) = warmstart.encode_sft(tokenizer, ["1+2*1=?\n"], ["#3"])
-    assert num_prompt == 8 and ids[-1] == tokenizer.eos_token_id and len(ids) == 11
+    ((ids, targets),) = warmstart.encode_sft(tokenizer, ["1+2*1=?\n"], ["#3"])
+    assert targets == [False] * 8 + [True] * 3
+    assert ids[-1] == tokenizer.eos_token_id and len(ids) == 11
     short = warmstart.encode_sft(tokenizer, ["9+9*1=?\n"], ["#18"])[0]
-    input_ids, attention, loss_mask = warmstart.collate([short, (ids, num_prompt)], 0)
+    input_ids, attention, loss_mask = warmstart.collate([short, (ids, targets)], 0)
     # row 1 is the shorter one, right-padded; targets are input_ids[:, 1:]
     assert attention[1].tolist() == [1] * 11 + [0]
     assert loss_mask[1].tolist() == [0] * 7 + [1, 1, 1] + [0]
@@ -52,7 +53,7 @@ def test_length_buckets_give_the_loss_and_gradient_of_one_padded_batch():
     bucketed = warmstart.batch_loss(model, batch, tokenizer.pad_token_id)
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    num_tokens = sum(len(ids) - n for ids, n in batch)
+    num_tokens = sum(sum(targets) for _, targets in batch)
     padded = warmstart.completion_nll(model, *warmstart.collate(batch, 0)) / num_tokens
     padded.backward()
     diffs = [(g - p.grad).abs().max().item() for g, p in zip(grads, model.parameters(),

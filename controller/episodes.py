@@ -1,0 +1,65 @@
+"""What the controller does differently for multi-turn episodes (episode.environment set).
+
+- `episode_fields`: a Generate also carries the prompt's id and reference, which the
+  rollout worker's environment rewards against;
+- `episode_scored`: a finished episode arrives with its reward (Generated.reward/verdict),
+  so it is recorded as scored at once instead of going to a reward worker;
+- `episode_metrics`: the `episode/` (step records) or `eval/` (evaluations) metrics of a
+  set of trajectories: turns, tool calls, tool errors and time, model vs observation tokens,
+  how episodes ended. Empty when no trajectory is an episode.
+
+Everything else treats an episode as one trajectory (admission, staleness, packing, resume).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Sequence
+
+import numpy as np
+
+from areal.config import RunConfig
+from areal.messages import Generated, Scored
+from areal.tasks.base import Prompt, Verdict
+from areal.types import Trajectory
+
+
+def episode_fields(cfg: RunConfig, prompt: Prompt) -> dict[str, Any]:
+    """Extra Generate fields: the prompt id and reference when episodes run, else none."""
+    if cfg.episode.environment is None:
+        return {}
+    return {"prompt_id": prompt.prompt_id, "reference": prompt.reference}
+
+
+def episode_scored(msg: Generated) -> Scored:
+    """The Scored record of an episode that ended with its environment's reward."""
+    if msg.verdict is None:  # a worker that does not follow the schema's contract
+        return Scored(request_id=msg.request_id, reward=0.0, verdict=Verdict.ERROR,
+                      detail="the episode arrived without a verdict")
+    return Scored(request_id=msg.request_id, reward=msg.reward, verdict=msg.verdict,
+                  detail=msg.detail, check_s=msg.tool_s)
+
+
+def episode_metrics(trajectories: Sequence[Trajectory], prefix: str) -> dict[str, Any]:
+    """Per-episode means and totals under `prefix` ('episode/' or 'eval/')."""
+    episodes = [t for t in trajectories if t.episode]
+    if not episodes:
+        return {}
+    turns = np.array([t.episode["turns"] for t in episodes])
+    calls = np.array([t.episode["tool_calls"] for t in episodes])
+    errors = int(sum(t.episode["tool_errors"] for t in episodes))
+    model = np.array([t.num_model_tokens for t in episodes])
+    observed = np.array([t.num_tokens - t.num_prompt_tokens for t in episodes]) - model
+    ends = collections.Counter(t.episode["end"] for t in episodes)
+    return {
+        f"{prefix}turns_mean": float(turns.mean()),
+        f"{prefix}turns_max": int(turns.max()),
+        f"{prefix}tool_calls_mean": float(calls.mean()),
+        f"{prefix}tool_use_fraction": float((calls > 0).mean()),
+        f"{prefix}tool_errors": errors,
+        f"{prefix}tool_error_rate": errors / int(calls.sum()) if calls.sum() else 0.0,
+        f"{prefix}tool_s_mean": float(np.mean([t.episode["tool_s"] for t in episodes])),
+        f"{prefix}model_tokens_mean": float(model.mean()),
+        f"{prefix}observation_tokens_mean": float(observed.mean()),
+        f"{prefix}ends": dict(sorted(ends.items())),
+    }
