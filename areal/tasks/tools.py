@@ -165,6 +165,9 @@ class PythonTool(Tool):
 
     def __init__(self, *, timeout_s: float = 5.0, memory_mb: int = 512,
                  max_output_chars: int = 1000, max_concurrency: int = 16) -> None:
+        """timeout_s: wall and CPU seconds per run; memory_mb: address space per process;
+        max_output_chars: kept of stdout (its start) and of stderr (its end) each;
+        max_concurrency: runs at once (more wait)."""
         if not timeout_s > 0 or memory_mb < 16 or max_output_chars < 1 or max_concurrency < 1:
             raise ValueError(
                 f"python tool: timeout_s={timeout_s!r} must be > 0, memory_mb={memory_mb!r} "
@@ -192,18 +195,20 @@ class PythonTool(Tool):
         if self._sandbox is None:
             raise RuntimeError("PythonTool.start() was not awaited before the first call")
         result = await self._sandbox.run_async(value, limits=self._limits)
+        limit = self.max_output_chars
         parts = []
-        if result.stdout:
-            parts.append(result.stdout_text)
-        if result.stderr:
-            parts.append(f"stderr:\n{result.stderr_text}")
+        if result.stdout:  # its beginning: what the program printed first
+            out = result.stdout_text.rstrip("\n")
+            parts.append(out if len(out) <= limit else out[:limit] + "\n...(output truncated)")
+        if result.stderr:  # its end: where the traceback names the error
+            err = result.stderr_text.rstrip("\n")
+            parts.append("stderr:\n" + (err if len(err) <= limit
+                                        else "(truncated)...\n" + err[-limit:]))
         if result.status is not ExecStatus.OK:
             parts.append(f"status: {result.status.value}"
                          + (f" ({result.detail})" if result.detail else ""))
-        text = "\n".join(p.rstrip("\n") for p in parts) or "(no output)"
-        if len(text) > self.max_output_chars:
-            text = text[: self.max_output_chars] + "\n...(output truncated)"
-        return ToolResult(text=text, failed=result.status is not ExecStatus.OK)
+        return ToolResult(text="\n".join(parts) or "(no output)",
+                          failed=result.status is not ExecStatus.OK)
 
     async def close(self) -> None:
         import asyncio
