@@ -47,6 +47,8 @@ class Sample:
     reward: float = 0.0
     verdict: Verdict = Verdict.ERROR
     detail: str = ""
+    episode: dict[str, Any] = field(default_factory=dict)
+    """Episodes only: 'turns', 'tool_calls', 'tool_errors', 'end'."""
 
 
 @dataclass(kw_only=True)
@@ -179,7 +181,9 @@ def episode_sample(prompt_id: str, episode: Any, tokenizer: Any) -> Sample:
     return Sample(prompt_id=prompt_id, completion=text, num_tokens=len(episode.token_ids),
                   finish_reason=episode.finish_reason.value,
                   reward=float(episode.outcome.reward), verdict=episode.outcome.verdict,
-                  detail=episode.outcome.detail)
+                  detail=episode.outcome.detail, episode={
+                      "turns": episode.num_turns, "tool_calls": episode.num_tool_calls,
+                      "tool_errors": episode.num_tool_errors, "end": episode.end.value})
 
 
 def make_record(cfg: RunConfig, samples: list[list[Sample]], ks: list[int], seconds: float,
@@ -202,6 +206,12 @@ def make_record(cfg: RunConfig, samples: list[list[Sample]], ks: list[int], seco
     for s in flat:
         verdicts[s.verdict.value] = verdicts.get(s.verdict.value, 0) + 1
     record["eval/verdicts"] = dict(sorted(verdicts.items()))
+    episodes = [s.episode for s in flat if s.episode]
+    if episodes:
+        record["eval/turns_mean"] = sum(e["turns"] for e in episodes) / len(episodes)
+        record["eval/tool_calls_mean"] = sum(e["tool_calls"] for e in episodes) / len(episodes)
+        record["eval/tool_use_fraction"] = sum(e["tool_calls"] > 0 for e in episodes) / len(episodes)
+        record["eval/tool_errors"] = sum(e["tool_errors"] for e in episodes)
     record["eval/seconds"] = seconds
     return record
 
@@ -268,7 +278,8 @@ def save_samples(path: Path, samples: list[list[Sample]]) -> None:
                 f.write(json.dumps({"prompt_id": s.prompt_id, "completion": s.completion,
                                     "reward": s.reward, "verdict": s.verdict.value,
                                     "detail": s.detail, "num_tokens": s.num_tokens,
-                                    "finish_reason": s.finish_reason}) + "\n")
+                                    "finish_reason": s.finish_reason,
+                                    **({"episode": s.episode} if s.episode else {})}) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,6 +50,10 @@ def test_round_trip_through_yaml_and_dict(tmp_path):
     ("trainer.checkpoint_every=-1", "trainer.checkpoint_every"),
     ("trainer.keep_checkpoints=1", "trainer.keep_checkpoints=1 must be >= 2"),
     ("rollout.num_workers=2", None),
+    ("episode.max_turns=0", "episode.max_turns=0 must be > 0"),
+    ("episode.max_turn_tokens=0", "episode.max_turn_tokens=0 must be > 0"),
+    ("episode.step_timeout_s=0", "episode.step_timeout_s=0.0 must be > 0"),
+    ("episode.environment=' '", "episode.environment=' ' is empty"),
     ("lr", "key=value"),
 ], ids=lambda v: str(v))
 def test_bad_values_name_the_field(override, needle):

@@ -83,3 +83,25 @@ def test_cli_evaluates_a_tiny_checkpoint_on_a_held_out_fraction(tmp_path, tiny_m
                for c in completions)
     assert sum(c["verdict"] == "ok" for c in completions) / 6 == pytest.approx(
         record["eval/pass@1"])
+
+
+@pytest.mark.slow
+def test_cli_runs_episodes_with_their_environment(tmp_path, tiny_model_dir, monkeypatch):
+    """The environment answers every first turn with a program run in the sandbox
+    (tests/controller/episode_env.py); the reward is the environment's."""
+    monkeypatch.syspath_prepend(str(REPO / "tests" / "controller"))
+    out, saved = tmp_path / "eval.jsonl", tmp_path / "samples.jsonl"
+    rc = main(["--model", tiny_model_dir, "--output", str(out), "--save-samples", str(saved),
+               "task.name=letter_task:LetterTask", "task.params.num_eval=5",
+               "episode.environment=episode_env:SandboxScriptEnvironment",
+               "episode.max_turns=2", "episode.max_turn_tokens=8", "rollout.max_new_tokens=300"])
+    assert rc == 0
+    (record,) = [json.loads(x) for x in out.read_text().splitlines()]
+    samples = {s["prompt_id"]: s for s in map(json.loads, saved.read_text().splitlines())}
+    assert samples["eval-3"]["episode"]["end"] == "error"  # the scripted failure
+    assert samples["eval-3"]["verdict"] == "error"
+    assert samples["eval-4"]["episode"]["end"] == "turn_limit"
+    assert "\n>42\n" in samples["eval-0"]["completion"]  # the sandbox's answer, in context
+    assert samples["eval-1"]["episode"]["tool_errors"] == 1
+    assert record["eval/tool_use_fraction"] == pytest.approx(4 / 5)
+    assert record["eval/turns_mean"] > 1

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from areal.messages import (
-    BroadcastWeights, Cancel, FinishReason, Generate, Generated, GroupName, GroupState,
+    BroadcastWeights, Cancel, EpisodeEnd, FinishReason, Generate, Generated, GroupName, GroupState,
     GroupStatus, Heartbeat, JoinGroup, MessageError, MsgType, Ready, Register, Score, Scored,
     Shutdown, Train, Trained, UpdateWeights, Welcome, WeightsChunk, WeightsUpdated, WorkerError,
     WorkerKind, decode, encode, schemas,
@@ -93,6 +93,41 @@ def _num_arrays(msg):
         values = value if isinstance(value, list) else [value]
         count += sum(isinstance(v, (np.ndarray, torch.Tensor)) for v in values)
     return count
+
+
+EPISODE_GENERATE = Generate(request_id="r2", prompt_ids=_arange(5), max_new_tokens=64,
+                            temperature=1.0, stop_token_ids=[1, 93], prompt_id="train-7",
+                            reference={"answer": 17834, "tests": [[1, "x"]]})
+EPISODE_GENERATED = Generated(
+    request_id="r2", output_ids=_arange(6), logprobs=np.array([-1, -2, 0, 0, -1, -1], np.float32),
+    versions=np.array([3, 3, -1, -1, 4, 4], np.int32),
+    loss_mask=np.array([True, True, False, False, True, True]), finish_reason=FinishReason.STOP,
+    episode_end=EpisodeEnd.TURN_LIMIT, reward=0.0, verdict=Verdict.NO_ANSWER,
+    detail="the episode ended at the turn limit", num_turns=2, num_tool_calls=1,
+    num_tool_errors=1, tool_s=0.125)
+
+
+@pytest.mark.parametrize("msg", [EPISODE_GENERATE, EPISODE_GENERATED], ids=["generate", "generated"])
+def test_episode_fields_round_trip(msg):
+    frames = encode(msg)
+    assert len(frames) == 2 + _num_arrays(msg)
+    _assert_same(msg, decode(frames))
+
+
+def test_a_single_completion_decodes_without_episode_fields():
+    """A sender that knows nothing of episodes (a worker of an earlier version) is understood:
+    the new fields are optional and default to 'one completion'."""
+    plain = Generated(request_id="r", output_ids=_arange(2), logprobs=np.zeros(2, np.float32),
+                      versions=np.zeros(2, np.int32), finish_reason=FinishReason.STOP)
+    frames = encode(plain)
+    header = msgpack.unpackb(frames[1], raw=False, ext_hook=msgpack.ExtType)
+    legacy = {k: v for k, v in header.items() if k in (
+        "request_id", "output_ids", "logprobs", "versions", "finish_reason",
+        "num_interruptions", "generation_s")}
+    out = decode([frames[0], msgpack.packb(legacy), *frames[2:]])
+    assert out.loss_mask is None and out.episode_end is None and out.verdict is None
+    assert (out.num_turns, out.num_tool_calls, out.reward) == (1, 0, 0.0)
+    _assert_same(plain, out)
 
 
 def test_every_schema_has_a_sample():

@@ -27,6 +27,19 @@ def test_from_generation_marks_prompt_tokens():
     assert t.oldest_version() == 4
 
 
+def test_an_episode_keeps_its_observation_tokens_out_of_the_loss():
+    t = Trajectory.from_generation(
+        prompt_id="p", group_id=0, prompt_ids=[1, 2], output_ids=[5, 6, 7, 8, 9],
+        output_logprobs=[-1.0, 0.0, 0.0, -2.0, -3.0], output_versions=[3, -1, -1, 4, 4],
+        output_loss_mask=[True, False, False, True, True])
+    assert list(t.loss_mask) == [False, False, True, False, False, True, True]
+    assert t.num_model_tokens == 3 and t.oldest_version() == 3  # staleness: model tokens
+    with pytest.raises(ValueError, match=r"observation tokens .* must have version -1, got \[3\]"):
+        Trajectory.from_generation(
+            prompt_id="p", group_id=0, prompt_ids=[1], output_ids=[5, 6],
+            output_logprobs=[-1.0, 0.0], output_versions=[3, 3], output_loss_mask=[True, False])
+
+
 def test_misaligned_arrays_are_refused():
     with pytest.raises(ValueError, match="differ in length"):
         Trajectory(prompt_id="p", group_id=0, token_ids=np.zeros(3, np.int32),

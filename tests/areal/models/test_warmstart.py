@@ -40,6 +40,16 @@ def test_loss_mask_covers_the_completion_and_eos_only():
     assert tokenizer.decode(targets[:-1]) == "#18" and targets[-1] == tokenizer.eos_token_id
 
 
+def test_an_episode_trains_on_model_text_only():
+    tokenizer = build_char_tokenizer()
+    segments = (("[2*3]", True), ("=6\n", False), ("#6", True))
+    ((ids, targets),) = warmstart.encode_sft(tokenizer, ["2*3=?\n"], [segments])
+    assert tokenizer.decode(ids[:-1]) == "2*3=?\n[2*3]=6\n#6" and ids[-1] == tokenizer.eos_token_id
+    assert targets == [False] * 6 + [True] * 5 + [False] * 3 + [True] * 2 + [True]
+    _, _, loss_mask = warmstart.collate([(ids, targets)], 0)
+    assert loss_mask[0].tolist() == [float(t) for t in targets[1:]]
+
+
 def test_length_buckets_give_the_loss_and_gradient_of_one_padded_batch():
     tokenizer = build_char_tokenizer()
     task = load_task("arithmetic", {"sft_direct_fraction": 0.5})
