@@ -12,6 +12,10 @@ Panels (a panel is drawn when at least one run has one of its keys):
     interruptions  rollout/interruptions
     loss           train/loss
     length         rollout/completion_len_mean
+    tool use       episode/tool_use_fraction, eval/tool_use_fraction, episode/tool_error_rate
+    turns          episode/turns_mean, episode/tool_calls_mean (multi-turn episodes)
+    episode tokens episode/model_tokens_mean, episode/observation_tokens_mean
+    tool time      episode/tool_s_mean
 
 The x axis is the training step (eval records are filed under the policy version they
 evaluated, which is the step that produced it) or, with `--x time`, wall-clock seconds
@@ -44,6 +48,15 @@ PANELS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
     "interruptions": ("interrupted sequences / step", [("step", "rollout/interruptions", "")]),
     "loss": ("loss", [("step", "train/loss", "")]),
     "length": ("completion tokens", [("step", "rollout/completion_len_mean", "mean")]),
+    "tool_use": ("fraction", [("step", "episode/tool_use_fraction", "episodes calling a tool"),
+                              ("eval", "eval/tool_use_fraction", "held-out, calling a tool"),
+                              ("step", "episode/tool_error_rate", "failed tool calls")]),
+    "turns": ("per episode", [("step", "episode/turns_mean", "model turns"),
+                              ("step", "episode/tool_calls_mean", "tool calls")]),
+    "episode_tokens": ("tokens per episode", [
+        ("step", "episode/model_tokens_mean", "model (trained)"),
+        ("step", "episode/observation_tokens_mean", "observation (context only)")]),
+    "tool_time": ("seconds per episode", [("step", "episode/tool_s_mean", "environment")]),
 }
 
 

@@ -164,10 +164,12 @@ class PythonTool(Tool):
     argument_help = "a complete Python program"
 
     def __init__(self, *, timeout_s: float = 5.0, memory_mb: int = 512,
-                 max_output_chars: int = 1000, max_concurrency: int = 16) -> None:
+                 max_output_chars: int = 1000, max_concurrency: int = 16,
+                 allow_unisolated: bool = False) -> None:
         """timeout_s: wall and CPU seconds per run; memory_mb: address space per process;
         max_output_chars: kept of stdout (its start) and of stderr (its end) each;
-        max_concurrency: runs at once (more wait)."""
+        max_concurrency: runs at once (more wait); allow_unisolated: run even where no
+        namespace isolation is possible (areal.sandbox refuses by default)."""
         if not timeout_s > 0 or memory_mb < 16 or max_output_chars < 1 or max_concurrency < 1:
             raise ValueError(
                 f"python tool: timeout_s={timeout_s!r} must be > 0, memory_mb={memory_mb!r} "
@@ -175,6 +177,7 @@ class PythonTool(Tool):
                 f"{max_concurrency!r} >= 1")
         self.timeout_s, self.memory_mb = timeout_s, memory_mb
         self.max_output_chars, self.max_concurrency = max_output_chars, max_concurrency
+        self.allow_unisolated = allow_unisolated
         self._sandbox: Any = None
 
     async def start(self) -> None:
@@ -186,7 +189,8 @@ class PythonTool(Tool):
                               memory_bytes=self.memory_mb << 20,
                               run_memory_bytes=2 * self.memory_mb << 20)
         self._sandbox = Sandbox(SandboxConfig(limits=self._limits,
-                                              max_concurrency=self.max_concurrency))
+                                              max_concurrency=self.max_concurrency,
+                                              allow_unisolated=self.allow_unisolated))
         await asyncio.to_thread(self._sandbox.start)  # IsolationError: reported at setup
 
     async def run(self, value: str) -> ToolResult:

@@ -14,8 +14,14 @@ import pytest
 from areal.plot import PANELS, main, plot_runs, read_run, series
 
 
+EPISODE_KEYS = {"episode/tool_use_fraction": 0.5, "episode/tool_error_rate": 0.1,
+                "episode/turns_mean": 1.5, "episode/tool_calls_mean": 0.5,
+                "episode/model_tokens_mean": 12.0, "episode/observation_tokens_mean": 6.0,
+                "episode/tool_s_mean": 0.01}
+
+
 def _write_run(run_dir: Path, num_steps: int = 6, *, with_loss: bool = True,
-               torn: bool = False) -> Path:
+               torn: bool = False, episodes: bool = True) -> Path:
     run_dir.mkdir(parents=True)
     lines = [{"kind": "eval", "step": 0, "eval/pass@1": 0.1, "eval/reward_mean": 0.1}]
     for step in range(1, num_steps + 1):
@@ -27,6 +33,8 @@ def _write_run(run_dir: Path, num_steps: int = 6, *, with_loss: bool = True,
                   "rollout/completion_len_mean": 20.0}
         if with_loss:
             record["train/loss"] = math.nan if step == 2 else 0.1 * step
+        if episodes:
+            record.update(EPISODE_KEYS)
         lines.append(record)
     lines += [{"kind": "eval", "step": num_steps, "eval/pass@1": 0.4},
               {"kind": "eval", "source": "areal.eval", "eval/pass@1": 0.9},  # no step
@@ -59,8 +67,15 @@ def test_one_run_gives_an_overview_and_a_png_per_panel(tmp_path):
         _not_blank(path)
 
 
+def test_single_completion_runs_draw_no_episode_panels(tmp_path):
+    run_dir = _write_run(tmp_path / "r", episodes=False)
+    paths = plot_runs([run_dir], tmp_path / "out")
+    assert {p.stem for p in paths} == {"overview", *PANELS} - {
+        "tool_use", "turns", "episode_tokens", "tool_time"}
+
+
 def test_several_runs_are_overlaid_against_time(tmp_path):
-    runs = [_write_run(tmp_path / "sync", 4), _write_run(tmp_path / "async", 8)]
+    runs = [_write_run(tmp_path / "sync", 4, episodes=False), _write_run(tmp_path / "async", 8)]
     paths = plot_runs(runs, tmp_path / "cmp", x_axis="time")
     assert paths[0].name == "overview.png" and len(paths) == 1 + len(PANELS)
     _not_blank(paths[0])

@@ -5,6 +5,7 @@ the environment loader's errors and the tool_arithmetic task's warm-start episod
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from qwen_style import IM_END, build_qwen_style_tokenizer
@@ -146,3 +147,28 @@ async def test_warm_start_episodes_show_what_the_environment_answers():
         assert got.text == observed  # the warm start sees the environment's own answers
         outcome = task.reward(answer, example.prompt.reference)
         assert outcome.verdict is Verdict.OK
+
+
+def test_the_gpu_recipe_renders_gsm8k_prompts_with_the_python_tool(tmp_path):
+    """examples/gsm8k_qwen2.5_1.5b_python_tool_vllm.yaml, with a Qwen2.5-style tokenizer in
+    place of the model and the shipped GSM8K sample in place of the dataset."""
+    from areal.config import load_config
+    from areal.controller.setup import episode_environment, stop_token_ids
+    from areal.models.hf import load_tokenizer
+
+    repo = Path(__file__).resolve().parents[3]
+    build_qwen_style_tokenizer().save_pretrained(tmp_path / "qwen-style")
+    data = repo / "examples/data/gsm8k_train.jsonl"
+    cfg = load_config(repo / "examples/gsm8k_qwen2.5_1.5b_python_tool_vllm.yaml", [
+        f"model.path={tmp_path / 'qwen-style'}", f"task.params.path={data}",
+        f"task.params.eval_path={repo / 'examples/data/gsm8k_test.jsonl'}"])
+    tokenizer = load_tokenizer(cfg.model.path)
+    task = load_task(cfg.task.name, cfg.task.params)
+    task.use_tokenizer(tokenizer)
+    env = episode_environment(cfg, task, tokenizer)
+    assert isinstance(env, ToolEnvironment) and env.format == "chat"
+    prompt = task.eval_prompts()[0].text
+    assert '"name": "python"' in prompt and "<tool_call>" in prompt
+    assert prompt.endswith("<|im_start|>assistant\n") and "\\boxed{}" in prompt
+    assert stop_token_ids(task, tokenizer, env) == sorted(
+        tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]))
