@@ -2,7 +2,8 @@
 
 After each model turn:
 
-- the turn ended with a stop token and holds tool calls -> run them (concurrently, each
+- the turn ended where calls end (at `]`, or at EOS, the chat template's end of turn) and
+  holds tool calls -> run them (concurrently, each
   in its tool: the calculator in-process, Python in the sandbox) and return their results
   as the observation; a call that is malformed, names an unknown tool, fails or times out
   gets a result that says so (counted as a tool error), never a lost episode;
@@ -23,7 +24,7 @@ import asyncio
 from typing import Any
 
 from areal.tasks.base import RewardOutcome, Task
-from areal.tasks.environment import Environment, Episode, Observation
+from areal.tasks.environment import Environment, Episode, Observation, Turn
 from areal.tasks.tool_calls import (
     BRACKET_CLOSE, ToolCall, chat_observation, parse_bracket_call, parse_chat_calls,
 )
@@ -82,21 +83,25 @@ class ToolEnvironment(Environment):
 
     async def step(self, episode: Episode) -> Observation | RewardOutcome:
         turn = episode.last
-        calls = self._calls(turn.text) if turn.stopped else []
+        calls = self._calls(turn)
         if not calls:
             return await asyncio.to_thread(self.task.reward, turn.text, episode.reference)
         if episode.is_last_turn:
             return Observation(text="")  # the turn limit ends the episode; nothing to run
         results = await asyncio.gather(*(self._run(call, i) for i, call in enumerate(calls)))
-        text = await self._render(results, turn.token_ids[-1:])
+        text = await self._render(results)
         return Observation(text=text, num_tool_calls=len(calls),
                            num_tool_errors=sum(r.failed for r in results))
 
-    def _calls(self, text: str) -> list[ToolCall]:
+    def _calls(self, turn: Turn) -> list[ToolCall]:
+        """The calls of a turn that ended where calls end: at the chat template's end of
+        turn, the tokenizer's EOS (chat), or at `]` (bracket). Any other turn (cut by its
+        token budget, or ended by another stop token) is an answer."""
         if self.format == "chat":
-            return parse_chat_calls(text)
+            ended = turn.token_ids[-1:] == [self.tokenizer.eos_token_id]
+            return parse_chat_calls(turn.text) if ended else []
         first = next(iter(self._tools.values()))
-        return parse_bracket_call(text, first.name, first.argument)
+        return parse_bracket_call(turn.text, first.name, first.argument) if turn.stopped else []
 
     async def _run(self, call: ToolCall, index: int) -> ToolResult:
         if call.error:
@@ -110,10 +115,9 @@ class ToolEnvironment(Environment):
                                    f"{', '.join(self._tools)}", failed=True)
         return await tool.call(call.arguments)
 
-    async def _render(self, results: list[ToolResult], stop_ids: list[int]) -> str:
+    async def _render(self, results: list[ToolResult]) -> str:
         if self.format == "bracket":
             return "".join(self.observation_template.replace("{result}", r.text)
                            for r in results)
-        end_of_turn = self.tokenizer.decode(stop_ids, skip_special_tokens=False)
         return await asyncio.to_thread(chat_observation, self.tokenizer,
-                                       [r.text for r in results], end_of_turn)
+                                       [r.text for r in results], self.tokenizer.eos_token)

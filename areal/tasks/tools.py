@@ -41,6 +41,7 @@ class Tool(ABC):
     description: str
     argument: str
     """The one required string argument (the whole call in the bracket format)."""
+    argument_help: str = ""
 
     def definition(self) -> dict[str, Any]:
         """The tool as a chat template expects it (OpenAI function-call schema)."""
@@ -48,8 +49,6 @@ class Tool(ABC):
             "name": self.name, "description": self.description,
             "parameters": {"type": "object", "required": [self.argument], "properties": {
                 self.argument: {"type": "string", "description": self.argument_help}}}}}
-
-    argument_help: str = ""
 
     async def call(self, arguments: dict[str, Any]) -> ToolResult:
         """Run one call; never raises for what the model wrote."""

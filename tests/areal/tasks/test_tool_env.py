@@ -172,3 +172,28 @@ def test_the_gpu_recipe_renders_gsm8k_prompts_with_the_python_tool(tmp_path):
     assert prompt.endswith("<|im_start|>assistant\n") and "\\boxed{}" in prompt
     assert stop_token_ids(task, tokenizer, env) == sorted(
         tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]))
+
+
+async def test_a_chat_turn_that_did_not_end_at_eos_is_the_answer():
+    tokenizer = build_qwen_style_tokenizer()
+    env = load_environment("tools", {}, task=load_task("tool_arithmetic"), tokenizer=tokenizer)
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>'
+    cut = await env.step(_episode(call, tokenizer=tokenizer, stopped=False))
+    assert isinstance(cut, RewardOutcome) and cut.verdict is Verdict.NO_ANSWER
+
+
+async def test_the_readme_environment_example_runs():
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    source = readme.split("class GuessTheNumber(Environment):")[0].rsplit("```python", 1)[1] + \
+        "class GuessTheNumber(Environment):" + \
+        readme.split("class GuessTheNumber(Environment):")[1].split("```")[0]
+    namespace: dict = {}
+    exec(compile(source, "README.md", "exec"), namespace)
+    tokenizer = build_char_tokenizer()
+    env = namespace["GuessTheNumber"](task=None, tokenizer=tokenizer, hint="higher")
+    assert env.stop_strings() == ["\n"]
+    assert await env.step(_episode("41\n", tokenizer=tokenizer, reference=42)) == \
+        Observation(text="higher\n")
+    assert (await env.step(_episode("42\n", tokenizer=tokenizer, reference=42))).reward == 1.0
+    last = await env.step(_episode("7\n", tokenizer=tokenizer, reference=42, max_turns=1))
+    assert last.verdict is Verdict.WRONG
