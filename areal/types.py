@@ -5,9 +5,10 @@ needs per token: the token, the behaviour log-prob recorded when it was sampled,
 policy version that sampled it (-1 for prompt tokens). An episode (several model turns with
 observations between them, DESIGN.md section 10) is one trajectory too: its observation
 tokens are stored like prompt tokens (version -1, log-prob 0, loss mask False), so nothing
-downstream (packing, staleness, the loss) needs to know about turns. Arrays are numpy so that they travel
-as raw ZeroMQ frames; `pack` turns a batch into flat torch tensors with cumulative sequence
-lengths for varlen forward passes. Nothing here computes losses or talks to processes.
+downstream (packing, staleness, the loss) needs to know about turns. Arrays are numpy so
+that they travel as raw ZeroMQ frames; `pack` turns a batch into flat torch tensors with
+cumulative sequence lengths for varlen forward passes. Nothing here computes losses or
+talks to processes.
 """
 
 from __future__ import annotations

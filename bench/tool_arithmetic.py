@@ -84,7 +84,7 @@ def table(results: list[dict]) -> str:
             p = e["eval/pass@1"]
             lo, hi = wilson(p * n, n)
             cells.append(f"{p:.3f} [{lo:.3f},{hi:.3f}]")
-        use = f"{first.get('eval/tool_use_fraction') or 0:.2f}->{last.get('eval/tool_use_fraction') or 0:.2f}"
+        use = "->".join(f"{e.get('eval/tool_use_fraction') or 0:.2f}" for e in (first, last))
         gain = 100 * (last["eval/pass@1"] - first["eval/pass@1"])
         rows.append(f"{r['engine']:>6} {r['seed']:>4}  {cells[0]:>24}  {cells[1]:>23}  "
                     f"{gain:+6.1f}  {use:>11}  {r['wall_s']:6.0f}  "

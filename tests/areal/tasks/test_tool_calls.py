@@ -33,7 +33,8 @@ def test_chat_calls_are_parsed_in_order_with_their_arguments():
         ToolCall(name="python", arguments={"code": "print(1)"})]
     assert parse_chat_calls("The answer is 17834.") == []
     # Arguments encoded as a JSON string once more are decoded.
-    doubly = '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"1+1\\"}"}</tool_call>'
+    doubly = ('<tool_call>{"name": "calculator", '
+              '"arguments": "{\\"expression\\": \\"1+1\\"}"}</tool_call>')
     assert parse_chat_calls(doubly) == [ToolCall(name="calculator",
                                                  arguments={"expression": "1+1"})]
 
