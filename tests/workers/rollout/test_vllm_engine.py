@@ -269,3 +269,17 @@ async def test_misuse_is_refused_with_clear_errors(engine, weights_dirs):
         await engine.pause()
     with pytest.raises(FileNotFoundError):
         await engine.update_weights(DiskWeights(weights_dirs[0] / "missing"))
+
+
+async def test_an_episode_keeps_provenance_across_an_update_in_its_second_turn(
+        engine, weights_dirs, reference_models):
+    from episode_helpers import DONE, ScriptedEnvironment, check_update_in_turn_two
+
+    from areal.models.hf import load_tokenizer
+    from areal.workers.rollout.episode import EpisodeLimits, EpisodeRunner
+
+    env = ScriptedEnvironment(["obs one\n", "obs two\n", DONE])
+    runner = EpisodeRunner(InterruptibleGenerator(engine, version=0), env,
+                           load_tokenizer(weights_dirs[0]),
+                           EpisodeLimits(max_turns=4, max_turn_tokens=60))
+    await check_update_in_turn_two(runner, env, weights_dirs[1], reference_models)
