@@ -52,7 +52,6 @@ import torch
 
 from areal.algorithms import aggregation, corrections, drift
 from areal.algorithms.aggregation import Segments
-from areal.algorithms.corrections import CAP_MODES  # noqa: F401  (re-exported)
 from areal.config import PPOConfig
 
 
