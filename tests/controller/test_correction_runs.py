@@ -65,19 +65,20 @@ def letter_task_importable():
         yield
 
 
-def _run(cfg) -> tuple[dict, list[dict], list[dict]]:
-    """(summary, step records, saved batches) of a run."""
-    summary = asyncio.run(Controller(cfg).run())
+def _run(cfg) -> tuple[Controller, dict, list[dict], list[dict]]:
+    """(controller, summary, step records, saved batches) of a run."""
+    ctl = Controller(cfg)
+    summary = asyncio.run(ctl.run())
     run_dir = Path(summary["run_dir"])
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     batches = [dict(np.load(path)) for path in sorted((run_dir / "batches").glob("*.npz"))]
-    return summary, [r for r in records if r["kind"] == "step"], batches
+    return ctl, summary, [r for r in records if r["kind"] == "step"], batches
 
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_a_run_with_the_option_completes(name, tmp_path, tiny_model_dir, letter_task_importable):
     options = RUNS[name]
-    summary, steps, batches = _run(_config(tmp_path / "run", tiny_model_dir, options))
+    ctl, summary, steps, batches = _run(_config(tmp_path / "run", tiny_model_dir, options))
     assert summary["steps"] == STEPS and summary["final_version"] == STEPS
     resolved = (tmp_path / "run" / "config.yaml").read_text()
     for option in options:
@@ -88,7 +89,7 @@ def test_a_run_with_the_option_completes(name, tmp_path, tiny_model_dir, letter_
     assert all(math.isfinite(r["train/loss"]) for r in steps)
     trained = [r for r in steps if r["train/num_loss_tokens"] > 0]
     assert all(_split_keys(r, "logprob_diff") and _split_keys(r, "behav_kl") for r in trained)
-    _CHECKS.get(name, lambda steps, batches: None)(steps, batches)
+    _CHECKS.get(name, lambda ctl, steps, batches: None)(ctl, steps, batches)
 
 
 def _split_keys(record: dict, metric: str) -> list[str]:
@@ -96,28 +97,33 @@ def _split_keys(record: dict, metric: str) -> list[str]:
     return [f"train/{metric}_{s}" for s in ("fresh", "stale") if f"train/{metric}_{s}" in record]
 
 
-def _two_sided(steps, batches):
+def _two_sided(ctl, steps, batches):
     assert all(_split_keys(r, "behav_masked_frac") for r in steps)
 
 
-def _truncated_is(steps, batches):
+def _truncated_is(ctl, steps, batches):
     assert all(_split_keys(r, "behav_clamped_frac") for r in steps)
     assert not any("behav_masked" in k for r in steps for k in r)
 
 
-def _dynamic_sampling(steps, batches):
+def _dynamic_sampling(ctl, steps, batches):
     assert sum(r.get("rollout/dropped_groups/zero_advantage", 0) for r in steps) > 0, steps
+    # The staleness window freed every dropped sample's slot; every trained batch was full.
+    dropped = ctl.ledger.dropped_group_ids
+    assert ctl.staleness.num_aborted + ctl.staleness.num_rejected == len(dropped) * GROUP
+    assert ctl.staleness.num_consumed == STEPS * BATCH
+    assert not set(dropped) & set(ctl.ledger.trained_group_ids)
     for batch in batches:  # every trained group has a reward spread
         for group in np.unique(batch["group_ids"]):
             assert len(set(batch["rewards"][batch["group_ids"] == group].tolist())) > 1
 
 
-def _overlong_penalty(steps, batches):
+def _overlong_penalty(ctl, steps, batches):
     # With 8 new tokens and a buffer of 4, a completion of 8 tokens loses 0.5.
     assert all(-0.5 <= r["rollout/overlong_penalty_mean"] < 0 for r in steps), steps
 
 
-def _mask_truncated(steps, batches):
+def _mask_truncated(ctl, steps, batches):
     for record, batch in zip(steps, batches, strict=True):
         cu, mask = batch["cu_seqlens"], batch["loss_mask"]
         untrained = sum(not mask[cu[i]:cu[i + 1]].any() for i in range(len(cu) - 1))
