@@ -16,8 +16,9 @@ minibatch across ranks when sharded): its loss tokens, or its sequences with los
 for the sequence-mean aggregations (trainer.ppo.loss_agg_mode), so the result is the
 loss of the whole minibatch however the batch is cut into micro-batches and ranks. The
 loss also reports the drift between the engine's and the trainer's log-probs, split by
-whether the proximal policy's own version sampled the token (areal.algorithms.drift). Pure torch plus the collectives of
-`DataParallel` (no-ops for one rank): no sockets, no files.
+whether the proximal policy's own version sampled the token (areal.algorithms.drift).
+Pure torch plus the collectives of `DataParallel` (no-ops for one rank): no sockets, no
+files.
 """
 
 from __future__ import annotations
