@@ -234,6 +234,26 @@ class PPOConfig:
     prox_logp: str = opt("recompute", "proximal log-probs: 'recompute' (a forward pass) or "
                          "'loglinear' (interpolated from per-token versions)",
                          ["recompute", "loglinear"])
+    # Off-policy corrections beyond the paper's (areal.algorithms.corrections; README recipes).
+    behav_imp_floor: float | None = opt(
+        None, "lower bound on w, handled like the cap by behav_cap_mode (with 'mask' and a cap: "
+        "IcePop's two-sided mask); null: none")
+    behav_imp_level: str = opt(
+        "token", "w per token, or per sequence (the geometric mean of its tokens' w, shared "
+        "by all of them: a bound then masks or clamps whole sequences)", ["token", "sequence"])
+    policy_loss: str = opt(
+        "ppo", "surrogate: 'ppo' (token ratio r, clipped), 'gspo' (GSPO's length-normalised "
+        "sequence ratio, clipped), 'cispo' (CISPO: the clipped ratio as a stop-gradient "
+        "weight on log pi_theta)", ["ppo", "gspo", "cispo"])
+    loss_agg_mode: str = opt(
+        "token-mean", "how token terms become the loss (verl's names): 'token-mean' over all "
+        "loss tokens of the batch, 'seq-mean-token-mean' (mean over sequences of their token "
+        "mean; GRPO), 'seq-mean-token-sum-norm' (mean over sequences of their token sum / "
+        "loss_agg_norm; Dr.GRPO)", ["token-mean", "seq-mean-token-mean",
+                                    "seq-mean-token-sum-norm"])
+    loss_agg_norm: int | None = opt(
+        None, "seq-mean-token-sum-norm: the constant token count each sequence's sum is "
+        "divided by; null: rollout.max_new_tokens")
 
     def check(self, key: str) -> None:
         _positive(self.eps_clip, f"{key}.eps_clip")
@@ -241,6 +261,11 @@ class PPOConfig:
             _positive(self.eps_clip_high, f"{key}.eps_clip_high")
         if self.behav_imp_cap is not None and not self.behav_imp_cap > 1:
             raise ConfigError(f"{key}.behav_imp_cap={self.behav_imp_cap!r} must be > 1 or null")
+        if self.behav_imp_floor is not None and not 0 < self.behav_imp_floor < 1:
+            raise ConfigError(f"{key}.behav_imp_floor={self.behav_imp_floor!r} must be in "
+                              "(0, 1) or null: w = 1 (no drift) must stay inside the bounds")
+        if self.loss_agg_norm is not None:
+            _positive(self.loss_agg_norm, f"{key}.loss_agg_norm")
 
 
 @dataclass(kw_only=True)
@@ -251,10 +276,28 @@ class AdvantageConfig:
     reward_bias: float = opt(0.0, "added to scaled rewards")
     reward_clip: float | None = opt(None, "clip rewards to [-c, c]; null: no clipping")
     batch_norm: bool = opt(False, "normalise advantages over the whole batch afterwards")
+    # DAPO's batch and length shaping (areal.algorithms.shaping, controller/dynamic_sampling.py).
+    dynamic_sampling: bool = opt(
+        False, "drop prompt groups whose advantages are all zero (equal rewards) before "
+        "training; admission replaces them, so batches stay full (DAPO dynamic sampling)")
+    dynamic_sampling_max_drops: int = opt(
+        200, "with dynamic_sampling, fail the run after this many groups in a row were "
+        "dropped (the task is solved or unsolvable for the model); 0: never")
+    overlong_buffer: int = opt(
+        0, "DAPO soft overlong punishment: completions longer than rollout.max_new_tokens - "
+        "overlong_buffer lose reward linearly, overlong_penalty at the limit; 0: off")
+    overlong_penalty: float = opt(1.0, "reward lost by a completion that reaches "
+                                  "rollout.max_new_tokens (with overlong_buffer > 0)")
+    mask_truncated: bool = opt(
+        False, "completions cut by the token budget (finish reason 'length') keep their reward "
+        "in the group baseline but get loss mask 0 (DAPO overlong filtering)")
 
     def check(self, key: str) -> None:
         if self.reward_clip is not None:
             _positive(self.reward_clip, f"{key}.reward_clip")
+        _non_negative(self.dynamic_sampling_max_drops, f"{key}.dynamic_sampling_max_drops")
+        _non_negative(self.overlong_buffer, f"{key}.overlong_buffer")
+        _non_negative(self.overlong_penalty, f"{key}.overlong_penalty")
 
 
 @dataclass(kw_only=True)
@@ -478,6 +521,11 @@ class RunConfig:
             value = getattr(self, f.name)
             if dataclasses.is_dataclass(value):
                 value.check(f.name)
+        if self.trainer.advantage.overlong_buffer > self.rollout.max_new_tokens:
+            raise ConfigError(
+                f"trainer.advantage.overlong_buffer={self.trainer.advantage.overlong_buffer} "
+                f"exceeds rollout.max_new_tokens={self.rollout.max_new_tokens}: the penalty "
+                "zone lies within the completion budget")
         if self.trainer.batch_size % self.task.group_size:
             raise ConfigError(
                 f"trainer.batch_size={self.trainer.batch_size} is not a multiple of "

@@ -324,6 +324,9 @@ class Train:
     minibatch_loss_tokens: list[int] = field(default_factory=list)
     """Loss tokens of each minibatch over all ranks: the loss normaliser of that minibatch's
     optimiser step."""
+    minibatch_loss_seqs: list[int] = field(default_factory=list)
+    """Sequences with loss tokens of each minibatch over all ranks: the normaliser of the
+    sequence-mean loss aggregations (trainer.ppo.loss_agg_mode)."""
     replay: bool = False
     """A step already trained and published before the trainer was lost, sent again after
     its restart from a checkpoint: train it, publish nothing."""

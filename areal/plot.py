@@ -16,6 +16,12 @@ Panels (a panel is drawn when at least one run has one of its keys):
     turns          episode/turns_mean, episode/tool_calls_mean (multi-turn episodes)
     episode tokens episode/model_tokens_mean, episode/observation_tokens_mean
     tool time      episode/tool_s_mean
+    drift          train/logprob_diff_{fresh,stale}: mean |log pi_prox - log pi_behav| on
+                   tokens sampled by the proximal version (engine numerics) and older ones
+    drift_max      train/logprob_diff_{fresh,stale}_max
+    drift_kl       train/behav_kl_{fresh,stale}: k3 estimate of KL(pi_behav || pi_prox)
+    corrections    fraction of tokens masked / clamped by the behaviour-weight bounds and
+                   clipped by the surrogate, fresh and stale (areal.algorithms.drift)
 
 The x axis is the training step (eval records are filed under the policy version they
 evaluated, which is the step that produced it) or, with `--x time`, wall-clock seconds
@@ -57,6 +63,17 @@ PANELS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
         ("step", "episode/model_tokens_mean", "model (trained)"),
         ("step", "episode/observation_tokens_mean", "observation (context only)")]),
     "tool_time": ("seconds per episode", [("step", "episode/tool_s_mean", "environment")]),
+    "drift": ("|log pi_prox - log pi_behav|", [
+        ("step", "train/logprob_diff_fresh", "fresh tokens (engine numerics)"),
+        ("step", "train/logprob_diff_stale", "stale tokens (+ policy change)")]),
+    "drift_max": ("max |log pi_prox - log pi_behav|", [
+        ("step", "train/logprob_diff_fresh_max", "fresh"),
+        ("step", "train/logprob_diff_stale_max", "stale")]),
+    "drift_kl": ("k3 KL(pi_behav || pi_prox)", [("step", "train/behav_kl_fresh", "fresh"),
+                                               ("step", "train/behav_kl_stale", "stale")]),
+    "corrections": ("fraction of loss tokens", [
+        ("step", f"train/{what}_frac_{split}", f"{what.replace('_', ' ')}, {split}")
+        for what in ("behav_masked", "behav_clamped", "clipped") for split in ("fresh", "stale")]),
 }
 
 

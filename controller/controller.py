@@ -40,8 +40,8 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from areal.algorithms.advantages import compute_advantages
 from areal.algorithms.sharding import shard_batch
+from areal.algorithms.shaping import training_batch
 from areal.algorithms.staleness import StalenessController
 from areal.auth import ZapHandler, run_keys, watch_handshakes
 from areal.config import RunConfig, is_loopback
@@ -52,6 +52,7 @@ from areal.messages import (
 )
 from areal.transport import PeerMessageError, RouterChannel
 from areal.types import pack
+from areal.controller import dynamic_sampling
 from areal.controller.episodes import episode_fields, episode_scored
 from areal.controller.groups import Groups
 from areal.controller.ledger import Group, Ledger, Purpose, Sample, Stage
@@ -104,6 +105,7 @@ class Controller:
         self.group_filters: list[Callable[[Group], str | None]] = []
         """Checks of every training group once it is complete, in order: the first that
         names a reason drops the group (`_drop_group`) instead of training on it."""
+        self.group_filters += dynamic_sampling.group_filters(cfg)
         self._stream_chunks: list[WeightsChunk] = []
         self._latest_weights: str | None = None
         """Weights a joining rollout worker loads first: the newest published version (disk
@@ -333,11 +335,12 @@ class Controller:
         return None if trained is None else (trained, time.monotonic() - start)
 
     async def _train_messages(self, step: int, groups: list[Group]) -> list[Train]:
-        batch = pack([t for g in groups for t in g.trajectories()])
+        trajectories = [t for g in groups for t in g.trajectories()]
+        # Rewards shaped, advantages, and the loss mask to train on (areal.algorithms.shaping).
+        batch, advantages = training_batch(trajectories, pack(trajectories), self.cfg)
         if self.cfg.logging.save_batches:
             await asyncio.to_thread(self._setup.save_batch, step, self.version, batch)
         trainer_cfg = self.cfg.trainer
-        advantages = compute_advantages(batch.rewards, batch.group_ids, trainer_cfg.advantage)
         shards = shard_batch(batch, advantages, trainer_cfg.num_ranks, trainer_cfg.num_minibatches)
         return [Train(step=step, version=self.version,
                       token_ids=part.token_ids.numpy().astype(np.int32),
@@ -346,7 +349,8 @@ class Controller:
                       rewards=part.rewards.numpy(), group_ids=part.group_ids.numpy(),
                       advantages=shard.advantages.numpy().astype(np.float32),
                       minibatch_sizes=shard.minibatch_sizes,
-                      minibatch_loss_tokens=shard.minibatch_loss_tokens)
+                      minibatch_loss_tokens=shard.minibatch_loss_tokens,
+                      minibatch_loss_seqs=shard.minibatch_loss_seqs)
                 for shard in shards for part in (shard.batch,)]
 
     async def _publish(self, trained: Trained) -> None:

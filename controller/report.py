@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from areal.algorithms.shaping import shaping_metrics
 from areal.evaluation import summarize
 from areal.messages import Generated, Scored, WeightsUpdated
 from areal.types import Trajectory
@@ -106,6 +107,7 @@ class StepReport:
         record.update({f"rollout/dropped_groups/{k}": v for k, v in self._dropped.items()})
         record["rollout/dropped_tokens"] = self._dropped_tokens
         record.update(episode_metrics(trajs, "episode/"))
+        record.update(shaping_metrics(trajs, ctl.cfg))
         record.update({f"train/{k}": v for k, v in stats.items()})
         self._window_start, self._generated_tokens = now, 0
         self._pauses, self._verdicts = [], collections.Counter()

@@ -17,15 +17,26 @@ contributes  -w * min(r*A, clip(r, 1 - eps_clip, 1 + eps_clip_high)*A)  and
 
     loss = sum over loss tokens / loss_normalizer.
 
-Contract: `loss_normalizer` is the number of loss tokens of the *global* batch (all
-gradient-accumulation micro-batches of one optimiser step, all data-parallel ranks), so
-summing the losses (and gradients) of the pieces gives the token-level mean over the whole
-batch, not a mean of means. By default it is this call's own loss-token count. Tokens whose
-w exceeds the cap in 'mask' mode contribute 0 but still count in that denominator (as in
-AReaL). Tokens outside the loss mask, and masked-out tokens, are dropped before any
-arithmetic, so garbage there (e.g. prompt log-probs, w = inf) cannot turn into NaN
-values or gradients. `PPOStats` holds only sums, counts and maxima, so merging the stats of
-micro-batches and ranks gives exactly the full-batch statistics.
+That default is the paper's objective. Options (`areal.algorithms.corrections` has the
+formulas and their sources) change one part each: the level and the bounds of w
+(`behav_imp_level`, `behav_imp_floor`, `behav_imp_cap`, `behav_cap_mode`: TIS, MIS,
+IcePop), the surrogate (`policy_loss`: GSPO's sequence ratio, CISPO's clipped stop-gradient
+weight) and the aggregation (`loss_agg_mode`, `areal.algorithms.aggregation`: token mean,
+sequence mean of token means, Dr.GRPO's constant normaliser). Sequence-level options need
+the sequence boundaries, `cu_seqlens [S+1]`; sequences are made of loss tokens only.
+
+Contract: `loss_normalizer` is the number of normalisation units of the *global* batch (all
+gradient-accumulation micro-batches of one optimiser step, all data-parallel ranks): loss
+tokens for 'token-mean', sequences with loss tokens otherwise. Summing the losses (and
+gradients) of the pieces then gives the loss of the whole batch, not a mean of means. By
+default it is this call's own count. Tokens whose w is outside its bounds in 'mask' mode
+contribute 0 but still count in that denominator (as in AReaL). Tokens outside the loss
+mask, and masked-out tokens, are dropped before any arithmetic that involves w, so garbage
+there (e.g. prompt log-probs, w = inf) cannot turn into NaN values or gradients.
+`PPOStats` holds only sums, counts and maxima, so merging the stats of micro-batches and
+ranks gives exactly the full-batch statistics; with `fresh` (which tokens the proximal
+policy's own version sampled) it also splits the drift between the policies by that
+(`areal.algorithms.drift`).
 
 It does not compute log-probs, advantages or entropies, does not step optimisers and does
 not communicate; `PPOStats.to_tensors` is what a trainer all-reduces.
@@ -39,24 +50,25 @@ from typing import Iterable
 
 import torch
 
+from areal.algorithms import aggregation, corrections, drift
+from areal.algorithms.aggregation import Segments
 from areal.config import PPOConfig
-
-CAP_MODES = ("mask", "clamp")
-"""What happens to loss tokens whose behaviour importance weight w exceeds the cap."""
 
 
 @dataclass(kw_only=True)
 class PPOStats:
     """Additive statistics of one or more loss calls; merge them, then read `metrics()`.
 
-    Counts are over loss tokens (`loss_mask` True). `num_capped` counts tokens with w above
-    the cap (dropped in 'mask' mode, clamped in 'clamp' mode); `num_used_tokens` those that
-    contribute to the loss; `num_clipped` those among them whose PPO clip is active (the
-    clipped surrogate is strictly the smaller one, so the token has no gradient).
-    `sum_approx_kl` sums the k3 estimator (r - 1) - log r per loss token: non-negative and
-    unbiased for KL(pi_prox || pi_theta) when tokens are sampled from pi_prox; here they
-    come from pi_behav and are not re-weighted, so it is a drift monitor, exact only when
-    behav = prox. `max_behav_w` is 0 when no token was seen (w > 0, so 0 is the identity).
+    Counts are over loss tokens (`loss_mask` True). `num_capped` counts tokens with w outside
+    its bounds (dropped in 'mask' mode, clamped in 'clamp' mode); `num_used_tokens` those that
+    contribute to the loss; `num_clipped` those among them whose clip is active (for PPO and
+    GSPO the clipped surrogate is strictly the smaller one, so the token has no gradient; for
+    CISPO its weight was clipped). `sum_approx_kl` sums the k3 estimator (r - 1) - log r per
+    loss token: non-negative and unbiased for KL(pi_prox || pi_theta) when tokens are sampled
+    from pi_prox; here they come from pi_behav and are not re-weighted, so it is a drift
+    monitor, exact only when behav = prox. `max_behav_w` is 0 when no token was seen (w > 0,
+    so 0 is the identity). The `*_fresh_*` / `*_stale_*` fields are the drift decomposition
+    (`areal.algorithms.drift`), zero when the caller did not say which tokens are fresh.
     """
 
     num_tokens: int = 0
@@ -64,12 +76,29 @@ class PPOStats:
     num_capped: int = 0
     num_clipped: int = 0
     sum_loss: float = 0.0
-    """Sum of the per-token objective; sum_loss / num_tokens is the global loss."""
+    """Sum of the per-token objective times its aggregation factor (1 in 'token-mean');
+    sum_loss / num_loss_units is the global loss."""
     sum_behav_w: float = 0.0
     sum_approx_kl: float = 0.0
     max_behav_w: float = 0.0
+    num_loss_units: int = 0
+    """Units of the loss normaliser: loss tokens ('token-mean') or sequences with loss tokens."""
+    num_fresh_tokens: int = 0
+    sum_fresh_abs_diff: float = 0.0
+    sum_fresh_behav_kl: float = 0.0
+    num_fresh_behav_masked: int = 0
+    num_fresh_behav_clamped: int = 0
+    num_fresh_clipped: int = 0
+    num_stale_tokens: int = 0
+    sum_stale_abs_diff: float = 0.0
+    sum_stale_behav_kl: float = 0.0
+    num_stale_behav_masked: int = 0
+    num_stale_behav_clamped: int = 0
+    num_stale_clipped: int = 0
+    max_fresh_abs_diff: float = 0.0
+    max_stale_abs_diff: float = 0.0
 
-    _MAX_FIELDS = ("max_behav_w",)
+    _MAX_FIELDS = ("max_behav_w", *drift.max_fields())
 
     @classmethod
     def _sum_fields(cls) -> list[str]:
@@ -107,24 +136,38 @@ class PPOStats:
         values.update(zip(cls._MAX_FIELDS, maxes.tolist(), strict=True))
         return cls(**values)
 
-    def metrics(self, prefix: str = "train/") -> dict[str, float]:
-        """Means and fractions for logging; all 0.0 when there were no loss tokens."""
+    def metrics(self, prefix: str = "train/",
+                corrections: tuple[str, ...] = drift.CORRECTIONS) -> dict[str, float]:
+        """Means and fractions for logging; all 0.0 when there were no loss tokens. The drift
+        split (for the given active `corrections`) only where its tokens were seen."""
         n = max(self.num_tokens, 1)
+        units = self.num_loss_units or self.num_tokens  # a hand-built PPOStats may omit units
         return {
-            f"{prefix}loss": self.sum_loss / n,
+            f"{prefix}loss": self.sum_loss / max(units, 1),
             f"{prefix}clip_frac": self.num_clipped / max(self.num_used_tokens, 1),
             f"{prefix}behav_w_mean": self.sum_behav_w / n,
             f"{prefix}behav_w_max": self.max_behav_w,
             f"{prefix}behav_cap_frac": self.num_capped / n,
             f"{prefix}approx_kl": self.sum_approx_kl / n,
             f"{prefix}num_loss_tokens": float(self.num_tokens),
+            **drift.drift_metrics(vars(self), prefix, corrections),
         }
 
 
 def ppo_loss_options(cfg: PPOConfig) -> dict[str, float | str | None]:
-    """Keyword arguments of `decoupled_ppo_loss` taken from the run's `PPOConfig`."""
+    """Keyword arguments of `decoupled_ppo_loss` taken from the run's `PPOConfig` (the
+    paper's options; `correction_loss_options` adds the others)."""
     return {"eps_clip": cfg.eps_clip, "eps_clip_high": cfg.eps_clip_high,
             "behav_imp_cap": cfg.behav_imp_cap, "behav_cap_mode": cfg.behav_cap_mode}
+
+
+def correction_loss_options(cfg: PPOConfig, max_new_tokens: int) -> dict[str, float | str | None]:
+    """The other keyword arguments of `decoupled_ppo_loss` from `PPOConfig`; Dr.GRPO's L
+    defaults to the completion budget `max_new_tokens` (rollout.max_new_tokens)."""
+    return {"behav_imp_floor": cfg.behav_imp_floor, "behav_imp_level": cfg.behav_imp_level,
+            "policy_loss": cfg.policy_loss, "loss_agg_mode": cfg.loss_agg_mode,
+            "loss_agg_norm": cfg.loss_agg_norm if cfg.loss_agg_norm is not None
+            else max_new_tokens}
 
 
 def decoupled_ppo_loss(
@@ -139,66 +182,97 @@ def decoupled_ppo_loss(
     behav_imp_cap: float | None = None,
     behav_cap_mode: str = "mask",
     loss_normalizer: float | None = None,
+    behav_imp_floor: float | None = None,
+    behav_imp_level: str = "token",
+    policy_loss: str = "ppo",
+    loss_agg_mode: str = "token-mean",
+    loss_agg_norm: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    fresh: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, PPOStats]:
     """(scalar loss, stats) of the decoupled PPO objective; see the module docstring.
 
+    `cu_seqlens [S+1]` is required by the sequence-level options; `fresh [N]` (bool: the
+    token was sampled by the proximal policy's version) turns on the drift decomposition.
     Only `logprobs` receives a gradient: the other inputs are detached here, whatever the
     caller passes. Compute in float32 or wider; the loss has `logprobs`' dtype after type
     promotion with the other inputs.
     """
     _check_inputs(logprobs, prox_logprobs, behav_logprobs, advantages, loss_mask)
-    _check_options(eps_clip, eps_clip_high, behav_imp_cap, behav_cap_mode)
+    _check_options(eps_clip, eps_clip_high)
+    corrections.check_corrections(level=behav_imp_level, floor=behav_imp_floor,
+                                  cap=behav_imp_cap, mode=behav_cap_mode, kind=policy_loss)
+    aggregation.check_aggregation(loss_agg_mode, loss_agg_norm)
+    segments = _segments(cu_seqlens, loss_mask, behav_imp_level, policy_loss, loss_agg_mode)
     num_tokens = int(loss_mask.sum())
-    normalizer = _normalizer(loss_normalizer, num_tokens)
+    num_units = aggregation.num_units(segments, loss_agg_mode, num_tokens)
+    normalizer = _normalizer(loss_normalizer, num_units)
 
     theta = logprobs[loss_mask]
     prox = prox_logprobs.detach()[loss_mask]
-    adv = advantages.detach()[loss_mask]
-    w = torch.exp(prox - behav_logprobs.detach()[loss_mask])
-    capped, keep, w_used = _apply_cap(w, behav_imp_cap, behav_cap_mode)
-    # Select before multiplying: a dropped token with w = inf must not reach the graph.
-    theta, prox, adv, w_used = theta[keep], prox[keep], adv[keep], w_used[keep]
-    ratio = torch.exp(theta - prox)
-    surrogate = ratio * adv
-    high = eps_clip if eps_clip_high is None else eps_clip_high
-    clipped = ratio.clamp(1.0 - eps_clip, 1.0 + high) * adv
-    objective = -w_used * torch.minimum(surrogate, clipped)
+    log_w = corrections.log_behav_weight(prox, behav_logprobs.detach()[loss_mask])
+    weight = corrections.behav_weight(log_w, segments, level=behav_imp_level,
+                                      floor=behav_imp_floor, cap=behav_imp_cap,
+                                      mode=behav_cap_mode)
+    gain, clip_active = corrections.surrogate(
+        theta, prox, advantages.detach()[loss_mask], weight.keep, segments, kind=policy_loss,
+        eps_low=eps_clip, eps_high=eps_clip if eps_clip_high is None else eps_clip_high)
+    objective = -weight.used[weight.keep] * gain
+    factors = aggregation.aggregation_factors(segments, loss_agg_mode, num_tokens,
+                                              loss_agg_norm, objective.dtype)
+    if factors is not None:
+        objective = objective * factors[weight.keep]
     loss = objective.sum() / normalizer
 
-    log_ratio = logprobs.detach()[loss_mask] - prox_logprobs.detach()[loss_mask]
-    return loss, _stats(log_ratio, w, capped, keep, clipped < surrogate, objective.detach())
+    log_ratio = logprobs.detach()[loss_mask] - prox
+    stats = _stats(log_ratio, weight, clip_active, objective.detach(), num_units)
+    if fresh is not None:
+        stats = dataclasses.replace(stats, **_drift(log_w, fresh[loss_mask], weight, clip_active,
+                                                    behav_cap_mode))
+    return loss, stats
+
+
+def _segments(cu_seqlens: torch.Tensor | None, loss_mask: torch.Tensor, level: str,
+              kind: str, agg_mode: str) -> Segments | None:
+    """Sequence membership of the loss tokens, when an option needs it."""
+    wanted = [name for name, needed in (
+        (f"behav_imp_level={level!r}", level == "sequence"),
+        (f"policy_loss={kind!r}", kind == "gspo"),
+        (f"loss_agg_mode={agg_mode!r}", aggregation.needs_segments(agg_mode))) if needed]
+    if not wanted:
+        return None
+    if cu_seqlens is None:
+        raise ValueError(f"decoupled_ppo_loss: {', '.join(wanted)} works per sequence; pass "
+                         "cu_seqlens [S+1], the packed batch's sequence offsets")
+    return Segments.of_loss_tokens(cu_seqlens, loss_mask)
 
 
 @torch.no_grad()
-def _stats(log_ratio: torch.Tensor, w: torch.Tensor, capped: torch.Tensor, keep: torch.Tensor,
-           clip_active: torch.Tensor, objective: torch.Tensor) -> PPOStats:
+def _stats(log_ratio: torch.Tensor, weight: corrections.BehavWeight, clip_active: torch.Tensor,
+           objective: torch.Tensor, num_units: int) -> PPOStats:
     """Stats of one call: [L] tensors over loss tokens, [U] over the used ones."""
+    w = weight.w
     return PPOStats(
         num_tokens=len(w),
-        num_used_tokens=int(keep.sum()),
-        num_capped=int(capped.sum()),
+        num_used_tokens=int(weight.keep.sum()),
+        num_capped=int(weight.outside.sum()),
         num_clipped=int(clip_active.sum()),
         sum_loss=objective.double().sum().item(),
         sum_behav_w=w.double().sum().item(),
         sum_approx_kl=(torch.expm1(log_ratio) - log_ratio).double().sum().item(),
         max_behav_w=w.max().item() if len(w) else 0.0,
+        num_loss_units=num_units,
     )
 
 
-def _apply_cap(
-    w: torch.Tensor, cap: float | None, mode: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """([L] w above the cap, [L] tokens kept in the loss, [L] w to use) for [L] loss tokens.
-
-    w == cap is kept as is: the cap is the largest weight allowed.
-    """
-    if cap is None:
-        nothing = torch.zeros_like(w, dtype=torch.bool)
-        return nothing, ~nothing, w
-    capped = w > cap
-    if mode == "clamp":
-        return capped, torch.ones_like(capped), w.clamp(max=cap)
-    return capped, ~capped, w
+def _drift(log_w: torch.Tensor, fresh: torch.Tensor, weight: corrections.BehavWeight,
+           clip_active: torch.Tensor, mode: str) -> dict[str, float | int]:
+    """The drift decomposition's fields over [L] loss tokens ([U] `clip_active`)."""
+    clipped = torch.zeros_like(weight.keep)
+    clipped[weight.keep] = clip_active
+    acted = {"behav_masked": weight.outside & (mode == "mask"),
+             "behav_clamped": weight.outside & (mode == "clamp"), "clipped": clipped}
+    return drift.drift_sums(log_w, fresh.to(torch.bool), acted)
 
 
 def _check_inputs(*tensors: torch.Tensor) -> None:
@@ -210,26 +284,22 @@ def _check_inputs(*tensors: torch.Tensor) -> None:
         raise ValueError(f"decoupled_ppo_loss: loss_mask must be bool, got {tensors[-1].dtype}")
 
 
-def _check_options(eps_clip: float, eps_clip_high: float | None, cap: float | None,
-                   cap_mode: str) -> None:
+def _check_options(eps_clip: float, eps_clip_high: float | None) -> None:
     if not eps_clip > 0:
         raise ValueError(f"eps_clip={eps_clip!r} must be > 0")
     if eps_clip_high is not None and not eps_clip_high > 0:
         raise ValueError(f"eps_clip_high={eps_clip_high!r} must be > 0 or None")
-    if cap is not None and not cap > 0:
-        raise ValueError(f"behav_imp_cap={cap!r} must be > 0 or None")
-    if cap_mode not in CAP_MODES:
-        raise ValueError(f"behav_cap_mode={cap_mode!r} is not one of {', '.join(CAP_MODES)}")
 
 
-def _normalizer(loss_normalizer: float | None, num_tokens: int) -> float:
+def _normalizer(loss_normalizer: float | None, num_units: int) -> float:
     """The loss denominator; 1 when there is nothing to average (the loss is then 0)."""
     if loss_normalizer is None:
-        return float(max(num_tokens, 1))
-    if not loss_normalizer >= num_tokens or not loss_normalizer > 0:
+        return float(max(num_units, 1))
+    if not loss_normalizer >= num_units or not loss_normalizer > 0:
         raise ValueError(
-            f"loss_normalizer={loss_normalizer!r} is below this call's {num_tokens} loss tokens "
+            f"loss_normalizer={loss_normalizer!r} is below this call's {num_units} loss units "
             "(or not positive); pass the loss-token count of the whole global batch (all "
-            "micro-batches and ranks of the optimiser step)"
+            "micro-batches and ranks of the optimiser step), or its count of sequences with "
+            "loss tokens for the sequence-mean aggregations"
         )
     return float(loss_normalizer)

@@ -10,9 +10,10 @@ rank training on the whole batch, three things must hold, and this module arrang
    near-equal number of tokens of every minibatch). Every rank therefore takes the same
    number of optimiser steps, one per minibatch, in the same order.
 2. The global normaliser. The loss of minibatch m is a sum over its tokens divided by the
-   loss tokens of the *whole* minibatch m (all ranks): `Shard.minibatch_loss_tokens[m]`.
-   Summing the ranks' gradients then gives the token-level mean over the global
-   minibatch, not a mean of per-rank means.
+   loss tokens of the *whole* minibatch m (all ranks): `Shard.minibatch_loss_tokens[m]`
+   (or, for the sequence-mean aggregations, its sequences with loss tokens,
+   `Shard.minibatch_loss_seqs[m]`). Summing the ranks' gradients then gives the loss of the
+   global minibatch, not a mean of per-rank means.
 3. Global advantages. Group baselines (GRPO and friends) and batch normalisation need every
    sequence of a group or batch, which a rank no longer sees; the caller computes the [S]
    advantages over the global batch and each shard carries its sequences' values.
@@ -26,7 +27,7 @@ Pure: no processes, no communication, no model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,6 +50,9 @@ class Shard:
     every rank."""
     minibatch_loss_tokens: list[int]
     """Loss tokens of each *global* minibatch (all ranks): the loss normaliser."""
+    minibatch_loss_seqs: list[int] = field(default_factory=list)
+    """Sequences with at least one loss token of each *global* minibatch: the normaliser
+    of the sequence-mean loss aggregations (areal.algorithms.aggregation)."""
 
 
 def plan_shards(lengths: list[int], num_ranks: int, num_minibatches: int
@@ -84,13 +88,16 @@ def shard_batch(batch: PackedBatch, seq_advantages: torch.Tensor, num_ranks: int
     seq_loss_tokens = _loss_tokens_per_sequence(batch)
     totals = [sum(seq_loss_tokens[i] for rank in plan for i in rank[m])
               for m in range(len(plan[0]))]
+    seq_totals = [sum(seq_loss_tokens[i] > 0 for rank in plan for i in rank[m])
+                  for m in range(len(plan[0]))]
     shards = []
     for pieces in plan:
         indices = [i for piece in pieces for i in piece]
         shards.append(Shard(batch=batch.select(indices), seq_indices=indices,
                             advantages=seq_advantages[indices].clone(),
                             minibatch_sizes=[len(piece) for piece in pieces],
-                            minibatch_loss_tokens=list(totals)))
+                            minibatch_loss_tokens=list(totals),
+                            minibatch_loss_seqs=list(seq_totals)))
     return shards
 
 

@@ -30,7 +30,11 @@ def _write_run(run_dir: Path, num_steps: int = 6, *, with_loss: bool = True,
                   "staleness/hist": {"0": 4, "1": 4}, "perf/gen_tokens_per_s": 900.0 + step,
                   "perf/train_tokens_per_s": 400.0, "perf/trained_tokens_per_s": 300.0,
                   "rollout/interruptions": step % 3, "perf/elapsed_s": 2.0 * step,
-                  "rollout/completion_len_mean": 20.0}
+                  "rollout/completion_len_mean": 20.0, "train/logprob_diff_fresh": 1e-6,
+                  "train/logprob_diff_stale": 0.01 * step, "train/logprob_diff_fresh_max": 1e-5,
+                  "train/logprob_diff_stale_max": 0.1, "train/behav_kl_fresh": 1e-12,
+                  "train/behav_kl_stale": 1e-4, "train/behav_masked_frac_stale": 0.01,
+                  "train/clipped_frac_fresh": 0.0, "train/clipped_frac_stale": 0.02}
         if with_loss:
             record["train/loss"] = math.nan if step == 2 else 0.1 * step
         if episodes:

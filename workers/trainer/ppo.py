@@ -7,14 +7,18 @@
     for each PPO minibatch (trainer.num_minibatches, balanced by tokens, or as planned by
     areal.algorithms.sharding for a data-parallel shard):
         for each packed micro-batch (token budget trainer.micro_batch_tokens, FFD-balanced):
-            forward with grad -> loss summed over tokens / minibatch loss tokens -> backward
+            forward with grad -> loss summed over tokens / minibatch loss units -> backward
         reduce gradients over ranks (SUM), clip the gradient norm, optimiser step
     statistics: sums, counts and maxima, reduced over ranks once per step
 
-Gradient accumulation normalises by the loss tokens of the whole minibatch (of the global
-minibatch across ranks when sharded), so the result is the token-level mean however the
-batch is cut into micro-batches and ranks. Pure torch plus the collectives of
-`DataParallel` (no-ops for one rank): no sockets, no files.
+Gradient accumulation normalises by the loss units of the whole minibatch (of the global
+minibatch across ranks when sharded): its loss tokens, or its sequences with loss tokens
+for the sequence-mean aggregations (trainer.ppo.loss_agg_mode), so the result is the
+loss of the whole minibatch however the batch is cut into micro-batches and ranks. The
+loss also reports the drift between the engine's and the trainer's log-probs, split by
+whether the proximal policy's own version sampled the token (areal.algorithms.drift).
+Pure torch plus the collectives of `DataParallel` (no-ops for one rank): no sockets, no
+files.
 """
 
 from __future__ import annotations
@@ -24,7 +28,10 @@ import time
 import torch
 
 from areal.algorithms.advantages import compute_advantages, token_advantages
-from areal.algorithms.loss import PPOStats, decoupled_ppo_loss, ppo_loss_options
+from areal.algorithms.drift import active_corrections
+from areal.algorithms.loss import (
+    PPOStats, correction_loss_options, decoupled_ppo_loss, ppo_loss_options,
+)
 from areal.algorithms.packing import allocate_micro_batches, partition_balanced
 from areal.algorithms.proximal import loglinear_prox_logprobs
 from areal.config import RunConfig
@@ -32,8 +39,8 @@ from areal.models.logprobs import packed_logprobs, packed_logprobs_and_entropy
 from areal.types import PackedBatch
 from areal.workers.trainer.distributed import DataParallel
 
-_EXTRA_SUMS = ("entropy_sum", "num_entropy_tokens", "fresh_diff_sum", "num_fresh_tokens",
-               "advantage_abs_sum", "num_seqs", "num_tokens")
+_EXTRA_SUMS = ("entropy_sum", "num_entropy_tokens", "advantage_abs_sum", "num_seqs",
+               "num_tokens")
 _EXTRA_MAXES = ("recompute_s", "step_s")
 
 
@@ -44,6 +51,7 @@ class PPOTrainer:
         self.model = self.dp.wrap(model)  # FSDP2 shards in place, before the optimiser
         self.cfg = cfg.trainer
         self.temperature = cfg.rollout.temperature
+        self.max_new_tokens = cfg.rollout.max_new_tokens
         self.device = next(model.parameters()).device
         # FSDP2 unshards the root's parameters (the embedding, a tied head) in hooks on the
         # root's forward, which the chunked-head path of packed_logprobs bypasses.
@@ -75,12 +83,13 @@ class PPOTrainer:
 
     def step(self, batch: PackedBatch, version: int, *, advantages: torch.Tensor | None = None,
              minibatch_sizes: list[int] | None = None,
-             minibatch_loss_tokens: list[int] | None = None) -> dict[str, float]:
+             minibatch_loss_tokens: list[int] | None = None,
+             minibatch_loss_seqs: list[int] | None = None) -> dict[str, float]:
         """Train on `batch` (policy version `version` = i); the result is version i + 1.
 
         A data-parallel shard passes its [S] global `advantages` and the minibatch plan
-        (`minibatch_sizes`, and the global `minibatch_loss_tokens` as normalisers); without
-        them the batch is the whole global batch and is cut here.
+        (`minibatch_sizes`, and the global `minibatch_loss_tokens` and `minibatch_loss_seqs`
+        as normalisers); without them the batch is the whole global batch and is cut here.
         """
         start = time.perf_counter()
         seq_adv = advantages if advantages is not None else compute_advantages(
@@ -92,11 +101,12 @@ class PPOTrainer:
         prox = None
         if self.cfg.ppo.prox_logp == "recompute":
             prox, entropy = self.recompute_logprobs(batch)
-            extra.update(self._parity_sums(batch, prox, entropy, version))
+            extra.update(self._entropy_sums(batch, entropy))
         extra["recompute_s"] = time.perf_counter() - start
         self.model.train()
         ppo_stats, grad_norms = [], []
-        for seqs, normalizer in self._minibatches(batch, minibatch_sizes, minibatch_loss_tokens):
+        plan = self._minibatches(batch, minibatch_sizes, minibatch_loss_tokens, minibatch_loss_seqs)
+        for seqs, normalizer in plan:
             index = batch.token_index(seqs)
             mb_prox = prox[index] if prox is not None else None
             mb_stats, grad_norm = self._minibatch_update(batch.select(seqs), token_adv[index],
@@ -108,26 +118,31 @@ class PPOTrainer:
         return self._reduced_stats(PPOStats.reduce(ppo_stats), extra, grad_norms)
 
     def _minibatches(self, batch: PackedBatch, sizes: list[int] | None,
-                     loss_tokens: list[int] | None) -> list[tuple[list[int], int]]:
-        """(sequence indices, loss normaliser) of each minibatch, in order."""
+                     loss_tokens: list[int] | None,
+                     loss_seqs: list[int] | None) -> list[tuple[list[int], int]]:
+        """(sequence indices, loss normaliser) of each minibatch, in order. The normaliser
+        counts the minibatch's loss tokens, or for the sequence-mean aggregations its
+        sequences with loss tokens (areal.algorithms.aggregation)."""
+        per_sequence = self.cfg.ppo.loss_agg_mode != "token-mean"
         if sizes is None:
             parts = [s for s in partition_balanced(batch.seqlens.tolist(),
                                                    self.cfg.num_minibatches) if s]
-            return [(s, max(int(batch.loss_mask[batch.token_index(s)].sum()), 1)) for s in parts]
-        if sum(sizes) != batch.num_seqs or loss_tokens is None \
-                or len(loss_tokens) != len(sizes):
-            raise ValueError(f"minibatch plan {sizes} / {loss_tokens} does not fit a shard of "
+            return [(s, max(_loss_units(batch, s, per_sequence), 1)) for s in parts]
+        units = loss_seqs if per_sequence else loss_tokens
+        if sum(sizes) != batch.num_seqs or units is None or len(units) != len(sizes):
+            raise ValueError(f"minibatch plan {sizes} / {units} does not fit a shard of "
                              f"{batch.num_seqs} sequences")
         out, offset = [], 0
-        for size, tokens in zip(sizes, loss_tokens, strict=True):
-            out.append((list(range(offset, offset + size)), max(int(tokens), 1)))
+        for size, count in zip(sizes, units, strict=True):
+            out.append((list(range(offset, offset + size)), max(int(count), 1)))
             offset += size
         return out
 
     def _minibatch_update(self, batch: PackedBatch, advantages: torch.Tensor,
                           prox: torch.Tensor | None, version: int,
                           normalizer: int) -> tuple[PPOStats, float]:
-        options = ppo_loss_options(self.cfg.ppo)
+        options = ppo_loss_options(self.cfg.ppo) | correction_loss_options(self.cfg.ppo,
+                                                                           self.max_new_tokens)
         self.optimizer.zero_grad(set_to_none=True)
         pieces = []
         micro_batches = self._micro_batches(batch)
@@ -144,7 +159,9 @@ class PPOTrainer:
             else:
                 mb_prox = prox[index]
             loss, piece = decoupled_ppo_loss(logprobs, mb_prox, behav, advantages[index],
-                                             mb.loss_mask, loss_normalizer=normalizer, **options)
+                                             mb.loss_mask, loss_normalizer=normalizer,
+                                             cu_seqlens=mb.cu_seqlens,
+                                             fresh=mb.versions == version, **options)
             (loss * self.dp.loss_scale).backward()
             pieces.append(piece)
         self._pad_passes(len(micro_batches), backward=True)
@@ -173,17 +190,13 @@ class PPOTrainer:
                 (out.float().sum() * 0.0).backward()
 
     @staticmethod
-    def _parity_sums(batch: PackedBatch, prox: torch.Tensor, entropy: torch.Tensor,
-                     version: int) -> dict[str, float]:
-        """Sums behind two monitors: how far the trainer's log-probs are from the engine's on
-        tokens sampled by these very weights (should be ~0: a large value means the engines
-        disagree), and the policy entropy on loss tokens."""
+    def _entropy_sums(batch: PackedBatch, entropy: torch.Tensor) -> dict[str, float]:
+        """Sums behind the policy-entropy monitor on loss tokens. (How far the trainer's
+        log-probs are from the engine's, on tokens sampled by these very weights and on
+        older ones, is the loss's drift decomposition: areal.algorithms.drift.)"""
         mask = batch.loss_mask
-        fresh = mask & (batch.versions == version)
         return {"entropy_sum": float(entropy[mask].double().sum()),
-                "num_entropy_tokens": int(mask.sum()),
-                "fresh_diff_sum": float((prox[fresh] - batch.logprobs[fresh]).abs().double().sum()),
-                "num_fresh_tokens": int(fresh.sum())}
+                "num_entropy_tokens": int(mask.sum())}
 
     def _reduced_stats(self, ppo: PPOStats, extra: dict[str, float],
                        grad_norms: list[float]) -> dict[str, float]:
@@ -197,7 +210,11 @@ class PPOTrainer:
         num_ppo_sums, num_ppo_maxes = len(ppo_sums), len(ppo_maxes)
         total = dict(zip(_EXTRA_SUMS, sums[num_ppo_sums:].tolist(), strict=True))
         total.update(zip(_EXTRA_MAXES, maxes[num_ppo_maxes:].tolist(), strict=True))
-        stats = PPOStats.from_tensors(sums[:num_ppo_sums], maxes[:num_ppo_maxes]).metrics("")
+        ppo_cfg = self.cfg.ppo
+        active = active_corrections(cap=ppo_cfg.behav_imp_cap, floor=ppo_cfg.behav_imp_floor,
+                                    mode=ppo_cfg.behav_cap_mode)
+        stats = PPOStats.from_tensors(sums[:num_ppo_sums], maxes[:num_ppo_maxes]).metrics(
+            "", corrections=active)
         stats.update({
             "grad_norm": max(grad_norms, default=0.0),
             "advantage_abs_mean": total["advantage_abs_sum"] / max(total["num_seqs"], 1),
@@ -209,6 +226,12 @@ class PPOTrainer:
         })
         if total["num_entropy_tokens"] > 0:
             stats["entropy"] = total["entropy_sum"] / total["num_entropy_tokens"]
-        if total["num_fresh_tokens"] > 0:
-            stats["logprob_diff_fresh"] = total["fresh_diff_sum"] / total["num_fresh_tokens"]
         return stats
+
+
+def _loss_units(batch: PackedBatch, seqs: list[int], per_sequence: bool) -> int:
+    """Loss tokens of the sequences `seqs` of `batch`, or (per_sequence) how many of them
+    have any."""
+    counts = torch.zeros(batch.num_seqs, dtype=torch.long).index_add_(
+        0, batch.seq_index(), batch.loss_mask.long())[seqs]
+    return int((counts > 0).sum()) if per_sequence else int(counts.sum())

@@ -194,7 +194,8 @@ class TrainerWorker(Worker):
         if msg.minibatch_sizes:
             plan = {"advantages": torch.from_numpy(msg.advantages.astype("float32")),
                     "minibatch_sizes": list(msg.minibatch_sizes),
-                    "minibatch_loss_tokens": list(msg.minibatch_loss_tokens)}
+                    "minibatch_loss_tokens": list(msg.minibatch_loss_tokens),
+                    "minibatch_loss_seqs": list(msg.minibatch_loss_seqs)}
         stats = self.trainer.step(batch, msg.version, **plan)
         version, mode = msg.version + 1, self.config.weight_sync.mode
         if msg.replay and version < self.resume_to:
