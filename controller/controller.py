@@ -610,7 +610,8 @@ class Controller:
 
     async def _on_trained(self, identity: bytes, handle: WorkerHandle, msg: Trained) -> None:
         if not self.trainers.answer(msg):
-            log.warning("unexpected Trained for step %d from %s", msg.step, handle.worker_id)
+            self._refuse(identity, "unexpected message", f"Trained for step {msg.step}, which "
+                         "no step in progress expects")
             return
         if msg.rank == 0 and not msg.replay:
             # Announce the version here, in the receive loop: in stream mode the trainer's
