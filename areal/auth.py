@@ -173,8 +173,6 @@ class ZapHandler:
     keys: ServerKeys
     refused: list[dict[str, str]] = field(default_factory=list)
     """One entry per distinct refused (address, mechanism, key), the first MAX_REFUSED."""
-    num_refused: int = 0
-    """Every refusal, repeated or not."""
     _authorized: frozenset[bytes] = frozenset()
     _loaded_mtime: float = -1.0
 
@@ -216,7 +214,6 @@ class ZapHandler:
         return [version, request_id, b"400", b"not authorised", b"", b""]
 
     def _refuse(self, address: str, mechanism: str, key: str) -> None:
-        self.num_refused += 1
         entry = {"address": address, "mechanism": mechanism, "key": key}
         if entry in self.refused or len(self.refused) >= MAX_REFUSED:
             # A refused peer keeps reconnecting, or makes a new key each time: log it once.
