@@ -74,7 +74,6 @@ class WorkerPool:
         """Local workers by id, registered or not yet."""
         self.refused: list[str] = []
         """Worker ids of refused registrations (the first MAX_REFUSED)."""
-        self.num_refused = 0
         self.on_refused = on_refused or (lambda identity, msg, why: log.warning(
             "refused %r from %r (pid %d): %s", msg.worker_id, msg.host, msg.pid, why))
 
@@ -149,7 +148,6 @@ class WorkerPool:
         return handle
 
     def _refuse(self, identity: bytes, msg: Register, why: str) -> None:
-        self.num_refused += 1
         if len(self.refused) < MAX_REFUSED:
             self.refused.append(msg.worker_id)
         self.on_refused(identity, msg, why)
