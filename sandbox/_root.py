@@ -10,8 +10,9 @@ run then only adds its private mounts (`mount_run_tmp` and /proc, see _child.py)
     /dev/<DEV_NODES>     bound from the host; fd, stdin, stdout, stderr as symlinks into
                          /proc/self; shm: the run's own tmpfs
     interpreter          sys.prefix, sys.base_prefix, sys.exec_prefix, the executable's folder
-    import path          every folder on the launcher's sys.path except '' and the caller's
-                         working directory (where run directories and keys usually live)
+    import path          every folder on the launcher's sys.path except the caller's own:
+                         its working directory (where run directories and keys usually
+                         live) and its script's folder (sys.path[0])
     expose               the folders named in SandboxConfig.expose
     /proc                the run's own procfs (the launcher keeps the host's there: its
                          supervisors write /proc/self/uid_map)
@@ -64,8 +65,9 @@ class RootPlan:
 
 
 def plan_root(*, python: str, import_paths: list[str], expose: tuple[str, ...],
-              system_paths: tuple[str, ...], caller_cwd: str) -> RootPlan:
-    """What the root holds for an interpreter `python` with `import_paths` (its sys.path)."""
+              system_paths: tuple[str, ...], excluded: tuple[str, ...]) -> RootPlan:
+    """What the root holds for an interpreter `python` with `import_paths` (its sys.path),
+    except the `excluded` folders (the caller's working directory and script folder)."""
     symlinks: list[tuple[str, str]] = list(DEV_LINKS)
     named: list[str] = []
     for path in [*system_paths, *(f"/etc/{name}" for name in ETC_ENTRIES),
@@ -76,7 +78,8 @@ def plan_root(*, python: str, import_paths: list[str], expose: tuple[str, ...],
             named.append(path)
     interpreter = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
                    os.path.dirname(python), os.path.dirname(os.path.realpath(python))]
-    imports = [p for p in import_paths if p and os.path.abspath(p) != os.path.abspath(caller_cwd)]
+    left_out = {os.path.abspath(p) for p in excluded if p}
+    imports = [p for p in import_paths if p and os.path.abspath(p) not in left_out]
     skipped = []
     wanted = set(named)
     for path in {os.path.realpath(p) for p in [*interpreter, *imports, *expose]}:

@@ -49,7 +49,8 @@ from areal.sandbox.spec import Limits, SandboxConfig, limits_from_json
 
 def main() -> None:
     config = _config_from_json(json.loads(sys.argv[1]))
-    caller_cwd = sys.argv[3] if len(sys.argv) > 3 else ""
+    caller_path = json.loads(sys.argv[2]) if len(sys.argv) > 2 else []
+    caller_own = (sys.argv[3] if len(sys.argv) > 3 else "", *caller_path[:1])
     handshake = sys.stdout
     reset_all_signals()
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -57,7 +58,7 @@ def main() -> None:
         signal.signal(sig, signal.SIG_IGN)
     try:
         launcher = Launcher()
-        setup, report = establish(config, launcher, caller_cwd)
+        setup, report = establish(config, launcher, caller_own)
     except BaseException as exc:  # start-up failure is reported to the caller, not raised
         handshake.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
         handshake.flush()
@@ -113,16 +114,17 @@ class _Namespaces:
 
 
 def establish(config: SandboxConfig, launcher: Launcher,
-              caller_cwd: str) -> tuple[RunSetup, IsolationReport]:
+              caller_own: tuple[str, ...]) -> tuple[RunSetup, IsolationReport]:
     """Enter the shared namespaces and the minimal root, then probe per-run set-ups from
-    strongest to weakest; the first that runs a program is kept."""
+    strongest to weakest; the first that runs a program is kept. `caller_own`: the caller's
+    working directory and script folder, left out of the programs' import path."""
     notes: list[str] = []
     outer_uid = os.geteuid()
     spaces = _enter_shared_namespaces(config, notes)
     for name in config.preload:  # before leaving the host's tree: lazy imports fail after
         importlib.import_module(name)
     plan = _root.plan_root(python=config.python, import_paths=sys.path, expose=config.expose,
-                           system_paths=config.system_paths, caller_cwd=caller_cwd)
+                           system_paths=config.system_paths, excluded=caller_own)
     notes.extend(plan.skipped)
     root_switch = ""
     if config.minimal_root and spaces.mode != "none":
