@@ -50,6 +50,8 @@ SERVER = "server"
 CLIENT = "client"
 AUTHORIZED = "authorized"
 ZAP_DOMAIN = b"areal"
+MAX_REFUSED = 100
+"""Distinct refused peers logged at WARNING (and kept); the rest only counted."""
 KEYS_ENV = "AREAL_KEYS"
 """Environment variable naming a worker's key directory (like --keys)."""
 
@@ -80,6 +82,7 @@ def init_keys(directory: str | Path) -> Path:
     """Create a server pair, one shared client pair, and authorise it; keeps existing keys."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    os.chmod(directory, 0o700)  # it holds secret keys
     (directory / AUTHORIZED).mkdir(exist_ok=True)
     for name in (SERVER, CLIENT):
         if not (directory / f"{name}.key_secret").is_file():
@@ -169,7 +172,7 @@ class ZapHandler:
     ctx: zmq.asyncio.Context
     keys: ServerKeys
     refused: list[dict[str, str]] = field(default_factory=list)
-    """One entry per distinct refused (address, mechanism, key)."""
+    """One entry per distinct refused (address, mechanism, key), the first MAX_REFUSED."""
     _authorized: frozenset[bytes] = frozenset()
     _loaded_mtime: float = -1.0
 
@@ -212,7 +215,8 @@ class ZapHandler:
 
     def _refuse(self, address: str, mechanism: str, key: str) -> None:
         entry = {"address": address, "mechanism": mechanism, "key": key}
-        if entry in self.refused:
+        if entry in self.refused or len(self.refused) >= MAX_REFUSED:
+            # A refused peer keeps reconnecting, or makes a new key each time: log it once.
             log.debug("refused %s again (%s key %s)", address, mechanism, key or "-")
             return
         self.refused.append(entry)

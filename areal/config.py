@@ -6,7 +6,9 @@ the semantic checks (ranges, choices, cross-field rules) and turns every failure
 `ConfigError` that names the dotted field, the value and the fix.
 
 Each field carries its help text in `metadata["help"]`, which `describe_options()` turns
-into the CLI's `--help`. This module does not know what the fields are used for.
+into the CLI's `--help`; fields marked `secret` never leave the process through
+`config_to_dict` / `config_to_yaml` (run directory, W&B, workers' Welcome). This module does
+not know what the fields are used for.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ class ConfigError(ValueError):
     """A configuration value is missing, unknown, of the wrong type or out of range."""
 
 
-def opt(default: Any, help: str, choices: Sequence[str] | None = None) -> Any:
-    """A dataclass field with its help text (and allowed values) attached."""
-    metadata = {"help": help, "choices": tuple(choices) if choices else None}
+def opt(default: Any, help: str, choices: Sequence[str] | None = None, *,
+        secret: bool = False) -> Any:
+    """A dataclass field with its help text (and allowed values) attached. `secret`: the
+    value is replaced by null wherever the config is written out."""
+    metadata = {"help": help, "choices": tuple(choices) if choices else None, "secret": secret}
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda: type(default)(default), metadata=metadata)
     if dataclasses.is_dataclass(default):
@@ -442,7 +446,10 @@ class ControllerConfig:
     heartbeat_interval_s: float = opt(1.0, "how often workers report alive")
     heartbeat_timeout_s: float = opt(30.0, "a worker silent this long is declared lost")
     secret: str | None = opt(None, "shared secret workers must present to join; null: a "
-                             "random one per run, passed to spawned workers privately")
+                             "random one per run, passed to spawned workers privately. Never "
+                             "written to the run directory (give it again with --resume); "
+                             "prefer a 0600 config file to the command line, which other "
+                             "local users can read", secret=True)
     max_message_mb: int = opt(2048, "larger incoming messages are refused")
     auth: str = opt("auto", "how peers are authenticated: 'curve' (CurveZMQ: only holders of an "
                     "authorised client key can connect; traffic encrypted), 'secret' (the "
@@ -593,8 +600,18 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
 
 
 def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
-    """Plain nested dict of `cfg` (YAML- and msgpack-friendly)."""
-    return dataclasses.asdict(cfg)
+    """Plain nested dict of `cfg` (YAML- and msgpack-friendly), secret fields set to None."""
+    return _redact(cfg, dataclasses.asdict(cfg))
+
+
+def _redact(cfg: Any, data: dict[str, Any]) -> dict[str, Any]:
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.metadata.get("secret"):
+            data[f.name] = None
+        elif dataclasses.is_dataclass(value):
+            _redact(value, data[f.name])
+    return data
 
 
 def config_from_dict(data: dict[str, Any]) -> RunConfig:

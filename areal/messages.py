@@ -12,7 +12,10 @@ rebuilt with `frombuffer` on arrival (views of the received buffers, no copy).
 Decoding trusts nothing: an unknown type byte, bytes that are not msgpack, a missing,
 unknown or mistyped field, a dtype outside the allow-list, a frame whose size does not match
 its dtype and shape, a missing or surplus frame, or a message over the size limit raises
-`MessageError` naming the message kind and the field. Decoding never executes code.
+`MessageError` naming the message kind and the field. Decoding never executes code, and its
+cost is bounded per message: each kind bounds its header (`HEADER_LIMITS`: bytes, list and
+map lengths, nesting) and its number of frames, checked before the header is unpacked; a
+caller may accept only some kinds (`only`), checked on the type byte alone.
 
 This module imports nothing heavy: torch is imported only when a tensor field is decoded.
 It does not open sockets (see `areal.transport`).
@@ -26,7 +29,7 @@ import math
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import msgpack
 import numpy as np
@@ -39,13 +42,24 @@ _ARRAY_EXT = 1
 DEFAULT_MAX_BYTES = 2 << 30
 """Largest message accepted by default (header and frames together)."""
 
+REGISTER_MAX_BYTES = 4096
+"""Largest Register (frames together): all an unregistered peer may send (transport.py)."""
+
+MAX_DEPTH = 32
+"""Deepest nesting of lists and maps in an untyped (Any) field."""
+
 _NUMPY_DTYPES = ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64",
                  "uint64", "float16", "float32", "float64")
 _TORCH_ONLY_DTYPES = ("bfloat16",)
 
 
 class MessageError(ValueError):
-    """A message could not be encoded or decoded; the text says which kind and which field."""
+    """A message could not be encoded or decoded; the text says which kind and which field.
+    `reason` is one of a few short keys (malformed, too large, not accepted) for counting."""
+
+    def __init__(self, text: str, reason: str = "malformed") -> None:
+        super().__init__(text)
+        self.reason = reason
 
 
 class MsgType(enum.IntEnum):
@@ -442,6 +456,38 @@ class WorkerError:
     request_id: str = ""
 
 
+@dataclass(frozen=True)
+class HeaderLimit:
+    """What one kind's header may hold; checked before it is unpacked."""
+
+    max_bytes: int
+    """Largest msgpack header (strings and binaries are bounded by it too)."""
+    max_items: int
+    """Longest list or map anywhere in the header, and most array frames."""
+
+
+_SMALL = HeaderLimit(64 << 10, 256)
+HEADER_LIMITS: dict[MsgType, HeaderLimit] = {
+    MsgType.REGISTER: HeaderLimit(REGISTER_MAX_BYTES, 16),
+    MsgType.HEARTBEAT: HeaderLimit(64 << 10, 1024),  # stats: a few dozen numbers
+    MsgType.WELCOME: HeaderLimit(16 << 20, 1 << 16),  # the resolved run config
+    MsgType.GENERATE: HeaderLimit(1 << 20, 1 << 16),  # stop token ids
+    MsgType.UPDATE_WEIGHTS: HeaderLimit(64 << 20, 1 << 20),  # collective: every tensor's spec
+    MsgType.WEIGHTS_CHUNK: HeaderLimit(16 << 20, 1 << 20),  # a bucket's tensor names and refs
+    MsgType.TRAIN: HeaderLimit(1 << 20, 1 << 16),  # minibatch lists
+    MsgType.TRAINED: HeaderLimit(64 << 20, 1 << 20),  # stats, collective manifest
+    MsgType.SCORE: HeaderLimit(256 << 20, 1 << 22),  # reference: a code problem's unit tests
+    MsgType.SCORED: HeaderLimit(1 << 20, 64),  # detail: a checker's message
+    MsgType.WORKER_ERROR: HeaderLimit(1 << 20, 16),  # a traceback
+    MsgType.CANCEL: HeaderLimit(16 << 20, 1 << 20),  # request ids
+}
+"""Per-kind header bounds; kinds not listed hold a few scalars (`_SMALL`)."""
+
+
+def header_limit(kind: MsgType) -> HeaderLimit:
+    return HEADER_LIMITS.get(kind, _SMALL)
+
+
 # ---------------------------------------------------------------------------------------------
 # Encoding
 
@@ -523,6 +569,8 @@ def _ext_hook(code: int, data: bytes) -> Any:
         raise MessageError(f"malformed array reference: {err}") from None
     if ref.dtype not in _NUMPY_DTYPES + _TORCH_ONLY_DTYPES:
         raise MessageError(f"array dtype {ref.dtype!r} is not allowed")
+    if len(ref.shape) > MAX_DEPTH:
+        raise MessageError(f"array of {len(ref.shape)} dimensions; at most {MAX_DEPTH}")
     if any(s < 0 for s in ref.shape) or ref.index < 0:
         raise MessageError(f"array reference with negative shape or index: {ref}")
     return ref
@@ -603,32 +651,52 @@ def _check(value: Any, annotation: Any, frames: Sequence[Any], where: str, used:
     raise MessageError(f"{where}: unsupported annotation {annotation!r}")
 
 
-def _plain(value: Any, where: str) -> Any:
-    """Plain data only (an untyped field must not smuggle array references)."""
+def _plain(value: Any, where: str, depth: int = 0) -> Any:
+    """Plain data only (an untyped field must not smuggle array references), nested at most
+    MAX_DEPTH deep."""
     if isinstance(value, _ArrayRef):
         raise MessageError(f"{where}: unexpected array in an untyped field")
+    if isinstance(value, (list, dict)) and depth >= MAX_DEPTH:
+        raise MessageError(f"{where}: nested deeper than {MAX_DEPTH} levels")
     if isinstance(value, list):
-        return [_plain(v, where) for v in value]
+        return [_plain(v, where, depth + 1) for v in value]
     if isinstance(value, dict):
-        return {k: _plain(v, where) for k, v in value.items()}
+        return {k: _plain(v, where, depth + 1) for k, v in value.items()}
     return value
 
 
-def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
-    """Rebuild a message from its frames (without the ROUTER identity). Raises MessageError."""
+def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_BYTES, *,
+           only: Collection[MsgType] | None = None) -> Any:
+    """Rebuild a message from its frames (without the ROUTER identity). Raises MessageError.
+    `only`: the kinds accepted; any other is refused on its type byte, nothing else read."""
     if len(frames) < 2:
         raise MessageError(f"message has {len(frames)} frame(s); at least 2 expected")
+    first = frames[0].buffer if hasattr(frames[0], "buffer") else memoryview(frames[0])
+    type_frame = first[:8].tobytes()
+    if first.nbytes != 1 or type_frame[0] not in MsgType._value2member_map_:
+        raise MessageError(f"unknown message type {type_frame!r}")
+    kind = MsgType(type_frame[0])
+    if only is not None and kind not in only:
+        raise MessageError(f"{kind.name} refused unread: only "
+                           f"{', '.join(k.name for k in only)} accepted here", reason="not accepted")
+    limit = header_limit(kind)
+    if len(frames) - 2 > limit.max_items:
+        raise MessageError(f"{kind.name}: {len(frames) - 2} array frames; at most {limit.max_items}",
+                           reason="too large")
     raw = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in frames]
     total = sum(b.nbytes for b in raw)
     if total > max_bytes:
-        raise MessageError(f"message of {total} bytes exceeds the {max_bytes}-byte limit")
-    type_frame = raw[0].tobytes()
-    if len(type_frame) != 1 or type_frame[0] not in MsgType._value2member_map_:
-        raise MessageError(f"unknown message type {type_frame[:8]!r}")
-    kind = MsgType(type_frame[0])
+        raise MessageError(f"{kind.name}: message of {total} bytes exceeds the {max_bytes}-byte "
+                           "limit", reason="too large")
+    if raw[1].nbytes > limit.max_bytes:
+        raise MessageError(f"{kind.name}: header of {raw[1].nbytes} bytes exceeds the "
+                           f"{limit.max_bytes}-byte limit of its kind", reason="too large")
     schema = _SCHEMAS[kind]
     try:
-        header = msgpack.unpackb(raw[1], ext_hook=_ext_hook, raw=False, strict_map_key=True)
+        header = msgpack.unpackb(raw[1], ext_hook=_ext_hook, raw=False, strict_map_key=True,
+                                 max_map_len=limit.max_items, max_array_len=limit.max_items,
+                                 max_str_len=limit.max_bytes, max_bin_len=limit.max_bytes,
+                                 max_ext_len=1024)
     except MessageError as err:
         raise MessageError(f"{kind.name}: {err}") from None
     except (ValueError, TypeError, msgpack.UnpackException) as err:

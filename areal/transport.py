@@ -8,20 +8,31 @@ Socket types, chosen on purpose:
 
 Sends are serialised by a lock: a multipart message must never interleave with another
 coroutine's. Array frames go out with `copy=False`. Given keys (areal.auth), the ROUTER is a
-CurveZMQ server and a DEALER its client. This module does not interpret messages.
+CurveZMQ server and a DEALER its client.
+
+The ROUTER decodes a peer's messages in full only once its owner says the peer is
+registered (`registered`); before that, only a Register of at most REGISTER_MAX_BYTES is
+read, and anything else is refused on its type byte. A worker's identity (`worker_identity`)
+cannot be guessed without the run's credential: ROUTER ignores a second connection under
+an identity already in use, so a guessable one could be taken first and keep the worker
+out. This module does not interpret messages beyond that.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 import zmq.asyncio
 
 from areal.auth import ClientKeys, ServerKeys, make_client, make_server
-from areal.messages import DEFAULT_MAX_BYTES, MessageError, decode, encode
+from areal.messages import (
+    DEFAULT_MAX_BYTES, REGISTER_MAX_BYTES, MessageError, MsgType, decode, encode,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +58,9 @@ class RouterChannel:
         self.port = port
         self.address = f"tcp://{host}:{port}"
         self.max_bytes = max_bytes
+        self.registered: Callable[[bytes], bool] = lambda identity: True
+        """Whether a peer's messages are decoded in full (set by the owner, e.g. the
+        controller's pool); the others may send only a small Register."""
         self._send_lock = asyncio.Lock()
 
     async def recv(self) -> tuple[bytes, Any]:
@@ -54,7 +68,9 @@ class RouterChannel:
         frames = await self.socket.recv_multipart(copy=False)
         identity = frames[0].bytes
         try:
-            return identity, decode(frames[1:], self.max_bytes)
+            if self.registered(identity):
+                return identity, decode(frames[1:], self.max_bytes)
+            return identity, decode(frames[1:], REGISTER_MAX_BYTES, only=(MsgType.REGISTER,))
         except MessageError as err:
             raise PeerMessageError(identity, err) from None
 
@@ -78,8 +94,16 @@ class PeerMessageError(MessageError):
     """A malformed message, with the identity of the peer that sent it."""
 
     def __init__(self, identity: bytes, err: MessageError) -> None:
-        super().__init__(str(err))
+        super().__init__(str(err), err.reason)
         self.identity = identity
+
+
+def worker_identity(worker_id: str, credential: bytes) -> bytes:
+    """A worker's ZeroMQ identity: its id (readable in debugging) and an HMAC of it under
+    the run's credential (the shared secret, or the client's CurveZMQ secret key). Stable
+    across restarts of the same worker id; not guessable without the credential."""
+    tag = hmac.new(credential, worker_id.encode(), hashlib.sha256).hexdigest()[:32]
+    return worker_id.encode()[:200] + b"/" + tag.encode()
 
 
 class DealerChannel:

@@ -1,11 +1,18 @@
-"""Sandbox throughput vs a bare subprocess, same programs, one run.
+"""Sandbox throughput vs a bare subprocess, same programs, one run; launcher start-up with
+the minimal root vs the host's read-only tree.
 
-    python bench/sandbox.py [--runs 30] [--concurrency 2]
+    python bench/sandbox.py [--runs 30] [--concurrency 2] [--startups 5]
 
-For each program, three runners execute it with the same stdin:
+Start-up: `Sandbox(config).start()` (launcher process, namespaces, root, probes), then the
+first run, for `minimal_root=True` (the default: the launcher pivots into a minimal root)
+and `minimal_root=False` (programs see the host's tree, read-only), alternating.
+
+For each program, five runners execute it with the same stdin:
 - bare:    `subprocess.run([python, "main.py"])` in a temp folder: no isolation at all;
-- sandbox: the warm launcher, in-process Python (fork per run, full isolation);
-- sandbox-exec: the launcher exec'ing a fresh `python main.py` (isolation + interpreter start).
+- sandbox: the warm launcher, in-process Python (fork per run, full isolation, minimal root);
+- sandbox-hostroot: the same with `minimal_root=False`;
+- sandbox-exec: the launcher exec'ing a fresh `python main.py` (isolation + interpreter start);
+- sandbox-exec-hostroot: the same with `minimal_root=False`.
 Each runner executes in blocks of consecutive runs, the blocks of all runners alternating
 over `--rounds`, so load drift on a shared machine hits all runners alike while each keeps
 the cache locality it would have in a reward worker (one run after another).
@@ -26,7 +33,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-from areal.sandbox import PYTHON, PYTHON_EXEC, ExecStatus, Limits, Sandbox
+from areal.sandbox import PYTHON, PYTHON_EXEC, ExecStatus, Limits, Sandbox, SandboxConfig
 
 PROGRAMS = {
     "hello": ("print('hello')", b""),
@@ -86,19 +93,53 @@ def measure(runners: dict[str, Callable], source: str, stdin: bytes, runs: int, 
     return stats
 
 
+def measure_startup(repeats: int) -> dict[str, dict[str, float]]:
+    """Seconds to a started launcher and to its first answer, per root mode (alternating)."""
+    samples: dict[str, dict[str, list[float]]] = {
+        name: {"start": [], "first_run": []} for name in ("hostroot", "minimal")}
+    for index in range(2 * repeats):
+        name = ("hostroot", "minimal")[index % 2]
+        start = time.perf_counter()
+        sb = Sandbox(SandboxConfig(minimal_root=name == "minimal"))
+        sb.start()
+        started = time.perf_counter()
+        if sb.run("print(1)").stdout != b"1\n":
+            raise RuntimeError("first run failed")
+        samples[name]["start"].append(started - start)
+        samples[name]["first_run"].append(time.perf_counter() - started)
+        sb.close()
+    return {name: {key: 1000 * statistics.median(values) for key, values in by_key.items()}
+            for name, by_key in samples.items()}
+
+
+def print_startup(repeats: int) -> None:
+    stats = measure_startup(repeats)
+    header = f"{'root':10s} {'start ms (median)':>18s} {'first run ms':>13s}"
+    print(f"launcher start-up, median of {repeats} each, alternating\n{header}\n{'-' * len(header)}")
+    for name, s in stats.items():
+        print(f"{name:10s} {s['start']:18.1f} {s['first_run']:13.1f}")
+    ratio = stats["minimal"]["start"] / stats["hostroot"]["start"]
+    print(f"minimal / hostroot start-up: {ratio:.2f}x\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=30, help="sequential executions per runner and program")
     parser.add_argument("--rounds", type=int, default=3, help="alternating blocks the runs are split into")
     parser.add_argument("--concurrency", type=int, default=2, help="callers in the parallel measurement")
+    parser.add_argument("--startups", type=int, default=5, help="launcher starts per root mode")
     args = parser.parse_args()
-    with Sandbox() as sb, tempfile.TemporaryDirectory() as folder:
+    with Sandbox() as sb, Sandbox(SandboxConfig(minimal_root=False)) as host, \
+            tempfile.TemporaryDirectory() as folder:
         print(sb.isolation.describe())
         print(f"python {sys.version.split()[0]}, {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}, "
               f"runs={args.runs} in {args.rounds} rounds, concurrency={args.concurrency}\n")
+        print_startup(args.startups)
         runners = {"bare": bare_runner(folder), "sandbox": sandbox_runner(sb, PYTHON),
-                   "sandbox-exec": sandbox_runner(sb, PYTHON_EXEC)}
-        header = f"{'program':16s} {'runner':13s} {'mean ms':>8s} {'median ms':>9s} {'exec/s':>7s} " \
+                   "sandbox-hostroot": sandbox_runner(host, PYTHON),
+                   "sandbox-exec": sandbox_runner(sb, PYTHON_EXEC),
+                   "sandbox-exec-hostroot": sandbox_runner(host, PYTHON_EXEC)}
+        header = f"{'program':16s} {'runner':21s} {'mean ms':>8s} {'median ms':>9s} {'exec/s':>7s} " \
                  f"{'exec/s x' + str(args.concurrency):>10s} {'time vs bare':>12s} {'overhead ms':>11s}"
         print(header)
         print("-" * len(header))
@@ -106,7 +147,7 @@ def main() -> None:
             stats = measure(runners, source, stdin, args.runs, args.rounds, args.concurrency)
             bare = stats["bare"]
             for name, s in stats.items():
-                print(f"{program:16s} {name:13s} {s['mean_ms']:8.1f} {s['median_ms']:9.1f} {s['per_s']:7.1f} "
+                print(f"{program:16s} {name:21s} {s['mean_ms']:8.1f} {s['median_ms']:9.1f} {s['per_s']:7.1f} "
                       f"{s['parallel_per_s']:10.1f} {s['mean_ms'] / bare['mean_ms']:11.2f}x "
                       f"{s['mean_ms'] - bare['mean_ms']:+11.1f}")
         print("\noverhead ms = mean ms minus bare mean ms (negative: faster than a bare subprocess)")

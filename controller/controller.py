@@ -13,7 +13,9 @@
                        then: version + 1, UpdateWeights to every rollout worker (stream mode:
                        the trainer's WeightsChunks are relayed; collective: rank 0 broadcasts
                        in the weights group, see groups.py), metrics, periodic eval
-    [recv loop]     every message from the ROUTER socket -> handler; malformed -> log, drop
+    [recv loop]     every message from the ROUTER socket -> handler; malformed, unexpected
+                    or contradicting the ledger (checks.py) -> drop, re-queue its work,
+                    rate-limited log (peer_log.py); unregistered peers: a small Register only
     [liveness loop] Heartbeat to every worker; a silent or exited worker is lost: its work
                     is re-queued (never lost), a local worker is restarted; a lost trainer
                     rank: every rank restarts from the newest checkpoint, the steps trained
@@ -53,10 +55,14 @@ from areal.messages import (
 from areal.transport import PeerMessageError, RouterChannel
 from areal.types import pack
 from areal.controller import dynamic_sampling
+from areal.controller.checks import (
+    generated_problem, model_vocab_size, scored_problem, sender_problem,
+)
 from areal.controller.episodes import episode_fields, episode_scored
 from areal.controller.groups import Groups
 from areal.controller.ledger import Group, Ledger, Purpose, Sample, Stage
 from areal.controller.metrics import MetricsSink, closed_marker, is_closed
+from areal.controller.peer_log import PeerLog, peer_name
 from areal.controller.pool import WorkerHandle, WorkerPool, stop_process
 from areal.controller.recovery import TrainerRecovery
 from areal.controller.resume import ResumeState, find_state, write_state
@@ -88,6 +94,10 @@ class Controller:
         trajectories generated or in flight after admitting it (N_r), and the prompt's draw
         position in the task's stream."""
         self.num_malformed = 0
+        """Messages dropped undecoded: malformed, too large, or not a Register from an
+        unregistered peer."""
+        self.peer_log: PeerLog | None = None
+        self._vocab_size: int | None = None
         self._setup: RunSetup | None = None
         self._metrics: MetricsSink | None = None
         self._subscribers: list[asyncio.Queue] = []
@@ -155,6 +165,8 @@ class Controller:
                 raise RunFailed(f"cannot resume: {err}") from err
         self._metrics = MetricsSink(self.cfg, self._setup.run_dir, self.cfg.trainer.total_steps,
                                     self._subscribers)
+        self.peer_log = PeerLog(self._record_event)
+        self._vocab_size = await asyncio.to_thread(model_vocab_size, self.cfg.model.path)
         self.staleness = StalenessController(self.cfg.trainer.batch_size, self.cfg.eta)
         if self.resumed is not None:
             self._restore_state(self.resumed)
@@ -166,7 +178,8 @@ class Controller:
             self._auth_tasks.append(asyncio.create_task(
                 watch_handshakes(self.channel.socket, self.handshake_failures), name="handshakes"))
         self.pool = WorkerPool(self.cfg, self._setup.run_dir, self.channel.address, secret,
-                               keys_dir)
+                               keys_dir, on_refused=self._registration_refused)
+        self.channel.registered = lambda identity: self.pool.get(identity) is not None
         self.groups = Groups(self.cfg, self.channel, self.pool, self._record_event)
         self.trainers = Trainers(self.cfg, self.channel, self.pool, self.groups, self.changed,
                                  self.recovery, self._record_event, self._metrics.console,
@@ -308,6 +321,8 @@ class Controller:
                                        time.monotonic() - self._started, step, self)
         if self.resumed is not None:
             summary["resumed_after_step"] = self.resumed.step
+        self.peer_log.flush()
+        summary["peer_refusals"] = dict(self.peer_log.totals)
         self._metrics.record("summary", summary)
         for line in summary_lines(summary):
             self._metrics.console(line)
@@ -488,28 +503,35 @@ class Controller:
                 identity, msg = await self.channel.recv()
             except PeerMessageError as err:
                 self.num_malformed += 1
-                log.warning("dropped a malformed message from %r: %s", err.identity, err)
+                self._refuse(err.identity, err.reason, str(err))
                 continue
             handle = self.pool.get(identity)
-            if handle is None and not isinstance(msg, Register):
-                log.warning("dropped %s from unregistered peer %r", type(msg).__name__, identity)
-                continue
             if handle is not None:
                 handle.last_seen = time.monotonic()
             handler = handlers.get(type(msg))
-            if handler is None:
-                log.warning("dropped unexpected %s from %s", type(msg).__name__,
-                            handle.worker_id if handle else identity)
+            problem = sender_problem(msg, handle) if handler else f"{type(msg).__name__} is not " \
+                "a message to the controller"
+            if problem:
+                self._refuse(identity, "unexpected message", problem)
                 continue
             await handler(identity, handle, msg)
             self.changed.notify()
+
+    def _refuse(self, identity: bytes, reason: str, detail: str) -> None:
+        """A message dropped: logged and recorded, rate-limited per peer and reason."""
+        handle = self.pool.get(identity)
+        self.peer_log.report(handle.worker_id if handle else peer_name(identity), reason, detail)
+
+    def _registration_refused(self, identity: bytes, msg: Register, why: str) -> None:
+        self.peer_log.report(peer_name(identity), "registration refused",
+                             f"{why}: worker_id={msg.worker_id[:100]!r} host={msg.host[:100]!r} "
+                             f"pid={msg.pid}", worker_id=msg.worker_id[:100])
 
     async def _on_register(self, identity: bytes, handle: WorkerHandle | None,
                            msg: Register) -> None:
         handle = self.pool.register(identity, msg)
         if handle is None:
             await self.channel.send(identity, Shutdown(reason="registration refused"))
-            self._record_event("worker_refused", worker_id=msg.worker_id, host=msg.host)
             return
         latest = self._latest_weights
         trainer = handle.kind is WorkerKind.TRAINER
@@ -550,6 +572,15 @@ class Controller:
 
     async def _on_generated(self, identity: bytes, handle: WorkerHandle, msg: Generated) -> None:
         handle.in_flight.discard(msg.request_id)
+        problem = generated_problem(msg, max_new_tokens=self.cfg.rollout.max_new_tokens,
+                                    version=self.version, vocab_size=self._vocab_size)
+        if problem:
+            self._refuse(identity, "contradicts the ledger", f"Generated {msg.request_id[:60]!r}: "
+                         f"{problem}; generated again")
+            held = self.ledger.held(msg.request_id, identity, Stage.GENERATING)
+            if held is not None:
+                self.ledger.requeue(held)
+            return
         sample = self.ledger.finish_generation(msg, identity)
         if sample is None:
             log.debug("ignored a stale result %s from %s", msg.request_id, handle.worker_id)
@@ -565,6 +596,15 @@ class Controller:
 
     async def _on_scored(self, identity: bytes, handle: WorkerHandle, msg: Scored) -> None:
         handle.in_flight.discard(msg.request_id)
+        problem = scored_problem(msg)
+        if problem:
+            self._refuse(identity, "contradicts the ledger", f"Scored {msg.request_id[:60]!r}: "
+                         f"{problem}; scored again")
+            held = self.ledger.held(msg.request_id, identity, Stage.SCORING)
+            if held is not None:
+                held.worker = None
+                await self._send_score(held)
+            return
         group = self.ledger.finish_scoring(msg, identity)
         self._report.on_scored(msg)
         if group is not None and group.purpose is Purpose.TRAIN:
@@ -580,7 +620,8 @@ class Controller:
 
     async def _on_trained(self, identity: bytes, handle: WorkerHandle, msg: Trained) -> None:
         if not self.trainers.answer(msg):
-            log.warning("unexpected Trained for step %d from %s", msg.step, handle.worker_id)
+            self._refuse(identity, "unexpected message", f"Trained for step {msg.step}, which "
+                         "no step in progress expects")
             return
         if msg.rank == 0 and not msg.replay:
             # Announce the version here, in the receive loop: in stream mode the trainer's
@@ -641,6 +682,7 @@ class Controller:
                 await self._lose(handle, "process exited" if handle.process is not None
                                  and handle.process.poll() is not None else "silent")
             await self.groups.tick(self.version, self._interrupt())
+            self.peer_log.flush_if_due()
             self.changed.notify()
 
     async def _lose(self, handle: WorkerHandle, why: str) -> None:

@@ -180,6 +180,21 @@ class Ledger:
 
     # -- faults ---------------------------------------------------------------------------------
 
+    def held(self, request_id: str, worker: bytes, stage: Stage) -> Sample | None:
+        """The sample `worker` holds under `request_id` at `stage`, else None (stale, unknown)."""
+        sample = self.by_request.get(request_id)
+        if sample is None or sample.stage is not stage or sample.worker != worker:
+            return None
+        return sample
+
+    def requeue(self, sample: Sample) -> None:
+        """Generate `sample` again under a new attempt id (its worker's answer was dropped)."""
+        del self.by_request[sample.request_id]
+        sample.attempt += 1
+        sample.stage, sample.worker = Stage.PENDING, None
+        self.by_request[sample.request_id] = sample
+        self.pending.appendleft(sample)
+
     def release_worker(self, worker: bytes) -> tuple[list[Sample], list[Sample]]:
         """A worker was lost: its generations go back to pending under a new attempt id;
         its scoring requests are returned for re-sending. Returns (requeued, rescore)."""
@@ -188,11 +203,7 @@ class Ledger:
             if sample.worker != worker:
                 continue
             if sample.stage is Stage.GENERATING:
-                del self.by_request[sample.request_id]
-                sample.attempt += 1
-                sample.stage, sample.worker = Stage.PENDING, None
-                self.by_request[sample.request_id] = sample
-                self.pending.appendleft(sample)
+                self.requeue(sample)
                 requeued.append(sample)
             elif sample.stage is Stage.SCORING:
                 sample.worker = None

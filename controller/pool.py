@@ -9,8 +9,9 @@ devices and CPU cores set from the config. A worker is lost when its process exi
 silent for `controller.heartbeat_timeout_s` after it became ready (its set-up may block it
 for longer: imports, model loading; it holds no work then); the controller then re-queues
 its work and, for a local worker, starts a replacement. A worker that registers again under
-the identity of one still setting up replaces it (it restarted). This module decides
-nothing about work.
+the identity of one still setting up replaces it (it restarted). Refusals go to
+`on_refused` (the controller rate-limits them, see peer_log.py); only the first
+MAX_REFUSED worker ids are kept in `refused`. This module decides nothing about work.
 """
 
 from __future__ import annotations
@@ -24,11 +25,15 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from areal.config import RunConfig
 from areal.messages import Register, WorkerKind
 
 log = logging.getLogger(__name__)
+
+MAX_REFUSED = 100
+"""Refused worker ids kept for inspection (`WorkerPool.refused`); the rest are counted."""
 
 
 @dataclass(kw_only=True)
@@ -56,7 +61,8 @@ async def stop_process(handle: WorkerHandle) -> None:
 
 class WorkerPool:
     def __init__(self, cfg: RunConfig, run_dir: Path, address: str, secret: str | None,
-                 keys_dir: Path | None = None) -> None:
+                 keys_dir: Path | None = None,
+                 on_refused: Callable[[bytes, Register, str], None] | None = None) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
         self.address = address
@@ -67,6 +73,9 @@ class WorkerPool:
         self.expected: dict[str, WorkerHandle] = {}
         """Local workers by id, registered or not yet."""
         self.refused: list[str] = []
+        """Worker ids of refused registrations (the first MAX_REFUSED)."""
+        self.on_refused = on_refused or (lambda identity, msg, why: log.warning(
+            "refused %r from %r (pid %d): %s", msg.worker_id, msg.host, msg.pid, why))
 
     # -- local processes ------------------------------------------------------------------------
 
@@ -114,44 +123,45 @@ class WorkerPool:
         """Admit a peer presenting the right secret; None (and a log line) otherwise."""
         if self.secret is not None \
                 and not hmac.compare_digest(msg.secret.encode(), self.secret.encode()):
-            self.refused.append(msg.worker_id)
-            log.warning("refused %s from %s (pid %d): wrong secret", msg.worker_id, msg.host,
-                        msg.pid)
-            return None
+            return self._refuse(identity, msg, "wrong secret")
         earlier = self.by_identity.get(identity)
         if earlier is not None and earlier.ready:
-            log.warning("refused a second registration from identity %r", identity)
-            return None
+            return self._refuse(identity, msg, f"a second registration of {earlier.worker_id}, "
+                                "which is ready")
         if earlier is not None:  # it restarted during set-up: the new process replaces it
             log.warning("%s registered again before it was ready; replacing it",
                         earlier.worker_id)
             self.forget(earlier)
-        if msg.kind is WorkerKind.TRAINER and not self._rank_free(msg):
-            self.refused.append(msg.worker_id)
-            return None
+        if msg.kind is WorkerKind.TRAINER:
+            why = self._rank_taken(msg)
+            if why:
+                return self._refuse(identity, msg, why)
         handle = self.expected.get(msg.worker_id)
         if handle is None or handle.identity is not None:
             handle = WorkerHandle(worker_id=msg.worker_id, kind=msg.kind, rank=msg.rank)
             if msg.worker_id in self.expected:  # a remote worker reusing a name: make it unique
-                handle.worker_id = f"{msg.worker_id}@{identity.hex()[:8]}"
+                handle.worker_id = f"{msg.worker_id}@{identity.hex()[-8:]}"
         handle.identity, handle.kind, handle.rank = identity, msg.kind, msg.rank
         handle.pid, handle.host, handle.last_seen = msg.pid, msg.host, time.monotonic()
         self.by_identity[identity] = handle
-        log.info("%s registered (%s, pid %d)", handle.worker_id, msg.host, msg.pid)
+        log.info("%s registered (%r, pid %d)", handle.worker_id, msg.host, msg.pid)
         return handle
 
-    def _rank_free(self, msg: Register) -> bool:
+    def _refuse(self, identity: bytes, msg: Register, why: str) -> None:
+        if len(self.refused) < MAX_REFUSED:
+            self.refused.append(msg.worker_id)
+        self.on_refused(identity, msg, why)
+        return None
+
+    def _rank_taken(self, msg: Register) -> str:
+        """Why a trainer may not take `msg.rank`; '' if it may."""
         num_ranks = self.cfg.trainer.num_ranks
         if not 0 <= msg.rank < num_ranks:
-            log.warning("refused %s from %s: trainer rank %d outside 0..%d (trainer.num_ranks="
-                        "%d)", msg.worker_id, msg.host, msg.rank, num_ranks - 1, num_ranks)
-            return False
+            return f"trainer rank {msg.rank} outside 0..{num_ranks - 1} (trainer.num_ranks={num_ranks})"
         for handle in self.by_identity.values():
             if handle.kind is WorkerKind.TRAINER and handle.rank == msg.rank:
-                log.warning("refused %s from %s: trainer rank %d is held by %s", msg.worker_id,
-                            msg.host, msg.rank, handle.worker_id)
-                return False
-        return True
+                return f"trainer rank {msg.rank} is held by {handle.worker_id}"
+        return ""
 
     def get(self, identity: bytes) -> WorkerHandle | None:
         return self.by_identity.get(identity)

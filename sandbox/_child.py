@@ -2,8 +2,8 @@
 
 Runs in the process the supervisor forked (PID 1 of a fresh PID namespace when one is in
 force). Order matters: joining the run's memory cgroup, a private mount namespace (tmpfs
-/tmp and /dev/shm, fresh /proc, everything else read-only) and file ownership need
-privilege, so they come first; then
+/tmp and /dev/shm, fresh /proc, everything else read-only: the launcher's minimal root,
+see _root.py, or the host's) and file ownership need privilege, so they come first; then
 standard streams, rlimits, dropping privilege (setuid to the run's uid, or emptying the
 capability sets inside a user namespace), no_new_privs, the parent-death signal (cleared by
 any uid change, so set last), the scrubbed environment, and finally either exec of the
@@ -23,7 +23,8 @@ import sys
 from dataclasses import dataclass
 from typing import NoReturn
 
-from areal.sandbox import _cgroup, _linux
+from areal.sandbox import _cgroup, _linux, _root
+from areal.sandbox._cgroup import CgroupRoot
 from areal.sandbox._pyrun import run_main
 from areal.sandbox.result import cpu_rlimit_seconds
 from areal.sandbox.spec import Language, Limits
@@ -48,11 +49,15 @@ class ChildPlan:
     mount_jail: bool
     """Private tmpfs /tmp and /dev/shm, fresh /proc, read-only everything else."""
     read_only_root: bool
+    """Make the inherited tree read-only (not needed in a minimal root, which already is)."""
     exposures: tuple[tuple[str, tuple[str, ...]], ...]
     """(blocker, paths): `blocker` is a folder the run's uid cannot traverse (e.g. /root,
     0700) above `paths` it must read (the interpreter); it is covered by an empty read-only
     tmpfs holding read-only bind mounts of just those paths."""
-    cgroup: str | None
+    tmp_binds: tuple[str, ...]
+    """Paths below /tmp programs must read (a virtualenv there): bound again, read-only, over
+    the run's own /tmp."""
+    cgroup: tuple[CgroupRoot, str] | None
     """Memory cgroup to join before anything else (see _cgroup.py)."""
     stdin_fd: int
     stdout_fd: int
@@ -73,7 +78,7 @@ def child_main(plan: ChildPlan) -> NoReturn:
 
 def _prepare(plan: ChildPlan) -> None:
     if plan.cgroup is not None:
-        _cgroup.join(plan.cgroup)
+        _cgroup.join(*plan.cgroup)
     os.setsid()
     if plan.mount_jail:
         _mount_jail(plan)
@@ -104,7 +109,7 @@ def _mount_jail(plan: ChildPlan) -> None:
         _linux.make_tree_read_only("/")
     size = f"size={plan.limits.disk_bytes},mode=1777"
     flags = _linux.MS_NOSUID | _linux.MS_NODEV
-    _linux.mount("tmpfs", "/tmp", "tmpfs", flags, size)
+    _root.mount_run_tmp(plan.tmp_binds, size)
     for blocker, paths in plan.exposures:
         _expose(blocker, paths)
     if os.path.isdir("/dev/shm"):

@@ -1,5 +1,6 @@
 """Thin ctypes wrappers over the Linux calls Python 3.11 does not expose: unshare, mount,
-mount_setattr, capset, prctl. Each raises OSError with the call's name on failure.
+umount2, pivot_root, mount_setattr, capset, prctl. Each raises OSError with the call's name
+on failure.
 
 Only the launcher and its children call these; nothing here is safe to call in a process
 you want to keep (unshare changes the caller's namespaces for good).
@@ -25,11 +26,15 @@ MS_BIND = 0x1000
 MS_REC = 0x4000
 MS_PRIVATE = 0x40000
 
+MNT_DETACH = 0x2
+
 _AT_FDCWD = -100
 _AT_RECURSIVE = 0x8000
 _MOUNT_ATTR_RDONLY = 0x1
 _MOUNT_ATTR_NOSUID = 0x2
 _SYS_MOUNT_SETATTR = 442  # the same number on every architecture (new-style syscall)
+_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217, "riscv64": 41}
+"""pivot_root has no libc wrapper; its number differs by architecture (asm/unistd*.h)."""
 
 _PR_SET_NO_NEW_PRIVS = 38
 _PR_SET_CHILD_SUBREAPER = 36
@@ -70,6 +75,19 @@ def mount(source: str | None, target: str, fstype: str | None, flags: int, data:
     enc = (lambda s: s.encode() if s is not None else None)
     _check(_libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
            f"mount {fstype or source} on {target}")
+
+
+def umount(target: str, flags: int = 0) -> None:
+    _check(_libc.umount2(target.encode(), ctypes.c_int(flags)), f"umount {target}")
+
+
+def pivot_root(new_root: str, put_old: str) -> None:
+    """Make `new_root` the root of this mount namespace (pivot_root(2)); `put_old` may equal
+    `new_root`, then the old root is stacked on top of it, to be detached with umount."""
+    number = _SYS_PIVOT_ROOT.get(os.uname().machine)
+    if number is None:
+        raise OSError(0, f"pivot_root: syscall number unknown on {os.uname().machine}")
+    _check(_libc.syscall(number, new_root.encode(), put_old.encode()), "pivot_root")
 
 
 def make_mounts_private() -> None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from areal.sandbox import _cgroup, _linux, _wire
+from areal.sandbox._cgroup import CgroupRoot
 from areal.sandbox._child import NS_WORKDIR, ChildPlan, child_main
 from areal.sandbox.result import Ending, ExecResult, ExecStatus, classify
 from areal.sandbox.spec import Language, Limits, language_from_json, limits_from_json
@@ -49,7 +50,11 @@ class RunSetup:
     uid_base: int
     exposures: tuple[tuple[str, tuple[str, ...]], ...] = ()
     """See `ChildPlan.exposures`; root mode only."""
-    memory_cgroup_root: str | None = None
+    minimal_root: bool = False
+    """The launcher lives in a minimal root (_root.py): runs need no read-only pass of their own."""
+    tmp_binds: tuple[str, ...] = ()
+    """See `ChildPlan.tmp_binds`."""
+    memory_cgroup_root: CgroupRoot | None = None
     """Folder for per-run memory cgroups (see _cgroup.py), or None."""
     env: tuple[tuple[str, str], ...]
     python: str
@@ -118,9 +123,11 @@ def supervise(*, language: Language, limits: Limits, files: dict[str, bytes], st
     plan = ChildPlan(language=language, limits=limits, files=files, argv=argv, env=env,
                      python=setup.python, workdir=workdir, run_uid=run_uid,
                      drop_capabilities=setup.mode == "userns", mount_jail=setup.mount_jail,
-                     read_only_root=setup.read_only_root,
+                     read_only_root=setup.read_only_root and not setup.minimal_root,
                      exposures=setup.exposures if run_uid is not None and setup.mount_jail else (),
-                     cgroup=cgroup, stdin_fd=stdin_fd, stdout_fd=out_w,
+                     tmp_binds=setup.tmp_binds,
+                     cgroup=(setup.memory_cgroup_root, cgroup) if cgroup else None,
+                     stdin_fd=stdin_fd, stdout_fd=out_w,
                      stderr_fd=err_w, status_fd=st_w)
     pid = os.fork()
     if pid == 0:
@@ -134,7 +141,7 @@ def supervise(*, language: Language, limits: Limits, files: dict[str, bytes], st
         if not setup.mount_jail:
             shutil.rmtree(workdir, ignore_errors=True)
         if cgroup is not None:
-            _cgroup.remove_run(cgroup)
+            _cgroup.remove_run(setup.memory_cgroup_root, cgroup)
 
 
 def _memfd_with(data: bytes) -> int:
@@ -222,7 +229,9 @@ def _watch(pid: int, out_r: int, err_r: int, st_r: int, language: Language, limi
         os.close(fd)
     memory = _Memory(peak_bytes=usage.ru_maxrss * 1024, oom_killed=False)
     if cgroup is not None:
-        memory = _Memory(peak_bytes=_cgroup.peak_bytes(cgroup), oom_killed=_cgroup.oom_kills(cgroup) > 0)
+        root = setup.memory_cgroup_root
+        memory = _Memory(peak_bytes=_cgroup.peak_bytes(root, cgroup),
+                         oom_killed=_cgroup.oom_kills(root, cgroup) > 0)
     return _result(started, ended, wait_status, usage, memory, bytes(status_msg), out, err,
                    timed_out, overflow, language, limits)
 

@@ -99,7 +99,7 @@ class Sandbox:
             shutil.rmtree(os.path.dirname(self._socket_path), ignore_errors=True)
         payload = json.dumps(dataclasses.asdict(cfg))
         self._proc = subprocess.Popen(
-            [cfg.python, "-c", _BOOT, payload, json.dumps(sys.path)],
+            [cfg.python, "-c", _BOOT, payload, json.dumps(sys.path), os.getcwd()],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, cwd="/",
             env=dict(cfg.env), close_fds=True, start_new_session=True,
         )
@@ -109,7 +109,8 @@ class Sandbox:
             raise SandboxStartError(f"sandbox launcher failed to start: {line['error']}")
         report = IsolationReport.from_json(line["isolation"])
         try:
-            check_isolation_policy(report, allow_unisolated=cfg.allow_unisolated)
+            check_isolation_policy(report, allow_unisolated=cfg.allow_unisolated,
+                                   minimal_root=cfg.minimal_root)
         except IsolationError:
             self._abandon()
             raise
@@ -216,8 +217,10 @@ class Sandbox:
             self._spawn()
 
 
-def check_isolation_policy(report: IsolationReport, *, allow_unisolated: bool) -> None:
-    """Refuse a launcher with neither a PID nor a network namespace unless allowed."""
+def check_isolation_policy(report: IsolationReport, *, allow_unisolated: bool,
+                           minimal_root: bool = False) -> None:
+    """Refuse a launcher with neither a PID nor a network namespace unless allowed, and one
+    without the minimal root the config asks for."""
     if report.level == "none" and not allow_unisolated:
         raise IsolationError(
             "sandbox: no PID or network namespace could be created, so untrusted code would "
@@ -226,6 +229,13 @@ def check_isolation_policy(report: IsolationReport, *, allow_unisolated: bool) -
             "on Ubuntu kernel.apparmor_restrict_unprivileged_userns=0; in Docker run with "
             "--security-opt seccomp=unconfined or as a privileged container), or set "
             "sandbox.allow_unisolated=true to accept running without them."
+        )
+    if minimal_root and not report.minimal_root and report.level != "none":
+        raise IsolationError(
+            "sandbox: no minimal root could be built, so untrusted code would see the host's "
+            f"whole file tree (read-only).\n{report.describe()}\nFix: allow mount namespaces "
+            "(run as root, or allow user namespaces as above), or set "
+            "SandboxConfig(minimal_root=False) to accept the host's read-only tree."
         )
 
 

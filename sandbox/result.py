@@ -105,6 +105,16 @@ class IsolationReport:
     """Private mounts per run: tmpfs working directory and /tmp, fresh /proc."""
     read_only_root: bool = False
     """Every other mount is read-only (and nosuid) inside the run."""
+    minimal_root: bool = False
+    """Programs see only `visible` of the host's files (sandbox/_root.py); False: the host's
+    whole tree (read-only when `read_only_root`)."""
+    root_switch: str = ""
+    """How the launcher left the host's tree: 'pivot_root' (the host's root is detached) or
+    'chroot' (where pivot_root is refused; programs have no capability to leave it)."""
+    visible: tuple[str, ...] = ()
+    """What programs see of the file system: bound paths, symlinks, their own mounts."""
+    interpreter: str = ""
+    """The interpreter programs run with, verified to start and import inside the sandbox."""
     unprivileged: str = "none"
     """How programs are deprived of privilege: 'uid 61000+slot', 'user namespace, no
     capabilities' or 'none'."""
@@ -133,8 +143,14 @@ class IsolationReport:
 
     def describe(self) -> str:
         lines = [f"sandbox isolation: {self.level} (mode {self.mode}, kernel {self.kernel})"]
-        for name in ("pid_namespace", "net_namespace", "mount_namespace", "read_only_root", "memory_cgroup"):
+        for name in ("pid_namespace", "net_namespace", "mount_namespace", "read_only_root",
+                     "minimal_root", "memory_cgroup"):
             lines.append(f"  {name:16s} {'yes' if getattr(self, name) else 'NO'}")
+        if self.root_switch:
+            lines.append(f"  {'root switch':16s} {self.root_switch}")
+        lines.append(f"  {'interpreter':16s} {self.interpreter}")
+        lines.append(f"  {'visible':16s} {self.visible[0] if self.visible else '?'}")
+        lines.extend(f"  {'':16s} {path}" for path in self.visible[1:])
         lines.append(f"  {'unprivileged':16s} {self.unprivileged}")
         lines.append(f"  {'cleanup':16s} {self.process_cleanup}")
         lines.append(f"  {'rlimits':16s} {', '.join(self.rlimits)}")

@@ -165,9 +165,19 @@ class SandboxConfig:
     )
     """The complete environment of the launcher and of every program (HOME and TMPDIR are
     added per run). Nothing is inherited from the caller."""
+    minimal_root: bool = True
+    """Programs see a minimal root (sandbox/_root.py): `system_paths`, a named list from /etc
+    and /dev, the interpreter and its import path, `expose`, their own /proc and /tmp;
+    nothing else of the host. `start()` raises IsolationError where the kernel does not allow
+    it. False: programs see the host's whole file tree, read-only."""
+    system_paths: tuple[str, ...] = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+    """System folders of the minimal root (those that exist; symlinks are kept as symlinks):
+    shared libraries, the shell and compilers programs exec."""
     expose: tuple[str, ...] = ()
-    """Extra folders programs must read (a compiler or library under a folder like /root
-    that the run uid cannot enter). The interpreter and its import path are always exposed."""
+    """Extra paths programs must read (a compiler or data set outside `system_paths`, a
+    library under a folder like /root that the run uid cannot enter), read-only at the same
+    path. The interpreter, its standard library and import path are always exposed, wherever
+    they are (below /tmp too), except the caller's working directory."""
     python: str = sys.executable
     """Interpreter of the launcher; `{python}` in command templates."""
     startup_timeout_s: float = 30.0

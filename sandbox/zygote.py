@@ -2,18 +2,22 @@
 forks a supervisor per run, so no run pays for interpreter start-up.
 
     caller (Sandbox) --Popen(scrubbed env)--> zygote: unshare net/ipc/uts [+user] once,
-        |                                       preload modules, probe isolation, listen
+        |                                       preload modules, listen, build the minimal
+        |                                       root and move into it, probe isolation
         |<-- one JSON line: socket path + IsolationReport
         |--- unix connection per run -------> a pre-forked supervisor accepts it (one run;
         |                                       see _prefork.py for the pool)
         '--- stdin pipe: EOF = caller gone --> SIGTERM every supervisor, exit
 
 Start-up namespaces are shared by all runs: one empty network namespace (no interfaces up,
-so any connect fails with ENETUNREACH), private IPC and hostname; in root mode also the
-folder for per-run memory cgroups. Per-run namespaces (PID, and in userns mode a user
-namespace) are created by each supervisor, the mount namespace by the program itself. The probe runs
-a real program through the full path and records what it observed, degrading from the
-strongest set-up to weaker ones; the caller decides whether what is left is acceptable.
+so any connect fails with ENETUNREACH), private IPC and hostname, and a mount namespace
+whose root is the minimal root of _root.py (the host's tree stays behind: the launcher
+reaches its socket folder and cgroups through descriptors opened before); in root mode
+also the folder for per-run memory cgroups. Per-run namespaces (PID, and in userns mode a
+user namespace) are created by each supervisor, the run's own mounts (/tmp, /proc) by the
+program itself. The probes (_probe.py) run real programs through the full path and record
+what they observed, degrading from the strongest set-up to weaker ones; the caller decides
+whether what is left is acceptable.
 
 Root mode runs each program as uid `base + slot`; a slot is held from fork to reap of its
 supervisor, so concurrent runs never share a uid (RLIMIT_NPROC is per uid). Launchers on
@@ -23,107 +27,136 @@ from `uid_base` up, with an flock held for the launcher's life (`claim_uid_block
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import gc
 import importlib
 import json
 import os
-import shutil
 import signal
 import socket
 import sys
 import tempfile
+from dataclasses import dataclass
 
-from areal.sandbox import _cgroup, _linux, _wire
+from areal.sandbox import _cgroup, _linux, _probe, _root
+from areal.sandbox._cgroup import CgroupRoot
 from areal.sandbox._child import reset_all_signals
 from areal.sandbox._prefork import SupervisorPool
-from areal.sandbox._supervisor import RunSetup, request_message, serve_connection
-from areal.sandbox.result import ExecStatus, IsolationReport
-from areal.sandbox.spec import PYTHON, Limits, SandboxConfig, limits_from_json
-
-RLIMITS = ("RLIMIT_CPU", "RLIMIT_AS", "RLIMIT_FSIZE", "RLIMIT_NPROC", "RLIMIT_NOFILE", "RLIMIT_CORE")
-
-PROBE_PROGRAM = r"""
-import errno, json, os, socket
-report = {"pid": os.getpid(), "uid": os.getuid()}
-sock = socket.socket()
-sock.settimeout(2)
-try:
-    sock.connect(("127.0.0.1", 9))
-    report["net"] = "connected"
-except OSError as exc:
-    report["net"] = exc.errno
-try:
-    open("/usr/.areal_sandbox_probe", "w").close()
-    os.remove("/usr/.areal_sandbox_probe")
-    report["ro"] = False
-except OSError as exc:
-    report["ro"] = exc.errno == errno.EROFS
-report["tmp"] = sorted(os.listdir("/tmp"))
-report["procs"] = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
-try:
-    import encodings.idna  # noqa: F401  (not preloaded: needs the stdlib on disk)
-    report["stdlib"] = True
-except ImportError:
-    report["stdlib"] = False
-with open("/proc/self/cgroup") as f:
-    report["cgroup"] = [l.split(":", 2)[2].strip() for l in f if ":memory:" in l or l.startswith("0::")][0]
-with open("/proc/self/status") as f:
-    report["cap_eff"] = [l.split()[1] for l in f if l.startswith("CapEff")][0]
-print(json.dumps(report))
-"""
+from areal.sandbox._supervisor import RunSetup
+from areal.sandbox.result import IsolationReport
+from areal.sandbox.spec import Limits, SandboxConfig, limits_from_json
 
 
 def main() -> None:
     config = _config_from_json(json.loads(sys.argv[1]))
+    caller_path = json.loads(sys.argv[2]) if len(sys.argv) > 2 else []
+    caller_own = (sys.argv[3] if len(sys.argv) > 3 else "", *caller_path[:1])
     handshake = sys.stdout
     reset_all_signals()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for sig in (signal.SIGPIPE, signal.SIGXFSZ):
         signal.signal(sig, signal.SIG_IGN)
     try:
-        setup, report = establish(config)
-        for name in config.preload:
-            importlib.import_module(name)
-        sock_dir = tempfile.mkdtemp(prefix="areal-zygote-")
-        path = os.path.join(sock_dir, "launcher.sock")
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(path)
-        listener.listen(256)
+        launcher = Launcher()
+        setup, report = establish(config, launcher, caller_own)
     except BaseException as exc:  # start-up failure is reported to the caller, not raised
         handshake.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
         handshake.flush()
         raise SystemExit(1) from exc
-    handshake.write(json.dumps({"socket": path, "isolation": report.to_json()}) + "\n")
+    handshake.write(json.dumps({"socket": launcher.socket_path, "isolation": report.to_json()}) + "\n")
     handshake.flush()
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     gc.freeze()  # keep the preloaded heap shared copy-on-write with every fork
     try:
-        SupervisorPool(listener, setup, max_concurrency=config.max_concurrency,
+        SupervisorPool(launcher.listener, setup, max_concurrency=config.max_concurrency,
                        spares=config.spare_supervisors).serve()
     finally:
-        shutil.rmtree(sock_dir, ignore_errors=True)
+        launcher.remove_socket()
         if setup.memory_cgroup_root is not None:
             _cgroup.remove_root(setup.memory_cgroup_root)
 
 
+class Launcher:
+    """The listening socket, made on the host's /tmp before the launcher leaves the host's
+    tree; its folder stays reachable through descriptors for the final clean-up."""
+
+    def __init__(self) -> None:
+        sock_dir = tempfile.mkdtemp(prefix="areal-zygote-")  # 0700
+        self.socket_path = os.path.join(sock_dir, "launcher.sock")
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(self.socket_path)
+        self.listener.listen(256)
+        self._dir_fd = os.open(sock_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._parent_fd = os.open(os.path.dirname(sock_dir), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+    def remove_socket(self) -> None:
+        try:
+            os.unlink("launcher.sock", dir_fd=self._dir_fd)
+            os.rmdir(os.path.basename(os.path.dirname(self.socket_path)), dir_fd=self._parent_fd)
+        except OSError:
+            pass  # the caller removes what is left when it starts the next launcher
+
+
 def _config_from_json(data: dict) -> SandboxConfig:
     data["limits"] = limits_from_json(data["limits"])
-    data["preload"] = tuple(data["preload"])
+    for name in ("preload", "expose", "system_paths"):
+        data[name] = tuple(data[name])
     data["env"] = tuple(tuple(pair) for pair in data["env"])
     return SandboxConfig(**data)
 
 
-def establish(config: SandboxConfig) -> tuple[RunSetup, IsolationReport]:
-    """Enter the shared namespaces, then probe per-run set-ups from strongest to weakest."""
+@dataclass(kw_only=True)
+class _Namespaces:
+    mode: str
+    uid_base: int
+    cgroup_root: CgroupRoot | None
+
+
+def establish(config: SandboxConfig, launcher: Launcher,
+              caller_own: tuple[str, ...]) -> tuple[RunSetup, IsolationReport]:
+    """Enter the shared namespaces and the minimal root, then probe per-run set-ups from
+    strongest to weakest; the first that runs a program is kept. `caller_own`: the caller's
+    working directory and script folder, left out of the programs' import path."""
     notes: list[str] = []
     outer_uid = os.geteuid()
+    spaces = _enter_shared_namespaces(config, notes)
+    for name in config.preload:  # before leaving the host's tree: lazy imports fail after
+        importlib.import_module(name)
+    plan = _root.plan_root(python=config.python, import_paths=sys.path, expose=config.expose,
+                           system_paths=config.system_paths, excluded=caller_own)
+    notes.extend(plan.skipped)
+    root_switch = ""
+    if config.minimal_root and spaces.mode != "none":
+        root_switch = _enter_minimal_root(plan, notes)
+    candidates = [dict(pid_namespace=True, mount_jail=True, read_only_root=True),
+                  dict(pid_namespace=True, mount_jail=True, read_only_root=False),
+                  dict(pid_namespace=True, mount_jail=False, read_only_root=False),
+                  dict(pid_namespace=False, mount_jail=False, read_only_root=False)]
+    if root_switch:  # the host's tree is gone: only set-ups with the run's own /tmp can work
+        candidates = candidates[:1]
+    elif spaces.mode == "none":
+        candidates = candidates[-1:]
+    checked = tuple(path for path in plan.binds if not path.startswith(("/dev/", "/etc/")))
+    for candidate in candidates:
+        setup = RunSetup(mode=spaces.mode, private_network=config.private_network_per_run and spaces.mode != "none",
+                         uid_base=spaces.uid_base, env=config.env, python=config.python,
+                         exposures=() if root_switch else plan_exposures(config.python, config.expose),
+                         minimal_root=bool(root_switch), tmp_binds=plan.tmp_binds(),
+                         memory_cgroup_root=spaces.cgroup_root, **candidate)
+        seen = _probe.probe(setup, notes, checked if candidate["mount_jail"] else ())
+        if seen is not None:
+            _probe.check_interpreter(setup, seen, config.python, notes)
+            return setup, _probe.build_report(setup, seen, config, notes, outer_uid,
+                                              root_switch=root_switch, visible=plan.visible())
+    raise RuntimeError("no sandbox set-up could run a program: " + "; ".join(notes))
+
+
+def _enter_shared_namespaces(config: SandboxConfig, notes: list[str]) -> _Namespaces:
     mode = config.mode
     if mode == "auto":
         mode = "root" if os.geteuid() == 0 else "userns"
-    uid_base = claim_uid_block(config) if outer_uid == 0 and mode in ("root", "none") else config.uid_base
+    uid_base = claim_uid_block(config) if os.geteuid() == 0 and mode in ("root", "none") else config.uid_base
     shared = _linux.CLONE_NEWNET | _linux.CLONE_NEWIPC | _linux.CLONE_NEWUTS
     cgroup_root = None
     if mode == "root":
@@ -137,21 +170,19 @@ def establish(config: SandboxConfig) -> tuple[RunSetup, IsolationReport]:
             mode = "none"
         else:
             _linux.write_id_maps("self", f"0 {uid} 1", f"0 {gid} 1")
-    candidates = [dict(pid_namespace=True, mount_jail=True, read_only_root=True),
-                  dict(pid_namespace=True, mount_jail=True, read_only_root=False),
-                  dict(pid_namespace=True, mount_jail=False, read_only_root=False),
-                  dict(pid_namespace=False, mount_jail=False, read_only_root=False)]
-    if mode == "none":
-        candidates = candidates[-1:]
-    for candidate in candidates:
-        setup = RunSetup(mode=mode, private_network=config.private_network_per_run and mode != "none",
-                         uid_base=uid_base, env=config.env, python=config.python,
-                         exposures=plan_exposures(config.python, config.expose),
-                         memory_cgroup_root=cgroup_root, **candidate)
-        seen = _probe(setup, notes)
-        if seen is not None:
-            return setup, _report(setup, seen, config, notes, outer_uid)
-    raise RuntimeError("no sandbox set-up could run a program: " + "; ".join(notes))
+    return _Namespaces(mode=mode, uid_base=uid_base, cgroup_root=cgroup_root)
+
+
+def _enter_minimal_root(plan: _root.RootPlan, notes: list[str]) -> str:
+    """'pivot_root' or 'chroot' once the launcher lives in the minimal root; '' (and a note
+    naming the failing call) where the kernel does not allow it."""
+    try:
+        _linux.unshare(_linux.CLONE_NEWNS)
+        _linux.make_mounts_private()
+        return _root.enter_root(plan)
+    except OSError as exc:
+        notes.append(f"no minimal root: {exc}")
+        return ""
 
 
 def plan_exposures(python: str, extra: tuple[str, ...]) -> tuple[tuple[str, tuple[str, ...]], ...]:
@@ -206,66 +237,6 @@ def _try(action, notes: list[str]) -> bool:
     except OSError as exc:
         notes.append(str(exc))
         return False
-
-
-def _probe(setup: RunSetup, notes: list[str]) -> dict | None:
-    parent, child = socket.socketpair()
-    pid = os.fork()
-    if pid == 0:
-        parent.close()
-        serve_connection(child, setup, slot=0)
-    child.close()
-    try:
-        parent.sendall(request_message(PROBE_PROGRAM, b"", PYTHON, Limits(wall_s=10, cpu_s=10), {}, ()))
-        parent.settimeout(60)
-        header, blobs = _wire.recv(parent)
-    finally:
-        parent.close()
-        os.waitpid(pid, 0)
-    if header["status"] != ExecStatus.OK.value:
-        notes.append(f"probe {_setup_name(setup)}: {header['status']} {header['detail'][:300]}")
-        return None
-    return json.loads(blobs[0])
-
-
-def _setup_name(setup: RunSetup) -> str:
-    parts = [name for name in ("pid_namespace", "mount_jail", "read_only_root") if getattr(setup, name)]
-    return "+".join(parts) or "no namespaces"
-
-
-def _report(setup: RunSetup, seen: dict, config: SandboxConfig, notes: list[str],
-            outer_uid: int) -> IsolationReport:
-    run_uids: tuple[int, ...] = ()
-    if seen["uid"] == setup.uid_base:  # the probe runs in slot 0
-        run_uids = (setup.uid_base, setup.uid_base + config.max_concurrency - 1)
-        unprivileged = f"uids {run_uids[0]}..{run_uids[1]} (one per concurrent run), no capabilities"
-    elif setup.mode == "userns" and int(seen["cap_eff"], 16) == 0:
-        unprivileged = "user namespace, no capabilities"
-        if outer_uid == 0:
-            notes.append("userns mode as root: programs are uid 0 outside their namespace, so "
-                         "root-only files stay readable (read-only); prefer mode=root")
-    else:
-        unprivileged = "none"
-    if not seen["stdlib"]:
-        notes.append(f"programs cannot read the interpreter's files ({sys.prefix}): only modules "
-                     "in sandbox.preload import; install Python world-readable or allow a "
-                     "mount namespace")
-    pid_ns = seen["pid"] == 1 and seen["procs"] == [1]
-    return IsolationReport(
-        mode=setup.mode,
-        pid_namespace=pid_ns,
-        net_namespace=seen["net"] == errno.ENETUNREACH,
-        mount_namespace=setup.mount_jail and seen["tmp"] == ["work"],
-        memory_cgroup=setup.memory_cgroup_root is not None and "/run-" in seen["cgroup"],
-        read_only_root=bool(seen["ro"]),
-        unprivileged=unprivileged,
-        process_cleanup="PID namespace: the kernel kills every process when the program exits"
-        if pid_ns else "subreaper sweep: orphans re-parent to the supervisor, which kills them",
-        rlimits=RLIMITS,
-        run_uids=run_uids,
-        kernel=os.uname().release,
-        notes=tuple(notes),
-    )
 
 
 if __name__ == "__main__":

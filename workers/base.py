@@ -33,7 +33,7 @@ from areal.messages import (
     REJOIN_EXIT_CODE, Heartbeat, MessageError, Ready, Register, Shutdown, Welcome, WorkerError,
     WorkerKind,
 )
-from areal.transport import DealerChannel
+from areal.transport import DealerChannel, worker_identity
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,9 @@ class Worker(ABC):
     async def serve(self) -> int:
         """Run until shutdown; returns the process exit code."""
         ctx = zmq.asyncio.Context()
-        self.channel = DealerChannel(ctx, self.address, self.worker_id.encode(), curve=self.keys)
+        credential = self.keys.secret if self.keys is not None else self.secret.encode()
+        self.channel = DealerChannel(ctx, self.address, worker_identity(self.worker_id, credential),
+                                     curve=self.keys)
         heartbeat = None
         try:
             welcome = await self._register()

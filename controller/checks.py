@@ -1,0 +1,123 @@
+"""Does a message from a registered worker fit what the controller knows? Decoding already
+checked its shape (areal.messages); these check its meaning, before it touches the ledger.
+
+    sender_problem     each kind comes only from the workers that send it (a rollout
+                       worker does not answer a training step)
+    generated_problem  a completion is one token id, log-prob and version per token, within
+                       its request's budget, from versions that exist, with log-probs <= 0;
+                       an episode's observation tokens carry PROMPT_VERSION and log-prob 0
+    scored_problem     a reward is a finite number
+
+Each returns the reason in words, or '' when the message fits. The controller drops what
+does not fit (rate-limited log, see peer_log.py), re-queues the work it concerned, and the
+run goes on: one bad message never ends it. This module holds no state.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from areal.messages import (
+    Generated, GroupName, GroupStatus, Heartbeat, Ready, Register, Scored, Trained,
+    WeightsChunk, WeightsUpdated, WorkerError, WorkerKind,
+)
+from areal.types import PROMPT_VERSION
+from areal.controller.pool import WorkerHandle
+
+_ANY = frozenset(WorkerKind)
+_SENDERS: dict[type, frozenset[WorkerKind]] = {
+    Register: _ANY, Ready: _ANY, Heartbeat: _ANY, WorkerError: _ANY,
+    Generated: frozenset({WorkerKind.ROLLOUT}), WeightsUpdated: frozenset({WorkerKind.ROLLOUT}),
+    Scored: frozenset({WorkerKind.REWARD}),
+    Trained: frozenset({WorkerKind.TRAINER}), WeightsChunk: frozenset({WorkerKind.TRAINER}),
+    GroupStatus: frozenset({WorkerKind.ROLLOUT, WorkerKind.TRAINER}),
+}
+LOGPROB_SLACK = 1e-3
+"""A sampled token's log-prob is <= 0; this much above 0 is float rounding."""
+
+
+def sender_problem(msg: Any, handle: WorkerHandle | None) -> str:
+    name = type(msg).__name__
+    if handle is None:
+        return "" if isinstance(msg, Register) else f"{name} before registering"
+    if handle.kind not in _SENDERS.get(type(msg), frozenset()):
+        return f"{name} from a {handle.kind.value} worker"
+    if isinstance(msg, Trained) and msg.rank != handle.rank:
+        return f"Trained for rank {msg.rank} from rank {handle.rank}"
+    if isinstance(msg, WeightsChunk) and handle.rank != 0:
+        return f"WeightsChunk from trainer rank {handle.rank}; only rank 0 publishes"
+    if isinstance(msg, GroupStatus) and msg.group is GroupName.TRAINER \
+            and handle.kind is not WorkerKind.TRAINER:
+        return f"trainer-group status from a {handle.kind.value} worker"
+    return ""
+
+
+def generated_problem(msg: Generated, *, max_new_tokens: int, version: int,
+                      vocab_size: int | None) -> str:
+    arrays = {"output_ids": msg.output_ids, "logprobs": msg.logprobs, "versions": msg.versions}
+    for name, array in arrays.items():
+        if array.ndim != 1:
+            return f"{name} has shape {list(array.shape)}, not [T]"
+    lengths = [len(array) for array in arrays.values()]
+    if len(set(lengths)) != 1:
+        return f"output_ids, logprobs, versions have lengths {lengths}: one of each per token"
+    if lengths[0] > max_new_tokens:
+        return f"{lengths[0]} tokens for a request of at most {max_new_tokens}"
+    if msg.output_ids.dtype.kind not in "iu" or msg.versions.dtype.kind not in "iu" \
+            or msg.logprobs.dtype.kind != "f":
+        return (f"dtypes {msg.output_ids.dtype}, {msg.logprobs.dtype}, {msg.versions.dtype}: "
+                "token ids and versions are integers, log-probs floats")
+    if not lengths[0]:
+        return ""
+    ids, versions, logprobs = msg.output_ids, msg.versions, msg.logprobs
+    if ids.min() < 0 or (vocab_size is not None and ids.max() >= vocab_size):
+        return f"token ids {ids.min()}..{ids.max()} outside the vocabulary [0, {vocab_size})"
+    if msg.loss_mask is not None:
+        problem = _observation_problem(msg.loss_mask, versions, logprobs)
+        if problem:
+            return problem
+        versions, logprobs = versions[msg.loss_mask], logprobs[msg.loss_mask]
+        if not len(versions):
+            return ""
+    if versions.min() < 0 or versions.max() > version:
+        return f"token versions {versions.min()}..{versions.max()} outside 0..{version} (published)"
+    if np.any(np.diff(versions) < 0):
+        return "token versions decrease along the sequence"
+    if not np.all(np.isfinite(logprobs)) or logprobs.max() > LOGPROB_SLACK:
+        return "log-probs must be finite and <= 0"
+    return ""
+
+
+def _observation_problem(loss_mask: np.ndarray, versions: np.ndarray,
+                         logprobs: np.ndarray) -> str:
+    """An episode's observation tokens (loss_mask False) carry PROMPT_VERSION and log-prob 0;
+    the checks on versions and log-probs then apply to the sampled tokens only."""
+    if loss_mask.shape != versions.shape or loss_mask.dtype != np.bool_:
+        return (f"loss_mask has shape {list(loss_mask.shape)} and dtype {loss_mask.dtype}: "
+                f"one bool per token ({len(versions)})")
+    observed = ~loss_mask
+    if np.any(versions[observed] != PROMPT_VERSION) or np.any(logprobs[observed] != 0):
+        return (f"observation tokens (loss_mask False) carry version {PROMPT_VERSION} and "
+                "log-prob 0")
+    return ""
+
+
+def scored_problem(msg: Scored) -> str:
+    return "" if math.isfinite(msg.reward) else f"reward {msg.reward!r} is not a finite number"
+
+
+def model_vocab_size(model_path: str | None) -> int | None:
+    """The model's vocabulary size from its config.json (None when it does not say)."""
+    if model_path is None:
+        return None
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    size = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+    return int(size) if isinstance(size, int) else None

@@ -1,0 +1,88 @@
+"""The controller's socket over real ZeroMQ connections: unregistered peers may send only a
+small Register; worker identities are stable per credential and not guessable without it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from areal.messages import REGISTER_MAX_BYTES, Heartbeat, MsgType, Register, WorkerKind, encode
+from areal.transport import PeerMessageError, RouterChannel, worker_identity
+
+
+def _register(worker_id: str = "w") -> Register:
+    return Register(kind=WorkerKind.ROLLOUT, worker_id=worker_id, pid=1, host="h", secret="s")
+
+
+def test_unregistered_peers_may_send_only_a_small_register():
+    async def scenario() -> list:
+        ctx = zmq.asyncio.Context()
+        channel = RouterChannel(ctx, "127.0.0.1", 0)
+        admitted: set[bytes] = set()
+        channel.registered = lambda identity: identity in admitted
+        peer = ctx.socket(zmq.DEALER)
+        peer.setsockopt(zmq.IDENTITY, b"peer-1")
+        peer.linger = 0
+        peer.connect(channel.address)
+        outcomes = []
+        try:
+            for frames in ([bytes([MsgType.HEARTBEAT]), b"\xff" * (1 << 20)],  # not a Register
+                           encode(_register("w" * REGISTER_MAX_BYTES)),  # a Register too large
+                           encode(_register()),  # accepted
+                           encode(Heartbeat(num_running=1))):  # accepted once registered
+                await peer.send_multipart(frames)
+                try:
+                    outcomes.append(await asyncio.wait_for(channel.recv(), 10))
+                except PeerMessageError as err:
+                    outcomes.append((err.identity, err.reason))
+                if len(outcomes) == 3:
+                    admitted.add(b"peer-1")
+        finally:
+            peer.close()
+            channel.close()
+            ctx.term()
+        return outcomes
+
+    outcomes = asyncio.run(scenario())
+    assert outcomes == [(b"peer-1", "not accepted"), (b"peer-1", "too large"),
+                        (b"peer-1", _register()), (b"peer-1", Heartbeat(num_running=1))]
+
+
+def test_worker_identities_are_stable_per_credential_and_unguessable_without_it():
+    first = worker_identity("rollout-0", b"secret-a")
+    assert first == worker_identity("rollout-0", b"secret-a")  # a restart keeps it
+    assert first.startswith(b"rollout-0/") and first != b"rollout-0"
+    assert first != worker_identity("rollout-0", b"secret-b")
+    assert first != worker_identity("rollout-1", b"secret-a")
+    assert len(worker_identity("x" * 1000, b"k")) <= 255  # ZeroMQ's identity limit
+    assert len(first.split(b"/")[1]) == 32  # 128 bits of HMAC-SHA256
+
+
+@pytest.mark.parametrize("worker_id", ["rollout-0", "reward-3"])
+def test_a_squatter_on_the_old_guessable_identity_does_not_block_the_worker(worker_id):
+    async def scenario() -> Register:
+        ctx = zmq.asyncio.Context()
+        channel = RouterChannel(ctx, "127.0.0.1", 0)
+        squatter = ctx.socket(zmq.DEALER)
+        squatter.setsockopt(zmq.IDENTITY, worker_id.encode())
+        squatter.linger = 0
+        squatter.connect(channel.address)
+        await asyncio.sleep(0.2)  # the squatter's identity is taken first
+        worker = ctx.socket(zmq.DEALER)
+        worker.setsockopt(zmq.IDENTITY, worker_identity(worker_id, b"run secret"))
+        worker.linger = 0
+        worker.connect(channel.address)
+        try:
+            await worker.send_multipart(encode(_register(worker_id)))
+            _, msg = await asyncio.wait_for(channel.recv(), 10)
+            return msg
+        finally:
+            for sock in (squatter, worker):
+                sock.close()
+            channel.close()
+            ctx.term()
+
+    assert asyncio.run(scenario()) == _register(worker_id)

@@ -1,0 +1,108 @@
+"""What a registered worker's message must fit before it touches the ledger."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from areal.controller.checks import (
+    generated_problem, model_vocab_size, scored_problem, sender_problem,
+)
+from areal.controller.pool import WorkerHandle
+from areal.messages import (
+    FinishReason, Generated, GroupName, GroupState, GroupStatus, Heartbeat, Register, Scored,
+    Trained, WeightsChunk, WorkerKind,
+)
+from areal.tasks.base import Verdict
+
+
+def _generated(ids=(1, 2, 3), logprobs=(-0.1, -0.2, -0.3), versions=(0, 1, 1), **kwargs):
+    return Generated(request_id="g0-s0-a0", output_ids=np.asarray(ids, np.int32),
+                     logprobs=np.asarray(logprobs, np.float32),
+                     versions=np.asarray(versions, np.int32),
+                     finish_reason=FinishReason.LENGTH, **kwargs)
+
+
+def _problem(msg):
+    return generated_problem(msg, max_new_tokens=8, version=2, vocab_size=100)
+
+
+def test_a_consistent_completion_fits():
+    assert _problem(_generated()) == "" and _problem(_generated((), (), ())) == ""
+
+
+@pytest.mark.parametrize("msg, reason", [
+    (_generated(logprobs=(-0.1, -0.2)), "lengths [3, 2, 3]"),
+    (_generated(ids=np.ones((3, 1))), "shape [3, 1]"),
+    (_generated(ids=range(9), logprobs=[-1.0] * 9, versions=[0] * 9), "9 tokens for a request of at most 8"),
+    (_generated(ids=(1, 2, 100)), "outside the vocabulary [0, 100)"),
+    (_generated(ids=(1, -2, 3)), "outside the vocabulary"),
+    (_generated(versions=(0, 3, 3)), "token versions 0..3 outside 0..2"),
+    (_generated(versions=(1, 0, 0)), "decrease"),
+    (_generated(logprobs=(-0.1, 0.5, -0.3)), "log-probs must be finite and <= 0"),
+    (_generated(logprobs=(-0.1, float("nan"), -0.3)), "log-probs must be finite"),
+])
+def test_an_inconsistent_completion_is_named(msg, reason):
+    assert reason in _problem(msg)
+
+
+def _episode(versions, logprobs, mask):
+    return _generated(ids=(1, 2, 3, 4), logprobs=logprobs, versions=versions,
+                      loss_mask=np.asarray(mask, bool))
+
+
+def test_an_episode_with_observation_tokens_fits():
+    """Observation tokens (version -1, log-prob 0) sit between sampled ones in an episode."""
+    assert _problem(_episode((0, -1, -1, 1), (-0.5, 0.0, 0.0, -0.2),
+                             (True, False, False, True))) == ""
+    assert _problem(_episode((-1,) * 4, (0.0,) * 4, (False,) * 4)) == ""
+
+
+@pytest.mark.parametrize("versions, logprobs, mask, reason", [
+    ((0, 1, -1, 1), (-0.5, -0.1, 0.0, -0.2), (True, False, False, True), "observation tokens"),
+    ((0, -1, -1, 1), (-0.5, -0.3, 0.0, -0.2), (True, False, False, True), "observation tokens"),
+    ((0, -1, -1, 1), (-0.5, 0.0, 0.0, -0.2), (True, False, True, True), "outside 0..2"),
+    ((1, -1, -1, 0), (-0.5, 0.0, 0.0, -0.2), (True, False, False, True), "decrease"),
+    ((0, -1, -1, 1), (-0.5, 0.0, 0.0, -0.2), (1, 0, 0, 1), "loss_mask has shape"),
+])
+def test_an_inconsistent_episode_is_named(versions, logprobs, mask, reason):
+    msg = _episode(versions, logprobs, (True,) * 4)
+    msg.loss_mask = np.asarray(mask, np.int8 if type(mask[0]) is int else bool)
+    assert reason in _problem(msg)
+
+
+def test_float_token_ids_are_refused():
+    msg = _generated()
+    msg.output_ids = msg.output_ids.astype(np.float32)
+    assert "integers" in _problem(msg)
+
+
+def test_each_kind_comes_only_from_its_senders():
+    rollout = WorkerHandle(worker_id="r", kind=WorkerKind.ROLLOUT)
+    trainer1 = WorkerHandle(worker_id="t1", kind=WorkerKind.TRAINER, rank=1)
+    trained = Trained(step=1, version=1, stats={}, rank=1)
+    assert sender_problem(trained, rollout) == "Trained from a rollout worker"
+    assert sender_problem(trained, trainer1) == ""
+    assert "rank 0 from rank 1" in sender_problem(Trained(step=1, version=1, stats={}), trainer1)
+    assert "only rank 0" in sender_problem(WeightsChunk(version=1, index=0, num_chunks=1, names=[],
+                                                        tensors=[]), trainer1)
+    status = GroupStatus(group=GroupName.TRAINER, generation=0, state=GroupState.JOINED)
+    assert "trainer-group status from a rollout" in sender_problem(status, rollout)
+    assert sender_problem(Heartbeat(), None) == "Heartbeat before registering"
+    assert sender_problem(Register(kind=WorkerKind.ROLLOUT, worker_id="w", pid=1, host="h",
+                                   secret=""), None) == ""
+
+
+def test_rewards_must_be_finite():
+    scored = Scored(request_id="r", reward=float("inf"), verdict=Verdict.OK)
+    assert "not a finite number" in scored_problem(scored)
+    scored.reward = 0.5
+    assert scored_problem(scored) == ""
+
+
+def test_the_vocabulary_size_comes_from_the_model_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 151936}}))
+    assert model_vocab_size(str(tmp_path)) == 151936
+    assert model_vocab_size(str(tmp_path / "missing")) is None and model_vocab_size(None) is None
