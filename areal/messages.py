@@ -382,6 +382,9 @@ class Shutdown:
     rejoin: bool = False
     """The run goes on without this process, but needs it back: start it again (a trainer
     rank whose group lost a member resumes from the newest checkpoint)."""
+    final: bool = False
+    """The run finished: write its final artifacts (trainer rank 0: `final_model`). A worker
+    never writes them on its own (a lost controller, a failed run, a restart)."""
 
 
 REJOIN_EXIT_CODE = 75

@@ -111,6 +111,7 @@ class Controller:
         self._periodic_evals: list[asyncio.Task] = []
         self._report = StepReport()
         self._started = time.monotonic()
+        self._summary: dict[str, Any] | None = None
 
     # -- public API -----------------------------------------------------------------------------
 
@@ -261,8 +262,11 @@ class Controller:
                                   f"to join at {self.channel.address}")
 
     async def _shutdown(self) -> None:
+        """Shutdown to every worker; `final` (write final_model) only after a finished run."""
+        final = self._summary is not None
         for handle in list(self.pool.by_identity.values()):
-            await self.channel.send(handle.identity, Shutdown(reason="run finished"))
+            await self.channel.send(handle.identity, Shutdown(
+                reason="run finished" if final else "run ended", final=final))
         await asyncio.to_thread(self.pool.stop_all)
 
     # -- the training driver --------------------------------------------------------------------
@@ -309,6 +313,7 @@ class Controller:
         for line in summary_lines(summary):
             self._metrics.console(line)
         self._setup.write_summary(summary)
+        self._summary = summary
         return summary
 
     def _eval_due(self, step: int) -> bool:
