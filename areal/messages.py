@@ -250,12 +250,15 @@ class WeightsChunk:
 @message(MsgType.WEIGHTS_UPDATED)
 @dataclass(kw_only=True)
 class WeightsUpdated:
-    """Rollout worker -> controller: now serving `version`."""
+    """Rollout worker -> controller: now serving `version`; or, with `error`, loading
+    `version` failed and the worker still serves its previous weights (the controller sends
+    the newest version again)."""
 
     version: int
     pause_s: float = 0.0
     """Seconds from the interruption to resumed generation."""
     num_interrupted: int = 0
+    error: str = ""
 
 
 @message(MsgType.TRAIN)

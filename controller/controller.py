@@ -57,10 +57,15 @@ from areal.controller.ledger import Group, Ledger, Purpose, Sample, Stage
 from areal.controller.metrics import MetricsSink, closed_marker, is_closed
 from areal.controller.pool import WorkerHandle, WorkerPool, stop_process
 from areal.controller.recovery import TrainerRecovery
-from areal.controller.resume import ResumeState, find_state, write_state
+from areal.controller.resume import (
+    ResumeState, clear_after, find_state, kept_dropped_groups, write_state,
+)
 from areal.controller.report import StepReport, eval_record, summary_lines
 from areal.controller.setup import RunSetup, prepare_run
 from areal.controller.trainers import MAX_RESTARTS, RunFailed, Trainers
+from areal.controller.weight_retry import WeightRetries
+from areal.controller.reward_faults import REWARD_ERROR, Action, RewardFaults
+from areal.tasks.base import Verdict
 from areal.controller.signal import Changed
 
 log = logging.getLogger("areal.controller")
@@ -93,6 +98,8 @@ class Controller:
         self._stopping = False
         self._admission_open = True
         self.recovery = TrainerRecovery(cfg.trainer.checkpoint_every)
+        self.weight_retries = WeightRetries(cfg.controller.heartbeat_timeout_s)
+        self.reward_faults = RewardFaults(cfg.reward)
         self.trainers: Trainers | None = None
         self._losing: set[str] = set()
         """Worker ids whose loss is being handled."""
@@ -197,11 +204,16 @@ class Controller:
         self._eval_before = state.eval_before
         self._setup.redraw(state.drawn, state.untrained)
         self.staleness.resume(state.step * self.cfg.trainer.batch_size)
+        self._report.dropped_total.update(kept_dropped_groups(self._setup.run_dir, state))
+        removed = clear_after(self._setup.run_dir, state)
         self._metrics.console(f"resuming after step {state.step} (version {state.version}) "
                               f"from {state.path}; {len(state.untrained)} untrained prompt "
-                              "groups are generated again")
+                              "groups are generated again"
+                              + (f"; removed {len(removed)} newer weight versions and "
+                                 "checkpoints" if removed else ""))
+        # Marks the records of the stopped run that this one supersedes (areal.records).
         self._record_event("resumed", step=state.step, checkpoint=state.path,
-                           regenerated_groups=len(state.untrained))
+                           regenerated_groups=len(state.untrained), removed=removed)
 
     def _credentials(self, ctx: zmq.asyncio.Context):
         """(Register secret or None, CurveZMQ server keys or None, key directory or None).
@@ -295,6 +307,7 @@ class Controller:
             trained, train_s = result
             record = self._report.step_record(step, self.version, groups, trained.stats,
                                               train_s, waited, self)
+            record.update(self.reward_faults.window_metrics())
             self._metrics.record("step", record, step=step)
             self._metrics.progress(step, {k.split("/")[-1]: record[k] for k in (
                 "rollout/reward_mean", "train/loss") if k in record})
@@ -560,8 +573,35 @@ class Controller:
 
     async def _on_scored(self, identity: bytes, handle: WorkerHandle, msg: Scored) -> None:
         handle.in_flight.discard(msg.request_id)
-        group = self.ledger.finish_scoring(msg, identity)
         self._report.on_scored(msg)
+        sample = self.ledger.scoring(msg.request_id, identity)
+        if sample is not None:
+            await self._judge_score(sample, msg, identity)
+
+    async def _judge_score(self, sample: Sample, msg: Scored | None,
+                           identity: bytes | None) -> None:
+        """A check of `sample` ended (msg None: its reward worker was lost): accept its
+        reward, score it again, or drop its group (reward_faults.py)."""
+        group = self.ledger.groups[sample.group_id]
+        if msg is None or msg.verdict.is_error():
+            sample.num_score_failures += 1
+        action = self.reward_faults.judge(msg.verdict if msg else None,
+                                          sample.num_score_failures,
+                                          group.purpose is Purpose.TRAIN)
+        if action is Action.RETRY:
+            self.ledger.retry_scoring(sample)
+            await self._send_score(sample)
+            return
+        if action is Action.DROP:
+            await self._drop_group(group, REWARD_ERROR)
+            return
+        if msg is None:
+            msg = Scored(request_id=sample.request_id, reward=0.0, verdict=Verdict.ERROR,
+                         detail="the reward worker was lost while checking")
+        await self._scored(self.ledger.finish_scoring(msg, identity))
+
+    async def _scored(self, group: Group | None) -> None:
+        """`group` (None: not complete yet) has a reward for every sample."""
         if group is not None and group.purpose is Purpose.TRAIN:
             reason = next(filter(None, (check(group) for check in self.group_filters)), None)
             if reason is not None:
@@ -602,8 +642,51 @@ class Controller:
 
     async def _on_weights_updated(self, identity: bytes, handle: WorkerHandle,
                                   msg: WeightsUpdated) -> None:
+        if msg.error:
+            failure = self.weight_retries.failed(handle.worker_id, msg.version, msg.error,
+                                                 time.monotonic())
+            log.warning("%s could not load weights version %d (attempt %d): %s; sending the "
+                        "newest version again", handle.worker_id, msg.version,
+                        failure.attempts, msg.error)
+            self._record_event("weights_load_failed", worker_id=handle.worker_id,
+                               failed_version=msg.version, error=msg.error,
+                               attempt=failure.attempts)
+            return
         handle.version = msg.version
+        self.weight_retries.loaded(handle.worker_id, msg.version, self.version)
         self._report.on_weights_updated(msg)
+
+    async def _retry_weight_loads(self) -> None:
+        """Send the newest version again to workers whose load failed (weight_retry.py);
+        lose those that kept failing for longer than the heartbeat timeout."""
+        resend, lose = self.weight_retries.due(time.monotonic())
+        ready = {h.worker_id: h for h in self.pool.ready(WorkerKind.ROLLOUT)}
+        for worker_id, failure in lose:
+            if worker_id in ready:
+                await self._lose(ready[worker_id], f"could not load weights version "
+                                 f"{failure.version} in {failure.attempts} attempts over "
+                                 f"{self.weight_retries.give_up_after_s:g} s: {failure.error}")
+            self.weight_retries.forget(worker_id)
+        for worker_id in resend:
+            handle = ready.get(worker_id)
+            if handle is None:
+                self.weight_retries.forget(worker_id)
+            elif self.cfg.weight_sync.mode == "collective":
+                self.groups.request_resend()
+            else:
+                await self._send_newest_weights(handle)
+
+    async def _send_newest_weights(self, handle: WorkerHandle) -> None:
+        """Disk: the newest version's directory; stream: its chunks again."""
+        mode = self.cfg.weight_sync.mode
+        chunks = self._stream_chunks if mode == "stream" else []
+        if mode == "stream" and not chunks:
+            return  # the resumed checkpoint's weights: loaded at set-up, never streamed
+        await self.channel.send(handle.identity, UpdateWeights(
+            version=self.version, mode=mode, path=self._latest_weights,
+            num_chunks=len(chunks), interrupt=self._interrupt()))
+        for chunk in chunks:
+            await self.channel.send(handle.identity, chunk)
 
     async def _on_worker_error(self, identity: bytes, handle: WorkerHandle,
                                msg: WorkerError) -> None:
@@ -635,6 +718,7 @@ class Controller:
                     continue  # restarted meanwhile, with its trainer group
                 await self._lose(handle, "process exited" if handle.process is not None
                                  and handle.process.poll() is not None else "silent")
+            await self._retry_weight_loads()
             await self.groups.tick(self.version, self._interrupt())
             self.changed.notify()
 
@@ -659,8 +743,10 @@ class Controller:
                            requeued=len(requeued), rescored=len(rescore))
         self.groups.member_lost(handle)
         self.pool.forget(handle)
-        for sample in rescore:
-            await self._send_score(sample)
+        self.weight_retries.forget(handle.worker_id)
+        for sample in rescore:  # an infrastructure failure of each of their checks
+            if self.ledger.scoring(sample.request_id, None) is sample:  # group not dropped
+                await self._judge_score(sample, None, None)
         if handle.kind is WorkerKind.TRAINER:
             await self.trainers.lost(handle, why)
             return

@@ -53,6 +53,8 @@ class Sample:
     trajectory: Trajectory | None = None
     verdict: Verdict | None = None
     submitted_at: float = 0.0
+    num_score_failures: int = 0
+    """Checks of it that ended without a verdict (controller/reward_faults.py)."""
 
     @property
     def request_id(self) -> str:
@@ -155,10 +157,25 @@ class Ledger:
         assert sample.stage is Stage.SCORING, sample
         sample.worker = worker
 
-    def finish_scoring(self, msg: Scored, worker: bytes) -> Group | None:
-        """Record a reward; returns the group when this completed it."""
-        sample = self.by_request.get(msg.request_id)
+    def scoring(self, request_id: str, worker: bytes | None) -> Sample | None:
+        """The sample `worker` is scoring under `request_id`; None when an answer from it
+        is stale (re-sent elsewhere, dropped, unknown). worker None: a sample whose reward
+        worker was lost."""
+        sample = self.by_request.get(request_id)
         if sample is None or sample.stage is not Stage.SCORING or sample.worker != worker:
+            return None
+        return sample
+
+    def retry_scoring(self, sample: Sample) -> None:
+        """A check ended without a verdict (an infrastructure failure): the sample stays in
+        scoring, held by no worker, to be sent again."""
+        assert sample.stage is Stage.SCORING, sample
+        sample.worker = None
+
+    def finish_scoring(self, msg: Scored, worker: bytes | None) -> Group | None:
+        """Record a reward; returns the group when this completed it."""
+        sample = self.scoring(msg.request_id, worker)
+        if sample is None:
             return None
         sample.trajectory.reward = msg.reward
         sample.verdict = msg.verdict

@@ -38,12 +38,15 @@ def publish_to_disk(tensors: NamedTensors, cfg: RunConfig, version: int) -> str:
     """Save `tensors` as weight version `version`; returns the directory."""
     directory = version_dir(cfg.run_dir, version)
     save_tensors(directory, tensors, metadata={"version": str(version)})
-    _prune(Path(cfg.run_dir) / "weights", cfg.weight_sync.keep_versions)
+    _prune(Path(cfg.run_dir) / "weights", cfg.weight_sync.keep_versions, directory)
     return str(directory)
 
 
-def _prune(root: Path, keep: int) -> None:
-    versions = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("v"))
+def _prune(root: Path, keep: int, newest: Path) -> None:
+    """Keep the `keep` newest versions up to `newest` (just published). Newer ones are not
+    this trainer's to judge (a resumed run removes those of the run it continues first)."""
+    versions = sorted(p for p in root.iterdir()
+                      if p.is_dir() and p.name.startswith("v") and p.name <= newest.name)
     for old in versions[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 
