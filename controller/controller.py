@@ -30,6 +30,7 @@ groups), so that `Controller(cfg, resume=True)` (`--resume RUN_DIR`) continues t
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import secrets
 import time
@@ -63,12 +64,15 @@ from areal.controller.resume import (
 from areal.controller.report import StepReport, eval_record, summary_lines
 from areal.controller.setup import RunSetup, prepare_run
 from areal.controller.trainers import MAX_RESTARTS, RunFailed, Trainers
-from areal.controller.weight_retry import WeightRetries
+from areal.controller.weight_retry import WeightRetries, newest_on_disk
 from areal.controller.reward_faults import REWARD_ERROR, Action, RewardFaults
 from areal.tasks.base import Verdict
 from areal.controller.signal import Changed
 
 log = logging.getLogger("areal.controller")
+
+ADMISSION_LOG_SIZE = 10_000
+"""Admission entries kept (for tests and inspection; a long run must not grow with them)."""
 
 
 
@@ -86,10 +90,11 @@ class Controller:
         self.version = 0
         self.ledger = Ledger()
         self.changed = Changed()
-        self.admission_log: list[dict[str, int]] = []
-        """One entry per admitted training group: its id, the version at admission, the
-        trajectories generated or in flight after admitting it (N_r), and the prompt's draw
-        position in the task's stream."""
+        self.admission_log: collections.deque[dict[str, int]] = collections.deque(
+            maxlen=ADMISSION_LOG_SIZE)
+        """One entry per admitted training group (the newest ADMISSION_LOG_SIZE): its id,
+        the version at admission, the trajectories generated or in flight after admitting it
+        (N_r), and the prompt's draw position in the task's stream."""
         self.num_malformed = 0
         self._setup: RunSetup | None = None
         self._metrics: MetricsSink | None = None
@@ -98,7 +103,7 @@ class Controller:
         self._stopping = False
         self._admission_open = True
         self.recovery = TrainerRecovery(cfg.trainer.checkpoint_every)
-        self.weight_retries = WeightRetries(cfg.controller.heartbeat_timeout_s)
+        self.weight_retries = WeightRetries()
         self.reward_faults = RewardFaults(cfg.reward)
         self.trainers: Trainers | None = None
         self._losing: set[str] = set()
@@ -115,6 +120,8 @@ class Controller:
         """Weights a joining rollout worker loads first: the newest published version (disk
         mode), or a resumed checkpoint's."""
         self._eval_rounds: dict[int, dict[str, Any]] = {}
+        """Evaluations in progress, by round id."""
+        self._num_eval_rounds = 0
         self._periodic_evals: list[asyncio.Task] = []
         self._report = StepReport()
         self._started = time.monotonic()
@@ -312,6 +319,11 @@ class Controller:
             self._metrics.progress(step, {k.split("/")[-1]: record[k] for k in (
                 "rollout/reward_mean", "train/loss") if k in record})
             if self._eval_due(step):
+                # Finished ones are let go (a long run would keep every record); a failed
+                # one fails the run here.
+                for task in [t for t in self._periodic_evals if t.done()]:
+                    task.result()
+                self._periodic_evals = [t for t in self._periodic_evals if not t.done()]
                 self._periodic_evals.append(
                     asyncio.create_task(self._evaluate(), name=f"eval-{step}"))
         self._admission_open = False
@@ -413,7 +425,8 @@ class Controller:
     async def _evaluate(self) -> dict[str, Any]:
         """Generate and score the held-out prompts at the current version; record and return."""
         version = self.version
-        round_id = len(self._eval_rounds)
+        round_id = self._num_eval_rounds
+        self._num_eval_rounds += 1
         state: dict[str, Any] = {"pending": 0, "groups": [], "done": asyncio.Event()}
         self._eval_rounds[round_id] = state
         for prompt, prompt_ids in self._setup.eval_prompts:
@@ -423,6 +436,7 @@ class Controller:
         self.changed.notify()
         start = time.monotonic()
         await state["done"].wait()
+        del self._eval_rounds[round_id]  # its groups (every trajectory) are not kept
         record = eval_record(state["groups"], version, time.monotonic() - start)
         record["perf/train_elapsed_s"] = self._report.train_elapsed()
         self._metrics.record("eval", record, step=version)
@@ -523,14 +537,17 @@ class Controller:
             await self.channel.send(identity, Shutdown(reason="registration refused"))
             self._record_event("worker_refused", worker_id=msg.worker_id, host=msg.host)
             return
-        latest = self._latest_weights
         trainer = handle.kind is WorkerKind.TRAINER
-        # Disk mode: the newest published version; after a resume, until the first new
-        # version: the checkpoint's weights, whatever the mode.
+        # Disk mode: the newest published version (the newest there is, if it was deleted);
+        # after a resume, until the first new version: the checkpoint's weights, any mode.
         from_disk = self.cfg.weight_sync.mode == "disk" or (
             self.resumed is not None and self.version == self.resumed.version)
+        version, latest = self.version, self._latest_weights
+        if from_disk and not trainer and self.version > 0:
+            version, latest = newest_on_disk(self._setup.run_dir, latest, self.version) \
+                or (self.version, latest)
         await self.channel.send(identity, Welcome(
-            config=self._setup.config_dict, version=self.version,
+            config=self._setup.config_dict, version=version,
             weights_path=latest if from_disk and not trainer else None,
             run_dir=str(self._setup.run_dir),
             checkpoint=self.recovery.checkpoint if trainer else ""))
@@ -566,6 +583,7 @@ class Controller:
         if sample is None:
             log.debug("ignored a stale result %s from %s", msg.request_id, handle.worker_id)
             return
+        handle.num_restarts = 0  # it delivers: a later death is not a crash loop
         self._report.on_generated(sample.trajectory, msg)
         if self.ledger.groups[sample.group_id].purpose is Purpose.TRAIN:
             self.staleness.finish(1)
@@ -576,6 +594,7 @@ class Controller:
         self._report.on_scored(msg)
         sample = self.ledger.scoring(msg.request_id, identity)
         if sample is not None:
+            handle.num_restarts = 0  # it delivers: a later death is not a crash loop
             await self._judge_score(sample, msg, identity)
 
     async def _judge_score(self, sample: Sample, msg: Scored | None,
@@ -617,6 +636,8 @@ class Controller:
         if not self.trainers.answer(msg):
             log.warning("unexpected Trained for step %d from %s", msg.step, handle.worker_id)
             return
+        if not msg.replay:
+            handle.num_restarts = 0  # it delivers: a later loss is not a crash loop
         if msg.rank == 0 and not msg.replay:
             # Announce the version here, in the receive loop: in stream mode the trainer's
             # WeightsChunks are the next messages, and they must reach the rollout workers
@@ -643,50 +664,54 @@ class Controller:
     async def _on_weights_updated(self, identity: bytes, handle: WorkerHandle,
                                   msg: WeightsUpdated) -> None:
         if msg.error:
-            failure = self.weight_retries.failed(handle.worker_id, msg.version, msg.error,
-                                                 time.monotonic())
-            log.warning("%s could not load weights version %d (attempt %d): %s; sending the "
-                        "newest version again", handle.worker_id, msg.version,
+            failure = self.weight_retries.failed(handle.worker_id, msg.version, msg.error)
+            log.warning("%s could not load weights version %d (%d in a row): %s; sending the "
+                        "newest weights again", handle.worker_id, msg.version,
                         failure.attempts, msg.error)
             self._record_event("weights_load_failed", worker_id=handle.worker_id,
                                failed_version=msg.version, error=msg.error,
                                attempt=failure.attempts)
             return
         handle.version = msg.version
-        self.weight_retries.loaded(handle.worker_id, msg.version, self.version)
+        self.weight_retries.loaded(handle.worker_id)
         self._report.on_weights_updated(msg)
 
     async def _retry_weight_loads(self) -> None:
-        """Send the newest version again to workers whose load failed (weight_retry.py);
-        lose those that kept failing for longer than the heartbeat timeout."""
-        resend, lose = self.weight_retries.due(time.monotonic())
+        """Send the newest weights there are again to workers whose load failed, once per
+        failure (weight_retry.py); lose those that failed too often in a row."""
+        retry, lose = self.weight_retries.due()
         ready = {h.worker_id: h for h in self.pool.ready(WorkerKind.ROLLOUT)}
         for worker_id, failure in lose:
             if worker_id in ready:
-                await self._lose(ready[worker_id], f"could not load weights version "
-                                 f"{failure.version} in {failure.attempts} attempts over "
-                                 f"{self.weight_retries.give_up_after_s:g} s: {failure.error}")
-            self.weight_retries.forget(worker_id)
-        for worker_id in resend:
+                await self._lose(ready[worker_id], f"could not load weights ({failure.attempts}"
+                                 f" failures in a row, the last of version {failure.version}):"
+                                 f" {failure.error}")
+        for worker_id in retry:
             handle = ready.get(worker_id)
             if handle is None:
-                self.weight_retries.forget(worker_id)
+                self.weight_retries.loaded(worker_id)  # gone; a new process starts afresh
             elif self.cfg.weight_sync.mode == "collective":
                 self.groups.request_resend()
-            else:
-                await self._send_newest_weights(handle)
+            elif not await self._send_newest_weights(handle):
+                self.weight_retries.loaded(worker_id)  # it serves the newest there is
 
-    async def _send_newest_weights(self, handle: WorkerHandle) -> None:
-        """Disk: the newest version's directory; stream: its chunks again."""
-        mode = self.cfg.weight_sync.mode
-        chunks = self._stream_chunks if mode == "stream" else []
-        if mode == "stream" and not chunks:
-            return  # the resumed checkpoint's weights: loaded at set-up, never streamed
+    async def _send_newest_weights(self, handle: WorkerHandle) -> bool:
+        """Disk: the newest version directory there is; stream: the newest version's chunks.
+        False when there is nothing newer than what `handle` serves."""
+        mode, chunks, path, version = self.cfg.weight_sync.mode, [], None, self.version
+        if mode == "stream":
+            chunks = self._stream_chunks
+        else:
+            version, path = newest_on_disk(self._setup.run_dir, self._latest_weights,
+                                           self.version) or (0, None)
+        if version <= handle.version or (mode == "stream" and not chunks):
+            return False
         await self.channel.send(handle.identity, UpdateWeights(
-            version=self.version, mode=mode, path=self._latest_weights,
-            num_chunks=len(chunks), interrupt=self._interrupt()))
+            version=version, mode=mode, path=path, num_chunks=len(chunks),
+            interrupt=self._interrupt()))
         for chunk in chunks:
             await self.channel.send(handle.identity, chunk)
+        return True
 
     async def _on_worker_error(self, identity: bytes, handle: WorkerHandle,
                                msg: WorkerError) -> None:
@@ -743,7 +768,7 @@ class Controller:
                            requeued=len(requeued), rescored=len(rescore))
         self.groups.member_lost(handle)
         self.pool.forget(handle)
-        self.weight_retries.forget(handle.worker_id)
+        self.weight_retries.loaded(handle.worker_id)  # a new process starts afresh
         for sample in rescore:  # an infrastructure failure of each of their checks
             if self.ledger.scoring(sample.request_id, None) is sample:  # group not dropped
                 await self._judge_score(sample, None, None)

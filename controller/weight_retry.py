@@ -1,66 +1,84 @@
-"""Rollout workers whose last weight load failed, until they serve the newest version.
+"""Rollout workers whose last weight load failed, until they serve the newest weights there are.
 
-    WeightsUpdated(error) --failed--> kept: since when, which version, why
-    every liveness tick   --due-->    resend: the newest version goes to the worker again
-                                      (disk: the newest directory; stream: its chunks;
+    WeightsUpdated(error) --failed--> kept: which version, why, how many failures in a row;
+                                      one retry owed
+    next liveness tick    --due-->    retry: the newest weights that can be had go to the
+                                      worker again (disk: the newest version directory that
+                                      exists, which after a deleted or pruned one is the
+                                      version before; stream: the newest version's chunks;
                                       collective: the group re-broadcasts it)
-                                      lose: failing for longer than the heartbeat timeout;
-                                      the worker is treated as lost (restarted, its work
-                                      re-queued; a worker that keeps failing ends the run
-                                      with its reason, as any worker that keeps dying does)
-    WeightsUpdated(version >= newest) --loaded--> forgotten
+                                      lose: MAX_FAILURES failures in a row: the worker is
+                                      treated as lost (restarted, its work re-queued; one that
+                                      keeps failing ends the run, as any crash loop does)
+    any successful load, or nothing newer to send  --> forgotten
 
 A failed load never leaves a worker silently holding its requests: it serves its previous
-weights meanwhile (the staleness bound is the controller's, on the trainer's version), and
-the next version the trainer publishes usually replaces one that was pruned or unreadable.
-This module decides; the controller sends.
+weights meanwhile (tokens keep the version that sampled them; the staleness bound is the
+controller's, on the trainer's version), and the next version the trainer publishes
+replaces one that was pruned or unreadable. This module decides; the controller sends.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from pathlib import Path
+
+MAX_FAILURES = 5
+"""Failed loads in a row (each retried once) after which a rollout worker is lost."""
+
+_VERSION_DIR = re.compile(r"v(\d+)")
 
 
 @dataclass(kw_only=True)
 class LoadFailure:
-    since: float
     version: int
     error: str
     attempts: int = 1
+    retry_owed: bool = True
 
 
 class WeightRetries:
-    def __init__(self, give_up_after_s: float) -> None:
-        self.give_up_after_s = give_up_after_s
+    def __init__(self) -> None:
         self.failing: dict[str, LoadFailure] = {}
         """By worker id."""
         self.num_failed = 0
         """Failed loads over the run."""
 
-    def failed(self, worker_id: str, version: int, error: str, now: float) -> LoadFailure:
+    def failed(self, worker_id: str, version: int, error: str) -> LoadFailure:
         self.num_failed += 1
         failure = self.failing.get(worker_id)
         if failure is None:
-            failure = self.failing[worker_id] = LoadFailure(since=now, version=version,
-                                                            error=error)
+            failure = self.failing[worker_id] = LoadFailure(version=version, error=error)
         else:
-            failure.version, failure.error = version, error
+            failure.version, failure.error, failure.retry_owed = version, error, True
             failure.attempts += 1
         return failure
 
-    def loaded(self, worker_id: str, version: int, newest: int) -> None:
-        if version >= newest:
-            self.failing.pop(worker_id, None)
-
-    def forget(self, worker_id: str) -> None:
+    def loaded(self, worker_id: str) -> None:
         self.failing.pop(worker_id, None)
 
-    def due(self, now: float) -> tuple[list[str], list[tuple[str, LoadFailure]]]:
-        """(worker ids to send the newest version again, (worker id, failure) to lose)."""
-        resend, lose = [], []
-        for worker_id, failure in self.failing.items():
-            if now - failure.since > self.give_up_after_s:
-                lose.append((worker_id, failure))
-            else:
-                resend.append(worker_id)
-        return resend, lose
+    def due(self) -> tuple[list[str], list[tuple[str, LoadFailure]]]:
+        """(worker ids owed a retry now, (worker id, failure) to lose); marks retries sent."""
+        retry, lose = [], []
+        for worker_id, failure in list(self.failing.items()):
+            if failure.attempts >= MAX_FAILURES:
+                lose.append((worker_id, self.failing.pop(worker_id)))
+            elif failure.retry_owed:
+                failure.retry_owed = False
+                retry.append(worker_id)
+        return retry, lose
+
+
+def newest_on_disk(run_dir: Path, latest: str | None, version: int) -> tuple[int, str] | None:
+    """(version, directory) of the newest disk weights a worker can load: `latest` (the
+    current version's) while it exists, else the newest `weights/v<n>` with n <= version."""
+    if latest and Path(latest).is_dir():
+        return version, latest
+    found = []
+    root = run_dir / "weights"
+    for path in root.iterdir() if root.is_dir() else []:
+        match = _VERSION_DIR.fullmatch(path.name)
+        if match and int(match[1]) <= version and any(path.glob("*.safetensors")):
+            found.append((int(match[1]), str(path)))
+    return max(found, default=None)
