@@ -65,8 +65,8 @@ from areal.controller.report import StepReport, eval_record, summary_lines
 from areal.controller.setup import RunSetup, prepare_run
 from areal.controller.trainers import MAX_RESTARTS, RunFailed, Trainers
 from areal.controller.weight_retry import WeightRetries, newest_on_disk
-from areal.controller.reward_faults import REWARD_ERROR, Action, RewardFaults
-from areal.tasks.base import Verdict
+from areal.controller.reward_faults import RewardFaults
+from areal.controller.faults import FaultRepairs
 from areal.controller.signal import Changed
 
 log = logging.getLogger("areal.controller")
@@ -76,7 +76,7 @@ ADMISSION_LOG_SIZE = 10_000
 
 
 
-class Controller:
+class Controller(FaultRepairs):
     """Run one training job. Embeddable: `await Controller(cfg).run()` inside any event loop,
     with `events()` streaming every metrics record while it runs."""
 
@@ -597,28 +597,6 @@ class Controller:
             handle.num_restarts = 0  # it delivers: a later death is not a crash loop
             await self._judge_score(sample, msg, identity)
 
-    async def _judge_score(self, sample: Sample, msg: Scored | None,
-                           identity: bytes | None) -> None:
-        """A check of `sample` ended (msg None: its reward worker was lost): accept its
-        reward, score it again, or drop its group (reward_faults.py)."""
-        group = self.ledger.groups[sample.group_id]
-        if msg is None or msg.verdict.is_error():
-            sample.num_score_failures += 1
-        action = self.reward_faults.judge(msg.verdict if msg else None,
-                                          sample.num_score_failures,
-                                          group.purpose is Purpose.TRAIN)
-        if action is Action.RETRY:
-            self.ledger.retry_scoring(sample)
-            await self._send_score(sample)
-            return
-        if action is Action.DROP:
-            await self._drop_group(group, REWARD_ERROR)
-            return
-        if msg is None:
-            msg = Scored(request_id=sample.request_id, reward=0.0, verdict=Verdict.ERROR,
-                         detail="the reward worker was lost while checking")
-        await self._scored(self.ledger.finish_scoring(msg, identity))
-
     async def _scored(self, group: Group | None) -> None:
         """`group` (None: not complete yet) has a reward for every sample."""
         if group is not None and group.purpose is Purpose.TRAIN:
@@ -664,54 +642,11 @@ class Controller:
     async def _on_weights_updated(self, identity: bytes, handle: WorkerHandle,
                                   msg: WeightsUpdated) -> None:
         if msg.error:
-            failure = self.weight_retries.failed(handle.worker_id, msg.version, msg.error)
-            log.warning("%s could not load weights version %d (%d in a row): %s; sending the "
-                        "newest weights again", handle.worker_id, msg.version,
-                        failure.attempts, msg.error)
-            self._record_event("weights_load_failed", worker_id=handle.worker_id,
-                               failed_version=msg.version, error=msg.error,
-                               attempt=failure.attempts)
+            self._weights_failed(handle, msg)
             return
         handle.version = msg.version
         self.weight_retries.loaded(handle.worker_id)
         self._report.on_weights_updated(msg)
-
-    async def _retry_weight_loads(self) -> None:
-        """Send the newest weights there are again to workers whose load failed, once per
-        failure (weight_retry.py); lose those that failed too often in a row."""
-        retry, lose = self.weight_retries.due()
-        ready = {h.worker_id: h for h in self.pool.ready(WorkerKind.ROLLOUT)}
-        for worker_id, failure in lose:
-            if worker_id in ready:
-                await self._lose(ready[worker_id], f"could not load weights ({failure.attempts}"
-                                 f" failures in a row, the last of version {failure.version}):"
-                                 f" {failure.error}")
-        for worker_id in retry:
-            handle = ready.get(worker_id)
-            if handle is None:
-                self.weight_retries.loaded(worker_id)  # gone; a new process starts afresh
-            elif self.cfg.weight_sync.mode == "collective":
-                self.groups.request_resend()
-            elif not await self._send_newest_weights(handle):
-                self.weight_retries.loaded(worker_id)  # it serves the newest there is
-
-    async def _send_newest_weights(self, handle: WorkerHandle) -> bool:
-        """Disk: the newest version directory there is; stream: the newest version's chunks.
-        False when there is nothing newer than what `handle` serves."""
-        mode, chunks, path, version = self.cfg.weight_sync.mode, [], None, self.version
-        if mode == "stream":
-            chunks = self._stream_chunks
-        else:
-            version, path = newest_on_disk(self._setup.run_dir, self._latest_weights,
-                                           self.version) or (0, None)
-        if version <= handle.version or (mode == "stream" and not chunks):
-            return False
-        await self.channel.send(handle.identity, UpdateWeights(
-            version=version, mode=mode, path=path, num_chunks=len(chunks),
-            interrupt=self._interrupt()))
-        for chunk in chunks:
-            await self.channel.send(handle.identity, chunk)
-        return True
 
     async def _on_worker_error(self, identity: bytes, handle: WorkerHandle,
                                msg: WorkerError) -> None:
