@@ -18,13 +18,19 @@
                     is re-queued (never lost), a local worker is restarted; a lost trainer
                     rank: every rank restarts from the newest checkpoint, the steps trained
                     since are replayed, then the step in progress is sent again
-                    (trainers.py, recovery.py); a failed weights group is re-formed
+                    (trainers.py, recovery.py); a failed weights group is re-formed; a
+                    failed weight load gets the newest weights again (faults.py)
+    Scored with an infrastructure failure, or a reward worker lost mid-check: the check is
+                    retried, then the group dropped or the sample scored 0 (faults.py)
 
 Every loop is a named task; one that fails or returns on its own brings the run down
-loudly. Shutdown: Shutdown to every worker -> cancel loops -> gather -> reap processes.
+loudly. Shutdown: Shutdown to every worker (final=True after a finished run: the trainer
+writes final_model) -> cancel loops -> gather -> reap processes. Local workers die with
+this process (areal.workers.parent); the CLI turns SIGTERM/SIGINT into `stop()`.
 Workers hold no state that must survive; everything here does (data cursor, ledger, version).
 At each trainer checkpoint the controller writes its part (resume.py: data position, untrained
-groups), so that `Controller(cfg, resume=True)` (`--resume RUN_DIR`) continues the run there.
+groups), so that `Controller(cfg, resume=True)` (`--resume RUN_DIR`) continues the run there,
+after removing what the stopped run wrote past the checkpoint.
 """
 
 from __future__ import annotations
