@@ -52,24 +52,25 @@ class FaultRepairs:
                 await self._lose(ready[worker_id], f"could not load weights ({failure.attempts}"
                                  f" failures in a row, the last of version {failure.version}):"
                                  f" {failure.error}")
-        for worker_id in retry:
+        for worker_id, failure in retry:
             handle = ready.get(worker_id)
             if handle is None:
                 self.weight_retries.loaded(worker_id)  # gone; a new process starts afresh
             elif self.cfg.weight_sync.mode == "collective":
                 self.groups.request_resend()
-            elif not await self._send_newest_weights(handle):
+            elif not await self._send_newest_weights(handle, failure.version):
                 self.weight_retries.loaded(worker_id)  # it serves the newest there is
 
-    async def _send_newest_weights(self: Controller, handle: WorkerHandle) -> bool:
-        """Disk: the newest version directory there is; stream: the newest version's chunks.
-        False when there is nothing newer than what `handle` serves."""
+    async def _send_newest_weights(self: Controller, handle: WorkerHandle, failed: int) -> bool:
+        """Disk: the newest version directory there is, older than the `failed` one; stream:
+        the newest version's chunks. False when there is nothing newer than what `handle`
+        serves (the trainer's next version will be)."""
         mode, chunks, path, version = self.cfg.weight_sync.mode, [], None, self.version
         if mode == "stream":
             chunks = self._stream_chunks
         else:
             version, path = newest_on_disk(self._setup.run_dir, self._latest_weights,
-                                           self.version) or (0, None)
+                                           self.version, below=failed) or (0, None)
         if version <= handle.version or (mode == "stream" and not chunks):
             return False
         await self.channel.send(handle.identity, UpdateWeights(

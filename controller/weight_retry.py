@@ -3,10 +3,11 @@
     WeightsUpdated(error) --failed--> kept: which version, why, how many failures in a row;
                                       one retry owed
     next liveness tick    --due-->    retry: the newest weights that can be had go to the
-                                      worker again (disk: the newest version directory that
-                                      exists, which after a deleted or pruned one is the
-                                      version before; stream: the newest version's chunks;
-                                      collective: the group re-broadcasts it)
+                                      worker again (disk: the newest version directory with a
+                                      weights file, older than the one that failed: after a
+                                      deleted, pruned or corrupt version, the one before;
+                                      stream: the newest version's chunks; collective: the
+                                      group re-broadcasts it)
                                       lose: MAX_FAILURES failures in a row: the worker is
                                       treated as lost (restarted, its work re-queued; one that
                                       keeps failing ends the run, as any crash loop does)
@@ -58,27 +59,35 @@ class WeightRetries:
     def loaded(self, worker_id: str) -> None:
         self.failing.pop(worker_id, None)
 
-    def due(self) -> tuple[list[str], list[tuple[str, LoadFailure]]]:
-        """(worker ids owed a retry now, (worker id, failure) to lose); marks retries sent."""
+    def due(self) -> tuple[list[tuple[str, LoadFailure]], list[tuple[str, LoadFailure]]]:
+        """((worker id, failure) owed a retry now, (worker id, failure) to lose); marks the
+        retries sent."""
         retry, lose = [], []
         for worker_id, failure in list(self.failing.items()):
             if failure.attempts >= MAX_FAILURES:
                 lose.append((worker_id, self.failing.pop(worker_id)))
             elif failure.retry_owed:
                 failure.retry_owed = False
-                retry.append(worker_id)
+                retry.append((worker_id, failure))
         return retry, lose
 
 
-def newest_on_disk(run_dir: Path, latest: str | None, version: int) -> tuple[int, str] | None:
+def newest_on_disk(run_dir: Path, latest: str | None, version: int,
+                   below: int | None = None) -> tuple[int, str] | None:
     """(version, directory) of the newest disk weights a worker can load: `latest` (the
-    current version's) while it exists, else the newest `weights/v<n>` with n <= version."""
-    if latest and Path(latest).is_dir():
+    current version's) while it holds a weights file, else the newest `weights/v<n>` that
+    does, n <= version. `below`: only versions under it (one a worker failed to load)."""
+    limit = version if below is None else min(version, below - 1)
+    if latest and limit == version and _has_weights(Path(latest)):
         return version, latest
     found = []
     root = run_dir / "weights"
     for path in root.iterdir() if root.is_dir() else []:
         match = _VERSION_DIR.fullmatch(path.name)
-        if match and int(match[1]) <= version and any(path.glob("*.safetensors")):
+        if match and int(match[1]) <= limit and _has_weights(path):
             found.append((int(match[1]), str(path)))
     return max(found, default=None)
+
+
+def _has_weights(path: Path) -> bool:
+    return path.is_dir() and any(path.glob("*.safetensors"))

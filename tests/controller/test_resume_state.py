@@ -120,6 +120,9 @@ def test_a_worker_gets_the_newest_weights_there_are(tmp_path):
     assert newest_on_disk(tmp_path, str(latest), 5) == (4, str(tmp_path / "weights/v000004"))
     (tmp_path / "weights" / "v000004" / "model.safetensors").unlink()  # a file deleted
     assert newest_on_disk(tmp_path, str(latest), 5)[0] == 3
-    latest.mkdir()
+    latest.mkdir()  # there again, but empty (its file deleted)
+    assert newest_on_disk(tmp_path, str(latest), 5)[0] == 3
+    (latest / "model.safetensors").write_text("")
     assert newest_on_disk(tmp_path, str(latest), 5) == (5, str(latest))
+    assert newest_on_disk(tmp_path, str(latest), 5, below=5)[0] == 3  # 5 failed to load
     assert newest_on_disk(tmp_path / "nowhere", None, 5) is None

@@ -10,10 +10,10 @@ from areal.controller.weight_retry import MAX_FAILURES, WeightRetries
 def test_each_failure_is_retried_once():
     retries = WeightRetries()
     retries.failed("rollout-0", 7, "FileNotFoundError")
-    assert retries.due() == (["rollout-0"], [])
+    assert [(w, f.version) for w, f in retries.due()[0]] == [("rollout-0", 7)]
     assert retries.due() == ([], [])  # no retry owed until it fails again
     retries.failed("rollout-0", 8, "FileNotFoundError")
-    assert retries.due() == (["rollout-0"], [])
+    assert [(w, f.version) for w, f in retries.due()[0]] == [("rollout-0", 8)]
     assert retries.failing["rollout-0"].attempts == 2 and retries.num_failed == 2
 
 
