@@ -198,13 +198,14 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
         series, code, minutes = soak(args, Path(tmp) / "run")
-        summary_written = (Path(tmp) / "run" / "summary.json").is_file()
+        summary = Path(tmp) / "run" / "summary.json"
+        steps = json.loads(summary.read_text())["steps"] if summary.is_file() else None
     rows = summarize(series)
     print(table(rows, minutes))
     print(f"controller stopped by SIGTERM: exit code {code}, summary.json "
-          f"{'written' if summary_written else 'MISSING'}")
+          + (f"written after {steps} training steps" if steps is not None else "MISSING"))
     (args.out / "samples.json").write_text(json.dumps(
-        {"minutes": minutes, "overrides": args.overrides, "rows": rows,
+        {"minutes": minutes, "steps": steps, "overrides": args.overrides, "rows": rows,
          "series": {k: vars(v) for k, v in series.items()}}, indent=1))
     plot(series, args.out / "soak.png")
     print(f"saved {args.out / 'samples.json'} and {args.out / 'soak.png'}")
