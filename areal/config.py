@@ -372,13 +372,22 @@ class TrainerConfig:
 class RewardConfig:
     num_workers: int = opt(1, "reward worker processes")
     max_concurrency: int = opt(8, "checks a reward worker runs at once")
-    timeout_s: float = opt(10.0, "per-trajectory reward time limit; over it: reward 0, "
-                           "verdict 'timeout'")
+    timeout_s: float = opt(10.0, "per-trajectory reward time limit; over it the check is an "
+                           "infrastructure failure (verdict 'timeout'): see reward.retries")
+    retries: int = opt(2, "a check that fails for want of infrastructure (verifier or sandbox "
+                       "error, over reward.timeout_s, reward worker lost) is run again this "
+                       "many times; a wrong answer or a program over its own time limit is a "
+                       "verdict, never retried")
+    on_error: str = opt("drop", "after the retries: 'drop' the training group (counted as "
+                        "rollout/dropped_groups/reward_error and replaced; no false zeros) or "
+                        "score the sample 'zero' with the failure's verdict",
+                        ["drop", "zero"])
 
     def check(self, key: str) -> None:
         _positive(self.num_workers, f"{key}.num_workers")
         _positive(self.max_concurrency, f"{key}.max_concurrency")
         _positive(self.timeout_s, f"{key}.timeout_s")
+        _non_negative(self.retries, f"{key}.retries")
 
 
 @dataclass(kw_only=True)

@@ -305,12 +305,15 @@ class WeightsChunk:
 @message(MsgType.WEIGHTS_UPDATED)
 @dataclass(kw_only=True)
 class WeightsUpdated:
-    """Rollout worker -> controller: now serving `version`."""
+    """Rollout worker -> controller: now serving `version`; or, with `error`, loading
+    `version` failed and the worker still serves its previous weights (the controller sends
+    the newest version again)."""
 
     version: int
     pause_s: float = 0.0
     """Seconds from the interruption to resumed generation."""
     num_interrupted: int = 0
+    error: str = ""
 
 
 @message(MsgType.TRAIN)
@@ -440,6 +443,9 @@ class Shutdown:
     rejoin: bool = False
     """The run goes on without this process, but needs it back: start it again (a trainer
     rank whose group lost a member resumes from the newest checkpoint)."""
+    final: bool = False
+    """The run finished: write its final artifacts (trainer rank 0: `final_model`). A worker
+    never writes them on its own (a lost controller, a failed run, a restart)."""
 
 
 REJOIN_EXIT_CODE = 75

@@ -26,19 +26,21 @@ Panels (a panel is drawn when at least one run has one of its keys):
 The x axis is the training step (eval records are filed under the policy version they
 evaluated, which is the step that produced it) or, with `--x time`, wall-clock seconds
 (`perf/elapsed_s`; eval points then sit at the time of the step with the same number).
-Standalone `areal.eval` records without a step are not drawn. Rendering uses matplotlib's
+Standalone `areal.eval` records without a step are not drawn, nor are the records a
+`--resume` superseded (areal.records). Rendering uses matplotlib's
 Agg backend (no display). This module reads files and draws; it computes no metric.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from areal.records import read_records
 
 PANELS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
     # name: (y label, [(record kind, key, legend label)])
@@ -85,25 +87,16 @@ class Run:
 
 
 def read_run(run_dir: Path) -> Run:
-    """The step and eval records of `run_dir/metrics.jsonl` (a torn last line is ignored)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist; give a run directory")
+    """The step and eval records of `run_dir/metrics.jsonl`, without those a resume
+    superseded (areal.records; a torn last line is ignored)."""
     steps, evals = [], []
-    lines = path.read_text().splitlines()
-    for number, line in enumerate(lines, start=1):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if number == len(lines):  # a run killed mid-write
-                continue
-            raise ValueError(f"{path} line {number} is not JSON") from None
+    for record in read_records(run_dir):
         if record.get("kind") == "step" and "step" in record:
             steps.append(record)
         elif record.get("kind") == "eval" and "step" in record:
             evals.append(record)
     if not steps and not evals:
-        raise ValueError(f"{path} has no step or eval records yet")
+        raise ValueError(f"{run_dir / 'metrics.jsonl'} has no step or eval records yet")
     return Run(label=run_dir.name, steps=steps, evals=evals)
 
 

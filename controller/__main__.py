@@ -1,10 +1,17 @@
 """`python -m areal.controller [--config FILE | --resume RUN_DIR] [key=value ...]`: run one
-training job, or continue one from its newest checkpoint."""
+training job, or continue one from its newest checkpoint.
+
+SIGTERM or SIGINT (Ctrl-C) stop the run as `Controller.stop()` does: the current step
+finishes, the final evaluation runs, the summary is written, the workers are shut down; the
+exit code is then 128 + the signal's number. A second signal ends it at once (no summary).
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import signal
 import sys
 import textwrap
 
@@ -54,15 +61,40 @@ def main(argv: list[str] | None = None) -> int:
 
     from areal.controller.controller import Controller, RunFailed
 
+    signals: list[int] = []
     try:
-        uvloop.run(Controller(cfg, resume=bool(args.resume)).run())
+        uvloop.run(_run_until_signalled(Controller(cfg, resume=bool(args.resume)), signals))
     except RunFailed as err:
         print(f"error: the run failed: {err}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, asyncio.CancelledError):
         print("interrupted", file=sys.stderr)
         return 130
-    return 0
+    return 128 + signals[0] if signals else 0
+
+
+async def _run_until_signalled(controller, signals: list[int]) -> None:
+    """Run; the first SIGTERM/SIGINT stops the run gracefully, a second cancels it."""
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+
+    def on_signal(signum: int) -> None:
+        signals.append(signum)
+        if len(signals) > 1:
+            main.cancel()
+            return
+        print(f"\n{signal.Signals(signum).name}: stopping after the current step (the final "
+              "evaluation and the summary follow; send it again to end at once)",
+              file=sys.stderr)
+        controller.stop()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        await controller.run()
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
 
 
 if __name__ == "__main__":

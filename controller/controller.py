@@ -20,18 +20,25 @@
                     is re-queued (never lost), a local worker is restarted; a lost trainer
                     rank: every rank restarts from the newest checkpoint, the steps trained
                     since are replayed, then the step in progress is sent again
-                    (trainers.py, recovery.py); a failed weights group is re-formed
+                    (trainers.py, recovery.py); a failed weights group is re-formed; a
+                    failed weight load gets the newest weights again (faults.py)
+    Scored with an infrastructure failure, or a reward worker lost mid-check: the check is
+                    retried, then the group dropped or the sample scored 0 (faults.py)
 
 Every loop is a named task; one that fails or returns on its own brings the run down
-loudly. Shutdown: Shutdown to every worker -> cancel loops -> gather -> reap processes.
+loudly. Shutdown: Shutdown to every worker (final=True after a finished run: the trainer
+writes final_model) -> cancel loops -> gather -> reap processes. Local workers die with
+this process (areal.workers.parent); the CLI turns SIGTERM/SIGINT into `stop()`.
 Workers hold no state that must survive; everything here does (data cursor, ledger, version).
 At each trainer checkpoint the controller writes its part (resume.py: data position, untrained
-groups), so that `Controller(cfg, resume=True)` (`--resume RUN_DIR`) continues the run there.
+groups), so that `Controller(cfg, resume=True)` (`--resume RUN_DIR`) continues the run there,
+after removing what the stopped run wrote past the checkpoint.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import secrets
 import time
@@ -65,17 +72,25 @@ from areal.controller.metrics import MetricsSink, closed_marker, is_closed
 from areal.controller.peer_log import PeerLog, peer_name
 from areal.controller.pool import WorkerHandle, WorkerPool, stop_process
 from areal.controller.recovery import TrainerRecovery
-from areal.controller.resume import ResumeState, find_state, write_state
+from areal.controller.resume import (
+    ResumeState, clear_after, find_state, kept_dropped_groups, write_state,
+)
 from areal.controller.report import StepReport, eval_record, summary_lines
 from areal.controller.setup import RunSetup, prepare_run
 from areal.controller.trainers import MAX_RESTARTS, RunFailed, Trainers
+from areal.controller.weight_retry import WeightRetries, newest_on_disk
+from areal.controller.reward_faults import RewardFaults
+from areal.controller.faults import FaultRepairs
 from areal.controller.signal import Changed
 
 log = logging.getLogger("areal.controller")
 
+ADMISSION_LOG_SIZE = 10_000
+"""Admission entries kept (for tests and inspection; a long run must not grow with them)."""
 
 
-class Controller:
+
+class Controller(FaultRepairs):
     """Run one training job. Embeddable: `await Controller(cfg).run()` inside any event loop,
     with `events()` streaming every metrics record while it runs."""
 
@@ -89,10 +104,11 @@ class Controller:
         self.version = 0
         self.ledger = Ledger()
         self.changed = Changed()
-        self.admission_log: list[dict[str, int]] = []
-        """One entry per admitted training group: its id, the version at admission, the
-        trajectories generated or in flight after admitting it (N_r), and the prompt's draw
-        position in the task's stream."""
+        self.admission_log: collections.deque[dict[str, int]] = collections.deque(
+            maxlen=ADMISSION_LOG_SIZE)
+        """One entry per admitted training group (the newest ADMISSION_LOG_SIZE): its id,
+        the version at admission, the trajectories generated or in flight after admitting it
+        (N_r), and the prompt's draw position in the task's stream."""
         self.num_malformed = 0
         """Messages dropped undecoded: malformed, too large, or not a Register from an
         unregistered peer."""
@@ -105,6 +121,8 @@ class Controller:
         self._stopping = False
         self._admission_open = True
         self.recovery = TrainerRecovery(cfg.trainer.checkpoint_every)
+        self.weight_retries = WeightRetries()
+        self.reward_faults = RewardFaults(cfg.reward)
         self.trainers: Trainers | None = None
         self._losing: set[str] = set()
         """Worker ids whose loss is being handled."""
@@ -121,9 +139,12 @@ class Controller:
         """Weights a joining rollout worker loads first: the newest published version (disk
         mode), or a resumed checkpoint's."""
         self._eval_rounds: dict[int, dict[str, Any]] = {}
+        """Evaluations in progress, by round id."""
+        self._num_eval_rounds = 0
         self._periodic_evals: list[asyncio.Task] = []
         self._report = StepReport()
         self._started = time.monotonic()
+        self._summary: dict[str, Any] | None = None
 
     # -- public API -----------------------------------------------------------------------------
 
@@ -212,11 +233,16 @@ class Controller:
         self._eval_before = state.eval_before
         self._setup.redraw(state.drawn, state.untrained)
         self.staleness.resume(state.step * self.cfg.trainer.batch_size)
+        self._report.dropped_total.update(kept_dropped_groups(self._setup.run_dir, state))
+        removed = clear_after(self._setup.run_dir, state)
         self._metrics.console(f"resuming after step {state.step} (version {state.version}) "
                               f"from {state.path}; {len(state.untrained)} untrained prompt "
-                              "groups are generated again")
+                              "groups are generated again"
+                              + (f"; removed {len(removed)} newer weight versions and "
+                                 "checkpoints" if removed else ""))
+        # Marks the records of the stopped run that this one supersedes (areal.records).
         self._record_event("resumed", step=state.step, checkpoint=state.path,
-                           regenerated_groups=len(state.untrained))
+                           regenerated_groups=len(state.untrained), removed=removed)
 
     def _credentials(self, ctx: zmq.asyncio.Context):
         """(Register secret or None, CurveZMQ server keys or None, key directory or None).
@@ -277,8 +303,11 @@ class Controller:
                                   f"to join at {self.channel.address}")
 
     async def _shutdown(self) -> None:
+        """Shutdown to every worker; `final` (write final_model) only after a finished run."""
+        final = self._summary is not None
         for handle in list(self.pool.by_identity.values()):
-            await self.channel.send(handle.identity, Shutdown(reason="run finished"))
+            await self.channel.send(handle.identity, Shutdown(
+                reason="run finished" if final else "run ended", final=final))
         await asyncio.to_thread(self.pool.stop_all)
 
     # -- the training driver --------------------------------------------------------------------
@@ -307,10 +336,16 @@ class Controller:
             trained, train_s = result
             record = self._report.step_record(step, self.version, groups, trained.stats,
                                               train_s, waited, self)
+            record.update(self.reward_faults.window_metrics())
             self._metrics.record("step", record, step=step)
             self._metrics.progress(step, {k.split("/")[-1]: record[k] for k in (
                 "rollout/reward_mean", "train/loss") if k in record})
             if self._eval_due(step):
+                # Finished ones are let go (a long run would keep every record); a failed
+                # one fails the run here.
+                for task in [t for t in self._periodic_evals if t.done()]:
+                    task.result()
+                self._periodic_evals = [t for t in self._periodic_evals if not t.done()]
                 self._periodic_evals.append(
                     asyncio.create_task(self._evaluate(), name=f"eval-{step}"))
         self._admission_open = False
@@ -327,6 +362,7 @@ class Controller:
         for line in summary_lines(summary):
             self._metrics.console(line)
         self._setup.write_summary(summary)
+        self._summary = summary
         return summary
 
     def _eval_due(self, step: int) -> bool:
@@ -415,7 +451,8 @@ class Controller:
     async def _evaluate(self) -> dict[str, Any]:
         """Generate and score the held-out prompts at the current version; record and return."""
         version = self.version
-        round_id = len(self._eval_rounds)
+        round_id = self._num_eval_rounds
+        self._num_eval_rounds += 1
         state: dict[str, Any] = {"pending": 0, "groups": [], "done": asyncio.Event()}
         self._eval_rounds[round_id] = state
         for prompt, prompt_ids in self._setup.eval_prompts:
@@ -425,6 +462,7 @@ class Controller:
         self.changed.notify()
         start = time.monotonic()
         await state["done"].wait()
+        del self._eval_rounds[round_id]  # its groups (every trajectory) are not kept
         record = eval_record(state["groups"], version, time.monotonic() - start)
         record["perf/train_elapsed_s"] = self._report.train_elapsed()
         self._metrics.record("eval", record, step=version)
@@ -533,14 +571,17 @@ class Controller:
         if handle is None:
             await self.channel.send(identity, Shutdown(reason="registration refused"))
             return
-        latest = self._latest_weights
         trainer = handle.kind is WorkerKind.TRAINER
-        # Disk mode: the newest published version; after a resume, until the first new
-        # version: the checkpoint's weights, whatever the mode.
+        # Disk mode: the newest published version (the newest there is, if it was deleted);
+        # after a resume, until the first new version: the checkpoint's weights, any mode.
         from_disk = self.cfg.weight_sync.mode == "disk" or (
             self.resumed is not None and self.version == self.resumed.version)
+        version, latest = self.version, self._latest_weights
+        if from_disk and not trainer and self.version > 0:
+            version, latest = newest_on_disk(self._setup.run_dir, latest, self.version) \
+                or (self.version, latest)
         await self.channel.send(identity, Welcome(
-            config=self._setup.config_dict, version=self.version,
+            config=self._setup.config_dict, version=version,
             weights_path=latest if from_disk and not trainer else None,
             run_dir=str(self._setup.run_dir),
             checkpoint=self.recovery.checkpoint if trainer else ""))
@@ -585,6 +626,7 @@ class Controller:
         if sample is None:
             log.debug("ignored a stale result %s from %s", msg.request_id, handle.worker_id)
             return
+        handle.num_restarts = 0  # it delivers: a later death is not a crash loop
         self._report.on_generated(sample.trajectory, msg)
         if self.ledger.groups[sample.group_id].purpose is Purpose.TRAIN:
             self.staleness.finish(1)
@@ -600,13 +642,19 @@ class Controller:
         if problem:
             self._refuse(identity, "contradicts the ledger", f"Scored {msg.request_id[:60]!r}: "
                          f"{problem}; scored again")
-            held = self.ledger.held(msg.request_id, identity, Stage.SCORING)
+            held = self.ledger.scoring(msg.request_id, identity)
             if held is not None:
-                held.worker = None
+                self.ledger.retry_scoring(held)
                 await self._send_score(held)
             return
-        group = self.ledger.finish_scoring(msg, identity)
         self._report.on_scored(msg)
+        sample = self.ledger.scoring(msg.request_id, identity)
+        if sample is not None:
+            handle.num_restarts = 0  # it delivers: a later death is not a crash loop
+            await self._judge_score(sample, msg, identity)
+
+    async def _scored(self, group: Group | None) -> None:
+        """`group` (None: not complete yet) has a reward for every sample."""
         if group is not None and group.purpose is Purpose.TRAIN:
             reason = next(filter(None, (check(group) for check in self.group_filters)), None)
             if reason is not None:
@@ -623,6 +671,8 @@ class Controller:
             self._refuse(identity, "unexpected message", f"Trained for step {msg.step}, which "
                          "no step in progress expects")
             return
+        if not msg.replay:
+            handle.num_restarts = 0  # it delivers: a later loss is not a crash loop
         if msg.rank == 0 and not msg.replay:
             # Announce the version here, in the receive loop: in stream mode the trainer's
             # WeightsChunks are the next messages, and they must reach the rollout workers
@@ -648,7 +698,11 @@ class Controller:
 
     async def _on_weights_updated(self, identity: bytes, handle: WorkerHandle,
                                   msg: WeightsUpdated) -> None:
+        if msg.error:
+            self._weights_failed(handle, msg)
+            return
         handle.version = msg.version
+        self.weight_retries.loaded(handle.worker_id)
         self._report.on_weights_updated(msg)
 
     async def _on_worker_error(self, identity: bytes, handle: WorkerHandle,
@@ -681,6 +735,7 @@ class Controller:
                     continue  # restarted meanwhile, with its trainer group
                 await self._lose(handle, "process exited" if handle.process is not None
                                  and handle.process.poll() is not None else "silent")
+            await self._retry_weight_loads()
             await self.groups.tick(self.version, self._interrupt())
             self.peer_log.flush_if_due()
             self.changed.notify()
@@ -706,8 +761,10 @@ class Controller:
                            requeued=len(requeued), rescored=len(rescore))
         self.groups.member_lost(handle)
         self.pool.forget(handle)
-        for sample in rescore:
-            await self._send_score(sample)
+        self.weight_retries.loaded(handle.worker_id)  # a new process starts afresh
+        for sample in rescore:  # an infrastructure failure of each of their checks
+            if self.ledger.scoring(sample.request_id, None) is sample:  # group not dropped
+                await self._judge_score(sample, None, None)
         if handle.kind is WorkerKind.TRAINER:
             await self.trainers.lost(handle, why)
             return

@@ -197,6 +197,11 @@ class Groups:
         await self.channel.send(self._sender().identity,
                                 BroadcastWeights(version=version, generation=self.generation))
 
+    def request_resend(self) -> None:
+        """A member could not load the current version: broadcast it again at the next tick
+        (in a re-formed group)."""
+        self._dirty = self._resend = True
+
     def member_lost(self, handle: WorkerHandle) -> None:
         if handle.identity in self.members:
             self._dirty = True

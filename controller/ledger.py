@@ -53,6 +53,8 @@ class Sample:
     trajectory: Trajectory | None = None
     verdict: Verdict | None = None
     submitted_at: float = 0.0
+    num_score_failures: int = 0
+    """Checks of it that ended without a verdict (controller/reward_faults.py)."""
 
     @property
     def request_id(self) -> str:
@@ -160,10 +162,22 @@ class Ledger:
         assert sample.stage is Stage.SCORING, sample
         sample.worker = worker
 
-    def finish_scoring(self, msg: Scored, worker: bytes) -> Group | None:
+    def scoring(self, request_id: str, worker: bytes | None) -> Sample | None:
+        """The sample `worker` is scoring under `request_id`; None when an answer from it
+        is stale (re-sent elsewhere, dropped, unknown). worker None: a sample whose reward
+        worker was lost."""
+        return self.held(request_id, worker, Stage.SCORING)
+
+    def retry_scoring(self, sample: Sample) -> None:
+        """A check ended without a verdict (an infrastructure failure): the sample stays in
+        scoring, held by no worker, to be sent again."""
+        assert sample.stage is Stage.SCORING, sample
+        sample.worker = None
+
+    def finish_scoring(self, msg: Scored, worker: bytes | None) -> Group | None:
         """Record a reward; returns the group when this completed it."""
-        sample = self.by_request.get(msg.request_id)
-        if sample is None or sample.stage is not Stage.SCORING or sample.worker != worker:
+        sample = self.scoring(msg.request_id, worker)
+        if sample is None:
             return None
         sample.trajectory.reward = msg.reward
         sample.verdict = msg.verdict
@@ -180,7 +194,7 @@ class Ledger:
 
     # -- faults ---------------------------------------------------------------------------------
 
-    def held(self, request_id: str, worker: bytes, stage: Stage) -> Sample | None:
+    def held(self, request_id: str, worker: bytes | None, stage: Stage) -> Sample | None:
         """The sample `worker` holds under `request_id` at `stage`, else None (stale, unknown)."""
         sample = self.by_request.get(request_id)
         if sample is None or sample.stage is not stage or sample.worker != worker:

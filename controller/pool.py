@@ -5,7 +5,8 @@ where one is in force; under CurveZMQ the connection itself is already authentic
 Trainer ranks are unique and below trainer.num_ranks. Local workers are child processes
 started here (`python -m areal.workers.<kind>`), with their credentials (secret or key
 directory) in their environment, their output in `<run_dir>/logs/<worker_id>.log` and their
-devices and CPU cores set from the config. A worker is lost when its process exits or when it has been
+devices and CPU cores set from the config; they die with the controller
+(areal.workers.parent). A worker is lost when its process exits or when it has been
 silent for `controller.heartbeat_timeout_s` after it became ready (its set-up may block it
 for longer: imports, model loading; it holds no work then); the controller then re-queues
 its work and, for a local worker, starts a replacement. A worker that registers again under
@@ -29,6 +30,7 @@ from typing import Callable
 
 from areal.config import RunConfig
 from areal.messages import Register, WorkerKind
+from areal.workers.parent import PARENT_ENV
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +87,7 @@ class WorkerPool:
                                                               rank=rank)
         env = dict(os.environ, PYTHONUNBUFFERED="1", AREAL_LOG_LEVEL=self.cfg.logging.level,
                    TOKENIZERS_PARALLELISM="false")
+        env[PARENT_ENV] = str(os.getpid())  # it dies with this process (workers/parent.py)
         if self.secret is not None:
             env["AREAL_SECRET"] = self.secret
         if self.keys_dir is not None:
@@ -204,16 +207,12 @@ class WorkerPool:
         return [h.process for h in self.expected.values() if h.process is not None]
 
     def stop_all(self, timeout_s: float = 10.0) -> None:
-        """Wait for local workers to exit after Shutdown; terminate, then kill, stragglers."""
+        """Wait for local workers to exit after Shutdown; kill stragglers (they ignore
+        SIGTERM: areal.workers.parent)."""
         deadline = time.monotonic() + timeout_s
         for proc in self.local_processes():
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.terminate()
-        for proc in self.local_processes():
-            try:
-                proc.wait(3)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()

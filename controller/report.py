@@ -36,6 +36,7 @@ class StepReport:
         self.num_interruptions = 0
         self._dropped: collections.Counter = collections.Counter()
         self._dropped_tokens = 0
+        self._dropped_positions: list[int] = []
         self.dropped_total: collections.Counter = collections.Counter()
         """Groups dropped over the run, by reason."""
 
@@ -62,6 +63,7 @@ class StepReport:
         self._dropped[reason] += 1
         self.dropped_total[reason] += 1
         self._dropped_tokens += dropped.num_tokens
+        self._dropped_positions.append(dropped.group.position)
 
     def on_weights_updated(self, msg: WeightsUpdated) -> None:
         self._pauses.append(msg.pause_s)
@@ -108,10 +110,15 @@ class StepReport:
         record["rollout/dropped_tokens"] = self._dropped_tokens
         record.update(episode_metrics(trajs, "episode/"))
         record.update(shaping_metrics(trajs, ctl.cfg))
+        # Draw positions (RunSetup) of the prompt groups trained in this step and dropped
+        # since the last one: every admitted group is accounted for by the records alone.
+        record["rollout/trained_positions"] = [g.position for g in groups]
+        record["rollout/dropped_positions"] = self._dropped_positions
         record.update({f"train/{k}": v for k, v in stats.items()})
         self._window_start, self._generated_tokens = now, 0
         self._pauses, self._verdicts = [], collections.Counter()
         self._dropped, self._dropped_tokens = collections.Counter(), 0
+        self._dropped_positions = []
         return record
 
     def summary(self, before: dict[str, Any], after: dict[str, Any], wall_s: float, steps: int,
@@ -134,6 +141,10 @@ class StepReport:
             "interruptions_total": self.num_interruptions,
             "malformed_messages": ctl.num_malformed,
             "dropped_groups": dict(self.dropped_total),
+            "num_drawn": ctl._setup.num_drawn,
+            "untrained_positions": sorted(ctl.ledger.untrained_positions()
+                                          + ctl._setup.requeued_positions()),
+            "rollout/dropped_positions": list(self._dropped_positions),  # after the last step
         }
 
 

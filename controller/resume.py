@@ -12,15 +12,23 @@ restarts the trainer from it and the rollout workers from its weights, draws the
 prompts again (the untrained groups first, then where the data stopped) and continues at
 step s + 1. Groups in flight or buffered at the checkpoint are generated again; steps
 trained after the checkpoint are trained again.
+
+The resumed run owns the run directory before any worker starts (`clear_after`): weight
+versions and checkpoints the stopped run wrote after the checkpoint are removed (a trainer
+publishing version v + 1 again must not find, and prune in favour of, the old v + 3), and the
+metrics records it supersedes are set aside by readers (areal.records) behind the `resumed`
+event the controller records.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from areal.records import read_records
 from areal.workers.trainer.checkpoint import META, write_json
 
 STATE = "controller.json"
@@ -57,3 +65,40 @@ def find_state(run_dir: str | Path) -> ResumeState:
             return ResumeState(**{**data, "path": str(path.resolve())})
     raise ValueError(f"{root} holds no complete checkpoint to resume from (the trainer saves "
                      "one every trainer.checkpoint_every steps)")
+
+
+def _number(name: str, prefix: str) -> int | None:
+    digits = name.removeprefix(prefix)
+    return int(digits) if name.startswith(prefix) and digits.isdigit() else None
+
+
+def clear_after(run_dir: str | Path, state: ResumeState) -> list[str]:
+    """Remove what the stopped run wrote after `state`'s checkpoint: weight versions newer
+    than its version, checkpoint directories of later steps. Returns what was removed."""
+    removed = []
+    for folder, prefix, limit in (("weights", "v", state.version),
+                                  ("checkpoints", "step_", state.step)):
+        root = Path(run_dir) / folder
+        for path in sorted(root.iterdir()) if root.is_dir() else []:
+            number = _number(path.name, prefix)
+            if number is not None and number > limit:
+                shutil.rmtree(path)
+                removed.append(str(path))
+    return removed
+
+
+def kept_dropped_groups(run_dir: str | Path, state: ResumeState) -> dict[str, int]:
+    """Groups dropped up to `state`'s step, by reason, from the records the resume keeps."""
+    counts: dict[str, int] = {}
+    try:
+        records = read_records(run_dir)
+    except FileNotFoundError:
+        return counts
+    for record in records:
+        if record.get("kind") != "step" or record.get("step", 0) > state.step:
+            continue
+        for key, value in record.items():
+            if key.startswith("rollout/dropped_groups/"):
+                reason = key.removeprefix("rollout/dropped_groups/")
+                counts[reason] = counts.get(reason, 0) + int(value)
+    return counts

@@ -14,6 +14,7 @@ import collections
 import dataclasses
 import itertools
 import json
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,9 +108,22 @@ def resolve_run_dir(cfg: RunConfig) -> Path:
     return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
 
 
-def prepare_run(cfg: RunConfig) -> RunSetup:
+def writable_run_dir(cfg: RunConfig) -> Path:
+    """The run directory, created; ValueError naming it when it cannot be written (read-only,
+    not a directory, no permission), before anything else is done."""
     run_dir = resolve_run_dir(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=run_dir):
+            pass
+    except OSError as err:
+        raise ValueError(f"run_dir={str(run_dir)!r} cannot be written ({err.strerror or err}); "
+                         "give a writable directory (run_dir=...)") from None
+    return run_dir
+
+
+def prepare_run(cfg: RunConfig) -> RunSetup:
+    run_dir = writable_run_dir(cfg)
     if cfg.model.path is None:
         from areal.models.warmstart import ensure_warm_model
 

@@ -35,7 +35,9 @@ from areal.transport import RouterChannel
 log = logging.getLogger(__name__)
 
 MAX_RESTARTS = 3
-"""A local worker that dies more often than this fails the run (its log is named)."""
+"""A worker that dies more often than this in a row, without delivering a result (a
+generation, a score, a trained step) in between, fails the run (its log is named): a crash
+loop. Occasional losses over a long run are each survived."""
 
 
 class RunFailed(RuntimeError):

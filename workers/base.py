@@ -34,6 +34,7 @@ from areal.messages import (
     WorkerKind,
 )
 from areal.transport import DealerChannel, worker_identity
+from areal.workers.parent import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,8 @@ class Worker(ABC):
         self._last_heard = time.monotonic()
         self._tasks: set[asyncio.Task] = set()
         self._ready = False
+        self.finished = False
+        """The controller said the run finished (Shutdown.final): write final artifacts."""
 
     # -- subclass API ---------------------------------------------------------------------------
 
@@ -188,6 +191,7 @@ class Worker(ABC):
                 recv = asyncio.create_task(self.channel.recv())
                 if isinstance(msg, Shutdown):
                     log.info("%s shutting down: %s", self.worker_id, msg.reason)
+                    self.finished = msg.final
                     return REJOIN_EXIT_CODE if msg.rejoin else 0
                 if not isinstance(msg, Heartbeat):
                     await self.handle(msg)
@@ -226,6 +230,7 @@ def worker_main(worker_cls: type[Worker], argv: list[str] | None = None) -> None
     parser.add_argument("--cpus", default=os.environ.get(CPUS_ENV), metavar="LIST",
                         help=f"pin this worker to these CPUs, e.g. 0-3,8 (default ${CPUS_ENV})")
     args = parser.parse_args(argv)
+    die_with_parent()  # a local worker (AREAL_PARENT_PID set) never outlives its controller
     secret = os.environ.get(SECRET_ENV, "")
     keys = None
     if args.keys:

@@ -139,7 +139,10 @@ def gsm8k_answer(answer: Any) -> str:
     final = tail.strip().replace(",", "").replace("$", "").rstrip(".").strip()
     if not final:
         raise _Bad(f"nothing after '####' in the answer: {_short(answer)}")
-    return final
+    if not _NUMBER_RE.fullmatch(final):
+        raise _Bad(f"the final answer after '####' is not a number ({_short(final)}): "
+                   f"{_short(answer)}")
+    return final.replace(" ", "")
 
 
 def _build_gsm8k(values: dict[str, Any]) -> Example:

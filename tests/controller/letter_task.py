@@ -17,8 +17,11 @@ from areal.tasks.base import Prompt, RewardOutcome, Task, Verdict
 class LetterTask(Task):
     name = "letter"
 
-    def __init__(self, letter: str = "a", num_eval: int = 8) -> None:
-        self.letter, self.num_eval = letter, num_eval
+    def __init__(self, letter: str = "a", num_eval: int = 8, flaky: float = 0.0) -> None:
+        """flaky: the chance that a check fails for want of infrastructure (it raises, as a
+        crashed verifier would), drawn anew at every attempt."""
+        self.letter, self.num_eval, self.flaky = letter, num_eval, flaky
+        self._faults = random.Random()
 
     def _prompt(self, rng: random.Random, split: str, index: int) -> Prompt:
         text = "".join(rng.choice("bcdefghij") for _ in range(4)) + ":"
@@ -36,6 +39,8 @@ class LetterTask(Task):
         return [self._prompt(rng, "eval", i) for i in range(self.num_eval)]
 
     def reward(self, completion: str, reference: Any) -> RewardOutcome:
+        if self.flaky and self._faults.random() < self.flaky:
+            raise ConnectionError("the verifier service is unavailable (injected)")
         text = completion.replace("<|endoftext|>", "")
         share = text.count(reference) / len(text) if text else 0.0
         return RewardOutcome(reward=share, verdict=Verdict.OK if share >= 0.5 else Verdict.WRONG)

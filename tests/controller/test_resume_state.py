@@ -1,11 +1,17 @@
-"""Which checkpoint a resume starts from, and the prompt stream drawn again from it."""
+"""Which checkpoint a resume starts from, the prompt stream drawn again from it, and what the
+resumed run clears from the run directory first."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
+
 import pytest
 
-from areal.controller.resume import STATE, ResumeState, find_state, write_state
+from areal.controller.resume import (
+    STATE, ResumeState, clear_after, find_state, kept_dropped_groups, write_state,
+)
+from areal.controller.weight_retry import newest_on_disk
 from areal.controller.setup import RunSetup, _endless
 from areal.tasks.base import Prompt
 from areal.workers.trainer.checkpoint import META, checkpoint_dir
@@ -77,3 +83,46 @@ def test_the_summary_of_a_resumed_run_names_the_steps_it_trained():
     assert "run finished: 6 steps in 12 s" in summary_lines(summary)[1]
     summary["resumed_after_step"] = 4
     assert "run finished: steps 5-6 (resumed) in 12 s" in summary_lines(summary)[1]
+
+
+def _versions(run_dir, *versions):
+    for version in versions:
+        (run_dir / "weights" / f"v{version:06d}").mkdir(parents=True)
+        (run_dir / "weights" / f"v{version:06d}" / "model.safetensors").write_text("")
+
+
+def test_a_resume_removes_what_the_stopped_run_wrote_after_its_checkpoint(tmp_path):
+    _checkpoint(tmp_path, 4)
+    _checkpoint(tmp_path, 8, controller=False)  # complete for the trainer, never resumable
+    _versions(tmp_path, 3, 4, 6, 7)
+    state = find_state(tmp_path)
+    removed = clear_after(tmp_path, state)
+    assert sorted(Path(p).name for p in removed) == ["step_000008", "v000006", "v000007"]
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v000003", "v000004"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000004"]
+    assert clear_after(tmp_path, state) == []
+
+
+def test_the_dropped_groups_a_resume_keeps_are_those_up_to_its_step(tmp_path):
+    lines = [{"kind": "step", "step": s, "rollout/dropped_groups/reward_error": 1}
+             for s in (1, 2, 3)]
+    lines += [{"kind": "event", "event": "resumed", "step": 1, "version": 1},
+              {"kind": "step", "step": 2, "rollout/dropped_groups/stale": 2}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    state = ResumeState(step=2, version=2, drawn=0)
+    assert kept_dropped_groups(tmp_path, state) == {"reward_error": 1, "stale": 2}
+    assert kept_dropped_groups(tmp_path / "nowhere", state) == {}
+
+
+def test_a_worker_gets_the_newest_weights_there_are(tmp_path):
+    _versions(tmp_path, 3, 4, 9)
+    latest = tmp_path / "weights" / "v000005"  # published, then deleted
+    assert newest_on_disk(tmp_path, str(latest), 5) == (4, str(tmp_path / "weights/v000004"))
+    (tmp_path / "weights" / "v000004" / "model.safetensors").unlink()  # a file deleted
+    assert newest_on_disk(tmp_path, str(latest), 5)[0] == 3
+    latest.mkdir()  # there again, but empty (its file deleted)
+    assert newest_on_disk(tmp_path, str(latest), 5)[0] == 3
+    (latest / "model.safetensors").write_text("")
+    assert newest_on_disk(tmp_path, str(latest), 5) == (5, str(latest))
+    assert newest_on_disk(tmp_path, str(latest), 5, below=5)[0] == 3  # 5 failed to load
+    assert newest_on_disk(tmp_path / "nowhere", None, 5) is None

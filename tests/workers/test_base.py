@@ -1,5 +1,7 @@
 """The worker life cycle over a real socket: register, set up, serve, and the exit code a
-Shutdown leads to (a launcher restarts a worker that exits with REJOIN_EXIT_CODE)."""
+Shutdown leads to (a launcher restarts a worker that exits with REJOIN_EXIT_CODE); a worker
+writes final artifacts only when told the run finished, and stops on its own when the
+controller falls silent."""
 
 from __future__ import annotations
 
@@ -25,27 +27,46 @@ class EchoWorker(Worker):
         pass
 
 
+async def _serve_until(shutdown: Shutdown | None, overrides: list[str] = ()):
+    """Run an EchoWorker against a bare ROUTER; after Ready, send `shutdown` (None: stay
+    silent). Returns (exit code, message types seen, Ready's version, the worker)."""
+    ctx = zmq.asyncio.Context()
+    channel = RouterChannel(ctx, "127.0.0.1", 0)
+    worker = EchoWorker(channel.address, "echo-0", secret="s")
+    serving = asyncio.create_task(worker.serve())
+    seen = []
+    try:
+        identity, msg = await asyncio.wait_for(channel.recv(), 10)
+        seen.append(type(msg))
+        await channel.send(identity, Welcome(config=config_to_dict(load_config(
+            overrides=overrides)), version=4))
+        while not isinstance(msg, Ready):
+            identity, msg = await asyncio.wait_for(channel.recv(), 10)
+        seen.append(type(msg))
+        if shutdown is not None:
+            await channel.send(identity, shutdown)
+        return await asyncio.wait_for(serving, 60), seen, msg.version, worker
+    finally:
+        channel.close()
+        ctx.term()
+
+
 @pytest.mark.parametrize("rejoin, code", [(False, 0), (True, REJOIN_EXIT_CODE)])
 def test_shutdown_exit_code_says_whether_to_start_the_worker_again(rejoin, code):
-    async def scenario() -> tuple[int, list[type], int]:
-        ctx = zmq.asyncio.Context()
-        channel = RouterChannel(ctx, "127.0.0.1", 0)
-        worker = EchoWorker(channel.address, "echo-0", secret="s")
-        serving = asyncio.create_task(worker.serve())
-        seen = []
-        try:
-            identity, msg = await asyncio.wait_for(channel.recv(), 10)
-            seen.append(type(msg))
-            await channel.send(identity, Welcome(config=config_to_dict(load_config()), version=4))
-            while not isinstance(msg, Ready):
-                identity, msg = await asyncio.wait_for(channel.recv(), 10)
-            seen.append(type(msg))
-            await channel.send(identity, Shutdown(reason="test", rejoin=rejoin))
-            return await asyncio.wait_for(serving, 10), seen, msg.version
-        finally:
-            channel.close()
-            ctx.term()
-
-    exit_code, seen, version = asyncio.run(scenario())
+    exit_code, seen, version, worker = asyncio.run(
+        _serve_until(Shutdown(reason="test", rejoin=rejoin)))
     assert seen == [Register, Ready] and version == 4
     assert exit_code == code
+    assert not worker.finished
+
+
+def test_only_a_finished_run_asks_for_final_artifacts():
+    exit_code, _, _, worker = asyncio.run(_serve_until(Shutdown(reason="done", final=True)))
+    assert exit_code == 0 and worker.finished
+
+
+def test_a_worker_stops_on_its_own_when_the_controller_falls_silent():
+    exit_code, _, _, worker = asyncio.run(_serve_until(None, [
+        "controller.heartbeat_interval_s=0.1", "controller.heartbeat_timeout_s=0.5"]))
+    assert exit_code == 3  # controller lost
+    assert not worker.finished  # so a trainer writes no final_model

@@ -13,7 +13,9 @@
 Updates are applied one at a time, in version order. In async mode they interrupt
 in-flight sequences, which continue under the new weights (tokens keep the version that
 sampled them); otherwise in-flight sequences finish first. Requests that arrive while an
-update is pending wait for it, so their tokens carry the new version. In collective mode a
+update is pending wait for it, so their tokens carry the new version. A load that fails (a
+version directory gone, a corrupt file) leaves the previous weights in service and is
+reported (WeightsUpdated.error); the controller sends the newest version again. In collective mode a
 version may be broadcast again (the group was re-formed for a new member, or a broadcast
 failed): the worker takes part, and drops what it already serves; a failed receive is
 reported as GroupStatus(FAILED) and requests keep waiting for the version.
@@ -164,9 +166,20 @@ class RolloutWorker(Worker):
                 source = await self._collective_source(update, source)
                 if source is None:
                     continue
+            elif update.version <= self.generator.version:  # sent again after it loaded
+                self.generator.release_hold()
+                continue
             start = time.monotonic()
-            num_interrupted = await self.generator.update_weights(
-                source, update.version, interrupt=update.interrupt)
+            try:
+                num_interrupted = await self.generator.update_weights(
+                    source, update.version, interrupt=update.interrupt)
+            except Exception as err:  # fault boundary: report; the controller sends it again
+                log.error("loading weights version %d failed: %r; serving version %d until "
+                          "the controller sends weights again", update.version, err,
+                          self.generator.version)
+                await self.send(WeightsUpdated(version=update.version,
+                                               error=f"{type(err).__name__}: {err}"))
+                continue
             await self.send(WeightsUpdated(version=update.version,
                                            pause_s=time.monotonic() - start,
                                            num_interrupted=num_interrupted))

@@ -10,13 +10,15 @@ snapshot for the collective broadcast.
   workers when the controller says which group generation to use.
 
 Every function takes (checkpoint name, tensor) pairs (`DataParallel.full_weights`) and
-copies what leaves, so the model may train on once it returns.
+copies what leaves, so the model may train on once it returns. `write_directory` puts a
+whole directory (the final model) in place at once.
 """
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -36,12 +38,15 @@ def publish_to_disk(tensors: NamedTensors, cfg: RunConfig, version: int) -> str:
     """Save `tensors` as weight version `version`; returns the directory."""
     directory = version_dir(cfg.run_dir, version)
     save_tensors(directory, tensors, metadata={"version": str(version)})
-    _prune(Path(cfg.run_dir) / "weights", cfg.weight_sync.keep_versions)
+    _prune(Path(cfg.run_dir) / "weights", cfg.weight_sync.keep_versions, directory)
     return str(directory)
 
 
-def _prune(root: Path, keep: int) -> None:
-    versions = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("v"))
+def _prune(root: Path, keep: int, newest: Path) -> None:
+    """Keep the `keep` newest versions up to `newest` (just published). Newer ones are not
+    this trainer's to judge (a resumed run removes those of the run it continues first)."""
+    versions = sorted(p for p in root.iterdir()
+                      if p.is_dir() and p.name.startswith("v") and p.name <= newest.name)
     for old in versions[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -58,3 +63,22 @@ def stream_chunks(tensors: NamedTensors, cfg: RunConfig, version: int) -> list[W
 def collective_snapshot(tensors: NamedTensors, cfg: RunConfig, version: int) -> WeightSnapshot:
     """`tensors` flattened into CPU buckets for the broadcast, with their manifest."""
     return snapshot_weights(tensors, version, cfg.weight_sync.bucket_mb << 20)
+
+
+def write_directory(target: Path, write: Callable[[Path], None]) -> None:
+    """`write(partial)` fills a fresh directory beside `target`, which then takes its place:
+    readers see the previous complete directory, none, or the new complete one, never a
+    half-written one (a full disk fails the write and leaves `target` as it was)."""
+    partial = target.with_name(f".{target.name}.partial")
+    previous = target.with_name(f".{target.name}.previous")
+    for leftover in (partial, previous):
+        shutil.rmtree(leftover, ignore_errors=True)
+    try:
+        write(partial)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    if target.exists():
+        target.rename(previous)
+    partial.rename(target)
+    shutil.rmtree(previous, ignore_errors=True)

@@ -21,8 +21,10 @@ Blocking work runs on two daemon threads (areal.workers.collective.SerialThread)
 are read) and "weights" (the weights group), so a broadcast overlaps the next step. A rank
 stuck in a collective with a dead peer cannot keep its process alive after Shutdown.
 
-On shutdown after at least one step, rank 0 saves the final policy as a normal Hugging Face
-directory (`<run_dir>/final_model`) with its tokenizer, loadable by transformers or vLLM.
+When the controller ends a finished run (Shutdown.final) after at least one step, rank 0
+saves the final policy as a normal Hugging Face directory (`<run_dir>/final_model`) with its
+tokenizer, loadable by transformers or vLLM; written beside it and renamed into place, so a
+`final_model/` is always complete. Never on its own (a lost controller, a failed run).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from areal.workers.trainer.distributed import DataParallel, resolve_mode
 from areal.workers.trainer.ppo import PPOTrainer
 from areal.workers.trainer.checkpoint import load_checkpoint, read_info, save_checkpoint
 from areal.workers.trainer.publish import (
-    collective_snapshot, publish_to_disk, stream_chunks, version_dir,
+    collective_snapshot, publish_to_disk, stream_chunks, version_dir, write_directory,
 )
 
 log = logging.getLogger(__name__)
@@ -296,10 +298,15 @@ class TrainerWorker(Worker):
             log.warning("rank %d shuts down in the middle of a step; final model not saved",
                         self.rank)
             return
-        if self.rank == 0 and self.version > 0:
+        if self.rank == 0 and self.version > 0 and self.finished:
             target = Path(self.config.run_dir) / "final_model"
-            await asyncio.to_thread(self._save_final, target)
-            log.info("saved the final policy (version %d) to %s", self.version, target)
+            try:
+                await asyncio.to_thread(write_directory, target, self._save_final)
+            except OSError as err:  # a full disk: the previous final_model/ (if any) stays
+                log.error("final policy (version %d) NOT saved to %s: %s", self.version,
+                          target, err)
+            else:
+                log.info("saved the final policy (version %d) to %s", self.version, target)
         self.dp.close()
 
     def _save_final(self, target: Path) -> None:

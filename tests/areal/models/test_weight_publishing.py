@@ -280,3 +280,19 @@ def test_merge_refuses_a_name_in_two_buckets() -> None:
 def test_bucket_limit_must_be_positive() -> None:
     with pytest.raises(ValueError, match=r"max_bytes=0 must be >= 1"):
         list(bucket_tensors({"w": torch.ones(1)}, 0))
+
+
+def test_pruning_never_removes_the_version_just_published(tmp_path: Path) -> None:
+    """A resumed run publishes v5 again while the stopped run's v6 and v7 are still there
+    (before the resume removes them): v5 must survive its own pruning."""
+    from areal.config import load_config
+    from areal.workers.trainer.publish import publish_to_disk
+
+    cfg = load_config(overrides=[f"run_dir={tmp_path}", "weight_sync.keep_versions=2"])
+    tensors = [("w", torch.zeros(2))]
+    for version in (3, 4, 6, 7):
+        publish_to_disk(tensors, cfg, version)
+    published = publish_to_disk(tensors, cfg, 5)
+    assert Path(published).is_dir()
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == [
+        "v000005", "v000006", "v000007"]

@@ -152,6 +152,7 @@ def test_unknown_roles_in_fields_are_refused_with_the_valid_ones():
 @pytest.mark.parametrize("task_cls, bad_row, reason", [
     (GSM8KTask, {"question": "How many?", "answer": "Five, I think."}, "no '#### <number>'"),
     (GSM8KTask, {"question": "", "answer": "#### 3"}, "no question"),
+    (GSM8KTask, {"question": "How many?", "answer": "So.\n#### abc"}, "is not a number ('abc')"),
     (GSM8KTask, {"question": "How many?", "answer": None}, "no answer"),
     (MathTask, {"problem": "Find x.", "solution": "It is five."}, "no \\\\boxed"),
     (CodeTask, {"question": "Add.", "input_output": "{not json"}, "unusable tests"),
