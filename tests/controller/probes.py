@@ -123,8 +123,13 @@ class Pinger:
         return time.monotonic() - start
 
     def close(self) -> None:
-        self.sock.close()
-        self.ctx.term()
+        self.ctx.destroy(linger=0)  # closes its socket, then terminates
+
+    def __enter__(self) -> Pinger:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def ping(address: str, timeout_s: float = 30.0) -> float:

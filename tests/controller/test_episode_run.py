@@ -147,12 +147,16 @@ def test_failing_tools_and_environments_are_outcomes_not_lost_episodes(runs):
     for r in steps:
         ends.update(r["episode/ends"])
         assert r["episode/turns_max"] <= 3 and r["episode/observation_tokens_mean"] > 0
-    assert {"environment", "error", "turn_limit"} <= set(ends), ends
+    assert {"environment", "turn_limit"} <= set(ends), ends
     assert sum(r["episode/tool_errors"] for r in steps) > 0
     verdicts = collections.Counter()
     for r in steps:
         verdicts.update(r["reward/verdicts"])
     assert verdicts["error"] > 0  # the failing environment: 'could not judge', not 'wrong'
+    # ... so its training group is dropped and replaced (reward.on_error=drop, the default):
+    # no episode that ended in an error is trained as a wrong answer.
+    assert "error" not in ends, ends
+    assert sum(r.get("rollout/dropped_groups/reward_error", 0) for r in steps) > 0
     trained = first["ctl"].ledger.trained_group_ids
     assert len(trained) == len(set(trained)) == FIRST * BATCH // GROUP
     evals = [r for r in first["records"] if r["kind"] == "eval"]

@@ -164,8 +164,14 @@ class FakeWorker:
         raise AssertionError(f"no {kind.__name__} within {timeout_s} s")
 
     def close(self) -> None:
-        self.sock.close()
-        self.ctx.term()
+        self.ctx.destroy(linger=0)  # closes its sockets, then terminates
+
+    def __enter__(self) -> FakeWorker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()  # also when the test fails: a context left to the garbage collector
+        # can hang the thread that finalises it (its sockets' weakrefs are cleared first)
 
 
 def _attack(address: str, name: str, *args: int) -> str:
@@ -223,11 +229,11 @@ def live(tmp_path_factory, tiny_model_dir, warnings_seen):
     pool = getattr(run.ctl, "pool", None)
     run.squatted_first = pool is None or not pool.by_identity
     run.wait_for(lambda: run.num_steps() >= 1, "first training step", timeout_s=600)
-    yield run
-    run.stop()
-    for sock in [*monitors, *squatters]:
-        sock.close()
-    ctx.term()
+    try:
+        yield run
+    finally:
+        run.stop()
+        ctx.destroy(linger=0)  # the squatters and their monitors
 
 
 def test_squatters_on_worker_names_do_not_keep_the_workers_out(live):
@@ -241,12 +247,11 @@ def test_heartbeat_bombs_do_not_hold_the_loop(live):
     steps = live.num_steps()
     probes.heartbeat_bombs(live.address, 16)  # unregistered: refused on the type byte
     unregistered_s = probes.ping(live.address)
-    fake = FakeWorker(live.address, WorkerKind.REWARD, "bomber")
-    header = probes.stats_bomb_header()
-    for _ in range(16):  # registered: refused on the header's size, before unpacking
-        fake.sock.send_multipart([bytes([MsgType.HEARTBEAT]), header])
-    registered_s = probes.ping(live.address)
-    fake.close()
+    with FakeWorker(live.address, WorkerKind.REWARD, "bomber") as fake:
+        header = probes.stats_bomb_header()
+        for _ in range(16):  # registered: refused on the header's size, before unpacking
+            fake.sock.send_multipart([bytes([MsgType.HEARTBEAT]), header])
+        registered_s = probes.ping(live.address)
     print(f"answered {unregistered_s:.2f} s / {registered_s:.2f} s after the bombs")
     totals = live.ctl.peer_log.totals
     assert totals["not accepted"] >= 16 and totals["too large"] >= 16, dict(totals)
@@ -282,24 +287,25 @@ def test_floods_write_bounded_warnings_and_records(live, warnings_seen):
 
 
 def test_an_inconsistent_generated_is_dropped_and_the_run_goes_on(live):
-    fake = FakeWorker(live.address, WorkerKind.ROLLOUT, "fake-rollout")
-    fake.send(Ready(version=fake.welcome.version))
-    request = fake.recv_until(Generate)
-    steps = live.num_steps()
-    fake.send(Generated(request_id=request.request_id, output_ids=np.arange(5, dtype=np.int32),
-                        logprobs=np.zeros(3, np.float32), versions=np.zeros(5, np.int32),
-                        finish_reason=FinishReason.LENGTH))
-    fake.send(WorkerError(error="probe finished", fatal=True))  # its other requests go back
-    live.wait_for(lambda: any(r["worker_id"] == "fake-rollout" for r in live.events("worker_lost")),
-                  "the fake worker's loss")
-    refusals = [r for r in live.events("peer_refused") if r["peer"] == "fake-rollout"]
-    assert [r["reason"] for r in refusals] == ["contradicts the ledger"]
-    assert "lengths [5, 3, 5]" in refusals[0]["detail"]
-    live.wait_for(lambda: live.num_steps() > steps + 1, "training steps after the bad message")
-    group_id, index, _ = request.request_id.split("-")
-    group = live.ctl.ledger.groups.get(int(group_id[1:]))
-    assert group is None or group.samples[int(index[1:])].attempt >= 1  # generated again
-    fake.close()
+    with FakeWorker(live.address, WorkerKind.ROLLOUT, "fake-rollout") as fake:
+        fake.send(Ready(version=fake.welcome.version))
+        request = fake.recv_until(Generate)
+        steps = live.num_steps()
+        fake.send(Generated(request_id=request.request_id,
+                            output_ids=np.arange(5, dtype=np.int32),
+                            logprobs=np.zeros(3, np.float32), versions=np.zeros(5, np.int32),
+                            finish_reason=FinishReason.LENGTH))
+        fake.send(WorkerError(error="probe finished", fatal=True))  # its other requests go back
+        live.wait_for(lambda: any(r["worker_id"] == "fake-rollout"
+                                  for r in live.events("worker_lost")), "the fake worker's loss")
+        refusals = [r for r in live.events("peer_refused") if r["peer"] == "fake-rollout"]
+        assert [r["reason"] for r in refusals] == ["contradicts the ledger"]
+        assert "lengths [5, 3, 5]" in refusals[0]["detail"]
+        live.wait_for(lambda: live.num_steps() > steps + 1,
+                      "training steps after the bad message")
+        group_id, index, _ = request.request_id.split("-")
+        group = live.ctl.ledger.groups.get(int(group_id[1:]))
+        assert group is None or group.samples[int(index[1:])].attempt >= 1  # generated again
 
 
 def _forged_headers() -> st.SearchStrategy[bytes]:
@@ -336,26 +342,25 @@ _FRAMES = st.one_of(
 
 
 def test_fuzzed_frames_leave_the_loop_alive_and_memory_bounded(live):
-    fake = FakeWorker(live.address, WorkerKind.REWARD, "fuzzer")
     ctx = zmq.Context()
-    stranger = probes._dealer(ctx, live.address)
-    pinger = probes.Pinger(live.address)
+    with FakeWorker(live.address, WorkerKind.REWARD, "fuzzer") as fake, \
+            probes.Pinger(live.address) as pinger:
+        stranger = probes._dealer(ctx, live.address)
 
-    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    @given(frames=_FRAMES, registered=st.booleans())
-    def check(frames: list[bytes], registered: bool) -> None:
-        (fake.sock if registered else stranger).send_multipart(frames)
-        pinger.ping()  # handled it, and still answers
+        @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None,
+                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+        @given(frames=_FRAMES, registered=st.booleans())
+        def check(frames: list[bytes], registered: bool) -> None:
+            (fake.sock if registered else stranger).send_multipart(frames)
+            pinger.ping()  # handled it, and still answers
 
-    with PeakRss() as rss:
-        check()
+        try:
+            with PeakRss() as rss:
+                check()
+        finally:
+            ctx.destroy(linger=0)
     print(f"{FUZZ_EXAMPLES} fuzzed messages: resident set +{rss.increase_mb:.0f} MB at peak")
     assert rss.increase_mb < 100
-    stranger.close(0)
-    ctx.term()
-    pinger.close()
-    fake.close()
     assert live.thread.is_alive()
     assert not set(SQUATTED_NAMES) & {r["worker_id"] for r in live.events("worker_lost")}
 
