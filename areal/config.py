@@ -394,6 +394,11 @@ class RewardConfig:
 class StalenessConfig:
     eta: int = opt(2, "max policy versions a trajectory may lag the trainer (async mode); "
                    "0 is synchronous-equivalent")
+    strict: bool = opt(False, "also hold the bound where batches are consumed: no trained "
+                       "token was sampled more than eta versions before the version trained; "
+                       "groups that cannot make it are dropped and generated again (cost: "
+                       "rollout/dropped_groups/stale, rollout/dropped_tokens). Off: the bound "
+                       "holds at admission only, and late completions may be staler")
 
     def check(self, key: str) -> None:
         _non_negative(self.eta, f"{key}.eta")
