@@ -235,9 +235,10 @@ class PPOConfig:
         5.0, "cap on w = pi_prox/pi_behav; null: no cap")
     behav_cap_mode: str = opt("mask", "tokens with w above the cap: 'mask' drops them from the "
                               "loss, 'clamp' clips w to the cap", ["mask", "clamp"])
-    prox_logp: str = opt("recompute", "proximal log-probs: 'recompute' (a forward pass) or "
-                         "'loglinear' (interpolated from per-token versions)",
-                         ["recompute", "loglinear"])
+    prox_logp: str = opt("recompute", "proximal log-probs: 'recompute' (a forward pass), "
+                         "'loglinear' (interpolated from per-token versions), or 'behav': "
+                         "naive PPO, the behaviour policy is the anchor (w = 1; for ablations)",
+                         ["recompute", "loglinear", "behav"])
     # Off-policy corrections beyond the paper's (areal.algorithms.corrections; README recipes).
     behav_imp_floor: float | None = opt(
         None, "lower bound on w, handled like the cap by behav_cap_mode (with 'mask' and a cap: "
