@@ -451,6 +451,9 @@ class Controller(FaultRepairs):
             if sample.stage is Stage.GENERATING:
                 by_worker.setdefault(sample.worker, []).append(sample.request_id)
         for identity, request_ids in by_worker.items():
+            handle = self.pool.get(identity)
+            if handle is not None:  # a cancelled request gets no answer: free its slot now
+                handle.in_flight.difference_update(request_ids)
             await self.channel.send(identity, Cancel(request_ids=request_ids))
         self.ledger.pending = type(self.ledger.pending)(
             s for s in self.ledger.pending
