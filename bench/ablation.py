@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import collections
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -80,7 +81,11 @@ def _cell_overrides(args: argparse.Namespace, model_dir: Path, eta: str, column:
 
 
 async def _run_cell(overrides: list[str]) -> dict[str, Any]:
-    ctl = Controller(load_config(overrides=overrides))
+    cfg = load_config(overrides=overrides)
+    # A cell without a result in cells.json starts afresh: a directory left by an
+    # interrupted run would mix its metrics and weight versions into this one.
+    shutil.rmtree(cfg.run_dir, ignore_errors=True)
+    ctl = Controller(cfg)
     run = asyncio.create_task(ctl.run())
     staleness: collections.Counter = collections.Counter()
     async for record in ctl.events():
