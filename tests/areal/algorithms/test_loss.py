@@ -244,6 +244,34 @@ def test_a_token_with_an_undefined_term_is_dropped_not_nan(case, mode, assert_cl
     assert stats.metrics()["train/undefined_frac"] == 1 / stats.num_tokens
 
 
+@pytest.mark.parametrize("options", [dict(policy_loss="gspo"), dict(policy_loss="cispo"),
+                                     dict(behav_imp_level="sequence", behav_imp_cap=None)],
+                         ids=["gspo", "cispo", "sequence_w"])
+def test_an_undefined_term_drops_its_token_or_its_sequence_with_finite_gradients(options,
+                                                                                 assert_close):
+    """GSPO's ratio and a sequence-level w are the sequence's: one pi_prox (or pi_behav) of
+    0 leaves the whole sequence without a value, so the whole sequence is dropped."""
+    inp = _inputs(40, seed=14)
+    inp["loss_mask"][:] = True
+    cu_seqlens = torch.tensor([0, 10, 25, 40])
+    inp["prox_logprobs"][12] = float("-inf")  # in the second sequence
+    if "behav_imp_level" in options:
+        inp["prox_logprobs"][12], inp["behav_logprobs"][12] = -1.0, float("-inf")
+    loss, stats = decoupled_ppo_loss(**inp, **options, cu_seqlens=cu_seqlens)
+    (grad,) = torch.autograd.grad(loss, inp["logprobs"])
+    assert torch.isfinite(grad).all() and math.isfinite(loss.item()), grad
+    dropped = list(range(10, 25)) if options.get("policy_loss") != "cispo" else [12]
+    assert stats.num_undefined == len(dropped), stats
+    assert (grad[dropped] == 0).all() and (grad[:10] != 0).any(), grad
+    kept = torch.ones(40, dtype=torch.bool)
+    kept[dropped] = False
+    without = dict(inp, loss_mask=kept, prox_logprobs=inp["prox_logprobs"].clamp(min=-5.0),
+                   behav_logprobs=inp["behav_logprobs"].clamp(min=-5.0))
+    ref_loss, _ = decoupled_ppo_loss(**without, **options, cu_seqlens=cu_seqlens,
+                                     loss_normalizer=40)
+    assert_close(loss.detach(), ref_loss.detach(), atol=1e-12, what="the rest of the batch")
+
+
 def test_a_zero_behaviour_probability_under_a_clamp_cap_keeps_the_capped_weight(assert_close):
     inp = _inputs(20, seed=12)
     inp["loss_mask"][:] = True
