@@ -119,7 +119,8 @@ def _table(results: Runs, target: float) -> str:
     for mode, runs in results.items():
         summaries = [summary for summary, _ in runs]
         reached = [_time_to_target(records, target) for _, records in runs]
-        reach = "never" if None in reached else t_interval(reached).format(1)
+        reach = ("n/a" if not any(r["kind"] == "eval" and r["version"] > 0 for r in runs[0][1])
+                 else "never" if None in reached else t_interval(reached).format(1))
         lines.append(
             f"{mode:<6} {len(runs):>5} {summaries[0]['steps']:>5} "
             f"{round(sum(s['trained_tokens'] for s in summaries) / len(runs)):>11} "
@@ -178,7 +179,9 @@ def _run_and_evaluate(args: argparse.Namespace, model_dir: Path, mode: str,
           file=sys.stderr)
     before = [r for r in records if r["kind"] == "eval"][:1]  # version 0, before training
     steps = [r for r in records if r["kind"] == "step"]
-    records = steps + before + _evaluate_versions(run_dir, steps, args.eval_every)
+    if args.eval_every > 0:
+        before += _evaluate_versions(run_dir, steps, args.eval_every)
+    records = steps + before
     return summary, sorted(records, key=lambda r: r["perf/train_elapsed_s"])
 
 
@@ -189,13 +192,15 @@ def main() -> int:
                         help="strict: async with staleness.strict=true")
     parser.add_argument("--steps", type=int, default=40, help="training steps of each run")
     parser.add_argument("--eta", type=int, default=2, help="staleness bound of the async run")
-    parser.add_argument("--eval-every", type=int, default=5, help="held-out eval interval")
+    parser.add_argument("--eval-every", type=int, default=5,
+                        help="held-out eval interval (after the runs, for the time to the "
+                        "target); 0: none, the table then has only the final accuracy")
     parser.add_argument("--target", type=float, default=0.6, help="held-out pass@1 target")
     parser.add_argument("--out", type=Path, default=Path("bench/results/speedup"))
     parser.add_argument("overrides", nargs="*", help="key=value applied to both runs")
     args = parser.parse_args()
-    if args.seeds < 1:
-        parser.error("--seeds must be >= 1")
+    if args.seeds < 1 or args.eval_every < 0:
+        parser.error("--seeds must be >= 1 and --eval-every >= 0")
     args.out.mkdir(parents=True, exist_ok=True)
     model_dir = _warm_model(args)
     results: Runs = {mode: [] for mode in args.modes}
