@@ -235,9 +235,10 @@ class PPOConfig:
         5.0, "cap on w = pi_prox/pi_behav; null: no cap")
     behav_cap_mode: str = opt("mask", "tokens with w above the cap: 'mask' drops them from the "
                               "loss, 'clamp' clips w to the cap", ["mask", "clamp"])
-    prox_logp: str = opt("recompute", "proximal log-probs: 'recompute' (a forward pass) or "
-                         "'loglinear' (interpolated from per-token versions)",
-                         ["recompute", "loglinear"])
+    prox_logp: str = opt("recompute", "proximal log-probs: 'recompute' (a forward pass), "
+                         "'loglinear' (interpolated from per-token versions), or 'behav': "
+                         "naive PPO, the behaviour policy is the anchor (w = 1; for ablations)",
+                         ["recompute", "loglinear", "behav"])
     # Off-policy corrections beyond the paper's (areal.algorithms.corrections; README recipes).
     behav_imp_floor: float | None = opt(
         None, "lower bound on w, handled like the cap by behav_cap_mode (with 'mask' and a cap: "
@@ -394,6 +395,11 @@ class RewardConfig:
 class StalenessConfig:
     eta: int = opt(2, "max policy versions a trajectory may lag the trainer (async mode); "
                    "0 is synchronous-equivalent")
+    strict: bool = opt(False, "also hold the bound where batches are consumed: no trained "
+                       "token was sampled more than eta versions before the version trained; "
+                       "groups that cannot make it are dropped and generated again (cost: "
+                       "rollout/dropped_groups/stale, rollout/dropped_tokens). Off: the bound "
+                       "holds at admission only, and late completions may be staler")
 
     def check(self, key: str) -> None:
         _non_negative(self.eta, f"{key}.eta")

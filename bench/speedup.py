@@ -1,14 +1,19 @@
 """Synchronous vs asynchronous RL on the same machine, model, task and number of samples.
 
-    python bench/speedup.py [--steps N] [--eta E] [--target ACC] [--out DIR] [key=value ...]
+    python bench/speedup.py [--seeds N] [--steps N] [--eta E] [--modes sync async strict]
+                            [--target ACC] [--out DIR] [key=value ...]
 
-Both runs use the same code (the synchronous baseline is `mode=sync`: eta = 0, the whole
-batch is generated before training, no interruption), the same warm-started model, the same
+All runs use the same code (the synchronous baseline is `mode=sync`: eta = 0, the whole
+batch is generated before training, no interruption; `strict` is async with
+`staleness.strict=true`), the same warm-started model (built once with seed 1), the same
 long-tailed task setting (completion lengths from a power law, as reasoning traces have) and
-the same `steps x batch_size` samples. Prints, for each mode, the effective training
-throughput (trained tokens per second of training wall time) and their ratio, and the
-training time to reach a target held-out accuracy; saves a plot of held-out accuracy and
-reward against wall time. Extra key=value overrides apply to both runs.
+the same `steps x batch_size` samples. Each mode runs once per seed (1..N; the seed changes
+sampling, data order and the trainer's randomness), one after the other. Prints, for each
+mode, the effective training throughput (trained tokens per second of training wall time),
+the held-out accuracy at the end and the training time to reach a target accuracy, each as
+the mean and 95% Student t-interval over seeds (areal.intervals), and the ratio of each
+mode's throughput to sync's (per seed, then the interval); saves a plot of held-out
+accuracy and reward against wall time. Extra key=value overrides apply to every run.
 
 Held-out accuracy is measured after each run, on the weight versions it published
 (every `--eval-every` steps, greedy, `areal.eval`), not during it: evaluation requests
@@ -31,6 +36,8 @@ import uvloop
 
 from areal.config import load_config
 from areal.controller import Controller
+from areal.intervals import t_interval
+from areal.models.warmstart import ensure_warm_model
 from areal.tasks.arithmetic import ArithmeticTask
 
 LONG_TAIL = {key: ArithmeticTask.long_tail().params()[key] for key in ("min_k", "max_k", "k_alpha")}
@@ -40,14 +47,25 @@ LONG_TAIL_TASK = [*(f"task.params.{key}={value}" for key, value in LONG_TAIL.ite
 completions short, a few ~15x longer), and a token budget that fits the longest."""
 
 
-def _overrides(args: argparse.Namespace, out: Path, mode: str) -> list[str]:
+MODES = {"sync": ["mode=sync"], "async": ["mode=async"],
+         "strict": ["mode=async", "staleness.strict=true"]}
+
+
+def _overrides(args: argparse.Namespace, model_dir: Path, run_dir: Path, mode: str,
+               seed: int) -> list[str]:
     return [
-        *LONG_TAIL_TASK,
-        f"mode={mode}", f"staleness.eta={args.eta}", f"trainer.total_steps={args.steps}",
+        *LONG_TAIL_TASK, *MODES[mode], f"model.path={model_dir}", f"seed={seed}",
+        f"staleness.eta={args.eta}", f"trainer.total_steps={args.steps}",
         "eval.every_steps=0", f"weight_sync.keep_versions={args.steps + 1}",
-        f"run_dir={out / mode}",
-        "logging.progress=false", "logging.tensorboard=false", *args.overrides,
+        f"run_dir={run_dir}", "logging.progress=false", "logging.tensorboard=false",
+        *args.overrides,
     ]
+
+
+def _warm_model(args: argparse.Namespace) -> Path:
+    """The warm-started model every run starts from (the run seed does not change it)."""
+    cfg = load_config(overrides=[*LONG_TAIL_TASK, "seed=1", *args.overrides])
+    return ensure_warm_model(cfg) if cfg.model.path is None else Path(cfg.model.path)
 
 
 async def _run(overrides: list[str]) -> tuple[dict, list[dict]]:
@@ -89,42 +107,59 @@ def _time_to_target(records: list[dict], target: float) -> float | None:
     return None
 
 
-def _table(results: dict[str, tuple[dict, list[dict]]], target: float) -> str:
-    head = (f"{'mode':<6} {'steps':>5} {'trained tok':>11} {'train s':>8} {'tok/s':>8} "
-            f"{'pass@1 0->end':>14} {'s to ' + format(target, '.0%'):>9}")
+Runs = dict[str, list[tuple[dict, list[dict]]]]
+"""Per mode, per seed: (summary, step and eval records sorted by training time)."""
+
+
+def _table(results: Runs, target: float) -> str:
+    reach_head = "s to " + format(target, ".0%")
+    head = (f"{'mode':<6} {'seeds':>5} {'steps':>5} {'trained tok':>11} {'train s':>22} "
+            f"{'tok/s':>20} {'pass@1 end':>22} {reach_head:>22}")
     lines = [head, "-" * len(head)]
-    for mode, (summary, records) in results.items():
-        reach = _time_to_target(records, target)
+    for mode, runs in results.items():
+        summaries = [summary for summary, _ in runs]
+        reached = [_time_to_target(records, target) for _, records in runs]
+        reach = ("n/a" if not any(r["kind"] == "eval" and r["version"] > 0 for r in runs[0][1])
+                 else "never" if None in reached else t_interval(reached).format(1))
         lines.append(
-            f"{mode:<6} {summary['steps']:>5} {summary['trained_tokens']:>11} "
-            f"{summary['train_time_s']:>8.1f} {summary['trained_tokens_per_s']:>8.0f} "
-            f"{summary['eval_pass@1_before']:>6.3f}->{summary['eval_pass@1_after']:<6.3f} "
-            f"{'never' if reach is None else format(reach, '.1f'):>9}")
-    sync, async_ = results["sync"][0], results["async"][0]
-    ratio = async_["trained_tokens_per_s"] / sync["trained_tokens_per_s"]
-    lines.append(f"async / sync effective training throughput: {ratio:.2f}x")
-    reach_s = _time_to_target(results["sync"][1], target)
-    reach_a = _time_to_target(results["async"][1], target)
-    if reach_s is not None and reach_a is not None:
-        lines.append(f"time to {target:.0%} held-out accuracy: sync / async = "
-                     f"{reach_s / reach_a:.2f}x")
+            f"{mode:<6} {len(runs):>5} {summaries[0]['steps']:>5} "
+            f"{round(sum(s['trained_tokens'] for s in summaries) / len(runs)):>11} "
+            f"{t_interval([s['train_time_s'] for s in summaries]).format(1):>22} "
+            f"{t_interval([s['trained_tokens_per_s'] for s in summaries]).format(0):>20} "
+            f"{t_interval([s['eval_pass@1_after'] for s in summaries]).format():>22} "
+            f"{reach:>22}")
+    before = {s['eval_pass@1_before'] for runs in results.values() for s, _ in runs}
+    lines.append(f"mean [95% t-interval] over seeds; held-out pass@1 before training: "
+                 f"{', '.join(f'{b:.3f}' for b in sorted(before))}")
+    if "sync" in results:
+        sync = [s["trained_tokens_per_s"] for s, _ in results["sync"]]
+        for mode, runs in results.items():
+            if mode != "sync":
+                ratios = [s["trained_tokens_per_s"] / base
+                          for (s, _), base in zip(runs, sync, strict=True)]
+                lines.append(f"{mode} / sync effective training throughput (per seed): "
+                             f"{t_interval(ratios).format(2)}x")
     return "\n".join(lines)
 
 
-def _plot(results: dict[str, tuple[dict, list[dict]]], path: Path) -> None:
+def _plot(results: Runs, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (acc, rew) = plt.subplots(1, 2, figsize=(11, 4))
-    for mode, (_, records) in results.items():
-        evals = [r for r in records if r["kind"] == "eval"]
-        steps = [r for r in records if r["kind"] == "step"]
-        acc.plot([r["perf/train_elapsed_s"] for r in evals], [r["eval/pass@1"] for r in evals],
-                 marker="o", label=mode)
-        rew.plot([r["perf/train_elapsed_s"] for r in steps],
-                 [r["rollout/reward_mean"] for r in steps], label=mode)
+    for index, (mode, runs) in enumerate(results.items()):
+        for seed, (_, records) in enumerate(runs, start=1):
+            evals = [r for r in records if r["kind"] == "eval"]
+            steps = [r for r in records if r["kind"] == "step"]
+            label = mode if seed == 1 else None
+            acc.plot([r["perf/train_elapsed_s"] for r in evals],
+                     [r["eval/pass@1"] for r in evals], marker="o", ms=3, alpha=0.7,
+                     color=f"C{index}", label=label)
+            rew.plot([r["perf/train_elapsed_s"] for r in steps],
+                     [r["rollout/reward_mean"] for r in steps], alpha=0.7,
+                     color=f"C{index}", label=label)
     acc.set(xlabel="training wall time (s)", ylabel="held-out pass@1", title="accuracy")
     rew.set(xlabel="training wall time (s)", ylabel="mean reward", title="training reward")
     for ax in (acc, rew):
@@ -134,30 +169,49 @@ def _plot(results: dict[str, tuple[dict, list[dict]]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _run_and_evaluate(args: argparse.Namespace, model_dir: Path, mode: str,
+                      seed: int) -> tuple[dict, list[dict]]:
+    """One timed run, then the held-out accuracy of its published versions."""
+    run_dir = args.out / (mode if args.seeds == 1 else f"{mode}-seed{seed}")
+    start = time.monotonic()
+    summary, records = uvloop.run(_run(_overrides(args, model_dir, run_dir, mode, seed)))
+    print(f"{mode} seed {seed} run finished in {time.monotonic() - start:.0f} s",
+          file=sys.stderr)
+    before = [r for r in records if r["kind"] == "eval"][:1]  # version 0, before training
+    steps = [r for r in records if r["kind"] == "step"]
+    if args.eval_every > 0:
+        before += _evaluate_versions(run_dir, steps, args.eval_every)
+    records = steps + before
+    return summary, sorted(records, key=lambda r: r["perf/train_elapsed_s"])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, default=1, help="runs (seeds 1..N) per mode")
+    parser.add_argument("--modes", nargs="+", default=["sync", "async"], choices=list(MODES),
+                        help="strict: async with staleness.strict=true")
     parser.add_argument("--steps", type=int, default=40, help="training steps of each run")
     parser.add_argument("--eta", type=int, default=2, help="staleness bound of the async run")
-    parser.add_argument("--eval-every", type=int, default=5, help="held-out eval interval")
+    parser.add_argument("--eval-every", type=int, default=5,
+                        help="held-out eval interval (after the runs, for the time to the "
+                        "target); 0: none, the table then has only the final accuracy")
     parser.add_argument("--target", type=float, default=0.6, help="held-out pass@1 target")
     parser.add_argument("--out", type=Path, default=Path("bench/results/speedup"))
     parser.add_argument("overrides", nargs="*", help="key=value applied to both runs")
     args = parser.parse_args()
+    if args.seeds < 1 or args.eval_every < 0:
+        parser.error("--seeds must be >= 1 and --eval-every >= 0")
     args.out.mkdir(parents=True, exist_ok=True)
-    results = {}
-    for mode in ("sync", "async"):
-        start = time.monotonic()
-        summary, records = uvloop.run(_run(_overrides(args, args.out, mode)))
-        print(f"{mode} run finished in {time.monotonic() - start:.0f} s", file=sys.stderr)
-        before = [r for r in records if r["kind"] == "eval"][:1]  # version 0, before training
-        steps = [r for r in records if r["kind"] == "step"]
-        records = steps + before + _evaluate_versions(args.out / mode, steps, args.eval_every)
-        results[mode] = (summary, sorted(records, key=lambda r: r["perf/train_elapsed_s"]))
+    model_dir = _warm_model(args)
+    results: Runs = {mode: [] for mode in args.modes}
+    for seed in range(1, args.seeds + 1):
+        for mode in args.modes:
+            results[mode].append(_run_and_evaluate(args, model_dir, mode, seed))
     table = _table(results, args.target)
     print(table)
     (args.out / "table.txt").write_text(table + "\n")
-    (args.out / "summaries.json").write_text(json.dumps({m: r[0] for m, r in results.items()},
-                                                        indent=2))
+    (args.out / "summaries.json").write_text(json.dumps(
+        {m: [summary for summary, _ in runs] for m, runs in results.items()}, indent=2))
     _plot(results, args.out / "speedup.png")
     print(f"plot: {args.out / 'speedup.png'}")
     return 0

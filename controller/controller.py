@@ -10,6 +10,8 @@
     Scored    --> (handler) --> whole group done --> ledger.buffer (replay buffer)
     ledger.buffer --> [train driver] --Train(shard r of B trajectories, whole groups)--> rank r
                        waits: B trajectories in the buffer, then Trained from every rank;
+                       staleness.strict: earliest deadline first, none past it; groups
+                       that missed it are dropped (strict_staleness.py)
                        then: version + 1, UpdateWeights to every rollout worker (stream mode:
                        the trainer's WeightsChunks are relayed; collective: rank 0 broadcasts
                        in the weights group, see groups.py), metrics, periodic eval
@@ -81,6 +83,7 @@ from areal.controller.trainers import MAX_RESTARTS, RunFailed, Trainers
 from areal.controller.weight_retry import WeightRetries, newest_on_disk
 from areal.controller.reward_faults import RewardFaults
 from areal.controller.faults import FaultRepairs
+from areal.controller import strict_staleness
 from areal.controller.signal import Changed
 
 log = logging.getLogger("areal.controller")
@@ -323,12 +326,10 @@ class Controller(FaultRepairs):
         while step < self.cfg.trainer.total_steps and not self._stopping:
             step += 1
             waited = time.monotonic()
-            await self.changed.wait_for(
-                lambda: len(self.ledger.buffer) >= groups_per_step or self._stopping)
-            if self._stopping:
+            groups = await self._take_batch(groups_per_step)
+            if groups is None:
                 break
             waited = time.monotonic() - waited
-            groups = self.ledger.take_batch(groups_per_step)
             self.staleness.consume(self.cfg.trainer.batch_size)
             result = await self._train_step(step, groups)
             if result is None:  # stopped while a lost trainer was being restored
@@ -364,6 +365,27 @@ class Controller(FaultRepairs):
         self._setup.write_summary(summary)
         self._summary = summary
         return summary
+
+    async def _take_batch(self, num_groups: int) -> list[Group] | None:
+        """Wait for `num_groups` complete training groups and take them; None if stopped.
+        Strict bound: earliest deadline first, none past it (strict_staleness.py)."""
+        while True:
+            await self.changed.wait_for(
+                lambda: len(self.ledger.buffer) >= num_groups or self._stopping)
+            if self._stopping:
+                return None
+            if not self.cfg.staleness.strict:
+                return self.ledger.take_batch(num_groups)
+            await self._drop_expired(list(self.ledger.buffer))
+            if len(self.ledger.buffer) >= num_groups:
+                return self.ledger.take_batch(
+                    num_groups, lambda g: strict_staleness.deadline(g, self.cfg.eta))
+
+    async def _drop_expired(self, groups: list[Group]) -> None:
+        """Strict bound: drop the training groups among `groups` that the version in force
+        can no longer train within eta versions of their oldest token."""
+        for group in strict_staleness.expired_groups(groups, self.version, self.cfg.eta):
+            await self._drop_group(group, strict_staleness.STALE)
 
     def _eval_due(self, step: int) -> bool:
         every = self.cfg.eval.every_steps
@@ -413,6 +435,9 @@ class Controller(FaultRepairs):
                                interrupt=self.cfg.mode == "async" and self.cfg.rollout.interrupt)
         self._stream_chunks = []
         self._latest_weights = trained.weights_path
+        if self.cfg.staleness.strict:
+            await self._drop_expired([*self.ledger.buffer, *(
+                g for g in self.ledger.groups.values() if g.purpose is Purpose.TRAIN)])
         if mode == "collective":
             await self.groups.publish(self.version, trained.manifest, update.interrupt)
         else:
@@ -426,6 +451,9 @@ class Controller(FaultRepairs):
             if sample.stage is Stage.GENERATING:
                 by_worker.setdefault(sample.worker, []).append(sample.request_id)
         for identity, request_ids in by_worker.items():
+            handle = self.pool.get(identity)
+            if handle is not None:  # a cancelled request gets no answer: free its slot now
+                handle.in_flight.difference_update(request_ids)
             await self.channel.send(identity, Cancel(request_ids=request_ids))
         self.ledger.pending = type(self.ledger.pending)(
             s for s in self.ledger.pending
@@ -628,8 +656,13 @@ class Controller(FaultRepairs):
             return
         handle.num_restarts = 0  # it delivers: a later death is not a crash loop
         self._report.on_generated(sample.trajectory, msg)
-        if self.ledger.groups[sample.group_id].purpose is Purpose.TRAIN:
+        group = self.ledger.groups[sample.group_id]
+        if group.purpose is Purpose.TRAIN:
             self.staleness.finish(1)
+            if self.cfg.staleness.strict and strict_staleness.expired(group, self.version,
+                                                                      self.cfg.eta):
+                await self._drop_group(group, strict_staleness.STALE)
+                return
         if msg.episode_end is not None:  # an episode: its environment gave the reward
             self.ledger.start_scoring(sample, identity)
             await self._on_scored(identity, handle, episode_scored(msg))

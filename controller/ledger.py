@@ -21,7 +21,7 @@ from __future__ import annotations
 import collections
 import enum
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -229,11 +229,20 @@ class Ledger:
     def num_buffered(self) -> int:
         return sum(len(g.samples) for g in self.buffer)
 
-    def take_batch(self, num_groups: int) -> list[Group]:
-        """The oldest `num_groups` complete training groups, each handed out once."""
+    def take_batch(self, num_groups: int,
+                   priority: Callable[[Group], float] | None = None) -> list[Group]:
+        """`num_groups` complete training groups, each handed out once: the oldest in the
+        buffer, or with `priority` those with the smallest value (ties: the oldest)."""
         if len(self.buffer) < num_groups:
             raise RuntimeError(f"buffer holds {len(self.buffer)} groups, {num_groups} requested")
-        batch = [self.buffer.popleft() for _ in range(num_groups)]
+        if priority is not None:
+            order = sorted(range(len(self.buffer)), key=lambda i: (priority(self.buffer[i]), i))
+            chosen = set(order[:num_groups])
+            batch = [self.buffer[i] for i in order[:num_groups]]
+            self.buffer = collections.deque(g for i, g in enumerate(self.buffer)
+                                            if i not in chosen)
+        else:
+            batch = [self.buffer.popleft() for _ in range(num_groups)]
         self.trained_group_ids.extend(g.group_id for g in batch)
         return batch
 

@@ -39,6 +39,7 @@ class StepReport:
         self._dropped_positions: list[int] = []
         self.dropped_total: collections.Counter = collections.Counter()
         """Groups dropped over the run, by reason."""
+        self.dropped_tokens_total = 0
 
     def start_training(self) -> None:
         """The clock of training throughput starts (after workers are up and the first
@@ -64,6 +65,7 @@ class StepReport:
         self.dropped_total[reason] += 1
         self._dropped_tokens += dropped.num_tokens
         self._dropped_positions.append(dropped.group.position)
+        self.dropped_tokens_total += dropped.num_tokens
 
     def on_weights_updated(self, msg: WeightsUpdated) -> None:
         self._pauses.append(msg.pause_s)
@@ -145,6 +147,7 @@ class StepReport:
             "untrained_positions": sorted(ctl.ledger.untrained_positions()
                                           + ctl._setup.requeued_positions()),
             "rollout/dropped_positions": list(self._dropped_positions),  # after the last step
+            "dropped_tokens": self.dropped_tokens_total,
         }
 
 

@@ -13,6 +13,9 @@ Contract:
 - Advantages of one group sum to zero (up to rounding) for every estimator.
 - Inputs are never modified; outputs have the rewards' floating dtype (float32 for
   integer rewards).
+- One standard deviation convention throughout: the unbiased (Bessel, n-1) one, as
+  `torch.std` computes by default and TRL, verl and AReaL's group normalisation use; where
+  it is undefined (a single value) the result is 0.
 
 It does not compute per-token (GAE/value-based) advantages, does not know about trajectories
 or configs beyond `AdvantageConfig`, and does not decide which sequences form a batch.
@@ -85,11 +88,11 @@ def normalize_batch(
 ) -> torch.Tensor:
     """[S] or [N] advantages normalised to mean 0 and std 1 over the whole batch.
 
-    Uses the population std (n, not n-1): the batch is the whole population being
-    normalised, and then the result has population std std/(std+eps) ~= 1 exactly as
-    computed. With `mask` (bool, same shape), statistics use the masked entries only and
-    unmasked entries come back as 0.0 (they never enter the loss; a zero cannot leak an
-    un-normalised value). Equal values (or no masked entries) give exactly 0.
+    Uses the unbiased std (n-1), the convention of `group_advantages` (module doc), so the
+    result has sample std std/(std+eps) ~= 1. With `mask` (bool, same shape), statistics use
+    the masked entries only and unmasked entries come back as 0.0 (they never enter the
+    loss; a zero cannot leak an un-normalised value). Equal values, a single value or no
+    masked entries give exactly 0.
     """
     advantages = _as_float(advantages)
     if mask is None:
@@ -105,7 +108,7 @@ def normalize_batch(
     # Shift by the minimum first so that equal values are exact zeros (see module doc).
     shifted = selected - selected.min()
     centered = shifted - shifted.mean()
-    denom = centered.square().mean().sqrt() + eps
+    denom = (centered.square().sum() / max(centered.numel() - 1, 1)).sqrt() + eps
     out = torch.zeros_like(advantages)
     out[mask] = centered / (denom if denom > 0 else 1.0)
     return out

@@ -38,6 +38,14 @@ ranks gives exactly the full-batch statistics; with `fresh` (which tokens the pr
 policy's own version sampled) it also splits the drift between the policies by that
 (`areal.algorithms.drift`).
 
+Log-probs of -inf on a loss token (a probability that underflowed) are allowed and have a
+defined outcome: a token whose term is undefined (r = inf when pi_prox is 0; w = inf when
+pi_behav is 0 and no cap catches it) is dropped like a masked token (it counts in the
+denominator, contributes 0, and is counted in `num_undefined`); for GSPO, whose ratio is
+the sequence's, a pi_prox of 0 drops the whole sequence. NaN anywhere, +inf log-probs or
+infinite advantages on a loss token are refused with an error: they are corrupt data, not
+probabilities.
+
 It does not compute log-probs, advantages or entropies, does not step optimisers and does
 not communicate; `PPOStats.to_tensors` is what a trainer all-reduces.
 """
@@ -66,8 +74,9 @@ class PPOStats:
     CISPO its weight was clipped). `sum_approx_kl` sums the k3 estimator (r - 1) - log r per
     loss token: non-negative and unbiased for KL(pi_prox || pi_theta) when tokens are sampled
     from pi_prox; here they come from pi_behav and are not re-weighted, so it is a drift
-    monitor, exact only when behav = prox. `max_behav_w` is 0 when no token was seen (w > 0,
-    so 0 is the identity). The `*_fresh_*` / `*_stale_*` fields are the drift decomposition
+    monitor, exact only when behav = prox; it skips tokens whose pi_prox is 0.
+    `num_undefined` counts tokens dropped because their term is undefined (module doc).
+    `max_behav_w` is 0 when no token was seen (w > 0, so 0 is the identity). The `*_fresh_*` / `*_stale_*` fields are the drift decomposition
     (`areal.algorithms.drift`), zero when the caller did not say which tokens are fresh.
     """
 
@@ -75,6 +84,7 @@ class PPOStats:
     num_used_tokens: int = 0
     num_capped: int = 0
     num_clipped: int = 0
+    num_undefined: int = 0
     sum_loss: float = 0.0
     """Sum of the per-token objective times its aggregation factor (1 in 'token-mean');
     sum_loss / num_loss_units is the global loss."""
@@ -149,6 +159,7 @@ class PPOStats:
             f"{prefix}behav_w_max": self.max_behav_w,
             f"{prefix}behav_cap_frac": self.num_capped / n,
             f"{prefix}approx_kl": self.sum_approx_kl / n,
+            f"{prefix}undefined_frac": self.num_undefined / n,
             f"{prefix}num_loss_tokens": float(self.num_tokens),
             **drift.drift_metrics(vars(self), prefix, corrections),
         }
@@ -210,12 +221,17 @@ def decoupled_ppo_loss(
 
     theta = logprobs[loss_mask]
     prox = prox_logprobs.detach()[loss_mask]
-    log_w = corrections.log_behav_weight(prox, behav_logprobs.detach()[loss_mask])
+    behav = behav_logprobs.detach()[loss_mask]
+    adv = advantages.detach()[loss_mask]
+    _check_values(prox=prox, behav=behav, advantages=adv)
+    log_w = corrections.log_behav_weight(prox, behav)
     weight = corrections.behav_weight(log_w, segments, level=behav_imp_level,
                                       floor=behav_imp_floor, cap=behav_imp_cap,
                                       mode=behav_cap_mode)
+    weight, undefined = _drop_undefined(weight, prox, segments, policy_loss)
+    finite_prox = prox.masked_fill(~prox.isfinite(), 0.0)  # its tokens are all dropped
     gain, clip_active = corrections.surrogate(
-        theta, prox, advantages.detach()[loss_mask], weight.keep, segments, kind=policy_loss,
+        theta, finite_prox, adv, weight.keep, segments, kind=policy_loss,
         eps_low=eps_clip, eps_high=eps_clip if eps_clip_high is None else eps_clip_high)
     objective = -weight.used[weight.keep] * gain
     factors = aggregation.aggregation_factors(segments, loss_agg_mode, num_tokens,
@@ -225,11 +241,24 @@ def decoupled_ppo_loss(
     loss = objective.sum() / normalizer
 
     log_ratio = logprobs.detach()[loss_mask] - prox
-    stats = _stats(log_ratio, weight, clip_active, objective.detach(), num_units)
+    stats = _stats(log_ratio, weight, undefined, clip_active, objective.detach(), num_units)
     if fresh is not None:
         stats = dataclasses.replace(stats, **_drift(log_w, fresh[loss_mask], weight, clip_active,
                                                     behav_cap_mode))
     return loss, stats
+
+
+def _drop_undefined(weight: corrections.BehavWeight, prox: torch.Tensor,
+                    segments: Segments | None, kind: str
+                    ) -> tuple[corrections.BehavWeight, torch.Tensor]:
+    """(weight without the [L] tokens whose term is undefined, those tokens): r = inf
+    where pi_prox = 0, w = inf where pi_behav = 0 and no bound caught it. GSPO's ratio is
+    its sequence's, so there a pi_prox of 0 drops every token of the sequence."""
+    no_prox = ~prox.isfinite()
+    if kind == "gspo" and bool(no_prox.any()):
+        no_prox = torch.isin(segments.index, segments.index[no_prox])
+    undefined = weight.keep & (no_prox | ~weight.used.isfinite())
+    return dataclasses.replace(weight, keep=weight.keep & ~undefined), undefined
 
 
 def _segments(cu_seqlens: torch.Tensor | None, loss_mask: torch.Tensor, level: str,
@@ -248,15 +277,17 @@ def _segments(cu_seqlens: torch.Tensor | None, loss_mask: torch.Tensor, level: s
 
 
 @torch.no_grad()
-def _stats(log_ratio: torch.Tensor, weight: corrections.BehavWeight, clip_active: torch.Tensor,
-           objective: torch.Tensor, num_units: int) -> PPOStats:
+def _stats(log_ratio: torch.Tensor, weight: corrections.BehavWeight, undefined: torch.Tensor,
+           clip_active: torch.Tensor, objective: torch.Tensor, num_units: int) -> PPOStats:
     """Stats of one call: [L] tensors over loss tokens, [U] over the used ones."""
     w = weight.w
+    log_ratio = log_ratio[log_ratio != torch.inf]  # pi_prox = 0: no finite divergence
     return PPOStats(
         num_tokens=len(w),
         num_used_tokens=int(weight.keep.sum()),
         num_capped=int(weight.outside.sum()),
         num_clipped=int(clip_active.sum()),
+        num_undefined=int(undefined.sum()),
         sum_loss=objective.double().sum().item(),
         sum_behav_w=w.double().sum().item(),
         sum_approx_kl=(torch.expm1(log_ratio) - log_ratio).double().sum().item(),
@@ -282,6 +313,21 @@ def _check_inputs(*tensors: torch.Tensor) -> None:
         raise ValueError(f"decoupled_ppo_loss: all inputs must have the same shape [N], got {shapes}")
     if tensors[-1].dtype != torch.bool:
         raise ValueError(f"decoupled_ppo_loss: loss_mask must be bool, got {tensors[-1].dtype}")
+
+
+def _check_values(**loss_token_values: torch.Tensor) -> None:
+    """Refuse NaN, +inf log-probs and infinite advantages on loss tokens ([L] each)."""
+    for name, values in loss_token_values.items():
+        bad = values.isnan() | (values == float("inf"))
+        if name == "advantages":
+            bad |= values.isinf()
+        if bool(bad.any()):
+            first = int(bad.nonzero()[0])
+            raise ValueError(
+                f"decoupled_ppo_loss: {name} holds {int(bad.sum())} invalid values on loss "
+                f"tokens (the first, loss token {first}, is {values[first].item()}); log-probs "
+                "must be finite or -inf, advantages finite: check the engine's log-probs, the "
+                "trainer's forward pass and the rewards for NaN or corrupted data")
 
 
 def _check_options(eps_clip: float, eps_clip_high: float | None) -> None:

@@ -3,7 +3,8 @@
     advantages (per sequence, broadcast to tokens; given when the batch is one rank's
         shard, since group baselines need the global batch)
     proximal log-probs: a no-grad forward under the weights at the start of the step
-        ('recompute'), or the log-linear interpolation from per-token versions ('loglinear')
+        ('recompute'), the log-linear interpolation from per-token versions ('loglinear'),
+        or the behaviour log-probs themselves ('behav': naive PPO, for ablations)
     for each PPO minibatch (trainer.num_minibatches, balanced by tokens, or as planned by
     areal.algorithms.sharding for a data-parallel shard):
         for each packed micro-batch (token budget trainer.micro_batch_tokens, FFD-balanced):
@@ -154,10 +155,12 @@ class PPOTrainer:
                                        temperature=self.temperature,
                                        chunk_head=self._chunk_head).float().cpu()
             behav = mb.logprobs
-            if prox is None:
-                mb_prox = loglinear_prox_logprobs(behav, logprobs.detach(), mb.versions, version + 1)
-            else:
+            if prox is not None:
                 mb_prox = prox[index]
+            elif self.cfg.ppo.prox_logp == "behav":  # naive PPO: clip around pi_behav, w = 1
+                mb_prox = behav
+            else:
+                mb_prox = loglinear_prox_logprobs(behav, logprobs.detach(), mb.versions, version + 1)
             loss, piece = decoupled_ppo_loss(logprobs, mb_prox, behav, advantages[index],
                                              mb.loss_mask, loss_normalizer=normalizer,
                                              cu_seqlens=mb.cu_seqlens,

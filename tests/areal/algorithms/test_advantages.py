@@ -187,26 +187,35 @@ def test_group_advantages_of_an_empty_batch_are_empty(estimator):
 
 
 def test_normalize_batch_hand_computed(assert_close):
-    # [1, 2, 3]: mean 2, population std sqrt(2/3).
-    out = normalize_batch(torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64), eps=0.0)
-    assert_close(out, torch.tensor([-1.0, 0.0, 1.0], dtype=torch.float64) / math.sqrt(2 / 3),
-                 atol=1e-12)
+    # [1, 2, 4]: mean 7/3, unbiased std sqrt(((16 + 1 + 25) / 9) / 2) = sqrt(7/3).
+    out = normalize_batch(torch.tensor([1.0, 2.0, 4.0], dtype=torch.float64), eps=0.0)
+    expected = (torch.tensor([1.0, 2.0, 4.0], dtype=torch.float64) - 7 / 3) / math.sqrt(7 / 3)
+    assert_close(out, expected, atol=1e-12)
 
 
-def test_normalize_batch_gives_mean_zero_and_population_std_one(assert_close):
+def test_normalize_batch_gives_mean_zero_and_unbiased_std_one(assert_close):
     adv = torch.randn(1000, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 3 + 5
     out = normalize_batch(adv, eps=0.0)
     assert_close(out.mean(), torch.tensor(0.0, dtype=torch.float64), atol=1e-12, what="mean")
-    assert_close(out.std(unbiased=False), torch.tensor(1.0, dtype=torch.float64), atol=1e-12,
-                 what="std")
+    assert_close(out.std(), torch.tensor(1.0, dtype=torch.float64), atol=1e-12, what="std")
+
+
+def test_batch_and_group_normalisation_use_the_same_std_convention(assert_close):
+    # One group spanning the batch: GRPO's group normalisation and the batch one coincide.
+    rewards = torch.tensor([0.0, 1.0, 1.0, 0.5, 3.0], dtype=torch.float64)
+    group = group_advantages(rewards, torch.zeros(5, dtype=torch.long), eps=0.0)
+    assert_close(normalize_batch(rewards, eps=0.0), group, atol=1e-12)
+    assert_close(group, (rewards - rewards.mean()) / rewards.std(), atol=1e-12,
+                 what="torch.std's default (unbiased)")
 
 
 def test_normalize_batch_with_mask_uses_masked_entries_and_zeroes_the_rest(assert_close):
     adv = torch.tensor([100.0, 1.0, -50.0, 3.0], dtype=torch.float64)
     mask = torch.tensor([False, True, False, True])
     out = normalize_batch(adv, mask, eps=0.0)
-    # masked entries [1, 3]: mean 2, population std 1 -> [-1, 1]
-    assert_close(out, torch.tensor([0.0, -1.0, 0.0, 1.0], dtype=torch.float64), atol=1e-12)
+    # masked entries [1, 3]: mean 2, unbiased std sqrt(2) -> [-1, 1] / sqrt(2)
+    expected = torch.tensor([0.0, -1.0, 0.0, 1.0], dtype=torch.float64) / math.sqrt(2)
+    assert_close(out, expected, atol=1e-12)
 
 
 def test_normalize_batch_degenerate_inputs_give_exact_zero():

@@ -202,11 +202,103 @@ def test_infinite_weights_and_garbage_outside_the_loss_give_finite_gradients(ass
     inp["advantages"][out] = float("nan")
     inp["behav_logprobs"][3] = float("-inf")  # w = inf on a loss token
     inp["loss_mask"][3] = True
+    inp["advantages"][3] = 0.5  # a loss token's advantage must be finite
     loss, stats = decoupled_ppo_loss(**inp, eps_clip=0.2, behav_imp_cap=3.0, behav_cap_mode="mask")
     loss.backward()
     grad = inp["logprobs"].grad
     assert math.isfinite(loss.item()) and bool(torch.isfinite(grad).all()), (loss, grad)
     assert grad[3].item() == 0.0 and stats.max_behav_w == math.inf, (grad[3], stats)
+
+
+UNDEFINED_CASES = {
+    # (prox, behav) log-probs of one loss token whose term has no value, and the options
+    "both_zero_probability": (float("-inf"), float("-inf"), dict(behav_imp_cap=3.0)),
+    "both_zero_no_cap": (float("-inf"), float("-inf"), dict(behav_imp_cap=None)),
+    "prox_zero_probability": (float("-inf"), -1.0, dict(behav_imp_cap=None)),
+    "behav_zero_no_cap": (-1.0, float("-inf"), dict(behav_imp_cap=None)),
+}
+
+
+@pytest.mark.parametrize("case", UNDEFINED_CASES)
+@pytest.mark.parametrize("mode", ["mask", "clamp"])
+def test_a_token_with_an_undefined_term_is_dropped_not_nan(case, mode, assert_close):
+    prox, behav, options = UNDEFINED_CASES[case]
+    inp = _inputs(60, seed=11)
+    inp["loss_mask"][7] = True
+    inp["prox_logprobs"][7], inp["behav_logprobs"][7] = prox, behav
+    options = dict(options, eps_clip=0.2, behav_cap_mode=mode)
+    loss, stats = decoupled_ppo_loss(**inp, **options)
+    (grad,) = torch.autograd.grad(loss, inp["logprobs"])
+    # The same as leaving token 7 out of the loss while it still counts in the denominator.
+    without = dict(inp, loss_mask=inp["loss_mask"].clone())
+    without["loss_mask"][7] = False
+    ref_loss, ref_stats = decoupled_ppo_loss(**without, **options,
+                                             loss_normalizer=int(inp["loss_mask"].sum()))
+    (ref_grad,) = torch.autograd.grad(ref_loss, without["logprobs"])
+    assert_close(loss.detach(), ref_loss.detach(), atol=1e-15, what="loss")
+    assert_close(grad, ref_grad, atol=1e-15, what="gradient")
+    assert stats.num_undefined == 1 and stats.num_tokens == ref_stats.num_tokens + 1, stats
+    assert stats.num_used_tokens == ref_stats.num_used_tokens
+    # w itself may be inf (pi_behav = 0); every other statistic stays finite.
+    assert all(math.isfinite(v) for k, v in stats.metrics().items() if "behav_w" not in k)
+    assert stats.metrics()["train/undefined_frac"] == 1 / stats.num_tokens
+
+
+@pytest.mark.parametrize("options", [dict(policy_loss="gspo"), dict(policy_loss="cispo"),
+                                     dict(behav_imp_level="sequence", behav_imp_cap=None)],
+                         ids=["gspo", "cispo", "sequence_w"])
+def test_an_undefined_term_drops_its_token_or_its_sequence_with_finite_gradients(options,
+                                                                                 assert_close):
+    """GSPO's ratio and a sequence-level w are the sequence's: one pi_prox (or pi_behav) of
+    0 leaves the whole sequence without a value, so the whole sequence is dropped."""
+    inp = _inputs(40, seed=14)
+    inp["loss_mask"][:] = True
+    cu_seqlens = torch.tensor([0, 10, 25, 40])
+    inp["prox_logprobs"][12] = float("-inf")  # in the second sequence
+    if "behav_imp_level" in options:
+        inp["prox_logprobs"][12], inp["behav_logprobs"][12] = -1.0, float("-inf")
+    loss, stats = decoupled_ppo_loss(**inp, **options, cu_seqlens=cu_seqlens)
+    (grad,) = torch.autograd.grad(loss, inp["logprobs"])
+    assert torch.isfinite(grad).all() and math.isfinite(loss.item()), grad
+    dropped = list(range(10, 25)) if options.get("policy_loss") != "cispo" else [12]
+    assert stats.num_undefined == len(dropped), stats
+    assert (grad[dropped] == 0).all() and (grad[:10] != 0).any(), grad
+    kept = torch.ones(40, dtype=torch.bool)
+    kept[dropped] = False
+    without = dict(inp, loss_mask=kept, prox_logprobs=inp["prox_logprobs"].clamp(min=-5.0),
+                   behav_logprobs=inp["behav_logprobs"].clamp(min=-5.0))
+    ref_loss, _ = decoupled_ppo_loss(**without, **options, cu_seqlens=cu_seqlens,
+                                     loss_normalizer=40)
+    assert_close(loss.detach(), ref_loss.detach(), atol=1e-12, what="the rest of the batch")
+
+
+def test_a_zero_behaviour_probability_under_a_clamp_cap_keeps_the_capped_weight(assert_close):
+    inp = _inputs(20, seed=12)
+    inp["loss_mask"][:] = True
+    inp["behav_logprobs"][4] = float("-inf")
+    loss, stats = decoupled_ppo_loss(**inp, eps_clip=0.2, behav_imp_cap=2.0,
+                                     behav_cap_mode="clamp")
+    ref_loss, _ = _reference(dict(inp, behav_logprobs=inp["behav_logprobs"].clamp(min=-50.0)),
+                             eps_clip=0.2, behav_imp_cap=2.0, behav_cap_mode="clamp")
+    assert_close(loss.detach(), ref_loss.detach(), atol=1e-12, what="w = inf clamped to 2")
+    assert stats.num_undefined == 0 and stats.num_capped >= 1, stats
+
+
+@pytest.mark.parametrize("name,value", [("prox_logprobs", float("nan")),
+                                        ("behav_logprobs", float("nan")),
+                                        ("prox_logprobs", float("inf")),
+                                        ("advantages", float("-inf")),
+                                        ("advantages", float("nan"))])
+def test_corrupt_values_on_loss_tokens_are_refused_with_their_name(name, value):
+    inp = _inputs(30, seed=13)
+    inp["loss_mask"][5] = True
+    inp[name][5] = value
+    short = name.removesuffix("_logprobs")
+    with pytest.raises(ValueError, match=rf"{short} holds 1 invalid values on loss tokens"):
+        decoupled_ppo_loss(**inp, eps_clip=0.2)
+    inp["loss_mask"][5] = False  # the same value outside the loss mask is ignored
+    loss, _ = decoupled_ppo_loss(**inp, eps_clip=0.2)
+    assert math.isfinite(loss.item())
 
 
 def test_empty_loss_mask_gives_zero_loss_and_zero_gradient():
@@ -266,7 +358,7 @@ def test_stats_metrics_are_namespaced_ratios():
     assert stats.metrics() == {
         "train/loss": -0.3, "train/clip_frac": 0.25, "train/behav_w_mean": 1.2,
         "train/behav_w_max": 4.0, "train/behav_cap_frac": 0.2, "train/approx_kl": 0.05,
-        "train/num_loss_tokens": 10.0,
+        "train/undefined_frac": 0.0, "train/num_loss_tokens": 10.0,
     }
 
 

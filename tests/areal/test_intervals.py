@@ -1,0 +1,40 @@
+"""Student t-intervals over seeds: hand-computed values, the degenerate cases, bad input."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from areal.intervals import t_interval
+
+
+def test_three_seeds_hand_computed():
+    # mean 0.5, s = 0.1, t_{0.975, 2} = 4.30265273 (t tables give 4.303)
+    out = t_interval([0.4, 0.5, 0.6])
+    half = 4.30265273 * 0.1 / math.sqrt(3)
+    assert out.mean == pytest.approx(0.5, abs=1e-15) and out.n == 3
+    assert out.low == pytest.approx(0.5 - half, abs=1e-8)
+    assert out.high == pytest.approx(0.5 + half, abs=1e-8)
+    assert out.format() == f"0.500 [{0.5 - half:.3f}, {0.5 + half:.3f}]"
+
+
+def test_wider_with_more_confidence_narrower_with_more_seeds():
+    values = [0.71, 0.75, 0.69, 0.8, 0.77]
+    assert t_interval(values, 0.99).high > t_interval(values, 0.95).high
+    assert (t_interval(values * 2).high - t_interval(values * 2).low
+            < t_interval(values).high - t_interval(values).low)
+
+
+def test_equal_values_give_a_zero_width_interval_and_one_value_none():
+    out = t_interval([0.9, 0.9, 0.9])
+    assert out.low == out.mean == out.high == pytest.approx(0.9)
+    single = t_interval([0.3])
+    assert single.mean == 0.3 and math.isnan(single.low) and single.format() == "0.300 (n=1)"
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match="at least one value"):
+        t_interval([])
+    with pytest.raises(ValueError, match="confidence=1.5"):
+        t_interval([1.0, 2.0], 1.5)
