@@ -106,12 +106,20 @@ class SimConfig:
         return self.num_accelerators - self.num_rollout_workers * self.rollout_tp
 
     @property
+    def unbounded_eta(self) -> int:
+        """The eta that stands for "unbounded": the run's length in batches plus the
+        concurrency limit in batches. Admission never waits on it within the run (what is in
+        flight is bounded by max_concurrent_prompts); a larger one would only make the
+        controller queue requests that can never be dispatched before the run ends."""
+        return self.steps + math.ceil(self.max_concurrent_prompts / self.num_prompts) + 1
+
+    @property
     def batch_size(self) -> int:
         return self.num_prompts * self.group_size
 
     def to_run_overrides(self, run_dir: str) -> list[str]:
         """The controller's options for this simulated run (areal.config.RunConfig keys)."""
-        eta = self.eta if self.eta is not None else 10 ** 9  # unbounded: never the limit
+        eta = self.eta if self.eta is not None else self.unbounded_eta
         per_worker = math.ceil(self.max_concurrent_prompts * self.group_size
                                / self.num_rollout_workers)
         num_nodes = max(1, self.num_accelerators // 8)

@@ -52,6 +52,11 @@ def _zeros(buffer: np.ndarray, n: int) -> np.ndarray:
     return buffer[:n] if n <= len(buffer) else np.zeros(n, dtype=buffer.dtype)
 
 
+def _resolve(future: asyncio.Future, value: bool) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
 @dataclass(eq=False, kw_only=True)
 class Seq:
     request_id: str
@@ -139,20 +144,22 @@ class SimRollout(SimWorker):
             self.waiting.remove(seq)
 
     def _wake(self) -> None:
-        if self._waker is not None and not self._waker.done():
-            self._waker.set_result(True)
+        if self._waker is not None:
+            _resolve(self._waker, True)
 
     async def _sleep(self, seconds: float) -> tuple[float, bool]:
         """Sleep `seconds` unless woken first; (seconds elapsed, woken)."""
         loop = asyncio.get_running_loop()
-        self._waker = loop.create_future()
-        timer = loop.call_later(seconds, self._waker.set_result, False) if seconds < float("inf") \
-            else None
+        waker = self._waker = loop.create_future()
+        timer = loop.call_later(seconds, _resolve, waker, False) \
+            if seconds < float("inf") else None
         start = loop.time()
-        woken = await self._waker
-        if timer is not None:
-            timer.cancel()
-        self._waker = None
+        try:
+            woken = await waker
+        finally:
+            if timer is not None:
+                timer.cancel()
+            self._waker = None
         return loop.time() - start, woken
 
     # -- the engine -----------------------------------------------------------------------------

@@ -48,6 +48,8 @@ class SimResult:
     config: dict[str, Any]
     step_s: float
     """Steady-state seconds per training step (simulated)."""
+    train_step_s: float
+    """Of which the trainers' own time (Train sent to every rank's Trained), the mean."""
     hours: float
     """report_steps x step_s, in hours."""
     trained_tokens_per_s: float
@@ -172,6 +174,7 @@ def _result(sim: SimConfig, summary: dict[str, Any], steps: list[dict[str, Any]]
     batch = sim.batch_size
     return SimResult(
         config=asdict(sim), step_s=step_s, hours=step_s * sim.report_steps / 3600,
+        train_step_s=sum(r["perf/train_s"] for r in steps[first:last]) / (last - first),
         trained_tokens_per_s=(tokens[last] - tokens[first]) / window,
         generated_tokens_per_s=(marks[last][2] - marks[first][2]) / window,
         step_times=times[1:], staleness=dict(sorted(staleness.items(), key=lambda kv: int(kv[0]))),

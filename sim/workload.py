@@ -18,6 +18,7 @@ whichever server generates it, and again in a request re-queued after a worker l
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import math
 from dataclasses import dataclass
@@ -106,7 +107,9 @@ class SimSetup(RunSetup):
         return ids
 
     async def next_train_prompt(self) -> tuple[int, Prompt, np.ndarray]:
-        """As RunSetup's, without the thread: drawing a simulated prompt does no I/O."""
+        """As RunSetup's, without the thread (drawing a simulated prompt does no I/O), but
+        yielding to the loop as the real one does while its thread runs."""
+        await asyncio.sleep(0)
         return self._next_train_prompt_sync()
 
     def save_batch(self, step: int, version: int, batch: Any) -> None:
