@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from areal.algorithms.advantages import compute_advantages
+from areal.algorithms.shaping import training_batch
 from areal.algorithms.sharding import shard_batch
 from areal.config import load_config
 from areal.controller import Controller
@@ -28,7 +28,8 @@ def _groups(rng: np.random.Generator, num_groups: int, group_size: int) -> list[
             trajectory = Trajectory.from_generation(
                 prompt_id=f"p{g}", group_id=g, prompt_ids=prompt,
                 output_ids=rng.integers(0, 50, n), output_logprobs=-rng.random(n),
-                output_versions=np.sort(rng.integers(0, 3, n)))
+                output_versions=np.sort(rng.integers(0, 3, n)),
+                finish_reason=str(rng.choice(["stop", "length"])))
             trajectory.reward = float(rng.integers(0, 2))
             group.samples.append(Sample(group_id=g, index=i, stage=Stage.DONE,
                                         trajectory=trajectory))
@@ -36,10 +37,9 @@ def _groups(rng: np.random.Generator, num_groups: int, group_size: int) -> list[
     return groups
 
 
-def _reference(groups: list[Group], num_ranks: int, num_minibatches: int) -> list[dict]:
-    batch = pack([t for g in groups for t in g.trajectories()])
-    advantages = compute_advantages(batch.rewards, batch.group_ids,
-                                    load_config().trainer.advantage)
+def _reference(groups: list[Group], cfg, num_ranks: int, num_minibatches: int) -> list[dict]:
+    trajectories = [t for g in groups for t in g.trajectories()]
+    batch, advantages = training_batch(trajectories, pack(trajectories), cfg)
     out = []
     for shard in shard_batch(batch, advantages, num_ranks, num_minibatches):
         part = shard.batch
@@ -49,19 +49,27 @@ def _reference(groups: list[Group], num_ranks: int, num_minibatches: int) -> lis
             cu_seqlens=part.cu_seqlens.numpy(), rewards=part.rewards.numpy(),
             group_ids=part.group_ids.numpy(), advantages=shard.advantages.numpy(),
             minibatch_sizes=shard.minibatch_sizes,
-            minibatch_loss_tokens=shard.minibatch_loss_tokens))
+            minibatch_loss_tokens=shard.minibatch_loss_tokens,
+            minibatch_loss_seqs=shard.minibatch_loss_seqs))
     return out
 
 
-@pytest.mark.parametrize("num_ranks,num_minibatches", [(1, 1), (3, 2), (8, 4), (40, 1)])
-async def test_train_messages_equal_the_pack_and_shard_path(num_ranks, num_minibatches):
+SHAPING = ["trainer.advantage.overlong_buffer=10", "trainer.advantage.mask_truncated=true",
+           "rollout.max_new_tokens=40"]
+
+
+@pytest.mark.parametrize("num_ranks,num_minibatches,shaping", [
+    (1, 1, []), (3, 2, []), (8, 4, SHAPING), (40, 1, SHAPING)])
+async def test_train_messages_equal_the_pack_and_shard_path(num_ranks, num_minibatches,
+                                                            shaping):
     rng = np.random.default_rng(num_ranks)
     groups = _groups(rng, num_groups=6, group_size=4)  # 24 sequences: 40 ranks get some empty
-    ctl = Controller(load_config(overrides=[f"trainer.num_ranks={num_ranks}",
-                                            f"trainer.num_minibatches={num_minibatches}",
-                                            "task.group_size=4", "trainer.batch_size=24"]))
+    cfg = load_config(overrides=[f"trainer.num_ranks={num_ranks}",
+                                 f"trainer.num_minibatches={num_minibatches}",
+                                 "task.group_size=4", "trainer.batch_size=24", *shaping])
+    ctl = Controller(cfg)
     messages = await ctl._train_messages(3, groups)
-    reference = _reference(groups, num_ranks, num_minibatches)
+    reference = _reference(groups, cfg, num_ranks, num_minibatches)
     assert len(messages) == len(reference) == num_ranks
     for msg, ref in zip(messages, reference, strict=True):
         for name, expected in ref.items():
