@@ -50,7 +50,7 @@ import zmq.asyncio
 
 from areal import clock
 from areal.algorithms.sharding import plan_shard_sequences
-from areal.algorithms.shaping import training_targets
+from areal.algorithms.shaping import training_batch, training_targets
 from areal.algorithms.staleness import StalenessController
 from areal.auth import ZapHandler, run_keys, watch_handshakes
 from areal.config import RunConfig, is_loopback
@@ -414,7 +414,8 @@ class Controller(FaultRepairs):
         advantages, masked = training_targets(trajectories, self.cfg)
         advantages, masked = advantages.numpy().astype(np.float32), masked.tolist()
         if self.cfg.logging.save_batches:
-            await asyncio.to_thread(self._setup.save_batch, step, self.version, pack(trajectories))
+            batch, _ = training_batch(trajectories, pack(trajectories), self.cfg)  # as trained
+            await asyncio.to_thread(self._setup.save_batch, step, self.version, batch)
         trainer_cfg = self.cfg.trainer
         plans = plan_shard_sequences(
             [t.num_tokens for t in trajectories],
