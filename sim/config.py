@@ -27,7 +27,7 @@ PLACEMENTS = ("split", "colocated")
 @dataclass(kw_only=True)
 class SimConfig:
     accelerator: str = opt("h800", "accelerator kind, an entry of the cost file (h800, h100, "
-                           "h200, a100; cpu-2core once measured by python -m areal.sim.calibrate)")
+                           "h200, a100, or your own entry in a `costs` file)")
     num_accelerators: int = opt(128, "accelerators in the cluster")
     model: str = opt("1.5b", "model shape, an entry of the cost file (1.5b, 7b, 14b, 32b)")
     mode: str = opt("async", "async: generation and training overlap, bounded by eta; sync: "
@@ -57,9 +57,6 @@ class SimConfig:
     wire: bool = opt(True, "encode and decode every message as on the wire (msgpack + raw "
                      "frames), so the controller pays its real decoding cost")
     costs: str | None = opt(None, "cost parameter file; null: the shipped sim/costs.yaml")
-    calibration: str | None = opt(None, "file of measured entries (python -m areal.sim.calibrate "
-                                  "--out FILE); null: ~/.cache/areal/sim/cpu-2core.yaml if "
-                                  "it exists")
     run_dir: str | None = opt(None, "where the simulated run writes metrics.jsonl; null: a "
                               "temporary directory")
 

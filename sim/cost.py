@@ -39,8 +39,6 @@ import numpy as np
 import yaml
 
 COSTS_FILE = Path(__file__).with_name("costs.yaml")
-CALIBRATION_FILE = Path("~/.cache/areal/sim/cpu-2core.yaml")
-"""Where `python -m areal.sim.calibrate` writes what it measured on this machine."""
 BF16_BYTES = 2
 
 
@@ -271,21 +269,13 @@ def _values(entry: dict[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
-def load_costs(path: str | Path | None = None,
-               calibration: str | Path | None = None) -> dict[str, Any]:
-    """The parameter file (default: the shipped costs.yaml), with the entries a calibration
-    measured (`python -m areal.sim.calibrate`: an accelerator and a model shape) added: from
-    `calibration`, else from the default calibration file if it exists."""
-    costs = yaml.safe_load(Path(path or COSTS_FILE).read_text())
-    measured = Path(calibration) if calibration else CALIBRATION_FILE.expanduser()
-    if calibration and not measured.is_file():
-        raise ValueError(f"calibration file {str(measured)!r} does not exist; run "
-                         "python -m areal.sim.calibrate --out FILE first")
-    if measured.is_file():
-        extra = yaml.safe_load(measured.read_text())
-        for section in ("accelerators", "models"):
-            costs.setdefault(section, {}).update(extra.get(section, {}))
-    return costs
+def load_costs(path: str | Path | None = None) -> dict[str, Any]:
+    """The parameter file (default: the shipped costs.yaml)."""
+    path = Path(path or COSTS_FILE)
+    if not path.is_file():
+        raise ValueError(f"cost file {str(path)!r} does not exist; costs= takes a YAML file "
+                         f"laid out like {COSTS_FILE}")
+    return yaml.safe_load(path.read_text())
 
 
 def accelerator(costs: dict[str, Any], name: str) -> Accelerator:
@@ -302,7 +292,7 @@ def model_shape(costs: dict[str, Any], name: str) -> ModelShape:
 
 
 def efficiency(costs: dict[str, Any], accelerator_name: str) -> Efficiency:
-    """The shared factors, or the accelerator's own measured ones (the CPU machine)."""
+    """The shared factors, or the accelerator's own (an `efficiency` mapping in its entry)."""
     own = _entry(costs, "accelerators", accelerator_name).get("efficiency")
     if own is not None:
         return Efficiency(**_values(own, f"accelerators.{accelerator_name}.efficiency"))

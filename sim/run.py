@@ -135,7 +135,7 @@ async def _watchdog(ctl: Controller, records: list[dict[str, Any]]) -> None:
 
 def simulate(sim: SimConfig, console: io.TextIOBase | None = None) -> SimResult:
     """Simulate `sim`; the controller's console lines go to `console` (default: dropped)."""
-    costs = load_costs(sim.costs, sim.calibration)
+    costs = load_costs(sim.costs)
     cost = cost_model(costs, sim.accelerator, sim.model)
     workload = Workload.from_costs(costs, sim.seed)
     wall = time.perf_counter()

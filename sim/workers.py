@@ -43,7 +43,7 @@ SECRET = "sim"
 
 class Host:
     """Generation and training that share one machine's cores slow each other down by
-    `contention` (measured on the CPU machine; 1 on a GPU cluster, where this does nothing)."""
+    `contention` (an accelerator entry's own efficiency; 1 on a GPU cluster: nothing happens)."""
 
     def __init__(self, contention: float) -> None:
         self.contention = contention

@@ -9,7 +9,7 @@ from areal.sim.cost import (
     model_shape,
 )
 
-COSTS = load_costs(COSTS_FILE, calibration=None)
+COSTS = load_costs(COSTS_FILE)
 
 
 def _model(**eff: float) -> CostModel:
@@ -109,9 +109,9 @@ def test_every_number_in_the_cost_file_has_a_source(tmp_path):
     path = tmp_path / "costs.yaml"
     path.write_text(broken)
     with pytest.raises(ValueError, match="accelerators.h800.hbm_bytes: every number needs"):
-        cost_model(load_costs(path, None), "h800", "1.5b")
+        cost_model(load_costs(path), "h800", "1.5b")
 
 
-def test_a_missing_calibration_file_is_named(tmp_path):
-    with pytest.raises(ValueError, match="python -m areal.sim.calibrate"):
-        load_costs(None, tmp_path / "nope.yaml")
+def test_a_missing_cost_file_is_named(tmp_path):
+    with pytest.raises(ValueError, match="nope.yaml' does not exist; costs= takes"):
+        load_costs(tmp_path / "nope.yaml")

@@ -76,3 +76,19 @@ def test_a_run_past_its_virtual_limit_raises():
 
     with pytest.raises(SimulationStalled, match="limit of 50 virtual seconds"):
         run_virtual(main, limit_s=50.0)
+
+
+def test_shared_cores_slow_work_only_while_the_other_kind_runs():
+    from areal.messages import WorkerKind
+    from areal.sim.workers import Host
+
+    async def main() -> tuple[float, float]:
+        host = Host(contention=2.0)
+        train = asyncio.create_task(host.work(WorkerKind.TRAINER, 3.0))
+        await asyncio.sleep(1.0)  # 1 s alone: 1 s of training done
+        await host.work(WorkerKind.ROLLOUT, 1.0)  # 2 s together, at half speed each
+        generated_at = asyncio.get_running_loop().time()
+        await train  # 2 - 1 = 1 s of training left, alone again
+        return generated_at, asyncio.get_running_loop().time()
+
+    assert run_virtual(main) == (pytest.approx(3.0), pytest.approx(4.0))
