@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 import types
 import typing
@@ -502,9 +503,10 @@ def _array_bytes(value: Any) -> tuple[str, tuple[int, ...], memoryview]:
     """(dtype name, shape, contiguous byte view) of a numpy array or torch tensor."""
     if isinstance(value, np.ndarray):
         arr = value if value.flags.c_contiguous else value.copy(order="C")  # keeps 0-d shape
-        if arr.dtype.name not in _NUMPY_DTYPES:
+        name = _DTYPE_NAMES.get(arr.dtype)  # dtype.name is slow: it showed in profiles
+        if name is None:
             raise MessageError(f"array dtype {arr.dtype} cannot travel; allowed: {_NUMPY_DTYPES}")
-        return arr.dtype.name, arr.shape, memoryview(arr).cast("B")
+        return name, arr.shape, memoryview(arr).cast("B")
     if type(value).__module__.startswith("torch"):
         tensor = value.detach()
         if tensor.device.type != "cpu":
@@ -516,6 +518,21 @@ def _array_bytes(value: Any) -> tuple[str, tuple[int, ...], memoryview]:
         raw = tensor.reshape(-1).view(torch_module().uint8).numpy()
         return dtype, tuple(tensor.shape), memoryview(raw)
     raise MessageError(f"{type(value).__name__} is not an array")
+
+
+_DTYPE_NAMES = {np.dtype(name): name for name in _NUMPY_DTYPES}
+_NUMPY_DTYPE_OBJECTS = {name: np.dtype(name) for name in _NUMPY_DTYPES}
+_SCALARS = (str, int, float, bool, type(None), bytes)
+
+
+@functools.cache
+def _field_names(schema: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(schema))
+
+
+@functools.cache
+def _origin_args(annotation: Any) -> tuple[Any, tuple[Any, ...]]:
+    return typing.get_origin(annotation), typing.get_args(annotation)
 
 
 def torch_module():
@@ -532,6 +549,8 @@ def encode(msg: Any) -> list[Any]:
     buffers: list[memoryview] = []
 
     def pack_value(value: Any) -> Any:
+        if type(value) in _SCALARS:
+            return value
         if isinstance(value, np.ndarray) or type(value).__module__.startswith("torch"):
             dtype, shape, raw = _array_bytes(value)
             buffers.append(raw)
@@ -546,7 +565,7 @@ def encode(msg: Any) -> list[Any]:
             return value.item()
         return value
 
-    header = {f.name: pack_value(getattr(msg, f.name)) for f in dataclasses.fields(msg)}
+    header = {name: pack_value(getattr(msg, name)) for name in _field_names(type(msg))}
     try:
         packed = msgpack.packb(header)
     except TypeError as err:
@@ -558,8 +577,7 @@ def encode(msg: Any) -> list[Any]:
 # Decoding
 
 
-@dataclass(frozen=True)
-class _ArrayRef:
+class _ArrayRef(typing.NamedTuple):  # a tuple: built for every array of every message
     dtype: str
     shape: tuple[int, ...]
     index: int
@@ -595,7 +613,7 @@ def _build_array(ref: _ArrayRef, frames: Sequence[Any], as_tensor: bool, where: 
         dtype = getattr(torch, ref.dtype)
         itemsize = torch.empty(0, dtype=dtype).element_size()
     else:
-        dtype = np.dtype(ref.dtype)
+        dtype = _NUMPY_DTYPE_OBJECTS[ref.dtype]
         itemsize = dtype.itemsize
     if buf.nbytes != count * itemsize:
         raise MessageError(
@@ -615,11 +633,13 @@ def _build_array(ref: _ArrayRef, frames: Sequence[Any], as_tensor: bool, where: 
 
 def _check(value: Any, annotation: Any, frames: Sequence[Any], where: str, used: set[int]) -> Any:
     """Validate `value` against `annotation`, rebuilding arrays; returns the typed value."""
-    origin = typing.get_origin(annotation)
+    if type(value) is annotation:  # a scalar of exactly the declared type (the common case)
+        return value
+    origin, args = _origin_args(annotation)
     if annotation is Any:
         return _plain(value, where)
     if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(annotation)
+        options = args
         if value is None and type(None) in options:
             return None
         (inner,) = [o for o in options if o is not type(None)]
@@ -632,12 +652,14 @@ def _check(value: Any, annotation: Any, frames: Sequence[Any], where: str, used:
         used.add(value.index)
         return _build_array(value, frames, annotation is Tensor, where)
     if origin is list:
-        (inner,) = typing.get_args(annotation)
+        (inner,) = args
         if not isinstance(value, list):
             raise MessageError(f"{where}: expected a list, got {type(value).__name__}")
+        if inner in _SCALARS and all(type(v) is inner for v in value):
+            return value  # e.g. request ids, token ids: nothing to rebuild or convert
         return [_check(v, inner, frames, f"{where}[{i}]", used) for i, v in enumerate(value)]
     if origin is dict:
-        key_type, value_type = typing.get_args(annotation)
+        key_type, value_type = args
         if not isinstance(value, dict) or not all(isinstance(k, key_type) for k in value):
             raise MessageError(f"{where}: expected a mapping with {key_type.__name__} keys")
         return {k: _check(v, value_type, frames, f"{where}.{k}", used) for k, v in value.items()}
@@ -679,9 +701,9 @@ def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_BYTES, *,
         raise MessageError(f"message has {len(frames)} frame(s); at least 2 expected")
     first = frames[0].buffer if hasattr(frames[0], "buffer") else memoryview(frames[0])
     type_frame = first[:8].tobytes()
-    if first.nbytes != 1 or type_frame[0] not in MsgType._value2member_map_:
+    kind = _KINDS.get(type_frame[0]) if first.nbytes == 1 else None
+    if kind is None:
         raise MessageError(f"unknown message type {type_frame!r}")
-    kind = MsgType(type_frame[0])
     if only is not None and kind not in only:
         raise MessageError(f"{kind.name} refused unread: only "
                            f"{', '.join(k.name for k in only)} accepted here", reason="not accepted")
@@ -712,20 +734,32 @@ def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_BYTES, *,
     return _build(schema, header, raw[2:])
 
 
+_KINDS = {kind.value: kind for kind in MsgType}
+
+
+@functools.cache
+def _schema_fields(schema: type) -> tuple[list[tuple[str, Any, bool, str]], frozenset[str]]:
+    """([(field, type hint, required, where)], names) of a schema, resolved once:
+    `get_type_hints` alone cost about two thirds of decoding a small message."""
+    hints = typing.get_type_hints(schema)
+    fields = [(f.name, hints[f.name], f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING, f"{schema.KIND.name}.{f.name}")
+              for f in dataclasses.fields(schema)]
+    return fields, frozenset(f[0] for f in fields)
+
+
 def _build(schema: type, header: dict[str, Any], frames: Sequence[memoryview]) -> Any:
     name = schema.KIND.name
-    hints = typing.get_type_hints(schema)
-    fields = {f.name: f for f in dataclasses.fields(schema)}
-    unknown = set(header) - set(fields)
-    if unknown:
-        raise MessageError(f"{name}: unknown field(s) {sorted(unknown)}")
+    fields, names = _schema_fields(schema)
+    if not names.issuperset(header):
+        raise MessageError(f"{name}: unknown field(s) {sorted(set(header) - names)}")
     values, used = {}, set()
-    for fname, f in fields.items():
+    for fname, hint, required, where in fields:
         if fname not in header:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            if required:
                 raise MessageError(f"{name}: required field {fname!r} missing")
             continue
-        values[fname] = _check(header[fname], hints[fname], frames, f"{name}.{fname}", used)
+        values[fname] = _check(header[fname], hint, frames, where, used)
     if len(used) != len(frames):
         raise MessageError(f"{name}: {len(frames)} array frames sent, {len(used)} referenced")
     return schema(**values)

@@ -75,6 +75,10 @@ class Trajectory:
         `output_loss_mask` [T]: False for observation tokens of an episode, which must carry
         version PROMPT_VERSION; None: every output token was sampled."""
         num_prompt, num_out = len(prompt_ids), len(output_ids)
+        if not num_out == len(output_logprobs) == len(output_versions):
+            raise ValueError(
+                f"trajectory {prompt_id!r}: per-token arrays differ in length (output_ids="
+                f"{num_out}, logprobs={len(output_logprobs)}, versions={len(output_versions)})")
         out_mask = np.ones(num_out, bool) if output_loss_mask is None \
             else np.asarray(output_loss_mask, bool)
         if len(out_mask) == num_out and not out_mask.all():
@@ -83,19 +87,18 @@ class Trajectory:
                 raise ValueError(f"trajectory {prompt_id!r}: observation tokens (loss mask "
                                  f"False) must have version {PROMPT_VERSION}, got "
                                  f"{sorted(set(observed.tolist()))}")
-        return cls(
-            prompt_id=prompt_id,
-            group_id=group_id,
-            token_ids=np.concatenate([np.asarray(prompt_ids, np.int32),
-                                      np.asarray(output_ids, np.int32)]),
-            logprobs=np.concatenate([np.zeros(num_prompt, np.float32),
-                                     np.asarray(output_logprobs, np.float32)]),
-            versions=np.concatenate([np.full(num_prompt, PROMPT_VERSION, np.int32),
-                                     np.asarray(output_versions, np.int32)]),
-            loss_mask=np.concatenate([np.zeros(num_prompt, bool), out_mask]),
-            num_prompt_tokens=num_prompt,
-            finish_reason=finish_reason,
-        )
+        # Filled in place (no temporaries): the controller builds one per finished sample.
+        token_ids = np.empty(num_prompt + num_out, np.int32)
+        token_ids[:num_prompt], token_ids[num_prompt:] = prompt_ids, output_ids
+        logprobs = np.zeros(num_prompt + num_out, np.float32)
+        logprobs[num_prompt:] = output_logprobs
+        versions = np.full(num_prompt + num_out, PROMPT_VERSION, np.int32)
+        versions[num_prompt:] = output_versions
+        loss_mask = np.zeros(num_prompt + num_out, bool)
+        loss_mask[num_prompt:] = out_mask
+        return cls(prompt_id=prompt_id, group_id=group_id, token_ids=token_ids,
+                   logprobs=logprobs, versions=versions, loss_mask=loss_mask,
+                   num_prompt_tokens=num_prompt, finish_reason=finish_reason)
 
     @property
     def num_tokens(self) -> int:
@@ -189,3 +192,30 @@ def pack(trajectories: Sequence[Trajectory]) -> PackedBatch:
         rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
         group_ids=torch.tensor([t.group_id for t in trajectories], dtype=torch.long),
     )
+
+
+def pack_arrays(trajectories: Sequence[Trajectory],
+                masked: Sequence[bool] | None = None) -> dict[str, np.ndarray]:
+    """`pack` as the numpy arrays of a Train message (areal.messages.Train): token_ids,
+    versions and cu_seqlens int32, logprobs and rewards float32, loss_mask bool, group_ids
+    int64. One copy of each trajectory's arrays, none of the whole batch in int64: the
+    controller builds each data-parallel rank's share with it (tens of millions of tokens
+    per step at cluster scale). An empty list gives empty arrays (a rank with no sequence).
+    `masked[i]`: no token of trajectory i is trained on (loss mask all False)."""
+    lengths = np.fromiter((t.num_tokens for t in trajectories), np.int32, len(trajectories))
+
+    def cat(name: str, dtype: type) -> np.ndarray:
+        parts = [getattr(t, name) for t in trajectories]
+        return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
+
+    return {
+        "token_ids": cat("token_ids", np.int32), "logprobs": cat("logprobs", np.float32),
+        "versions": cat("versions", np.int32),
+        "loss_mask": np.concatenate([np.zeros(t.num_tokens, bool) if masked is not None
+                                     and masked[i] else t.loss_mask
+                                     for i, t in enumerate(trajectories)])
+        if trajectories else np.zeros(0, bool),
+        "cu_seqlens": np.concatenate([np.zeros(1, np.int32), np.cumsum(lengths, dtype=np.int32)]),
+        "rewards": np.array([t.reward for t in trajectories], dtype=np.float32),
+        "group_ids": np.array([t.group_id for t in trajectories], dtype=np.int64),
+    }

@@ -43,7 +43,6 @@ import asyncio
 import collections
 import logging
 import secrets
-import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
@@ -51,8 +50,9 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from areal.algorithms.sharding import shard_batch
-from areal.algorithms.shaping import training_batch
+from areal import clock
+from areal.algorithms.sharding import plan_shard_sequences
+from areal.algorithms.shaping import training_batch, training_targets
 from areal.algorithms.staleness import StalenessController
 from areal.auth import ZapHandler, run_keys, watch_handshakes
 from areal.config import RunConfig, is_loopback
@@ -62,7 +62,7 @@ from areal.messages import (
     WorkerKind,
 )
 from areal.transport import PeerMessageError, RouterChannel
-from areal.types import pack
+from areal.types import pack, pack_arrays
 from areal.controller import dynamic_sampling
 from areal.controller.checks import (
     generated_problem, model_vocab_size, scored_problem, sender_problem,
@@ -77,6 +77,8 @@ from areal.controller.recovery import TrainerRecovery
 from areal.controller.resume import (
     ResumeState, clear_after, find_state, kept_dropped_groups, write_state,
 )
+from areal.controller.room import WorkerRoom
+from areal.controller.runtime import Runtime
 from areal.controller.report import StepReport, eval_record, summary_lines
 from areal.controller.setup import RunSetup, prepare_run
 from areal.controller.trainers import MAX_RESTARTS, RunFailed, Trainers
@@ -97,10 +99,14 @@ class Controller(FaultRepairs):
     """Run one training job. Embeddable: `await Controller(cfg).run()` inside any event loop,
     with `events()` streaming every metrics record while it runs."""
 
-    def __init__(self, cfg: RunConfig, *, resume: bool = False) -> None:
-        """`resume`: continue the run in cfg.run_dir from its newest checkpoint (resume.py)."""
+    def __init__(self, cfg: RunConfig, *, resume: bool = False,
+                 runtime: Runtime | None = None) -> None:
+        """`resume`: continue the run in cfg.run_dir from its newest checkpoint (resume.py).
+        `runtime`: where the workers live and how they are reached (runtime.py); None: local
+        processes and remote peers over ZeroMQ."""
         self.cfg = cfg
         self.resume = resume
+        self.runtime = runtime
         self.resumed: ResumeState | None = None
         self._start_step = 0
         self._eval_before: dict[str, Any] | None = None
@@ -137,6 +143,10 @@ class Controller(FaultRepairs):
         """Checks of every training group once it is complete, in order: the first that
         names a reason drops the group (`_drop_group`) instead of training on it."""
         self.group_filters += dynamic_sampling.group_filters(cfg)
+        self._room = {WorkerKind.ROLLOUT: WorkerRoom(cfg.rollout.max_concurrent),
+                      WorkerKind.REWARD: WorkerRoom(None)}
+        """Rollout workers below rollout.max_concurrent and reward workers, least loaded
+        first (room.py)."""
         self._stream_chunks: list[WeightsChunk] = []
         self._latest_weights: str | None = None
         """Weights a joining rollout worker loads first: the newest published version (disk
@@ -146,7 +156,7 @@ class Controller(FaultRepairs):
         self._num_eval_rounds = 0
         self._periodic_evals: list[asyncio.Task] = []
         self._report = StepReport()
-        self._started = time.monotonic()
+        self._started = clock.now()
         self._summary: dict[str, Any] | None = None
 
     # -- public API -----------------------------------------------------------------------------
@@ -172,9 +182,10 @@ class Controller(FaultRepairs):
 
     async def run(self) -> dict[str, Any]:
         """Run to completion; returns the summary (also written to summary.json)."""
-        self._started = time.monotonic()
+        self._started = clock.now()
         try:
-            self._setup = await asyncio.to_thread(prepare_run, self.cfg)
+            self._setup = await asyncio.to_thread(
+                prepare_run if self.runtime is None else self.runtime.prepare_run, self.cfg)
         except BaseException as err:
             self._close_subscribers()
             if isinstance(err, ValueError):  # the task, its data or the model do not fit
@@ -189,20 +200,14 @@ class Controller(FaultRepairs):
                 raise RunFailed(f"cannot resume: {err}") from err
         self._metrics = MetricsSink(self.cfg, self._setup.run_dir, self.cfg.trainer.total_steps,
                                     self._subscribers)
-        self.peer_log = PeerLog(self._record_event)
+        self.peer_log = PeerLog(self._record_event, clock=clock.now)
         self._vocab_size = await asyncio.to_thread(model_vocab_size, self.cfg.model.path)
         self.staleness = StalenessController(self.cfg.trainer.batch_size, self.cfg.eta)
         if self.resumed is not None:
             self._restore_state(self.resumed)
-        ctx = zmq.asyncio.Context()
-        secret, keys, keys_dir = self._credentials(ctx)
-        self.channel = RouterChannel(ctx, self.cfg.controller.host, self.cfg.controller.port,
-                                     self.cfg.controller.max_message_mb << 20, curve=keys)
-        if keys is not None:
-            self._auth_tasks.append(asyncio.create_task(
-                watch_handshakes(self.channel.socket, self.handshake_failures), name="handshakes"))
-        self.pool = WorkerPool(self.cfg, self._setup.run_dir, self.channel.address, secret,
-                               keys_dir, on_refused=self._registration_refused)
+        self.channel, self.pool, disconnect = self._connect() if self.runtime is None \
+            else self.runtime.connect(self.cfg, self._setup)
+        self.pool.on_refused = self._registration_refused
         self.channel.registered = lambda identity: self.pool.get(identity) is not None
         self.groups = Groups(self.cfg, self.channel, self.pool, self._record_event)
         self.trainers = Trainers(self.cfg, self.channel, self.pool, self.groups, self.changed,
@@ -218,9 +223,25 @@ class Controller(FaultRepairs):
             for task in self._auth_tasks:
                 task.cancel()
             await asyncio.gather(*self._auth_tasks, return_exceptions=True)
-            self.channel.close()
-            ctx.term()
+            disconnect()
             self._metrics.close()
+
+    def _connect(self) -> tuple[RouterChannel, WorkerPool, Callable[[], None]]:
+        """The ROUTER socket and the pool of worker processes; and what closes them."""
+        ctx = zmq.asyncio.Context()
+        secret, keys, keys_dir = self._credentials(ctx)
+        channel = RouterChannel(ctx, self.cfg.controller.host, self.cfg.controller.port,
+                                self.cfg.controller.max_message_mb << 20, curve=keys)
+        if keys is not None:
+            self._auth_tasks.append(asyncio.create_task(
+                watch_handshakes(channel.socket, self.handshake_failures), name="handshakes"))
+        pool = WorkerPool(self.cfg, self._setup.run_dir, channel.address, secret, keys_dir)
+
+        def disconnect() -> None:
+            channel.close()
+            ctx.term()
+
+        return channel, pool, disconnect
 
     def _close_subscribers(self) -> None:
         """The run ends before it started: end every `events()` iteration."""
@@ -325,11 +346,11 @@ class Controller(FaultRepairs):
         step = self._start_step
         while step < self.cfg.trainer.total_steps and not self._stopping:
             step += 1
-            waited = time.monotonic()
+            waited = clock.now()
             groups = await self._take_batch(groups_per_step)
             if groups is None:
                 break
-            waited = time.monotonic() - waited
+            waited = clock.now() - waited
             self.staleness.consume(self.cfg.trainer.batch_size)
             result = await self._train_step(step, groups)
             if result is None:  # stopped while a lost trainer was being restored
@@ -354,7 +375,7 @@ class Controller(FaultRepairs):
         await asyncio.gather(*self._periodic_evals)  # their records precede the summary
         after = await self._evaluate()
         summary = self._report.summary(self._eval_before, after,
-                                       time.monotonic() - self._started, step, self)
+                                       clock.now() - self._started, step, self)
         if self.resumed is not None:
             summary["resumed_after_step"] = self.resumed.step
         self.peer_log.flush()
@@ -397,34 +418,39 @@ class Controller(FaultRepairs):
                  WorkerKind.TRAINER: self.cfg.trainer.num_ranks}
         await self.changed.wait_for(
             lambda: all(len(self.pool.ready(k)) >= n for k, n in kinds.items()))
-        self._metrics.console(f"workers ready after {time.monotonic() - self._started:.1f} s")
+        self._metrics.console(f"workers ready after {clock.now() - self._started:.1f} s")
 
     async def _train_step(self, step: int, groups: list[Group]) -> tuple[Trained, float] | None:
         """Send each trainer rank its shard (areal.algorithms.sharding); wait for them all,
         through the loss and restart of ranks (trainers.py). None: the run was stopped."""
         messages = await self._train_messages(step, groups)
-        start = time.monotonic()
+        start = clock.now()
         trained = await self.trainers.run_step(step, messages, lambda: self._stopping)
-        return None if trained is None else (trained, time.monotonic() - start)
+        return None if trained is None else (trained, clock.now() - start)
 
     async def _train_messages(self, step: int, groups: list[Group]) -> list[Train]:
+        """Each rank's share (areal.algorithms.sharding), packed straight from the
+        trajectories into the message's arrays."""
         trajectories = [t for g in groups for t in g.trajectories()]
         # Rewards shaped, advantages, and the loss mask to train on (areal.algorithms.shaping).
-        batch, advantages = training_batch(trajectories, pack(trajectories), self.cfg)
+        advantages, masked = training_targets(trajectories, self.cfg)
+        advantages, masked = advantages.numpy().astype(np.float32), masked.tolist()
         if self.cfg.logging.save_batches:
+            batch, _ = training_batch(trajectories, pack(trajectories), self.cfg)  # as trained
             await asyncio.to_thread(self._setup.save_batch, step, self.version, batch)
         trainer_cfg = self.cfg.trainer
-        shards = shard_batch(batch, advantages, trainer_cfg.num_ranks, trainer_cfg.num_minibatches)
-        return [Train(step=step, version=self.version,
-                      token_ids=part.token_ids.numpy().astype(np.int32),
-                      logprobs=part.logprobs.numpy(), versions=part.versions.numpy().astype(np.int32),
-                      loss_mask=part.loss_mask.numpy(), cu_seqlens=part.cu_seqlens.numpy(),
-                      rewards=part.rewards.numpy(), group_ids=part.group_ids.numpy(),
-                      advantages=shard.advantages.numpy().astype(np.float32),
-                      minibatch_sizes=shard.minibatch_sizes,
-                      minibatch_loss_tokens=shard.minibatch_loss_tokens,
-                      minibatch_loss_seqs=shard.minibatch_loss_seqs)
-                for shard in shards for part in (shard.batch,)]
+        plans = plan_shard_sequences(
+            [t.num_tokens for t in trajectories],
+            [0 if masked[i] else int(np.count_nonzero(t.loss_mask))
+             for i, t in enumerate(trajectories)],
+            trainer_cfg.num_ranks, trainer_cfg.num_minibatches)
+        return [Train(step=step, version=self.version, advantages=advantages[plan.seq_indices],
+                      minibatch_sizes=plan.minibatch_sizes,
+                      minibatch_loss_tokens=plan.minibatch_loss_tokens,
+                      minibatch_loss_seqs=plan.minibatch_loss_seqs,
+                      **pack_arrays([trajectories[i] for i in plan.seq_indices],
+                                    [masked[i] for i in plan.seq_indices]))
+                for plan in plans]
 
     async def _publish(self, trained: Trained) -> None:
         """The trainer published `trained.version`: tell every rollout worker to serve it."""
@@ -451,10 +477,11 @@ class Controller(FaultRepairs):
             if sample.stage is Stage.GENERATING:
                 by_worker.setdefault(sample.worker, []).append(sample.request_id)
         for identity, request_ids in by_worker.items():
-            handle = self.pool.get(identity)
-            if handle is not None:  # a cancelled request gets no answer: free its slot now
-                handle.in_flight.difference_update(request_ids)
             await self.channel.send(identity, Cancel(request_ids=request_ids))
+            handle = self.pool.get(identity)
+            if handle is not None:  # cancelled requests are never answered: free their slots
+                handle.in_flight.difference_update(request_ids)
+                self._room[WorkerKind.ROLLOUT].offer(handle)
         self.ledger.pending = type(self.ledger.pending)(
             s for s in self.ledger.pending
             if self.ledger.groups[s.group_id].purpose is Purpose.EVAL)
@@ -488,10 +515,10 @@ class Controller(FaultRepairs):
                                   Purpose.EVAL, eval_round=round_id, front=True)
             state["pending"] += 1
         self.changed.notify()
-        start = time.monotonic()
+        start = clock.now()
         await state["done"].wait()
         del self._eval_rounds[round_id]  # its groups (every trajectory) are not kept
-        record = eval_record(state["groups"], version, time.monotonic() - start)
+        record = eval_record(state["groups"], version, clock.now() - start)
         record["perf/train_elapsed_s"] = self._report.train_elapsed()
         self._metrics.record("eval", record, step=version)
         self._metrics.console(
@@ -517,25 +544,25 @@ class Controller(FaultRepairs):
             self.changed.notify()
 
     async def _dispatch_loop(self) -> None:
-        capacity = self.cfg.rollout.max_concurrent
         while True:
             await self.changed.wait_for(lambda: (
-                self.ledger.pending and self.pool.least_loaded(WorkerKind.ROLLOUT, capacity))
-                or (self._score_queue and self.pool.least_loaded(WorkerKind.REWARD)))
-            while self._score_queue and self.pool.least_loaded(WorkerKind.REWARD):
+                self.ledger.pending and self._room[WorkerKind.ROLLOUT].peek())
+                or (self._score_queue and self._room[WorkerKind.REWARD].peek()))
+            while self._score_queue and self._room[WorkerKind.REWARD].peek():
                 await self._send_score(self._score_queue.pop(0))
             while self.ledger.pending:
-                worker = self.pool.least_loaded(WorkerKind.ROLLOUT, capacity)
+                worker = self._room[WorkerKind.ROLLOUT].take()
                 if worker is None:
                     break
                 await self._send_generate(self.ledger.pending.popleft(), worker)
+                self._room[WorkerKind.ROLLOUT].offer(worker)
 
     async def _send_generate(self, sample: Sample, worker: WorkerHandle) -> None:
         group = self.ledger.groups[sample.group_id]
         rollout = self.cfg.rollout
         temperature = rollout.temperature if group.purpose is Purpose.TRAIN \
             else self.cfg.eval.temperature
-        self.ledger.start_generation(sample, worker.identity, time.monotonic())
+        self.ledger.start_generation(sample, worker.identity, clock.now())
         worker.in_flight.add(sample.request_id)
         await self.channel.send(worker.identity, Generate(
             request_id=sample.request_id, prompt_ids=group.prompt_ids,
@@ -545,7 +572,7 @@ class Controller(FaultRepairs):
             **episode_fields(self.cfg, group.prompt)))
 
     async def _send_score(self, sample: Sample) -> None:
-        worker = self.pool.least_loaded(WorkerKind.REWARD)
+        worker = self._room[WorkerKind.REWARD].take()
         if worker is None:
             self._score_queue.append(sample)
             return
@@ -555,6 +582,7 @@ class Controller(FaultRepairs):
         await self.channel.send(worker.identity, Score(
             request_id=sample.request_id, prompt_id=group.prompt.prompt_id,
             completion_ids=sample.trajectory.output_ids, reference=group.prompt.reference))
+        self._room[WorkerKind.REWARD].offer(worker)
 
     # -- receiving ------------------------------------------------------------------------------
 
@@ -573,7 +601,7 @@ class Controller(FaultRepairs):
                 continue
             handle = self.pool.get(identity)
             if handle is not None:
-                handle.last_seen = time.monotonic()
+                handle.last_seen = clock.now()
             handler = handlers.get(type(msg))
             problem = sender_problem(msg, handle) if handler else f"{type(msg).__name__} is not " \
                 "a message to the controller"
@@ -581,6 +609,8 @@ class Controller(FaultRepairs):
                 self._refuse(identity, "unexpected message", problem)
                 continue
             await handler(identity, handle, msg)
+            if handle is not None and handle.kind in self._room:
+                self._room[handle.kind].offer(handle)  # it may have finished work or be ready
             self.changed.notify()
 
     def _refuse(self, identity: bytes, reason: str, detail: str) -> None:

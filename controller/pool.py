@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from areal import clock
 from areal.config import RunConfig
 from areal.messages import Register, WorkerKind
 from areal.workers.parent import PARENT_ENV
@@ -47,7 +48,7 @@ class WorkerHandle:
     process: subprocess.Popen | None = None
     ready: bool = False
     version: int = 0
-    last_seen: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=clock.now)
     in_flight: set[str] = field(default_factory=set)
     num_restarts: int = 0
     pid: int = 0
@@ -100,7 +101,7 @@ class WorkerPool:
                 [sys.executable, "-m", f"areal.workers.{kind.value}", "--connect", self.address,
                  "--worker-id", worker_id, "--rank", str(rank)],
                 env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        handle.ready, handle.identity, handle.last_seen = False, None, time.monotonic()
+        handle.ready, handle.identity, handle.last_seen = False, None, clock.now()
         self.expected[worker_id] = handle
         log.info("started %s (pid %d)", worker_id, handle.process.pid)
         return handle
@@ -145,7 +146,7 @@ class WorkerPool:
             if msg.worker_id in self.expected:  # a remote worker reusing a name: make it unique
                 handle.worker_id = f"{msg.worker_id}@{identity.hex()[-8:]}"
         handle.identity, handle.kind, handle.rank = identity, msg.kind, msg.rank
-        handle.pid, handle.host, handle.last_seen = msg.pid, msg.host, time.monotonic()
+        handle.pid, handle.host, handle.last_seen = msg.pid, msg.host, clock.now()
         self.by_identity[identity] = handle
         log.info("%s registered (%r, pid %d)", handle.worker_id, msg.host, msg.pid)
         return handle
@@ -180,14 +181,9 @@ class WorkerPool:
     def ready(self, kind: WorkerKind) -> list[WorkerHandle]:
         return [h for h in self.by_identity.values() if h.kind is kind and h.ready]
 
-    def least_loaded(self, kind: WorkerKind, capacity: int | None = None) -> WorkerHandle | None:
-        candidates = [h for h in self.ready(kind)
-                      if capacity is None or len(h.in_flight) < capacity]
-        return min(candidates, key=lambda h: len(h.in_flight), default=None)
-
     def lost(self, timeout_s: float) -> list[WorkerHandle]:
         """Ready workers silent for too long, and local processes that exited."""
-        now, out = time.monotonic(), []
+        now, out = clock.now(), []
         for handle in self.expected.values():
             if handle.process is not None and handle.process.poll() is not None:
                 out.append(handle)

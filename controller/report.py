@@ -8,11 +8,11 @@ summary states held-out accuracy before and after training and the wall time.
 from __future__ import annotations
 
 import collections
-import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from areal import clock
 from areal.algorithms.shaping import shaping_metrics
 from areal.evaluation import summarize
 from areal.messages import Generated, Scored, WeightsUpdated
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 class StepReport:
     def __init__(self) -> None:
-        self._window_start = time.monotonic()
+        self._window_start = clock.now()
         self._train_start: float | None = None
         self._last_step_at: float | None = None
         self._generated_tokens = 0
@@ -44,11 +44,11 @@ class StepReport:
     def start_training(self) -> None:
         """The clock of training throughput starts (after workers are up and the first
         evaluation is done); generation counted from here on too."""
-        self._train_start = self._window_start = time.monotonic()
+        self._train_start = self._window_start = clock.now()
         self._generated_tokens = 0
 
     def train_elapsed(self) -> float:
-        return time.monotonic() - self._train_start if self._train_start else 0.0
+        return clock.now() - self._train_start if self._train_start else 0.0
 
     def on_generated(self, trajectory: Trajectory, msg: Generated) -> None:
         """Every completed generation (trained or not) counts toward throughput (sampled
@@ -72,7 +72,7 @@ class StepReport:
 
     def step_record(self, step: int, version: int, groups: list[Group], stats: dict[str, float],
                     train_s: float, waited_s: float, ctl: "Controller") -> dict[str, Any]:
-        now = self._last_step_at = time.monotonic()
+        now = self._last_step_at = clock.now()
         trajs = [t for g in groups for t in g.trajectories()]
         trained_version = version - 1  # the batch was trained at the version before publishing
         staleness = [trained_version - t.oldest_version() for t in trajs]

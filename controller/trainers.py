@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any, Awaitable, Callable
 
+from areal import clock
 from areal.config import RunConfig
 from areal.controller.groups import GroupError, Groups
 from areal.controller.pool import WorkerHandle, WorkerPool, stop_process
@@ -111,7 +111,7 @@ class Trainers:
 
     async def _ensure(self, step: int, stopping: Callable[[], bool]) -> bool:
         restores = self.recovery.num_restores
-        start = time.monotonic()
+        start = clock.now()
         await self.changed.wait_for(lambda: stopping() or len(
             self.pool.ready(WorkerKind.TRAINER)) >= self.cfg.trainer.num_ranks)
         if stopping():
@@ -129,7 +129,7 @@ class Trainers:
             last = await self._send(messages)
         self.formed = True
         if restores:
-            seconds = time.monotonic() - start
+            seconds = clock.now() - start
             self.record_event(
                 "trainer_restored", checkpoint=self.recovery.checkpoint,
                 replayed_steps=len(replays), restore_s=round(seconds, 3),

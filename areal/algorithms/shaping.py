@@ -80,11 +80,23 @@ def mask_sequences(batch: PackedBatch, masked: torch.Tensor) -> PackedBatch:
 def training_batch(trajectories: Sequence[Trajectory], batch: PackedBatch, cfg: RunConfig
                    ) -> tuple[PackedBatch, torch.Tensor]:
     """(batch with the loss mask to train on, [S] advantages) of `batch` = pack(trajectories)."""
-    adv_cfg = cfg.trainer.advantage
-    advantages = compute_advantages(shaped_rewards(trajectories, cfg), batch.group_ids, adv_cfg)
-    if adv_cfg.mask_truncated:
-        batch = mask_sequences(batch, truncated(trajectories))
+    advantages, masked = training_targets(trajectories, cfg)
+    if cfg.trainer.advantage.mask_truncated:
+        batch = mask_sequences(batch, masked)
     return batch, advantages
+
+
+def training_targets(trajectories: Sequence[Trajectory], cfg: RunConfig
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """([S] advantages, [S] bool: sequences none of whose tokens is trained on): what
+    `training_batch` decides, without a packed batch (the controller packs each rank's
+    share straight from the trajectories)."""
+    adv_cfg = cfg.trainer.advantage
+    group_ids = torch.tensor([t.group_id for t in trajectories], dtype=torch.long)
+    advantages = compute_advantages(shaped_rewards(trajectories, cfg), group_ids, adv_cfg)
+    masked = truncated(trajectories) if adv_cfg.mask_truncated \
+        else torch.zeros(len(trajectories), dtype=torch.bool)
+    return advantages, masked
 
 
 def has_advantage_spread(trajectories: Sequence[Trajectory], cfg: RunConfig) -> bool:

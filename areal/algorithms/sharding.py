@@ -78,27 +78,44 @@ def plan_shards(lengths: list[int], num_ranks: int, num_minibatches: int
     return plan
 
 
+@dataclass(kw_only=True)
+class ShardPlan:
+    """Which sequences of the batch one rank trains on: `Shard` without the data."""
+
+    seq_indices: list[int]
+    minibatch_sizes: list[int]
+    minibatch_loss_tokens: list[int]
+    minibatch_loss_seqs: list[int]
+
+
+def plan_shard_sequences(lengths: list[int], loss_tokens: list[int], num_ranks: int,
+                         num_minibatches: int) -> list[ShardPlan]:
+    """The R ranks' sequences (`plan_shards`) with the global per-minibatch loss tokens and
+    loss sequences, from the sequences' lengths and loss tokens alone."""
+    plan = plan_shards(lengths, num_ranks, num_minibatches)
+    totals = [sum(loss_tokens[i] for rank in plan for i in rank[m])
+              for m in range(len(plan[0]))]
+    seq_totals = [sum(loss_tokens[i] > 0 for rank in plan for i in rank[m])
+                  for m in range(len(plan[0]))]
+    return [ShardPlan(seq_indices=[i for piece in pieces for i in piece],
+                      minibatch_sizes=[len(piece) for piece in pieces],
+                      minibatch_loss_tokens=list(totals), minibatch_loss_seqs=list(seq_totals))
+            for pieces in plan]
+
+
 def shard_batch(batch: PackedBatch, seq_advantages: torch.Tensor, num_ranks: int,
                 num_minibatches: int) -> list[Shard]:
     """The R shards of `batch` ([S] `seq_advantages` computed over all of it)."""
     if len(seq_advantages) != batch.num_seqs:
         raise ValueError(f"shard_batch: {len(seq_advantages)} advantages for "
                          f"{batch.num_seqs} sequences")
-    plan = plan_shards(batch.seqlens.tolist(), num_ranks, num_minibatches)
-    seq_loss_tokens = _loss_tokens_per_sequence(batch)
-    totals = [sum(seq_loss_tokens[i] for rank in plan for i in rank[m])
-              for m in range(len(plan[0]))]
-    seq_totals = [sum(seq_loss_tokens[i] > 0 for rank in plan for i in rank[m])
-                  for m in range(len(plan[0]))]
-    shards = []
-    for pieces in plan:
-        indices = [i for piece in pieces for i in piece]
-        shards.append(Shard(batch=batch.select(indices), seq_indices=indices,
-                            advantages=seq_advantages[indices].clone(),
-                            minibatch_sizes=[len(piece) for piece in pieces],
-                            minibatch_loss_tokens=list(totals),
-                            minibatch_loss_seqs=list(seq_totals)))
-    return shards
+    plans = plan_shard_sequences(batch.seqlens.tolist(), _loss_tokens_per_sequence(batch),
+                                 num_ranks, num_minibatches)
+    return [Shard(batch=batch.select(plan.seq_indices), seq_indices=plan.seq_indices,
+                  advantages=seq_advantages[plan.seq_indices].clone(),
+                  minibatch_sizes=plan.minibatch_sizes,
+                  minibatch_loss_tokens=plan.minibatch_loss_tokens,
+                  minibatch_loss_seqs=plan.minibatch_loss_seqs) for plan in plans]
 
 
 def _loss_tokens_per_sequence(batch: PackedBatch) -> list[int]:

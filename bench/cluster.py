@@ -1,0 +1,279 @@
+"""The headline claims at cluster scale, from the real controller on a simulated cluster.
+
+    python bench/cluster.py [--quick] [--seed N] [--out DIR]
+
+Every number comes from `areal.sim.run.simulate`: the project's controller (admission,
+staleness, dispatch, batching, sharding, the weight-update and interruption protocol) drives
+simulated rollout and trainer workers on a virtual clock, with durations from the cost model
+(sim/cost.py, parameters and their sources in sim/costs.yaml). Prints:
+
+    a. the paper's four model sizes: hours sync (colocated) vs async, ratio, paper's ratio
+    b. effective training throughput vs accelerators (32-512), sync and async, parallel
+       efficiency against the smallest cluster
+    c. maximum generation length 16k vs 32k, both modes
+    d. interruptible generation on vs off (async)
+    e. throughput vs eta
+    f. the controller's own CPU time per simulated step (real seconds) at each scale of (b)
+
+(a) and (b) run the paper's batch (512 prompts x 16 answers, up to 27,648 tokens); (c)-(e)
+run a quarter of it (128 x 16) on a quarter of (a)'s 1.5B cluster (32 accelerators), the
+same load per accelerator, so that the full bench fits its time budget. Each table is
+printed as soon as it is done. Plots of (b) and (e) go to OUT (bench/results/cluster).
+`--quick` runs a small subset on small clusters and batches (a smoke run). A fixed seed prints the same
+simulated numbers twice (the CPU-time columns of (f) are real measurements and vary).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from areal.sim.config import sim_config
+from areal.sim.run import SimResult, simulate
+
+
+@dataclass(frozen=True)
+class PaperRow:
+    model: str
+    accelerators: int
+    rollout_tp: int
+    eta: int
+    sync_h: float
+    async_h: float
+
+
+# AReaL (arXiv 2505.24298 v2), Table 1: training hours of the synchronous system and of
+# AReaL, H800 GPUs. Accelerator counts: 1.5B on 16 nodes x 8 H800 (AReaL v0.1 blog,
+# blog/AReaL_v0_1.md); the other sizes' counts were not found in what we could read:
+# ASSUMED 32 nodes (256 GPUs), the largest count of AReaL's benchmark script
+# (benchmark/verl_312a8cb/build_cmd.py, n_nodes in 4..32). Rollout tensor parallelism: 1
+# below 32B, 8 for 32B (same script, sglang_tp). eta: 8 for the math models (1.5B, 7B) and
+# 4 for the code models (14B, 32B) (the paper's section 7.1 settings).
+PAPER = [
+    PaperRow("1.5b", 128, 1, 8, 41.0, 14.8),
+    PaperRow("7b", 256, 1, 8, 57.7, 25.4),
+    PaperRow("14b", 256, 1, 4, 48.8, 21.9),
+    PaperRow("32b", 256, 8, 4, 51.1, 31.1),
+]
+# Batch 512 prompts x 16 answers, 4 PPO minibatches (AReaL benchmark README,
+# benchmark/verl_v0_3_0_post1_312a8cb/README.md); completions up to 27,648 tokens (the
+# paper's setting for the distilled models).
+BATCH = dict(num_prompts=512, group_size=16, max_new_tokens=27648, num_minibatches=4)
+ABLATION_BATCH = dict(BATCH, num_prompts=128)
+ABLATION_ACCELERATORS = 32
+QUICK_BATCH = dict(num_prompts=32, group_size=8, max_new_tokens=8192, num_minibatches=2)
+SYNC_STEPS = dict(steps=2, measure_from=1)
+"""A synchronous step does not depend on the one before: one measured step."""
+ASYNC_STEPS = dict(steps=4, measure_from=2)
+"""The asynchronous pipeline fills over the first steps; two measured steps."""
+
+
+class Bench:
+    def __init__(self, quick: bool, seed: int) -> None:
+        self.quick = quick
+        self.seed = seed
+        self.batch = QUICK_BATCH if quick else BATCH
+        self._cache: dict[str, SimResult] = {}
+
+    def run(self, mode: str, wire: bool = False, ablation: bool = False,
+            **values: Any) -> SimResult:
+        """Simulate one configuration (cached: tables share runs). `wire`: messages go
+        through the real codec (the controller's cost of table f); it changes no simulated
+        number. `ablation`: the reduced batch of tables c-e."""
+        batch = ABLATION_BATCH if ablation and not self.quick else self.batch
+        values = {**batch, **(SYNC_STEPS if mode == "sync" else ASYNC_STEPS),
+                  "seed": self.seed, "mode": mode, "wire": wire,
+                  "placement": "colocated" if mode == "sync" else "split", **values}
+        key = json.dumps(values, sort_keys=True)
+        if key not in self._cache:
+            start = time.perf_counter()
+            self._cache[key] = simulate(sim_config(**values))
+            print(f"  simulated {values.get('model', '1.5b')} {mode} x"
+                  f"{values.get('num_accelerators')} "
+                  f"{ {k: v for k, v in values.items() if k in ('eta', 'interrupt', 'max_new_tokens')} } "
+                  f"in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+        return self._cache[key]
+
+
+def _lines(head: str, rows: list[str]) -> str:
+    return "\n".join([head, "-" * len(head), *rows])
+
+
+def table_a(bench: Bench) -> str:
+    rows = []
+    paper = PAPER[:1] if bench.quick else PAPER
+    for p in paper:
+        n = 32 if bench.quick else p.accelerators
+        common = dict(model=p.model, num_accelerators=n, rollout_tp=p.rollout_tp)
+        sync = bench.run("sync", **common)
+        async_ = bench.run("async", eta=p.eta, **common)
+        rows.append(f"{p.model:>5} {n:>5} {p.eta:>4} {sync.step_s / 60:>9.2f} "
+                    f"{async_.step_s / 60:>9.2f} {sync.step_s / async_.step_s:>7.2f}x "
+                    f"{p.sync_h:>6.1f} {p.async_h:>6.1f} {p.sync_h / p.async_h:>7.2f}x "
+                    f"{async_.max_staleness:>5}")
+    return _lines(f"{'model':>5} {'accel':>5} {'eta':>4} {'sync min':>9} {'async min':>9} "
+                  f"{'ratio':>8} {'paper h':>6} {'':>6} {'paper':>8} {'stale':>5}", rows) + \
+        "\n(sim: minutes per training step, steady state; paper: hours of the whole run, " \
+        "sync then async)"
+
+
+def scale_counts(bench: Bench) -> list[int]:
+    return [16, 32] if bench.quick else [32, 64, 128, 256, 512]
+
+
+def table_b(bench: Bench) -> tuple[str, dict[str, list[float]]]:
+    counts = scale_counts(bench)
+    tput: dict[str, list[float]] = {"sync": [], "async": []}
+    for n in counts:
+        for mode in tput:
+            extra = {} if mode == "sync" else {"eta": 8}
+            tput[mode].append(bench.run(mode, wire=True, num_accelerators=n,
+                                        **extra).trained_tokens_per_s)
+    rows = []
+    for i, n in enumerate(counts):
+        eff = {m: tput[m][i] / n / (tput[m][0] / counts[0]) for m in tput}
+        rows.append(f"{n:>5} {tput['sync'][i]:>12.0f} {eff['sync']:>8.0%} "
+                    f"{tput['async'][i]:>12.0f} {eff['async']:>8.0%} "
+                    f"{tput['async'][i] / tput['sync'][i]:>7.2f}x")
+    return _lines(f"{'accel':>5} {'sync tok/s':>12} {'par.eff':>8} {'async tok/s':>12} "
+                  f"{'par.eff':>8} {'ratio':>8}", rows), tput
+
+
+def table_c(bench: Bench) -> str:
+    rows = []
+    n = ABLATION_ACCELERATORS
+    lengths = [4096, 8192] if bench.quick else [16384, 32768]
+    for length in lengths:
+        sync = bench.run("sync", ablation=True, num_accelerators=n, max_new_tokens=length)
+        async_ = bench.run("async", ablation=True, num_accelerators=n,
+                           max_new_tokens=length, eta=8)
+        rows.append(f"{length:>7} {sync.step_s / 60:>9.2f} {async_.step_s / 60:>9.2f} "
+                    f"{sync.trained_tokens_per_s:>11.0f} {async_.trained_tokens_per_s:>11.0f} "
+                    f"{sync.step_s / async_.step_s:>7.2f}x")
+    return _lines(f"{'max len':>7} {'sync min':>9} {'async min':>9} {'sync tok/s':>11} "
+                  f"{'async tok/s':>11} {'ratio':>8}", rows) + f"\n(1.5B, {n} accelerators, {_batch(bench)})"
+
+
+def table_d(bench: Bench) -> str:
+    n = ABLATION_ACCELERATORS
+    rows = []
+    results = {flag: bench.run("async", ablation=True, num_accelerators=n, eta=8,
+                               interrupt=flag)
+               for flag in (False, True)}
+    for flag, r in results.items():
+        rows.append(f"{'on' if flag else 'off':>9} {r.step_s / 60:>9.2f} "
+                    f"{r.generated_tokens_per_s:>12.0f} {r.trained_tokens_per_s:>11.0f} "
+                    f"{r.interruptions:>8}")
+    gain = results[True].generated_tokens_per_s / results[False].generated_tokens_per_s - 1
+    return _lines(f"{'interrupt':>9} {'step min':>9} {'gen tok/s':>12} {'train tok/s':>11} "
+                  f"{'interr.':>8}", rows) + \
+        f"\ngeneration throughput with interruption: {gain:+.1%} (paper: +12 to 17%); " \
+        f"1.5B, {n} accelerators, {_batch(bench)}, eta 8"
+
+
+def _batch(bench: Bench) -> str:
+    batch = bench.batch if bench.quick else ABLATION_BATCH
+    return f"batch {batch['num_prompts']} x {batch['group_size']}"
+
+
+ETAS: list[int | None] = [0, 1, 2, 4, 8, None]
+
+
+def table_e(bench: Bench) -> tuple[str, list[float]]:
+    n = ABLATION_ACCELERATORS
+    etas = [0, 4] if bench.quick else ETAS
+    sync = bench.run("sync", ablation=True, num_accelerators=n)
+    rows, tput = [], []
+    for eta in etas:
+        r = bench.run("async", ablation=True, num_accelerators=n, eta=eta)
+        tput.append(r.trained_tokens_per_s)
+        rows.append(f"{'inf' if eta is None else eta:>5} {r.step_s / 60:>9.2f} "
+                    f"{r.trained_tokens_per_s:>11.0f} {r.trained_tokens_per_s / sync.trained_tokens_per_s:>9.2f}x "
+                    f"{r.max_staleness:>9}")
+    return _lines(f"{'eta':>5} {'step min':>9} {'train tok/s':>11} {'vs sync':>10} "
+                  f"{'max stale':>9}", rows) + \
+        f"\n(1.5B, {n} accelerators, {_batch(bench)}, async with a 3/4 generation split; " \
+        f"sync colocated: " \
+        f"{sync.trained_tokens_per_s:.0f} tok/s)", tput
+
+
+def table_f(bench: Bench) -> str:
+    rows = []
+    for n in scale_counts(bench):
+        for mode in ("sync", "async"):
+            extra = {} if mode == "sync" else {"eta": 8}
+            r = bench.run(mode, wire=True, num_accelerators=n, **extra)
+            top = max(r.controller_cpu_by_loop.items(), key=lambda kv: kv[1], default=("-", 0))
+            rows.append(f"{n:>5} {mode:>6} {r.step_s:>9.1f} {r.controller_cpu_s_per_step:>9.2f} "
+                        f"{r.controller_share:>7.1%} {r.trajectories_per_cpu_s:>9.0f} "
+                        f"{r.peak_rss_mb / 1024:>6.1f} {top[0]}:{top[1]:.2f}")
+    return _lines(f"{'accel':>5} {'mode':>6} {'step s':>9} {'ctl cpu s':>9} {'share':>7} "
+                  f"{'traj/cpus':>9} {'rss GB':>6} largest loop (cpu s/step)", rows) + \
+        "\n(ctl cpu s: real CPU seconds inside the controller's tasks per simulated step, " \
+        "message decoding and encoding included; share: of the simulated step time)"
+
+
+def _plot(out: Path, counts: list[int], tput: dict[str, list[float]],
+          etas: list[int | None], eta_tput: list[float]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_b, ax_e) = plt.subplots(1, 2, figsize=(11, 4))
+    for mode, values in tput.items():
+        ax_b.plot(counts, values, marker="o", label=mode)
+    ax_b.plot(counts, [tput["async"][0] * n / counts[0] for n in counts], "k--", alpha=0.4,
+              label="linear (async)")
+    ax_b.set(xscale="log", yscale="log", xlabel="accelerators", ylabel="trained tokens/s",
+             title="(b) throughput vs accelerators")
+    labels = ["inf" if e is None else str(e) for e in etas]
+    ax_e.plot(labels, eta_tput, marker="o")
+    ax_e.set(xlabel="eta", ylabel="trained tokens/s", title="(e) throughput vs eta")
+    for ax in (ax_b, ax_e):
+        ax.grid(alpha=0.3)
+    ax_b.legend()
+    fig.tight_layout()
+    fig.savefig(out / "cluster.png", dpi=120)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a small subset (smoke test)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/cluster"))
+    args = parser.parse_args()
+    bench = Bench(args.quick, args.seed)
+    start = time.perf_counter()
+    sections: list[str] = []
+
+    def show(title: str, body: str) -> None:
+        sections.append(f"{title}\n{body}")
+        print(sections[-1] + "\n", flush=True)
+
+    show("a. sync vs async at the paper's settings (H800)", table_a(bench))
+    text_b, tput = table_b(bench)
+    show("b. effective training throughput vs accelerators (1.5B)", text_b)
+    show("c. maximum generation length", table_c(bench))
+    show("d. interruptible generation", table_d(bench))
+    text_e, eta_tput = table_e(bench)
+    show("e. throughput vs eta", text_e)
+    show("f. the controller's own cost", table_f(bench))
+    text = "\n\n".join(sections)
+    print(f"\n{len(bench._cache)} simulations in {time.perf_counter() - start:.0f} s",
+          file=sys.stderr)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / ("table-quick.txt" if args.quick else "table.txt")).write_text(text + "\n")
+    if not args.quick:
+        _plot(args.out, scale_counts(bench), tput, ETAS, eta_tput)
+        print(f"plot: {args.out / 'cluster.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

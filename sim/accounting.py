@@ -1,0 +1,91 @@
+"""Whose CPU time is it: the controller's or the simulated workers'?
+
+Both run in one process and one event loop, so the process's CPU time mixes them. Every
+task records the CPU time spent inside its own steps (each `send` into its coroutine), for
+its owner: a simulated worker's tasks (started under `as_worker`, and every task they start
+in turn) are the workers'; every other task is the controller's. What runs outside any
+task (the loop's own scheduling, timer callbacks) is neither and is reported apart.
+
+So the controller's share is what its own coroutines cost, message decoding and encoding
+included (the in-process channel decodes inside the receiving task), as on a real socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections.abc
+import contextvars
+import time
+from typing import Any, Coroutine
+
+CONTROLLER, WORKERS = "controller", "workers"
+_OWNER: contextvars.ContextVar[str] = contextvars.ContextVar("areal_sim_owner",
+                                                             default=CONTROLLER)
+
+
+class CpuAccounts:
+    """CPU seconds spent inside tasks, by owner, and the controller's by coroutine (its
+    loops: `Controller._recv_loop`, `Controller._dispatch_loop`, ...). Install with
+    `install(loop)`."""
+
+    def __init__(self) -> None:
+        self.cpu_s = {CONTROLLER: 0.0, WORKERS: 0.0}
+        self.by_coroutine: dict[str, float] = {}
+
+    def install(self, loop: asyncio.AbstractEventLoop) -> None:
+        loop.set_task_factory(self._factory)
+
+    def _factory(self, loop: asyncio.AbstractEventLoop, coro: Coroutine,
+                 context: contextvars.Context | None = None) -> asyncio.Task:
+        owner = context[_OWNER] if context is not None and _OWNER in context else _OWNER.get()
+        name = getattr(coro, "__qualname__", "?") if owner == CONTROLLER else None
+        return asyncio.Task(_Timed(coro, self, owner, name), loop=loop, context=context)
+
+
+def as_worker(loop: asyncio.AbstractEventLoop, coro: Coroutine, name: str) -> asyncio.Task:
+    """Start `coro` as a simulated worker's task: it and its children count as workers."""
+    context = contextvars.copy_context()
+    context.run(_OWNER.set, WORKERS)
+    return loop.create_task(coro, name=name, context=context)
+
+
+class _Timed(collections.abc.Coroutine):
+    """A coroutine that adds the CPU time of each of its steps to an account."""
+
+    __slots__ = ("_coro", "_accounts", "_owner", "_name")
+
+    def __init__(self, coro: Coroutine, accounts: CpuAccounts, owner: str,
+                 name: str | None) -> None:
+        self._coro, self._accounts, self._owner, self._name = coro, accounts, owner, name
+
+    def _add(self, seconds: float) -> None:
+        self._accounts.cpu_s[self._owner] += seconds
+        if self._name is not None:
+            by = self._accounts.by_coroutine
+            by[self._name] = by.get(self._name, 0.0) + seconds
+
+    def send(self, value: Any) -> Any:
+        start = time.process_time()
+        try:
+            return self._coro.send(value)
+        finally:
+            self._add(time.process_time() - start)
+
+    def throw(self, *args: Any) -> Any:
+        start = time.process_time()
+        try:
+            return self._coro.throw(*args)
+        finally:
+            self._add(time.process_time() - start)
+
+    def close(self) -> None:
+        self._coro.close()
+
+    def __await__(self) -> Any:
+        return self
+
+    def __iter__(self) -> Any:
+        return self
+
+    def __next__(self) -> Any:
+        return self.send(None)

@@ -1,0 +1,83 @@
+"""An in-process stand-in for the controller's ROUTER socket and the workers' DEALERs.
+
+Same contract as `areal.transport` (RouterChannel / DealerChannel): the controller receives
+(identity, message) and sends to one identity (False when that peer is gone); a worker
+sends and receives messages. Messages are the same `areal.messages` objects. With
+`wire=True` each one is encoded by its sender and decoded by its receiver with the real
+codec (`areal.messages.encode` / `decode`: msgpack header, raw array frames, every field
+checked), so the controller pays what it pays on a real socket and the wire contract is
+exercised; arrays stay zero-copy views. With `wire=False` the objects are passed as they are.
+
+Everything is an asyncio queue in the simulation's event loop: no sockets, no threads.
+Each side's codec time falls in its own tasks' CPU accounts (sim/accounting.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from areal.messages import MessageError, decode, encode
+from areal.transport import PeerMessageError
+
+ADDRESS = "sim://in-process"
+
+
+
+class SimRouter:
+    """The controller's end."""
+
+    address = ADDRESS
+
+    def __init__(self, wire: bool = True) -> None:
+        self.wire = wire
+        self._inbox: asyncio.Queue[tuple[bytes, Any]] = asyncio.Queue()
+        self._peers: dict[bytes, SimDealer] = {}
+
+    def connect(self, identity: bytes) -> "SimDealer":
+        """A new worker connection under `identity` (replacing a closed one)."""
+        dealer = SimDealer(self, identity)
+        self._peers[identity] = dealer
+        return dealer
+
+    async def recv(self) -> tuple[bytes, Any]:
+        identity, payload = await self._inbox.get()
+        if not self.wire:
+            return identity, payload
+        try:
+            return identity, decode(payload)
+        except MessageError as err:
+            raise PeerMessageError(identity, err) from None
+
+    async def send(self, identity: bytes, msg: Any) -> bool:
+        peer = self._peers.get(identity)
+        if peer is None or peer.closed:
+            return False
+        peer._inbox.put_nowait(encode(msg) if self.wire else msg)
+        return True
+
+    def close(self) -> None:
+        for peer in self._peers.values():
+            peer.closed = True
+
+
+class SimDealer:
+    """A worker's end."""
+
+    def __init__(self, router: SimRouter, identity: bytes) -> None:
+        self.router = router
+        self.identity = identity
+        self.closed = False
+        self._inbox: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def recv(self) -> Any:
+        payload = await self._inbox.get()
+        return decode(payload) if self.router.wire else payload
+
+    async def send(self, msg: Any) -> None:
+        if self.closed:
+            return
+        self.router._inbox.put_nowait((self.identity, encode(msg) if self.router.wire else msg))
+
+    def close(self) -> None:
+        self.closed = True

@@ -1,0 +1,182 @@
+"""What to simulate: the cluster, the model, the system (sync or async) and the workload size.
+
+A typed tree like the run's own config (areal.config): defaults < YAML file < `key=value`
+overrides, each field with its help text (shown by `python -m areal.sim --help`), checked
+with errors that name the field, the value and the fix. `to_run_overrides` turns it into the
+controller's own options (areal.config.RunConfig): the simulated controller is configured
+exactly as a real one would be, with the worker counts the placement implies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from areal.config import ConfigError, opt
+
+PLACEMENTS = ("split", "colocated")
+
+
+@dataclass(kw_only=True)
+class SimConfig:
+    accelerator: str = opt("h800", "accelerator kind, an entry of the cost file (h800, h100, "
+                           "h200, a100, or your own entry in a `costs` file)")
+    num_accelerators: int = opt(128, "accelerators in the cluster")
+    model: str = opt("1.5b", "model shape, an entry of the cost file (1.5b, 7b, 14b, 32b)")
+    mode: str = opt("async", "async: generation and training overlap, bounded by eta; sync: "
+                    "generate a batch, then train", ["async", "sync"])
+    placement: str = opt("split", "split: generation and training on separate accelerators "
+                         "(gen_fraction of them generate); colocated: every accelerator "
+                         "generates, then every one trains (sync only, as verl runs)",
+                         list(PLACEMENTS))
+    gen_fraction: float = opt(0.75, "split placement: fraction of the accelerators that "
+                              "generate (AReaL: 3/4)")
+    rollout_tp: int = opt(1, "accelerators per rollout server (tensor parallel)")
+    eta: int | None = opt(4, "staleness bound of async mode; null: unbounded")
+    interrupt: bool = opt(True, "async mode: interrupt generation for new weights")
+    num_prompts: int = opt(512, "prompts per training step")
+    group_size: int = opt(16, "samples per prompt")
+    max_new_tokens: int = opt(27648, "longest completion")
+    num_minibatches: int = opt(4, "PPO minibatches (optimiser steps) per training step")
+    prox_logp: str = opt("recompute", "proximal log-probs: a forward pass, or loglinear (none)",
+                         ["recompute", "loglinear"])
+    max_concurrent_prompts: int = opt(512, "prompts in flight over all rollout servers at once "
+                                      "(AReaL max_concurrent_rollouts)")
+    steps: int = opt(8, "training steps to simulate")
+    measure_from: int = opt(3, "step time is measured over the steps after this one (the "
+                            "pipeline fills first)")
+    report_steps: int = opt(1000, "hours are reported for a run of this many steps")
+    seed: int = opt(1, "seed of prompt and completion lengths and rewards")
+    wire: bool = opt(True, "encode and decode every message as on the wire (msgpack + raw "
+                     "frames), so the controller pays its real decoding cost")
+    costs: str | None = opt(None, "cost parameter file; null: the shipped sim/costs.yaml")
+    run_dir: str | None = opt(None, "where the simulated run writes metrics.jsonl; null: a "
+                              "temporary directory")
+
+    def check(self) -> None:
+        for name in ("num_accelerators", "rollout_tp", "num_prompts", "group_size",
+                     "max_new_tokens", "num_minibatches", "max_concurrent_prompts", "steps",
+                     "report_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be >= 1")
+        if not 0 <= self.measure_from < self.steps:
+            raise ConfigError(f"measure_from={self.measure_from} must be in [0, steps="
+                              f"{self.steps}): at least one step is measured")
+        if self.eta is not None and self.eta < 0:
+            raise ConfigError(f"eta={self.eta!r} must be >= 0 or null (unbounded)")
+        if self.placement == "colocated" and self.mode != "sync":
+            raise ConfigError("placement='colocated' runs generation and training on the same "
+                              "accelerators one after the other: it needs mode='sync'")
+        if self.placement == "split":
+            if not 0 < self.gen_fraction < 1:
+                raise ConfigError(f"gen_fraction={self.gen_fraction!r} must be in (0, 1)")
+            if self.num_rollout_workers < 1 or self.num_trainer_ranks < 1:
+                raise ConfigError(
+                    f"num_accelerators={self.num_accelerators} with gen_fraction="
+                    f"{self.gen_fraction} and rollout_tp={self.rollout_tp} leaves no "
+                    "rollout server or no trainer rank; add accelerators or move gen_fraction")
+        if self.num_accelerators % self.rollout_tp and self.placement == "colocated":
+            raise ConfigError(f"num_accelerators={self.num_accelerators} is not a multiple "
+                              f"of rollout_tp={self.rollout_tp}")
+
+    @property
+    def num_gen_accelerators(self) -> int:
+        if self.placement == "colocated":
+            return self.num_accelerators
+        return int(round(self.num_accelerators * self.gen_fraction))
+
+    @property
+    def num_rollout_workers(self) -> int:
+        return self.num_gen_accelerators // self.rollout_tp
+
+    @property
+    def num_trainer_ranks(self) -> int:
+        if self.placement == "colocated":
+            return self.num_accelerators
+        return self.num_accelerators - self.num_rollout_workers * self.rollout_tp
+
+    @property
+    def unbounded_eta(self) -> int:
+        """The eta that stands for "unbounded": the run's length in batches plus the
+        concurrency limit in batches. Admission never waits on it within the run (what is in
+        flight is bounded by max_concurrent_prompts); a larger one would only make the
+        controller queue requests that can never be dispatched before the run ends."""
+        return self.steps + math.ceil(self.max_concurrent_prompts / self.num_prompts) + 1
+
+    @property
+    def batch_size(self) -> int:
+        return self.num_prompts * self.group_size
+
+    def to_run_overrides(self, run_dir: str) -> list[str]:
+        """The controller's options for this simulated run (areal.config.RunConfig keys)."""
+        eta = self.eta if self.eta is not None else self.unbounded_eta
+        per_worker = math.ceil(self.max_concurrent_prompts * self.group_size
+                               / self.num_rollout_workers)
+        num_nodes = max(1, self.num_accelerators // 8)
+        return [
+            f"mode={self.mode}", f"seed={self.seed}", f"run_dir={run_dir}",
+            f"task.group_size={self.group_size}", f"trainer.batch_size={self.batch_size}",
+            f"trainer.total_steps={self.steps}", f"trainer.num_minibatches={self.num_minibatches}",
+            f"trainer.num_ranks={self.num_trainer_ranks}", f"trainer.ppo.prox_logp={self.prox_logp}",
+            # Faults are not simulated: no checkpoint replay buffer to keep.
+            "trainer.checkpoint_every=0",
+            f"rollout.num_workers={self.num_rollout_workers}",
+            f"rollout.max_new_tokens={self.max_new_tokens}",
+            f"rollout.max_concurrent={per_worker}", f"rollout.interrupt={self.interrupt}",
+            f"staleness.eta={eta}",
+            # Reward checks run on CPUs beside the accelerators: one worker (256 checks at
+            # once) per 8 nodes is never the bottleneck here.
+            f"reward.num_workers={math.ceil(num_nodes / 8)}", "reward.max_concurrency=256",
+            "weight_sync.mode=disk", "eval.every_steps=0", "eval.max_prompts=1",
+            # Liveness is not simulated; rarer heartbeats keep the message count down.
+            "controller.heartbeat_interval_s=300", "controller.heartbeat_timeout_s=86400",
+            "logging.progress=false", "logging.tensorboard=false", "logging.level=WARNING",
+        ]
+
+
+def load_sim_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> SimConfig:
+    """Defaults, then the YAML file, then `key=value` overrides; validated."""
+    node = OmegaConf.structured(SimConfig)
+    try:
+        if path is not None:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+            if not isinstance(loaded, dict):
+                raise ConfigError(f"config file {str(path)!r} must hold a mapping")
+            node = OmegaConf.merge(node, OmegaConf.create(loaded))
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} is not of the form key=value "
+                                  "(e.g. num_accelerators=256)")
+            node = OmegaConf.merge(node, OmegaConf.from_dotlist([item]))
+        cfg = OmegaConf.to_object(node)
+    except (OSError, yaml.YAMLError) as err:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {err}") from None
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or "?"
+        raise ConfigError(f"sim config key {key!r}: {str(err).splitlines()[0]}; run "
+                          "python -m areal.sim --help for the options") from None
+    for f in dataclasses.fields(cfg):
+        choices = f.metadata.get("choices")
+        if choices and getattr(cfg, f.name) not in choices:
+            raise ConfigError(f"{f.name}={getattr(cfg, f.name)!r} is not one of "
+                              f"{', '.join(choices)}")
+    cfg.check()
+    return cfg
+
+
+def sim_config(**values: Any) -> SimConfig:
+    """A validated SimConfig from keyword values (for code: the bench, the tests)."""
+    return load_sim_config(overrides=[f"{key}={_text(value)}" for key, value in values.items()])
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return "null"
+    return str(value).lower() if isinstance(value, bool) else str(value)

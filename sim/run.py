@@ -1,0 +1,192 @@
+"""Run one simulated training job: the real controller on a simulated cluster, virtual time.
+
+    simulate(SimConfig) -> SimResult
+
+builds the controller's config from the simulation's (SimConfig.to_run_overrides), the cost
+model and the workload from the cost file, starts `Controller(cfg, runtime=SimRuntime)` on a
+`VirtualTimeLoop`, and reads its step records: the same metrics a real run writes. Steady
+state is measured over the steps after `measure_from` (the asynchronous pipeline fills
+first); hours are that step time times `report_steps`.
+
+The controller's own cost is measured too, in real CPU seconds: the time spent inside its
+own tasks during each step (sim/accounting.py), message decoding and encoding included;
+the simulated workers' tasks and the event loop's scheduling are counted apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import io
+import resource
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from areal.config import load_config
+from areal.controller import Controller
+
+from areal.sim.accounting import CONTROLLER, WORKERS, CpuAccounts
+from areal.sim.config import SimConfig
+from areal.sim.cost import cost_model, load_costs
+from areal.sim.loop import SimulationStalled, run_virtual
+from areal.sim.runtime import SimRuntime
+from areal.sim.workers import Host, SimEnv
+from areal.sim.workload import Workload
+
+VIRTUAL_LIMIT_S = 30 * 24 * 3600.0
+"""A simulated run that has not finished after 30 virtual days is stuck (SimulationStalled)."""
+STALL_S = 24 * 3600.0
+"""Nor is one that records nothing (no step, no event) for a simulated day."""
+
+
+@dataclass(kw_only=True)
+class SimResult:
+    config: dict[str, Any]
+    step_s: float
+    """Steady-state seconds per training step (simulated)."""
+    train_step_s: float
+    """Of which the trainers' own time (Train sent to every rank's Trained), the mean."""
+    hours: float
+    """report_steps x step_s, in hours."""
+    trained_tokens_per_s: float
+    """Effective training throughput: tokens of the trained batches per second."""
+    generated_tokens_per_s: float
+    """Tokens generated per second by all rollout servers (trained or not)."""
+    step_times: list[float]
+    """Simulated time at the end of each step, from the start of training."""
+    staleness: dict[str, int]
+    """Trained trajectories by staleness (version trained at - oldest token version)."""
+    max_staleness: int
+    interruptions: int
+    multi_version_trajectories: int
+    """Trained trajectories whose tokens come from more than one policy version."""
+    trained_group_ids: list[int]
+    controller_cpu_s_per_step: float
+    """Real CPU seconds the controller spent per simulated step (steady state)."""
+    controller_cpu_by_loop: dict[str, float]
+    """The controller's CPU seconds per step by coroutine (its loops and handlers' tasks)."""
+    trajectories_per_cpu_s: float
+    """Trajectories the controller handles per second of its own CPU time."""
+    worker_cpu_s: float
+    """CPU seconds inside the simulated workers' tasks over the whole run."""
+    process_cpu_s_per_step: float
+    """The whole process's CPU seconds per step: controller, workers, event loop."""
+    wall_s: float
+    peak_rss_mb: float
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def controller_share(self) -> float:
+        """Controller CPU time per step over the simulated step time."""
+        return self.controller_cpu_s_per_step / self.step_s if self.step_s else float("inf")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+async def _drive(ctl: Controller, accounts: CpuAccounts, env: SimEnv
+                 ) -> tuple[dict[str, Any], list[dict[str, Any]], list[tuple[float, float, int]]]:
+    """Run the controller; returns its summary, its records and, per step, (controller CPU
+    s, process CPU s, generated tokens) when the step record appeared."""
+    accounts.install(asyncio.get_running_loop())
+    run = asyncio.create_task(ctl.run())
+    records, marks = [], []
+
+    def mark() -> tuple[float, float, int, dict[str, float]]:
+        return (accounts.cpu_s[CONTROLLER], time.process_time(), env.generated_tokens[0],
+                dict(accounts.by_coroutine))
+
+    start = mark()
+    watchdog = asyncio.create_task(_watchdog(ctl, records))
+    try:
+        async for record in ctl.events():
+            records.append(record)
+            if record["kind"] == "step":
+                marks.append(mark())
+            elif record["kind"] == "event" and record.get("event") == "data_loaded":
+                start = mark()
+            if watchdog.done():
+                watchdog.result()
+        return await run, records, [start, *marks]
+    finally:
+        watchdog.cancel()
+
+
+async def _watchdog(ctl: Controller, records: list[dict[str, Any]]) -> None:
+    """Fail a run that records nothing for STALL_S virtual seconds, saying where it stands."""
+    loop = asyncio.get_running_loop()
+    seen, since = 0, loop.time()
+    while True:
+        await asyncio.sleep(STALL_S / 10)
+        if len(records) != seen:
+            seen, since = len(records), loop.time()
+        elif loop.time() - since > STALL_S:
+            stages = collections.Counter(s.stage.value for s in ctl.ledger.by_request.values())
+            ctl.stop()
+            raise SimulationStalled(
+                f"no record for {STALL_S:.0f} simulated seconds at version {ctl.version}: "
+                f"ledger {dict(stages)}, {len(ctl.ledger.pending)} pending, "
+                f"{len(ctl.ledger.buffer)} groups buffered")
+
+
+def simulate(sim: SimConfig, console: io.TextIOBase | None = None) -> SimResult:
+    """Simulate `sim`; the controller's console lines go to `console` (default: dropped)."""
+    costs = load_costs(sim.costs)
+    cost = cost_model(costs, sim.accelerator, sim.model)
+    workload = Workload.from_costs(costs, sim.seed)
+    wall = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        run_dir = sim.run_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="sim-"))
+        cfg = load_config(overrides=sim.to_run_overrides(str(Path(run_dir))))
+        accounts = CpuAccounts()
+        env = SimEnv(cfg=cfg, cost=cost, workload=workload,
+                     host=Host(cost.eff.contention), rollout_tp=sim.rollout_tp,
+                     colocated=sim.placement == "colocated",
+                     num_trainer_ranks=sim.num_trainer_ranks)
+        ctl = Controller(cfg, runtime=SimRuntime(env, sim.wire))
+        stack.enter_context(contextlib.redirect_stdout(console or io.StringIO()))
+        summary, records, marks = run_virtual(lambda: _drive(ctl, accounts, env), VIRTUAL_LIMIT_S)
+    steps = [r for r in records if r["kind"] == "step"]
+    return _result(sim, summary, steps, marks, ctl, env, accounts, time.perf_counter() - wall)
+
+
+def _result(sim: SimConfig, summary: dict[str, Any], steps: list[dict[str, Any]],
+            marks: list[tuple[float, float, int]], ctl: Controller, env: SimEnv,
+            accounts: CpuAccounts, wall_s: float) -> SimResult:
+    if len(steps) != sim.steps:
+        raise RuntimeError(f"the simulated run trained {len(steps)} of {sim.steps} steps")
+    times = [0.0] + [r["perf/train_elapsed_s"] for r in steps]
+    tokens = [0] + [r["perf/trained_tokens"] for r in steps]
+    first, last = sim.measure_from, sim.steps
+    window = times[last] - times[first]
+    step_s = window / (last - first)
+    cpu = marks[last][0] - marks[first][0]
+    process_cpu = marks[last][1] - marks[first][1]
+    by_loop = {name: (seconds - marks[first][3].get(name, 0.0)) / (last - first)
+               for name, seconds in marks[last][3].items()}
+    staleness: collections.Counter = collections.Counter()
+    for r in steps:
+        staleness.update({k: int(v) for k, v in r["staleness/hist"].items()})
+    batch = sim.batch_size
+    return SimResult(
+        config=asdict(sim), step_s=step_s, hours=step_s * sim.report_steps / 3600,
+        train_step_s=sum(r["perf/train_s"] for r in steps[first:last]) / (last - first),
+        trained_tokens_per_s=(tokens[last] - tokens[first]) / window,
+        generated_tokens_per_s=(marks[last][2] - marks[first][2]) / window,
+        step_times=times[1:], staleness=dict(sorted(staleness.items(), key=lambda kv: int(kv[0]))),
+        max_staleness=max(int(k) for k in staleness),
+        interruptions=int(sum(r["rollout/interruptions"] for r in steps)),
+        multi_version_trajectories=env.multi_version,
+        trained_group_ids=list(ctl.ledger.trained_group_ids),
+        controller_cpu_s_per_step=cpu / (last - first),
+        controller_cpu_by_loop={k.removeprefix("Controller."): v for k, v in sorted(
+            by_loop.items(), key=lambda kv: -kv[1]) if v > 0.0005},
+        trajectories_per_cpu_s=batch * (last - first) / cpu if cpu > 0 else float("inf"),
+        worker_cpu_s=accounts.cpu_s[WORKERS], process_cpu_s_per_step=process_cpu / (last - first),
+        wall_s=wall_s,
+        peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        summary=summary)

@@ -1,0 +1,87 @@
+"""The controller's Train messages, built straight from trajectories (pack_arrays +
+plan_shard_sequences), equal those of the reference path: pack the whole batch, shard it
+with shard_batch, convert each shard. The fast path exists because the reference one
+dominated the controller's CPU time at cluster scale (bench/cluster.py, table f)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from areal.algorithms.shaping import training_batch
+from areal.algorithms.sharding import shard_batch
+from areal.config import load_config
+from areal.controller import Controller
+from areal.controller.ledger import Group, Purpose, Sample, Stage
+from areal.tasks.base import Prompt
+from areal.types import Trajectory, pack, pack_arrays
+
+
+def _groups(rng: np.random.Generator, num_groups: int, group_size: int) -> list[Group]:
+    groups = []
+    for g in range(num_groups):
+        prompt = rng.integers(0, 50, rng.integers(1, 6)).astype(np.int32)
+        group = Group(group_id=g, purpose=Purpose.TRAIN, prompt=Prompt(
+            prompt_id=f"p{g}", text="", reference=None), prompt_ids=prompt, admitted_version=0)
+        for i in range(group_size):
+            n = int(rng.integers(1, 40))
+            trajectory = Trajectory.from_generation(
+                prompt_id=f"p{g}", group_id=g, prompt_ids=prompt,
+                output_ids=rng.integers(0, 50, n), output_logprobs=-rng.random(n),
+                output_versions=np.sort(rng.integers(0, 3, n)),
+                finish_reason=str(rng.choice(["stop", "length"])))
+            trajectory.reward = float(rng.integers(0, 2))
+            group.samples.append(Sample(group_id=g, index=i, stage=Stage.DONE,
+                                        trajectory=trajectory))
+        groups.append(group)
+    return groups
+
+
+def _reference(groups: list[Group], cfg, num_ranks: int, num_minibatches: int) -> list[dict]:
+    trajectories = [t for g in groups for t in g.trajectories()]
+    batch, advantages = training_batch(trajectories, pack(trajectories), cfg)
+    out = []
+    for shard in shard_batch(batch, advantages, num_ranks, num_minibatches):
+        part = shard.batch
+        out.append(dict(
+            token_ids=part.token_ids.numpy().astype(np.int32), logprobs=part.logprobs.numpy(),
+            versions=part.versions.numpy().astype(np.int32), loss_mask=part.loss_mask.numpy(),
+            cu_seqlens=part.cu_seqlens.numpy(), rewards=part.rewards.numpy(),
+            group_ids=part.group_ids.numpy(), advantages=shard.advantages.numpy(),
+            minibatch_sizes=shard.minibatch_sizes,
+            minibatch_loss_tokens=shard.minibatch_loss_tokens,
+            minibatch_loss_seqs=shard.minibatch_loss_seqs))
+    return out
+
+
+SHAPING = ["trainer.advantage.overlong_buffer=10", "trainer.advantage.mask_truncated=true",
+           "rollout.max_new_tokens=40"]
+
+
+@pytest.mark.parametrize("num_ranks,num_minibatches,shaping", [
+    (1, 1, []), (3, 2, []), (8, 4, SHAPING), (40, 1, SHAPING)])
+async def test_train_messages_equal_the_pack_and_shard_path(num_ranks, num_minibatches,
+                                                            shaping):
+    rng = np.random.default_rng(num_ranks)
+    groups = _groups(rng, num_groups=6, group_size=4)  # 24 sequences: 40 ranks get some empty
+    cfg = load_config(overrides=[f"trainer.num_ranks={num_ranks}",
+                                 f"trainer.num_minibatches={num_minibatches}",
+                                 "task.group_size=4", "trainer.batch_size=24", *shaping])
+    ctl = Controller(cfg)
+    messages = await ctl._train_messages(3, groups)
+    reference = _reference(groups, cfg, num_ranks, num_minibatches)
+    assert len(messages) == len(reference) == num_ranks
+    for msg, ref in zip(messages, reference, strict=True):
+        for name, expected in ref.items():
+            got = getattr(msg, name)
+            if isinstance(expected, list):
+                assert got == expected, name
+            else:
+                assert got.dtype == expected.dtype, (name, got.dtype, expected.dtype)
+                np.testing.assert_array_equal(got, expected, err_msg=name)
+
+
+def test_pack_arrays_of_nothing_is_empty_arrays():
+    arrays = pack_arrays([])
+    assert arrays["cu_seqlens"].tolist() == [0]
+    assert all(len(a) == 0 for name, a in arrays.items() if name != "cu_seqlens")

@@ -1,0 +1,27 @@
+"""python -m areal.sim: options in --help, a bad option named, one run reported."""
+
+from __future__ import annotations
+
+import pytest
+
+from areal.sim.__main__ import main
+
+
+def test_help_lists_every_option(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for name in ("num_accelerators=128", "accelerator='h800'", "eta=4", "gen_fraction=0.75"):
+        assert name in out
+
+
+def test_a_bad_option_is_an_error_that_names_it(capsys):
+    assert main(["num_accelerators=0"]) == 2
+    assert "num_accelerators=0 must be >= 1" in capsys.readouterr().err
+
+
+def test_a_small_question_gets_an_answer(capsys):
+    assert main(["num_accelerators=8", "num_prompts=4", "group_size=2", "max_new_tokens=1024",
+                 "steps=3", "measure_from=1"]) == 0
+    out = capsys.readouterr().out
+    assert "8 x h800, model 1.5b, async" in out and "trained tokens/s" in out

@@ -1,0 +1,99 @@
+"""Simulated runs of the real controller (sim/run.py): what the issue requires of them."""
+
+from __future__ import annotations
+
+import pytest
+
+from areal.algorithms.staleness import StalenessController
+from areal.config import ConfigError
+from areal.sim.config import load_sim_config, sim_config
+from areal.sim.run import simulate
+
+SMALL = dict(num_accelerators=16, num_prompts=8, group_size=4, max_new_tokens=8192,
+             max_concurrent_prompts=24,
+             num_minibatches=2, steps=6, measure_from=2, seed=3)
+
+
+@pytest.fixture(scope="module")
+def async_run():
+    """The run, and (N_r, version) after every admission the controller made."""
+    admissions: list[tuple[int, int]] = []
+    real_admit = StalenessController.admit
+
+    def admit(self, n: int, version: int) -> None:
+        real_admit(self, n, version)
+        admissions.append((self.num_live, version))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(StalenessController, "admit", admit)
+        result = simulate(sim_config(mode="async", eta=2, **SMALL))
+    result.admissions = admissions
+    return result
+
+
+def test_interrupts_sequences_keeps_the_bound_and_trains_every_group_once(async_run):
+    r = async_run
+    assert r.interruptions > 0
+    assert r.multi_version_trajectories > 0  # tokens of one trajectory from several versions
+    # The bound holds at admission (DESIGN.md section 5): N_r <= (i + eta + 1) * B. Token
+    # staleness may exceed eta (batches are taken in finishing order, not admission order).
+    batch = SMALL["num_prompts"] * SMALL["group_size"]
+    assert r.admissions and all(live <= (version + 2 + 1) * batch
+                                for live, version in r.admissions)
+    assert max(live - (version + 2 + 1) * batch for live, version in r.admissions) > -batch
+    groups_per_step = SMALL["num_prompts"]
+    assert len(r.trained_group_ids) == SMALL["steps"] * groups_per_step
+    assert len(set(r.trained_group_ids)) == len(r.trained_group_ids)
+    assert sum(r.staleness.values()) == SMALL["steps"] * groups_per_step * SMALL["group_size"]
+
+
+def test_the_same_seed_gives_the_same_timeline(async_run):
+    again = simulate(sim_config(mode="async", eta=2, **SMALL))
+    for field in ("step_times", "staleness", "interruptions", "trained_group_ids",
+                  "generated_tokens_per_s", "multi_version_trajectories"):
+        assert getattr(again, field) == getattr(async_run, field), field
+    # encoding every message on the wire costs real time, never simulated time
+    unwired = simulate(sim_config(mode="async", eta=2, wire=False, **SMALL))
+    assert unwired.step_times == async_run.step_times
+
+
+def test_another_seed_gives_another_timeline(async_run):
+    other = simulate(sim_config(mode="async", eta=2, **{**SMALL, "seed": 4}))
+    assert other.step_times != async_run.step_times
+
+
+def test_raising_eta_raises_throughput_up_to_the_trainers_pace():
+    # A 7B model on 4 trainer ranks and 28 rollout servers: training is the slower side.
+    base = dict(SMALL, model="7b", num_accelerators=32, gen_fraction=0.875,
+                max_concurrent_prompts=64, steps=12, measure_from=6)
+    results = {eta: simulate(sim_config(mode="async", eta=eta, **base)) for eta in (0, 1, 4, None)}
+    tput = [results[eta].trained_tokens_per_s for eta in (0, 1, 4, None)]
+    assert tput[0] < tput[1] < tput[2] < tput[3]
+    # Unbounded, generation is never waited for: a step takes exactly what the trainers take
+    # (the cost model's train_s of the batch + publishing), which no eta can beat.
+    for r in results.values():
+        assert r.step_s >= r.train_step_s * 0.999
+    assert results[None].step_s == pytest.approx(results[None].train_step_s, rel=0.02)
+    assert results[0].step_s > 3 * results[0].train_step_s  # eta 0 waits for generation
+
+
+def test_sync_colocated_run_never_interrupts_and_is_on_policy():
+    r = simulate(sim_config(mode="sync", placement="colocated", **dict(SMALL, steps=3,
+                                                                       measure_from=1)))
+    assert r.interruptions == 0 and r.multi_version_trajectories == 0
+    assert r.max_staleness == 0
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["mode=async", "placement=colocated"], "needs mode='sync'"),
+    (["gen_fraction=1.0"], "gen_fraction=1.0 must be in"),
+    (["steps=3", "measure_from=3"], "measure_from=3 must be in"),
+    (["num_accelerators=2", "rollout_tp=2"], "leaves no rollout server or no trainer rank"),
+    (["eta=-1"], "eta=-1"),
+    (["mode=fast"], "mode='fast' is not one of"),
+    (["no_such_key=1"], "no_such_key"),
+    (["num_accelerators"], "key=value"),
+])
+def test_bad_options_are_named(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_sim_config(None, overrides)
