@@ -50,14 +50,16 @@ def test_cancelled_training_requests_free_the_workers_slots_for_the_final_evalua
         sample = ctl.ledger.pending.popleft()
         ctl.ledger.start_generation(sample, worker.identity, now=0.0)
         worker.in_flight.add(sample.request_id)
-    assert ctl.pool.least_loaded(WorkerKind.ROLLOUT, CAPACITY) is None
+    room = ctl._room[WorkerKind.ROLLOUT]  # where dispatch finds a worker with a free slot
+    room.offer(worker)
+    assert room.peek() is None  # full
 
     asyncio.run(ctl._cancel_training_requests())
 
     ((identity, cancel),) = ctl.channel.sent
     assert identity == worker.identity and isinstance(cancel, Cancel)
     assert len(cancel.request_ids) == CAPACITY and not worker.in_flight
-    assert ctl.pool.least_loaded(WorkerKind.ROLLOUT, CAPACITY) is worker
+    assert room.peek() is worker
     assert not ctl.ledger.pending  # training samples not yet sent are gone too
     ctl.ledger.add_group(prompt, np.array([5], np.int32), 1, 0, Purpose.EVAL, front=True)
     assert len(ctl.ledger.pending) == 1  # the evaluation can now be dispatched

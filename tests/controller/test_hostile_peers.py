@@ -252,9 +252,12 @@ def test_heartbeat_bombs_do_not_hold_the_loop(live):
         for _ in range(16):  # registered: refused on the header's size, before unpacking
             fake.sock.send_multipart([bytes([MsgType.HEARTBEAT]), header])
         registered_s = probes.ping(live.address)
+        # The ping comes from another peer: its answer does not wait for the bomber's last
+        # frames, which the open socket still delivers.
+        totals = live.ctl.peer_log.totals
+        live.wait_for(lambda: totals["too large"] >= 16, f"16 refusals ({dict(totals)})")
     print(f"answered {unregistered_s:.2f} s / {registered_s:.2f} s after the bombs")
-    totals = live.ctl.peer_log.totals
-    assert totals["not accepted"] >= 16 and totals["too large"] >= 16, dict(totals)
+    assert totals["not accepted"] >= 16, dict(totals)
     live.wait_for(lambda: live.num_steps() > steps, "a training step after the bombs")
     assert live.events("worker_lost") == []
 
@@ -360,7 +363,10 @@ def test_fuzzed_frames_leave_the_loop_alive_and_memory_bounded(live):
         finally:
             ctx.destroy(linger=0)
     print(f"{FUZZ_EXAMPLES} fuzzed messages: resident set +{rss.increase_mb:.0f} MB at peak")
-    assert rss.increase_mb < 100
+    # The bound catches a decode that believes a forged header (a claimed million-entry map
+    # or a multi-GB frame: gigabytes). This process also runs the live training run, whose
+    # own allocations land in the same resident set: +60-180 MB seen in full-suite runs.
+    assert rss.increase_mb < 512
     assert live.thread.is_alive()
     assert not set(SQUATTED_NAMES) & {r["worker_id"] for r in live.events("worker_lost")}
 
