@@ -348,12 +348,14 @@ class Controller(FaultRepairs):
             step += 1
             waited = clock.now()
             groups = await self._take_batch(groups_per_step)
-            if groups is None:
+            if groups is None:  # stopped while waiting: this step was not trained
+                step -= 1
                 break
             waited = clock.now() - waited
             self.staleness.consume(self.cfg.trainer.batch_size)
             result = await self._train_step(step, groups)
             if result is None:  # stopped while a lost trainer was being restored
+                step -= 1
                 break
             trained, train_s = result
             record = self._report.step_record(step, self.version, groups, trained.stats,
