@@ -33,7 +33,7 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from areal.tasks.base import Prompt, RewardOutcome, Task, Verdict
 
@@ -43,6 +43,42 @@ ANSWER_MARK = "#"
 _ANSWER_RE = re.compile(r"\s*(-?\d+)\s*")
 _MAX_MISSES = 1000
 """Rejection-sampling attempts in a row before declaring the expression space too small."""
+
+
+def distinct_problems(draw: Callable[[random.Random], Any], rng: random.Random, num: int,
+                      what: str, hint: str) -> list[Any]:
+    """`num` problems of distinct `.text` from `draw(rng)`, in draw order (a held-out split);
+    a ValueError naming `hint` when the setting has too few."""
+    seen: dict[str, Any] = {}
+    misses = 0
+    while len(seen) < num:
+        problem = draw(rng)
+        if problem.text in seen:
+            misses += 1
+            if misses > _MAX_MISSES:
+                raise ValueError(f"task.params.num_eval={num}: only {len(seen)} distinct {what} "
+                                 f"found; lower num_eval or {hint}")
+            continue
+        misses = 0
+        seen[problem.text] = problem
+    return list(seen.values())
+
+
+def problems_outside(draw: Callable[[random.Random], Any], rng: random.Random,
+                     excluded: frozenset[str], what: str, hint: str) -> Iterator[Any]:
+    """An endless stream of `draw(rng)` whose `.text` is not in `excluded` (the held-out
+    split); a ValueError naming `hint` when nearly every draw is excluded."""
+    misses = 0
+    while True:
+        problem = draw(rng)
+        if problem.text in excluded:
+            misses += 1
+            if misses > _MAX_MISSES:
+                raise ValueError(f"the held-out split covers nearly all {what} of this setting; "
+                                 f"lower task.params.num_eval or {hint}")
+            continue
+        misses = 0
+        yield problem
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,39 +188,17 @@ class ArithmeticTask(Task):
     def eval_prompts(self) -> list[Prompt]:
         """`num_eval` distinct expressions, fixed by `data_seed`."""
         if self._eval is None:
-            rng = random.Random(f"arithmetic/eval/{self.data_seed}")
-            seen: dict[str, Prompt] = {}
-            misses = 0
-            while len(seen) < self.num_eval:
-                problem = self._draw(rng)
-                if problem.text in seen:
-                    misses += 1
-                    if misses > _MAX_MISSES:
-                        raise ValueError(
-                            f"task.params.num_eval={self.num_eval}: only {len(seen)} distinct "
-                            "expressions found; lower num_eval or widen max_a/max_d/max_k")
-                    continue
-                misses = 0
-                seen[problem.text] = self._prompt(problem, f"eval-{len(seen)}")
-            self._eval = list(seen.values())
-            self._eval_texts = frozenset(seen)
+            problems = distinct_problems(
+                self._draw, random.Random(f"arithmetic/eval/{self.data_seed}"),
+                self.num_eval, "expressions", "widen max_a/max_d/max_k")
+            self._eval = [self._prompt(p, f"eval-{i}") for i, p in enumerate(problems)]
+            self._eval_texts = frozenset(p.text for p in problems)
         return self._eval
 
     def _train_problems(self, stream: str) -> Iterator[Problem]:
         self.eval_prompts()  # the training stream must know what to skip
-        rng = random.Random(f"arithmetic/{stream}/{self.data_seed}")
-        misses = 0
-        while True:
-            problem = self._draw(rng)
-            if problem.text in self._eval_texts:
-                misses += 1
-                if misses > _MAX_MISSES:
-                    raise ValueError(
-                        "the held-out split covers nearly all expressions of this setting; "
-                        "lower task.params.num_eval or widen max_a/max_d/max_k")
-                continue
-            misses = 0
-            yield problem
+        return problems_outside(self._draw, random.Random(f"arithmetic/{stream}/{self.data_seed}"),
+                                self._eval_texts, "expressions", "widen max_a/max_d/max_k")
 
     def train_prompts(self, seed: int) -> Iterator[Prompt]:
         """An endless stream of training prompts (repeats possible, held-out ones never)."""

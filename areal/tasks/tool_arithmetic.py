@@ -25,7 +25,9 @@ import random
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from areal.tasks.arithmetic import ANSWER_MARK, ArithmeticTask
+from areal.tasks.arithmetic import (
+    ANSWER_MARK, ArithmeticTask, distinct_problems, problems_outside,
+)
 from areal.tasks.base import Prompt, RewardOutcome, Task
 from areal.tasks.environment import SFTEpisode
 from areal.tasks.tool_calls import BRACKET_CLOSE, BRACKET_OPEN
@@ -33,7 +35,6 @@ from areal.tasks.tool_calls import BRACKET_CLOSE, BRACKET_OPEN
 OBSERVATION = "={result}\n"
 """The calculator's answer as the environment writes it (ToolEnvironment's default
 `observation_template`)."""
-_MAX_MISSES = 1000
 
 
 @dataclass(frozen=True)
@@ -95,37 +96,18 @@ class ToolArithmeticTask(Task):
     def eval_prompts(self) -> list[Prompt]:
         """`num_eval` distinct products, fixed by `data_seed`."""
         if self._eval is None:
-            rng = random.Random(f"tool_arithmetic/eval/{self.data_seed}")
-            seen: dict[str, Prompt] = {}
-            misses = 0
-            while len(seen) < self.num_eval:
-                problem = self._draw(rng)
-                if problem.text in seen:
-                    misses += 1
-                    if misses > _MAX_MISSES:
-                        raise ValueError(f"task.params.num_eval={self.num_eval}: only "
-                                         f"{len(seen)} distinct products; lower num_eval or "
-                                         "add digits")
-                    continue
-                misses = 0
-                seen[problem.text] = self._prompt(problem, f"eval-{len(seen)}")
-            self._eval, self._eval_texts = list(seen.values()), frozenset(seen)
+            problems = distinct_problems(
+                self._draw, random.Random(f"tool_arithmetic/eval/{self.data_seed}"),
+                self.num_eval, "products", "add digits")
+            self._eval = [self._prompt(p, f"eval-{i}") for i, p in enumerate(problems)]
+            self._eval_texts = frozenset(p.text for p in problems)
         return self._eval
 
     def _train_problems(self, stream: str) -> Iterator[Product]:
         self.eval_prompts()
-        rng = random.Random(f"tool_arithmetic/{stream}/{self.data_seed}")
-        misses = 0
-        while True:
-            problem = self._draw(rng)
-            if problem.text in self._eval_texts:
-                misses += 1
-                if misses > _MAX_MISSES:
-                    raise ValueError("the held-out split covers nearly all products; lower "
-                                     "task.params.num_eval or add digits")
-                continue
-            misses = 0
-            yield problem
+        return problems_outside(
+            self._draw, random.Random(f"tool_arithmetic/{stream}/{self.data_seed}"),
+            self._eval_texts, "products", "add digits")
 
     def train_prompts(self, seed: int) -> Iterator[Prompt]:
         """An endless stream of training prompts (held-out ones never)."""
