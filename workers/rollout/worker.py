@@ -63,6 +63,8 @@ class RolloutWorker(Worker):
         self._generated_tokens = 0
         self._weights_member: WeightsMember | None = None
         self._collective_hold = False
+        self._announced = 0
+        """The newest version an UpdateWeights(collective) announced."""
         self.episodes = await start_episodes(cfg, self.generator)
         self.spawn(self._update_loop(), "weight-updates")
         # What it serves now (stream/collective: the current version arrives after Ready).
@@ -136,11 +138,23 @@ class RolloutWorker(Worker):
         member = self._weights()
         received = member.thread.submit(lambda: member.group.receive(msg.manifest,
                                                                      msg.generation))
-        # One hold at a time: it is released by the next update actually applied.
+        # One hold at a time: it is released by the next update actually applied, or when
+        # no announced version is left to apply (`_drop_collective_update`).
+        self._announced = max(self._announced, msg.version)
         if msg.version > self.generator.version and not self._collective_hold:
             self.generator.hold_new_requests()
             self._collective_hold = True
         self._updates.put_nowait((msg, received))
+
+    def _drop_collective_update(self) -> None:
+        """An update is not applied (failed or already served). The hold stays while a newer
+        announced version is still to come (its update releases it); else it is released.
+        A version sent again while its first copy loads takes a hold the first copy does not
+        release: kept, every later Generate would wait forever (no new version comes while
+        no rollout worker generates)."""
+        if self._collective_hold and self._announced <= self.generator.version:
+            self._collective_hold = False
+            self.generator.release_hold()
 
     async def _collective_source(self, update: UpdateWeights,
                                  received: asyncio.Future) -> TensorWeights | None:
@@ -151,8 +165,10 @@ class RolloutWorker(Worker):
             log.error("weights broadcast of version %d failed: %r", update.version, err)
             await self.send(GroupStatus(group=GroupName.WEIGHTS, generation=update.generation,
                                         state=GroupState.FAILED, error=repr(err)))
+            self._drop_collective_update()
             return None
         if update.version <= self.generator.version:
+            self._drop_collective_update()
             return None
         self._collective_hold = False  # the update about to run releases it
         return TensorWeights(tensors)
