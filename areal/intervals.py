@@ -1,10 +1,15 @@
-"""Confidence intervals of a mean over independent runs (seeds), for the benchmarks' tables.
+"""Confidence intervals for the benchmarks' tables: of a mean over independent runs (seeds),
+and of a proportion (pass@1 over held-out problems).
 
 A learning comparison reports each number as a mean over seeds with an interval. With the
 few seeds a CPU budget allows (3 to 5), a percentile bootstrap has too few distinct
 resamples to be meaningful, so this is the Student t-interval: mean +- t_{(1+c)/2, n-1} *
 s / sqrt(n), with s the unbiased sample standard deviation. It assumes the runs are
 independent and their results roughly normal. One run gives no interval (NaN bounds).
+
+A proportion (k of n problems solved) gets the Wilson score interval (scipy's binomtest),
+which stays inside [0, 1] and keeps its coverage near 0 and 1, where pass@1 of a tiny model
+often is.
 """
 
 from __future__ import annotations
@@ -43,3 +48,15 @@ def t_interval(values: Sequence[float], confidence: float = 0.95) -> MeanInterva
     sd = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1))
     half = float(stats.t.ppf((1 + confidence) / 2, n - 1)) * sd / math.sqrt(n)
     return MeanInterval(mean, mean - half, mean + half, n)
+
+
+def proportion_interval(successes: float, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Wilson score interval of `successes` out of `n` (a pass rate times n is rounded);
+    (0, 1) when n is 0."""
+    if n == 0:
+        return 0.0, 1.0
+    k = round(successes)
+    if not 0 <= k <= n:
+        raise ValueError(f"{successes} successes out of {n} is not a proportion")
+    ci = stats.binomtest(k, n).proportion_ci(confidence, method="wilson")
+    return float(ci.low), float(ci.high)

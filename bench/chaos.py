@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import math
 import random
 import signal
 import sys
@@ -44,6 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from chaos_faults import KINDS, Fault, Hang, RunUnderTest  # noqa: E402
 
+from areal.intervals import proportion_interval  # noqa: E402
 from areal.records import read_records  # noqa: E402
 
 LABELS = {"kill_rollout": "kill -9 rollout", "kill_reward": "kill -9 reward",
@@ -104,16 +104,6 @@ def run_chaos(args: argparse.Namespace, run_dir: Path, log: Path) -> tuple[list[
         run.kill_all()
 
 
-def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval of a proportion (Wilson 1927)."""
-    if n == 0:
-        return 0.0, 1.0
-    p = successes / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return centre - half, centre + half
-
-
 def check_records(run_dir: Path) -> dict:
     """What the run's records say: groups trained, dropped, in flight; lost; duplicated."""
     kept = read_records(run_dir)
@@ -155,8 +145,9 @@ def table(faults: list[Fault], done: dict, code: int, seed: int) -> str:
                  f"{sum(f.survived for f in faults):>8}")
     lines.append("-" * len(head))
     hangs = sum(f.detail.startswith("HANG") for f in faults)
-    lo0, hi0 = wilson(done["before"] * done["num_problems"], done["num_problems"])
-    lo1, hi1 = wilson(done["after"] * done["num_problems"], done["num_problems"])
+    n = done["num_problems"]
+    lo0, hi0 = proportion_interval(done["before"] * n, n)
+    lo1, hi1 = proportion_interval(done["after"] * n, n)
     lines += [
         f"seed {seed}; {len(done['steps'])} steps trained once each "
         f"({done['superseded_steps']} superseded by resumes and trained again); "

@@ -19,26 +19,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from areal.intervals import proportion_interval
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "examples" / "tool_arithmetic.yaml"
 QUICK = ["trainer.total_steps=4", "model.warmstart.steps=1", "task.params.num_eval=16",
          "eval.every_steps=0", "trainer.batch_size=16"]
-
-
-def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95 % Wilson score interval of a binomial proportion."""
-    if n == 0:
-        return 0.0, 1.0
-    p = successes / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return centre - half, centre + half
 
 
 def run_one(engine: str, seed: int, out: Path, extra: list[str]) -> dict:
@@ -82,7 +73,7 @@ def table(results: list[dict]) -> str:
         cells = []
         for e in (first, last):
             p = e["eval/pass@1"]
-            lo, hi = wilson(p * n, n)
+            lo, hi = proportion_interval(p * n, n)
             cells.append(f"{p:.3f} [{lo:.3f},{hi:.3f}]")
         use = "->".join(f"{e.get('eval/tool_use_fraction') or 0:.2f}" for e in (first, last))
         gain = 100 * (last["eval/pass@1"] - first["eval/pass@1"])

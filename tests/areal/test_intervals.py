@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from areal.intervals import t_interval
+from areal.intervals import proportion_interval, t_interval
 
 
 def test_three_seeds_hand_computed():
@@ -38,3 +38,19 @@ def test_bad_input_is_refused():
         t_interval([])
     with pytest.raises(ValueError, match="confidence=1.5"):
         t_interval([1.0, 2.0], 1.5)
+
+
+def test_wilson_interval_hand_computed():
+    # Wilson (1927): centre (p + z^2/2n) / (1 + z^2/n), half-width
+    # z sqrt(p(1-p)/n + z^2/4n^2) / (1 + z^2/n); 3 of 10, z = 1.959964: [0.1078, 0.6032].
+    low, high = proportion_interval(3, 10)
+    assert low == pytest.approx(0.10779, abs=1e-4) and high == pytest.approx(0.60322, abs=1e-4)
+    low, high = proportion_interval(0, 10)  # stays inside [0, 1] at the edge
+    assert low == 0.0 and high == pytest.approx(0.27753, abs=1e-4)
+    assert proportion_interval(0.75 * 8, 8) == proportion_interval(6, 8)  # a rate times n
+    assert proportion_interval(0, 0) == (0.0, 1.0)
+
+
+def test_a_count_outside_zero_to_n_is_refused():
+    with pytest.raises(ValueError, match="11 successes out of 10"):
+        proportion_interval(11, 10)
