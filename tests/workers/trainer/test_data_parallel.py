@@ -25,11 +25,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from trainer_batches import random_sequences, record_gradients
+
 from areal.algorithms.advantages import compute_advantages
 from areal.algorithms.sharding import shard_batch
 from areal.config import load_config
 from areal.models.hf import load_model
-from areal.models.logprobs import packed_logprobs
 from areal.types import PackedBatch
 from areal.workers.collective import connect_store, host_store
 from areal.workers.trainer.distributed import DataParallel
@@ -51,38 +52,14 @@ def _config(model_dir: str):
 def _batch(model_dir: str) -> PackedBatch:
     """Unequal sequences with behaviour log-probs near the model's own (w near 1)."""
     gen = torch.Generator().manual_seed(0)
-    total = sum(LENGTHS)
-    cu = torch.tensor([0, *LENGTHS], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    tokens = torch.randint(3, 90, (total,), generator=gen)
-    mask = torch.ones(total, dtype=torch.bool)
-    for start in cu[:-1].tolist():
-        mask[start:start + NUM_PROMPT] = False
-    with torch.no_grad():
-        own = packed_logprobs(load_model(model_dir), tokens, cu, temperature=1.0)
-    behav = torch.where(mask, own + 0.05 * torch.randn(total, generator=gen), 0.0)
-    return PackedBatch(token_ids=tokens, logprobs=behav.float(),
-                       versions=torch.where(mask, 0, -1), loss_mask=mask, cu_seqlens=cu,
+    seqs = random_sequences(model_dir, LENGTHS, NUM_PROMPT, gen)
+    noise = 0.05 * torch.randn(len(seqs.tokens), generator=gen)
+    behav = torch.where(seqs.loss_mask, seqs.own_logprobs + noise, 0.0)
+    return PackedBatch(token_ids=seqs.tokens, logprobs=behav.float(),
+                       versions=torch.where(seqs.loss_mask, 0, -1), loss_mask=seqs.loss_mask,
+                       cu_seqlens=seqs.cu_seqlens,
                        rewards=torch.randint(0, 2, (len(LENGTHS),), generator=gen).float(),
                        group_ids=torch.arange(len(LENGTHS)) // 3)
-
-
-def _record_gradients(trainer: PPOTrainer) -> list[dict[str, torch.Tensor]]:
-    """Make the optimiser record the (reduced, clipped) gradients of every step it takes."""
-    recorded: list[dict[str, torch.Tensor]] = []
-    step = trainer.optimizer.step
-
-    def recording_step(*args, **kwargs):
-        grads = {}
-        for name, param in trainer.model.named_parameters():
-            grad = param.grad
-            if hasattr(grad, "full_tensor"):  # FSDP2 shard: gather (every rank calls this)
-                grad = grad.full_tensor()
-            grads[name] = grad.detach().clone()
-        recorded.append(grads)
-        return step(*args, **kwargs)
-
-    trainer.optimizer.step = recording_step
-    return recorded
 
 
 def _rank_main(rank: int, port: int, model_dir: str, shards, out: str) -> None:
@@ -97,7 +74,7 @@ def _rank_main(rank: int, port: int, model_dir: str, shards, out: str) -> None:
     for mode in MODES:
         dp = DataParallel(rank, len(shards), mode)
         trainer = PPOTrainer(load_model(model_dir), _config(model_dir), dp)
-        grads = _record_gradients(trainer)
+        grads = record_gradients(trainer)
         shard = shards[rank]
         stats = trainer.step(shard.batch, 0, advantages=shard.advantages,
                              minibatch_sizes=shard.minibatch_sizes,
@@ -130,7 +107,7 @@ def reference(tiny_model_dir):
     torch.manual_seed(0)
     batch = _batch(tiny_model_dir)
     trainer = PPOTrainer(load_model(tiny_model_dir), _config(tiny_model_dir))
-    grads = _record_gradients(trainer)
+    grads = record_gradients(trainer)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     stats = trainer.step(batch, 0)
     after = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}

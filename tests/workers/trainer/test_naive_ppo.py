@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from trainer_batches import random_sequences, record_gradients
+
 from areal.algorithms.advantages import compute_advantages, token_advantages
 from areal.algorithms.loss import decoupled_ppo_loss
 from areal.config import load_config
@@ -21,18 +23,12 @@ NUM_PROMPT = 3
 def _batch(model_dir: str) -> PackedBatch:
     """Behaviour log-probs far from the model's own (w = pi_prox/pi_behav far from 1)."""
     gen = torch.Generator().manual_seed(0)
-    total = sum(LENGTHS)
-    cu = torch.tensor([0, *LENGTHS], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    tokens = torch.randint(3, 90, (total,), generator=gen)
-    mask = torch.ones(total, dtype=torch.bool)
-    for start in cu[:-1].tolist():
-        mask[start:start + NUM_PROMPT] = False
-    with torch.no_grad():
-        own = packed_logprobs(load_model(model_dir), tokens, cu, temperature=1.0)
-    behav = torch.where(mask, own + 0.5 * torch.randn(total, generator=gen), 0.0)
-    return PackedBatch(token_ids=tokens, logprobs=behav.float(),
-                       versions=torch.where(mask, 0, -1), loss_mask=mask, cu_seqlens=cu,
-                       rewards=torch.tensor([1.0, 0.0, 0.0, 1.0]),
+    seqs = random_sequences(model_dir, LENGTHS, NUM_PROMPT, gen)
+    noise = 0.5 * torch.randn(len(seqs.tokens), generator=gen)
+    behav = torch.where(seqs.loss_mask, seqs.own_logprobs + noise, 0.0)
+    return PackedBatch(token_ids=seqs.tokens, logprobs=behav.float(),
+                       versions=torch.where(seqs.loss_mask, 0, -1), loss_mask=seqs.loss_mask,
+                       cu_seqlens=seqs.cu_seqlens, rewards=torch.tensor([1.0, 0.0, 0.0, 1.0]),
                        group_ids=torch.tensor([0, 0, 1, 1]))
 
 
@@ -50,15 +46,9 @@ def test_naive_ppo_clips_around_the_behaviour_policy(tiny_model_dir):
     loss.backward()
     expected_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
 
-    grads = {}
-    step = trainer.optimizer.step
-
-    def recording_step(*args, **kwargs):
-        grads.update({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
-        return step(*args, **kwargs)
-
-    trainer.optimizer.step = recording_step
+    recorded = record_gradients(trainer)
     stats = trainer.step(batch, version=3)
+    (grads,) = recorded
     assert stats["behav_w_mean"] == 1.0 and stats["behav_w_max"] == 1.0, stats
     assert stats["clip_frac"] == pytest.approx(expected.num_clipped / expected.num_used_tokens)
     assert expected.num_clipped > 0, "behaviour log-probs should be far enough to clip"

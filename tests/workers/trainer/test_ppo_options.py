@@ -13,11 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from trainer_batches import random_sequences, record_gradients
+
 from areal.algorithms.advantages import compute_advantages
 from areal.algorithms.sharding import shard_batch
 from areal.config import load_config
 from areal.models.hf import load_model
-from areal.models.logprobs import packed_logprobs
 from areal.types import PackedBatch
 from areal.workers.trainer.ppo import PPOTrainer
 
@@ -48,20 +49,15 @@ def _batch(model_dir: str) -> PackedBatch:
     """Unequal sequences with behaviour log-probs near the model's own, half of the tokens
     sampled by the proximal version (fresh), one sequence without loss tokens."""
     gen = torch.Generator().manual_seed(0)
-    total = sum(LENGTHS)
-    cu = torch.tensor([0, *LENGTHS], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    tokens = torch.randint(3, 90, (total,), generator=gen)
-    mask = torch.ones(total, dtype=torch.bool)
-    for start in cu[:-1].tolist():
-        mask[start:start + NUM_PROMPT] = False
+    seqs = random_sequences(model_dir, LENGTHS, NUM_PROMPT, gen)
+    mask, cu, total = seqs.loss_mask.clone(), seqs.cu_seqlens, len(seqs.tokens)
     mask[cu[4]:cu[5]] = False
-    with torch.no_grad():
-        own = packed_logprobs(load_model(model_dir), tokens, cu, temperature=1.0)
     seq_offset = torch.repeat_interleave(0.15 * torch.randn(len(LENGTHS), generator=gen),
                                          torch.tensor(LENGTHS))
-    behav = torch.where(mask, own + seq_offset + 0.1 * torch.randn(total, generator=gen), 0.0)
+    behav = torch.where(mask, seqs.own_logprobs + seq_offset
+                        + 0.1 * torch.randn(total, generator=gen), 0.0)
     versions = torch.where(torch.rand(total, generator=gen) < 0.5, VERSION, VERSION - 1)
-    return PackedBatch(token_ids=tokens, logprobs=behav.float(),
+    return PackedBatch(token_ids=seqs.tokens, logprobs=behav.float(),
                        versions=torch.where(mask, versions, -1), loss_mask=mask, cu_seqlens=cu,
                        rewards=torch.rand(len(LENGTHS), generator=gen),
                        group_ids=torch.arange(len(LENGTHS)) // 3)
@@ -69,14 +65,7 @@ def _batch(model_dir: str) -> PackedBatch:
 
 def _gradients(trainer: PPOTrainer, batch: PackedBatch, **plan) -> tuple[dict, dict]:
     """(gradients at the optimiser step, stats) of one step (one minibatch)."""
-    recorded = []
-    step = trainer.optimizer.step
-
-    def recording_step(*args, **kwargs):
-        recorded.append({n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()})
-        return step(*args, **kwargs)
-
-    trainer.optimizer.step = recording_step
+    recorded = record_gradients(trainer)
     stats = trainer.step(batch, VERSION, **plan)
     (grads,) = recorded
     return grads, stats
