@@ -8,38 +8,24 @@ the socket)."""
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import numpy as np
 
+from offline import offline_controller
+
 from areal.config import load_config
-from areal.controller.controller import Controller
 from areal.controller.ledger import Purpose
-from areal.controller.pool import WorkerHandle, WorkerPool
+from areal.controller.pool import WorkerHandle
 from areal.messages import Cancel, WorkerKind
 from areal.tasks.base import Prompt
 
 CAPACITY = 4
 
 
-class RecordingChannel:
-    address = "tcp://127.0.0.1:1"
-
-    def __init__(self) -> None:
-        self.sent: list[tuple[bytes, object]] = []
-
-    async def send(self, identity: bytes, msg: object) -> bool:
-        self.sent.append((identity, msg))
-        return True
-
-
 def test_cancelled_training_requests_free_the_workers_slots_for_the_final_evaluation(tmp_path):
     cfg = load_config(overrides=[f"rollout.max_concurrent={CAPACITY}", f"run_dir={tmp_path}",
                                  "task.group_size=2", "trainer.batch_size=2"])
-    ctl = Controller(cfg)
-    ctl._setup = SimpleNamespace(run_dir=tmp_path)
-    ctl.channel = RecordingChannel()
-    ctl.pool = WorkerPool(cfg, tmp_path, ctl.channel.address, secret=None)
+    ctl = offline_controller(cfg, tmp_path)
     worker = WorkerHandle(worker_id="rollout-0", kind=WorkerKind.ROLLOUT, identity=b"r0",
                           ready=True)
     ctl.pool.by_identity[worker.identity] = worker

@@ -17,10 +17,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from offline import offline_controller
+
 from areal.config import load_config
 from areal.controller.controller import Controller
 from areal.controller.groups import Groups
-from areal.controller.pool import WorkerHandle, WorkerPool
+from areal.controller.pool import WorkerHandle
 from areal.controller.trainers import MAX_RESTARTS, RunFailed, TrainerLost, Trainers
 from areal.messages import Shutdown, Train, Trained, WorkerKind
 
@@ -33,26 +35,12 @@ def _train(step: int, rank: int) -> Train:
                  minibatch_sizes=[rank])
 
 
-class RecordingChannel:
-    address = "tcp://127.0.0.1:1"
-
-    def __init__(self) -> None:
-        self.sent: list[tuple[bytes, object]] = []
-
-    async def send(self, identity: bytes, msg: object) -> bool:
-        self.sent.append((identity, msg))
-        return True
-
-
 def _controller(tmp_path: Path) -> tuple[Controller, list[WorkerHandle], list[str]]:
     cfg = load_config(overrides=["trainer.num_ranks=2", "controller.remote_kinds=[trainer]",
                                  f"run_dir={tmp_path}"])
-    ctl = Controller(cfg)
+    ctl = offline_controller(cfg, tmp_path)
     lines: list[str] = []
-    ctl._setup = SimpleNamespace(run_dir=tmp_path)
     ctl._metrics = SimpleNamespace(console=lines.append, record=lambda *a, **k: None)
-    ctl.channel = RecordingChannel()
-    ctl.pool = WorkerPool(cfg, tmp_path, ctl.channel.address, secret=None)
     ctl.groups = Groups(cfg, ctl.channel, ctl.pool, ctl._record_event)
     ctl.trainers = Trainers(cfg, ctl.channel, ctl.pool, ctl.groups, ctl.changed, ctl.recovery,
                             ctl._record_event, lines.append, ctl._log_of)
