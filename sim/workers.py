@@ -221,7 +221,8 @@ class SimTrainer(SimWorker):
         env.multi_version += _count_multi_version(msg.versions, msg.cu_seqlens)
         seconds = env.cost.train_s(
             lengths, len(msg.minibatch_sizes) or env.cfg.trainer.num_minibatches,
-            env.num_trainer_ranks, env.cfg.trainer.ppo.prox_logp == "recompute")
+            env.num_trainer_ranks, env.cfg.trainer.ppo.prox_logp == "recompute",
+            env.cfg.trainer.micro_batch_tokens)
         publish = self.rank == 0 and not msg.replay
         if publish:
             seconds += env.cost.publish_s(env.colocated)
