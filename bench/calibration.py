@@ -91,7 +91,7 @@ def _accelerator_entry(costs: dict[str, Any], timings: Timings, stamp: str) -> d
     model = model_shape(costs, MODEL)
     # The torch engine holds max_concurrent sequences of up to 512 tokens (torch_engine.py).
     kv_tokens = 128 * 512
-    weight_rate = model.weight_bytes / timings.weight_update_s
+    weight_rate = model.weight_bytes / timings.publish_s
     measured = f"measured by {COMMAND} on {stamp}"
     return {
         "peak_flops": {"value": NOMINAL["peak_flops"][0], "source": NOMINAL["peak_flops"][1]},
@@ -101,8 +101,8 @@ def _accelerator_entry(costs: dict[str, Any], timings: Timings, stamp: str) -> d
         "hbm_bandwidth": {"value": NOMINAL["hbm_bandwidth"][0],
                           "source": NOMINAL["hbm_bandwidth"][1]},
         "intra_node_bandwidth": {"value": weight_rate, "source": f"{measured}: cost-model "
-                                 f"weight bytes / {timings.weight_update_s * 1e3:.0f} ms, one "
-                                 "engine weight update (pause, load from disk, resume)"},
+                                 f"weight bytes / {timings.publish_s * 1e3:.1f} ms, the "
+                                 "trainer publishing its weights to disk"},
         "inter_node_bandwidth": {"value": weight_rate, "source": f"{measured}: as "
                                  "intra_node_bandwidth (one machine)"},
         "devices_per_node": {"value": 2, "source": "lscpu: 2 cores"},
@@ -119,7 +119,8 @@ def fit_costs(model_dir: Path, timings: Timings, stamp: str
     gen = fit_generation(acc, model, timings.decode, timings.prefill)
     train = fit_training(acc, model, timings.train)
     # The trainer's measured step includes its publication to disk; the cost model adds
-    # publish_s (weight bytes over the measured bandwidth) itself, so it is taken out here.
+    # publish_s (weight bytes over the measured bandwidth = the measured publication) itself,
+    # so it is taken out here.
     # The real run also saves a checkpoint every 10 steps (trainer.checkpoint_every): spread.
     publish = model.weight_bytes / acc.inter_node_bandwidth
     overhead = train.train_step_overhead_s - publish + timings.checkpoint_s / 10
@@ -128,7 +129,6 @@ def fit_costs(model_dir: Path, timings: Timings, stamp: str
                   f"{len(timings.prefill)} prefill timings, rms relative error "
                   f"{gen.decode_rms:.1%} (decode), {gen.prefill_rms:.1%} (prefill)")
     train_fit = f"{measured}; fit to {len(timings.train)} trainer steps, rms {train.rms:.1%}"
-    contention = (timings.decode_contention * timings.train_contention) ** 0.5
     costs["accelerators"][ACCELERATOR]["efficiency"] = {
         "mfu": {"value": gen.mfu, "source": decode_fit},
         "hbm": {"value": gen.hbm, "source": decode_fit},
@@ -138,16 +138,26 @@ def fit_costs(model_dir: Path, timings: Timings, stamp: str
                                   "model shape measured)"},
         "seq_step_overhead_s": {"value": gen.seq_step_overhead_s, "source": decode_fit},
         "train_mfu": {"value": train.train_mfu, "source": train_fit},
-        "pack_attention": {"value": train.pack_attention, "source": (
+        "train_pack_attention": {"value": train.train_pack_attention, "source": (
             f"{train_fit}: the better of attention per sequence and over whole packs")},
         "train_step_overhead_s": {"value": max(0.0, overhead), "source": (
             f"{train_fit}: fixed {train.train_step_overhead_s * 1e3:.1f} ms - publication "
             f"{publish * 1e3:.1f} ms (priced apart) + checkpoint {timings.checkpoint_s * 1e3:.0f}"
             " ms / 10 steps" + (" (clamped at 0)" if overhead < 0 else ""))},
-        "contention": {"value": contention, "source": (
-            f"{measured}: geometric mean of decode {timings.decode_contention:.2f}x and "
-            f"training {timings.train_contention:.2f}x slower while the other runs in a "
-            "second process")},
+        "weight_update_overhead_s": {"value": max(0.0, timings.weight_update_s - publish),
+                                     "source": (
+            f"{measured}: one engine weight update with 64 sequences running (pause, load "
+            f"from disk, resume) {timings.weight_update_s * 1e3:.0f} ms - the bytes' move "
+            f"{publish * 1e3:.1f} ms (priced apart)")},
+        "decode_pack_attention": {"value": gen.decode_pack_attention, "source": (
+            f"{decode_fit}: the better of attention per context token and per (batch x "
+            "context)")},
+        "contention": {"value": timings.decode_contention, "source": (
+            f"{measured}: decode time while a trainer runs in a second process over decode "
+            "time alone (the real run's controller and reward worker not included)")},
+        "train_contention": {"value": timings.train_contention, "source": (
+            f"{measured}: training step time while a decode loop runs in a second process "
+            "over step time alone")},
     }
     return costs, gen, train
 
@@ -210,11 +220,12 @@ def table(checks: dict[str, Check]) -> str:
 def fitted_lines(gen: GenerationFit, train: TrainFit, timings: Timings) -> str:
     return "\n".join([
         f"decode step = {gen.step_overhead_s * 1e3:.2f} ms + {gen.seq_step_overhead_s * 1e6:.0f}"
-        f" us x batch + roofline (mfu {gen.mfu:.3g}, hbm {gen.hbm:.3g} of nominal); rms "
+        f" us x batch + roofline (mfu {gen.mfu:.3g}, hbm {gen.hbm:.3g} of nominal; attention "
+        f"per {'batch x ' if gen.decode_pack_attention else ''}context token); rms "
         f"error {gen.decode_rms:.1%} decode, {gen.prefill_rms:.1%} prefill",
         f"train step = {train.train_step_overhead_s * 1e3:.1f} ms + (3+1) x forward FLOPs at "
         f"train_mfu {train.train_mfu:.3g} of nominal (attention over "
-        f"{'whole packs' if train.pack_attention else 'each sequence'}); rms error "
+        f"{'whole packs' if train.train_pack_attention else 'each sequence'}); rms error "
         f"{train.rms:.1%}",
         f"weight update {timings.weight_update_s * 1e3:.0f} ms, publish "
         f"{timings.publish_s * 1e3:.0f} ms, checkpoint {timings.checkpoint_s * 1e3:.0f} ms; "

@@ -15,7 +15,8 @@ bench/speedup.py (one torch thread per engine and per trainer, as the real run's
               disk, resume; what a rollout worker pays per new version
     checkpoint one trainer checkpoint (the real run saves one every 10 steps)
     contention decode and train each timed again while the other runs in a second process
-              (`python bench/machine_timings.py --background train|decode MODEL_DIR`)
+              (`python bench/machine_timings.py --background train|decode MODEL_DIR`),
+              against the median of undisturbed timings taken before and after
 
 Each timing is the median of `repeats`. Nothing here fits or predicts.
 """
@@ -137,11 +138,12 @@ async def _generation(cfg: RunConfig, plan: Plan, timings: Timings) -> None:
         timings.weight_update_s = await _median_async(
             lambda: _weight_update_s(engine, cfg), plan.repeats)
         batch, prompt, new = BACKGROUND_BATCH
-        alone = await _median_async(lambda: _generate_s(engine, batch, prompt, new), plan.repeats)
+        alone = [await _generate_s(engine, batch, prompt, new) for _ in range(plan.repeats)]
         with _background(cfg, "train"):
             loaded = await _median_async(lambda: _generate_s(engine, batch, prompt, new),
                                          plan.repeats)
-        timings.decode_contention = loaded / alone
+        alone += [await _generate_s(engine, batch, prompt, new) for _ in range(plan.repeats)]
+        timings.decode_contention = loaded / statistics.median(alone)
     finally:
         await engine.close()
 
@@ -221,10 +223,11 @@ def _training(cfg: RunConfig, plan: Plan, timings: Timings) -> None:
                     trainer.version, cfg.trainer.keep_checkpoints)
     timings.checkpoint_s = time.perf_counter() - start
     batch = packed_batch(*BACKGROUND_TRAIN)
-    alone = _median(lambda: trainer.step_s(batch), plan.repeats)
+    alone = [trainer.step_s(batch) for _ in range(plan.repeats)]
     with _background(cfg, "decode"):
         loaded = _median(lambda: trainer.step_s(batch), plan.repeats)
-    timings.train_contention = loaded / alone
+    alone += [trainer.step_s(batch) for _ in range(plan.repeats)]
+    timings.train_contention = loaded / statistics.median(alone)
 
 
 # -- the other load ------------------------------------------------------------------------------

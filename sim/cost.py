@@ -16,6 +16,9 @@ Formulas (P_m = parameters in matrix products, L layers, h hidden width, bf16 = 
         t_step = o_step + o_layer*L + o_seq*b + max(F/(t*peak*mfu), M/(hbm_bw*hbm))
                  + TP all-reduces (2 per layer of b*h*2 bytes, ring over intra-node links)
         F = 2*P_m*b + 4*L*h*C          (matmuls + attention of b new tokens over C)
+        F = 2*P_m*b + 4*L*h*b*C        with `decode_pack_attention` (a measured entry whose
+                                       fit says so: every new token attends over the whole
+                                       batch's cache under a mask, as the CPU engine does)
         M = (weight bytes + kv_bytes_per_token*C) / t
     prefill of sequences of n_i tokens: max(F/(t*peak*mfu), weights/t/(hbm_bw*hbm)),
         F = 2*P_m*sum(n_i) + 2*L*h*sum(n_i^2)      (causal attention, forward)
@@ -25,11 +28,13 @@ Formulas (P_m = parameters in matrix products, L layers, h hidden width, bf16 = 
         train_mfu defaults to mfu and o_train (a fixed cost per step) to 0: the GPU entries
         use neither; a measured entry (the CPU machine, areal.sim.calibrate) sets both,
         because its trainer pays per-step costs (optimiser, Python) that FLOPs do not show.
-        With `pack_attention` (a measured entry whose fit says so) attention spans each
+        With `train_pack_attention` (a measured entry whose fit says so) attention spans each
         whole packed micro-batch of N_mb tokens (a dense block-diagonal mask, as sdpa runs
         the trainer's packs on CPU): its forward FLOPs are 4*L*h*N_mb^2 in place of
         2*L*h*sum(n_i^2), with micro-batches of trainer.micro_batch_tokens
-    weights: moving them costs bytes / (link bandwidth * link efficiency)
+    weights: moving them costs bytes / (link bandwidth * link efficiency); a rollout server
+        taking a new version also pays `weight_update_overhead_s` (0 on GPUs; the CPU
+        engine restarts its session, measured)
 
 Not modelled (said so where it matters): kernel-level effects beyond the roofline, the
 optimiser step, checkpoints, pipeline bubbles, stragglers, network contention between jobs.
@@ -129,7 +134,17 @@ class Efficiency:
     train_mfu: float | None = None
     """Fraction of peak FLOP/s reached by the trainer's forward/backward; None: `mfu`."""
     train_step_overhead_s: float = 0.0
-    pack_attention: bool = False
+    train_pack_attention: bool = False
+    decode_pack_attention: bool = False
+    """A decode step's attention costs (batch x context) rather than context: each new
+    token is scored against every running sequence's cache under a mask. False on GPUs
+    (paged-attention kernels), decided by the fit on the CPU machine."""
+    weight_update_overhead_s: float = 0.0
+    """Fixed cost of a rollout server's weight update beyond moving the bytes (pause,
+    engine restart): 0 for the GPU entries (not modelled), measured on the CPU machine."""
+    train_contention: float | None = None
+    """Slowdown of training while generation runs on the same cores; None: `contention`
+    (which then is generation's slowdown while training runs)."""
     """The trainer's attention costs the square of each packed micro-batch's tokens (a
     dense mask over the pack) rather than of each sequence's: False on GPUs (varlen
     kernels), decided by the fit on the CPU machine."""
@@ -175,8 +190,9 @@ class CostModel:
             size = batch * m.hidden * BF16_BYTES
             fixed += 2 * m.layers * 2 * (tp - 1) / tp * size / (acc.intra_node_bandwidth
                                                                  * eff.link)
+        attended = batch if eff.decode_pack_attention else 1  # queries per context token
         return (fixed, 2 * m.matmul_params * batch / flops_rate,
-                4 * m.layers * m.hidden / flops_rate,
+                4 * m.layers * m.hidden * attended / flops_rate,
                 m.weight_bytes / tp / bytes_rate, m.kv_bytes_per_token / tp / bytes_rate)
 
     def decode_s(self, batch: int, context: float, steps: int, tp: int) -> float:
@@ -219,7 +235,8 @@ class CostModel:
 
     def weight_load_s(self, tp: int) -> float:
         """A rollout server receiving a new weight version (its shard) over the network."""
-        return self.model.weight_bytes / tp / (self.acc.inter_node_bandwidth * self.eff.link)
+        return self.model.weight_bytes / tp / (self.acc.inter_node_bandwidth * self.eff.link) \
+            + self.eff.weight_update_overhead_s
 
     # -- training -------------------------------------------------------------------------------
 
@@ -227,7 +244,7 @@ class CostModel:
                 recompute_prox: bool, micro_batch_tokens: int = 8192) -> float:
         """Seconds one data-parallel rank (one device) spends on its shard of a step."""
         tokens, sum_sq = _moments(lengths)
-        if self.eff.pack_attention and tokens > 0:
+        if self.eff.train_pack_attention and tokens > 0:
             # micro-batches of equal size within each minibatch; a full square each
             packs = num_minibatches * max(1, math.ceil(tokens / num_minibatches
                                                        / micro_batch_tokens))

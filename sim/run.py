@@ -147,7 +147,8 @@ def simulate(sim: SimConfig, console: io.TextIOBase | None = None,
         cfg = load_config(overrides=sim.to_run_overrides(str(Path(run_dir))))
         accounts = CpuAccounts()
         env = SimEnv(cfg=cfg, cost=cost, workload=workload,
-                     host=Host(cost.eff.contention), rollout_tp=sim.rollout_tp,
+                     host=Host(cost.eff.contention, cost.eff.train_contention),
+                     rollout_tp=sim.rollout_tp,
                      colocated=sim.placement == "colocated",
                      num_trainer_ranks=sim.num_trainer_ranks)
         ctl = Controller(cfg, runtime=SimRuntime(env, sim.wire))

@@ -42,6 +42,7 @@ def test_generation_fit_recovers_the_factors_that_made_the_timings():
     assert fit.hbm == pytest.approx(0.6, rel=0.01)
     assert fit.step_overhead_s == pytest.approx(0.002, rel=0.01)
     assert fit.seq_step_overhead_s == pytest.approx(1e-4, rel=0.01)
+    assert fit.decode_pack_attention is False
     assert fit.decode_rms < 0.005 and fit.prefill_rms < 0.005
 
 
@@ -57,22 +58,22 @@ def test_generation_fit_reports_how_far_noisy_timings_are_from_its_form():
 
 
 def test_hbm_the_timings_cannot_see_is_the_largest_that_fits():
-    # Large batches only, no context: every step is compute-bound; any hbm above the
-    # bound fits as well, and the fit keeps the one that assumes least (1.0).
+    # Large batches only, no context (one step each): every step is compute-bound; any
+    # hbm above the bound fits as well, and the fit keeps the one that assumes least (1.0).
     cost = _cost(hbm=0.9)
-    decode = [DecodeSample(batch=b, context=0, steps=10, seconds=cost.decode_s(b, 0, 10, 1))
-              for b in (2048, 4096)]
+    decode = [DecodeSample(batch=b, context=0, steps=1, seconds=cost.decode_s(b, 0, 1, 1))
+              for b in (512, 1024, 2048, 4096)]
     prefill = [PrefillSample(lengths=(2000,) * 8, seconds=cost.prefill_s((2000,) * 8, 1))]
     assert fit_generation(ACC, MODEL, decode, prefill).hbm == pytest.approx(1.0, rel=0.02)
 
 
 @pytest.mark.parametrize("pack", [False, True])
 def test_training_fit_recovers_rate_overhead_and_attention_form(pack):
-    truth = _cost(train_mfu=0.2, train_step_overhead_s=0.05, pack_attention=pack)
+    truth = _cost(train_mfu=0.2, train_step_overhead_s=0.05, train_pack_attention=pack)
     samples = [TrainSample(lengths=(n,) * k, seconds=truth.train_s((n,) * k, 1, 1, True, 8192))
                for n, k in [(32, 16), (24, 64), (64, 64), (120, 64), (96, 128), (4000, 2)]]
     fit = fit_training(ACC, MODEL, samples)
-    assert fit.pack_attention is pack
+    assert fit.train_pack_attention is pack
     assert fit.train_mfu == pytest.approx(0.2, rel=1e-6)
     assert fit.train_step_overhead_s == pytest.approx(0.05, rel=1e-6)
     assert fit.rms < 1e-9
@@ -90,7 +91,7 @@ def test_training_extensions_by_hand():
     assert cost.train_s(lengths, 1, 1, True) == pytest.approx(
         4 * flops / (989.5e12 * 0.25) + 0.1)
     # pack attention: 3000 tokens, 2 minibatches of 1500, budget 1000 -> 4 packs of 750
-    packed = _cost(pack_attention=True)
+    packed = _cost(train_pack_attention=True)
     tokens = 3000
     flops = 2 * m.matmul_params * tokens + 4 * m.layers * m.hidden * 4 * 750 ** 2
     assert packed.train_s([1000, 2000], 2, 1, False, 1000) == pytest.approx(
@@ -101,7 +102,7 @@ def test_shipped_gpu_entries_are_unchanged_by_the_training_extensions():
     eff = Efficiency(mfu=0.35, hbm=0.75, link=0.8, step_overhead_s=0.0005,
                      layer_step_overhead_s=3e-5, seq_step_overhead_s=0.0)
     assert eff.train_mfu is None and eff.train_step_overhead_s == 0.0
-    assert eff.pack_attention is False
+    assert eff.train_pack_attention is False
 
 
 def _saved_batch(groups: dict[int, list[tuple[int, int]]]) -> dict[str, np.ndarray]:
@@ -143,3 +144,23 @@ def test_replay_refuses_a_run_without_saved_batches(tmp_path):
         {"kind": "step", "rollout/trained_positions": [0]}))
     with pytest.raises(ValueError, match="logging.save_batches=true"):
         ReplayWorkload.from_run(tmp_path, reward_latency_s=0.001)
+
+
+def test_generation_fit_finds_attention_over_the_whole_batch():
+    truth = _cost(decode_pack_attention=True)
+    fit = fit_generation(ACC, MODEL, *_generation_samples(truth))
+    assert fit.decode_pack_attention is True
+    assert fit.mfu == pytest.approx(0.3, rel=0.01)
+    assert fit.step_overhead_s == pytest.approx(0.002, rel=0.01)
+    assert fit.decode_rms < 0.005
+
+
+def test_decode_pack_attention_by_hand():
+    plain, packed = _cost(hbm=1e9), _cost(hbm=1e9, decode_pack_attention=True)  # compute-bound
+    m, rate = plain.model, 989.5e12 * 0.3
+    b, context = 16, 16 * 1000
+    fixed = 0.002 + 1e-4 * b
+    assert plain.decode_s(b, context, 1, 1) == pytest.approx(
+        fixed + (2 * m.matmul_params * b + 4 * m.layers * m.hidden * context) / rate)
+    assert packed.decode_s(b, context, 1, 1) == pytest.approx(
+        fixed + (2 * m.matmul_params * b + 4 * m.layers * m.hidden * b * context) / rate)
