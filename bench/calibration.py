@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -170,6 +171,7 @@ def real_runs(model_dir: Path, out: Path, steps: int, extra: list[str]
     summaries = {}
     for mode in ("sync", "async"):
         run_dir = out / mode
+        shutil.rmtree(run_dir, ignore_errors=True)  # a previous calibration's run: not resumed
         start = time.monotonic()
         _, records = uvloop.run(speedup._run(speedup._overrides(args, model_dir, run_dir, mode,
                                                                 seed=1)))
