@@ -29,7 +29,9 @@ def test_calibrate_quick_prints_prediction_and_measurement(tmp_path):
         assert match, out
         measured, predicted, error = map(float, match.groups())
         assert measured > 0 and predicted > 0
-        assert error == pytest.approx((predicted / measured - 1) * 100, abs=0.2 + 100 * 0.1 / measured)  # both printed to 0.1 s
+        # the error is of the unrounded times; both are printed to 0.1 s
+        assert error == pytest.approx((predicted / measured - 1) * 100,
+                                      abs=0.2 + 100 * 0.1 / measured)
         tokens = re.search(rf"{mode} trained tokens\s+{NUMBER}\s+{NUMBER}", out)
         assert tokens and float(tokens.group(1)) > 0 and float(tokens.group(2)) > 0, out
     ratio = re.search(rf"sync / async time\s+{NUMBER}x\s+{NUMBER}x", out)
