@@ -132,7 +132,9 @@ def fit_costs(model_dir: Path, timings: Timings, stamp: str
     train_fit = f"{measured}; fit to {len(timings.train)} trainer steps, rms {train.rms:.1%}"
     costs["accelerators"][ACCELERATOR]["efficiency"] = {
         "mfu": {"value": gen.mfu, "source": decode_fit},
-        "hbm": {"value": gen.hbm, "source": decode_fit},
+        "hbm": {"value": gen.hbm, "source": decode_fit + (
+            "; not set by these timings (the memory term never decides a step): the largest "
+            "value that fits as well" if gen.hbm > 0.999 else "")},
         "link": {"value": 1.0, "source": "the bandwidths above are measured effective ones"},
         "step_overhead_s": {"value": gen.step_overhead_s, "source": decode_fit},
         "layer_step_overhead_s": {"value": 0.0, "source": "folded into step_overhead_s (one "
