@@ -217,7 +217,8 @@ def table(checks: dict[str, Check]) -> str:
                 f"{predicted / measured - 1:>+8.1%}")
     for c in checks.values():
         rows.append(f"{c.mode + ' trained tokens':<22} {c.measured_tokens:>10} "
-                    f"{c.predicted_tokens:>10.0f} {c.predicted_tokens / c.measured_tokens - 1:>+8.1%}")
+                    f"{c.predicted_tokens:>10.0f} "
+                    f"{c.predicted_tokens / c.measured_tokens - 1:>+8.1%}")
     return "\n".join(rows)
 
 
@@ -256,6 +257,7 @@ def run(quick: bool, out: Path) -> str:
         predicted_s, predicted_tokens = predict(costs_path, out / mode, mode, steps)
         checks[mode] = Check(mode, measured_s, predicted_s, measured_tokens, predicted_tokens)
     text = (f"{table(checks)}\n({steps} steps of 8 prompts x 8 samples, eta 2, seed 1; "
-            f"steps 2-{steps} compared; fitted cost file: {costs_path})\n{fitted_lines(gen, train, timings)}")
+            f"steps 2-{steps} compared; fitted cost file: {costs_path})\n"
+            f"{fitted_lines(gen, train, timings)}")
     (out / ("calibration-quick.txt" if quick else "calibration.txt")).write_text(text + "\n")
     return text

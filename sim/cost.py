@@ -252,7 +252,8 @@ class CostModel:
         passes = 3 + (1 if recompute_prox else 0)  # forward + backward (2x) + proximal pass
         compute = passes * self.model.forward_flops(tokens, sum_sq) \
             / (self.acc.peak_flops * self.train_mfu)
-        return compute + self.eff.train_step_overhead_s + num_minibatches * self.allreduce_s(self.model.weight_bytes, num_ranks)
+        return compute + self.eff.train_step_overhead_s \
+            + num_minibatches * self.allreduce_s(self.model.weight_bytes, num_ranks)
 
     @property
     def train_mfu(self) -> float:
