@@ -12,8 +12,9 @@
    on), saving their trained batches;
 3. simulates each with the real controller on two simulated `cpu-2core` accelerators (one
    generating, one training), replaying the real run's prompt and completion lengths
-   (areal.sim.replay), and prints predicted vs measured training wall time, their ratio
-   and the error of each.
+   (areal.sim.replay), and prints predicted vs measured wall time from the end of the first
+   training step to the end of the last (see `after_first`), their ratio and the error of
+   each.
 
 The lengths come from the real runs (what the model wrote is not what is being predicted;
 how long writing and training on it takes is); everything else is the fitted cost model.
