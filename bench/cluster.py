@@ -1,6 +1,7 @@
 """The headline claims at cluster scale, from the real controller on a simulated cluster.
 
     python bench/cluster.py [--quick] [--seed N] [--out DIR]
+    python bench/cluster.py --calibrate [--quick]   # the check against this machine
 
 Every number comes from `areal.sim.run.simulate`: the project's controller (admission,
 staleness, dispatch, batching, sharding, the weight-update and interruption protocol) drives
@@ -19,7 +20,10 @@ simulated rollout and trainer workers on a virtual clock, with durations from th
 run a quarter of it (128 x 16) on a quarter of (a)'s 1.5B cluster (32 accelerators), the
 same load per accelerator, so that the full bench fits its time budget. Each table is
 printed as soon as it is done. Plots of (b) and (e) go to OUT (bench/results/cluster).
-`--quick` runs a small subset on small clusters and batches (a smoke run). A fixed seed prints the same
+`--quick` runs a small subset on small clusters and batches (a smoke run).
+`--calibrate` runs only the check against this machine instead (bench/calibration.py:
+measure the torch engine and trainer, fit the cost model, predict bench/speedup.py's sync
+and async wall times and compare with real runs; OUT defaults to bench/results/calibration). A fixed seed prints the same
 simulated numbers twice (the CPU-time columns of (f) are real measurements and vary).
 """
 
@@ -246,8 +250,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small subset (smoke test)")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/cluster"))
+    parser.add_argument("--calibrate", action="store_true",
+                        help="only the check of the simulator against real runs on this machine")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default: bench/results/cluster (bench/results/calibration)")
     args = parser.parse_args()
+    if args.calibrate:
+        from calibration import run as calibrate
+
+        text = calibrate(args.quick, args.out or Path("bench/results/calibration"))
+        print("calibration against this machine (bench/speedup.py's runs)\n" + text)
+        return 0
+    args.out = args.out or Path("bench/results/cluster")
     bench = Bench(args.quick, args.seed)
     start = time.perf_counter()
     sections: list[str] = []

@@ -16,13 +16,25 @@ Formulas (P_m = parameters in matrix products, L layers, h hidden width, bf16 = 
         t_step = o_step + o_layer*L + o_seq*b + max(F/(t*peak*mfu), M/(hbm_bw*hbm))
                  + TP all-reduces (2 per layer of b*h*2 bytes, ring over intra-node links)
         F = 2*P_m*b + 4*L*h*C          (matmuls + attention of b new tokens over C)
+        F = 2*P_m*b + 4*L*h*b*C        with `decode_pack_attention` (a measured entry whose
+                                       fit says so: every new token attends over the whole
+                                       batch's cache under a mask, as the CPU engine does)
         M = (weight bytes + kv_bytes_per_token*C) / t
     prefill of sequences of n_i tokens: max(F/(t*peak*mfu), weights/t/(hbm_bw*hbm)),
         F = 2*P_m*sum(n_i) + 2*L*h*sum(n_i^2)      (causal attention, forward)
-    training on one data-parallel rank: (3 + r) * F(shard) / (peak*mfu) with r = 1 when
-        the proximal log-probs are recomputed (a forward pass), 0 with `loglinear`;
-        plus per PPO minibatch a ring all-reduce of the bf16 gradients
-    weights: moving them costs bytes / (link bandwidth * link efficiency)
+    training on one data-parallel rank: (3 + r) * F(shard) / (peak*train_mfu) + o_train
+        with r = 1 when the proximal log-probs are recomputed (a forward pass), 0 with
+        `loglinear`; plus per PPO minibatch a ring all-reduce of the bf16 gradients.
+        train_mfu defaults to mfu and o_train (a fixed cost per step) to 0: the GPU entries
+        use neither; a measured entry (the CPU machine, areal.sim.calibrate) sets both,
+        because its trainer pays per-step costs (optimiser, Python) that FLOPs do not show.
+        With `train_pack_attention` (a measured entry whose fit says so) attention spans each
+        whole packed micro-batch of N_mb tokens (a dense block-diagonal mask, as sdpa runs
+        the trainer's packs on CPU): its forward FLOPs are 4*L*h*N_mb^2 in place of
+        2*L*h*sum(n_i^2), with micro-batches of trainer.micro_batch_tokens
+    weights: moving them costs bytes / (link bandwidth * link efficiency); a rollout server
+        taking a new version also pays `weight_update_overhead_s` (0 on GPUs; the CPU
+        engine restarts its session, measured)
 
 Not modelled (said so where it matters): kernel-level effects beyond the roofline, the
 optimiser step, checkpoints, pipeline bubbles, stragglers, network contention between jobs.
@@ -119,6 +131,25 @@ class Efficiency:
     seq_step_overhead_s: float
     """Cost of one decode step per running sequence beyond the roofline (sampling,
     bookkeeping): what the CPU engine pays, negligible on GPU engines."""
+    train_mfu: float | None = None
+    """Fraction of peak FLOP/s reached by the trainer's forward/backward; None: `mfu`."""
+    train_step_overhead_s: float = 0.0
+    train_pack_attention: bool = False
+    decode_pack_attention: bool = False
+    """A decode step's attention costs (batch x context) rather than context: each new
+    token is scored against every running sequence's cache under a mask. False on GPUs
+    (paged-attention kernels), decided by the fit on the CPU machine."""
+    weight_update_overhead_s: float = 0.0
+    """Fixed cost of a rollout server's weight update beyond moving the bytes (pause,
+    engine restart): 0 for the GPU entries (not modelled), measured on the CPU machine."""
+    train_contention: float | None = None
+    """Slowdown of training while generation runs on the same cores; None: `contention`
+    (which then is generation's slowdown while training runs)."""
+    """The trainer's attention costs the square of each packed micro-batch's tokens (a
+    dense mask over the pack) rather than of each sequence's: False on GPUs (varlen
+    kernels), decided by the fit on the CPU machine."""
+    """Fixed cost of one training step on one rank beyond its FLOPs (optimiser step,
+    Python, packing): 0 on GPUs (hidden by the FLOPs), measured on the CPU machine."""
     contention: float = 1.0
     """Slowdown of generation and of training while the other runs on the same devices
     (the CPU machine, where every process shares the cores); 1 on separate accelerators."""
@@ -159,8 +190,9 @@ class CostModel:
             size = batch * m.hidden * BF16_BYTES
             fixed += 2 * m.layers * 2 * (tp - 1) / tp * size / (acc.intra_node_bandwidth
                                                                  * eff.link)
+        attended = batch if eff.decode_pack_attention else 1  # queries per context token
         return (fixed, 2 * m.matmul_params * batch / flops_rate,
-                4 * m.layers * m.hidden / flops_rate,
+                4 * m.layers * m.hidden * attended / flops_rate,
                 m.weight_bytes / tp / bytes_rate, m.kv_bytes_per_token / tp / bytes_rate)
 
     def decode_s(self, batch: int, context: float, steps: int, tp: int) -> float:
@@ -203,18 +235,29 @@ class CostModel:
 
     def weight_load_s(self, tp: int) -> float:
         """A rollout server receiving a new weight version (its shard) over the network."""
-        return self.model.weight_bytes / tp / (self.acc.inter_node_bandwidth * self.eff.link)
+        return self.model.weight_bytes / tp / (self.acc.inter_node_bandwidth * self.eff.link) \
+            + self.eff.weight_update_overhead_s
 
     # -- training -------------------------------------------------------------------------------
 
     def train_s(self, lengths: Sequence[int], num_minibatches: int, num_ranks: int,
-                recompute_prox: bool) -> float:
+                recompute_prox: bool, micro_batch_tokens: int = 8192) -> float:
         """Seconds one data-parallel rank (one device) spends on its shard of a step."""
         tokens, sum_sq = _moments(lengths)
+        if self.eff.train_pack_attention and tokens > 0:
+            # micro-batches of equal size within each minibatch; a full square each
+            packs = num_minibatches * max(1, math.ceil(tokens / num_minibatches
+                                                       / micro_batch_tokens))
+            sum_sq = 2 * packs * (tokens / packs) ** 2
         passes = 3 + (1 if recompute_prox else 0)  # forward + backward (2x) + proximal pass
         compute = passes * self.model.forward_flops(tokens, sum_sq) \
-            / (self.acc.peak_flops * self.eff.mfu)
-        return compute + num_minibatches * self.allreduce_s(self.model.weight_bytes, num_ranks)
+            / (self.acc.peak_flops * self.train_mfu)
+        return compute + self.eff.train_step_overhead_s \
+            + num_minibatches * self.allreduce_s(self.model.weight_bytes, num_ranks)
+
+    @property
+    def train_mfu(self) -> float:
+        return self.eff.mfu if self.eff.train_mfu is None else self.eff.train_mfu
 
     def allreduce_s(self, num_bytes: float, num_ranks: int) -> float:
         """A ring all-reduce of `num_bytes` over `num_ranks` devices (inter-node links once
@@ -279,9 +322,8 @@ def load_costs(path: str | Path | None = None) -> dict[str, Any]:
 
 
 def accelerator(costs: dict[str, Any], name: str) -> Accelerator:
-    entry = _entry(costs, "accelerators", name)
-    return Accelerator(name=name, **{k: v for k, v in _values(entry, f"accelerators.{name}")
-                                     .items() if k != "efficiency"})
+    entry = {k: v for k, v in _entry(costs, "accelerators", name).items() if k != "efficiency"}
+    return Accelerator(name=name, **_values(entry, f"accelerators.{name}"))
 
 
 def model_shape(costs: dict[str, Any], name: str) -> ModelShape:

@@ -133,18 +133,22 @@ async def _watchdog(ctl: Controller, records: list[dict[str, Any]]) -> None:
                 f"{len(ctl.ledger.buffer)} groups buffered")
 
 
-def simulate(sim: SimConfig, console: io.TextIOBase | None = None) -> SimResult:
-    """Simulate `sim`; the controller's console lines go to `console` (default: dropped)."""
+def simulate(sim: SimConfig, console: io.TextIOBase | None = None,
+             workload: Workload | None = None) -> SimResult:
+    """Simulate `sim`; the controller's console lines go to `console` (default: dropped).
+    `workload`: the lengths to generate (default: the cost file's distribution; a real
+    run's lengths replayed: areal.sim.replay)."""
     costs = load_costs(sim.costs)
     cost = cost_model(costs, sim.accelerator, sim.model)
-    workload = Workload.from_costs(costs, sim.seed)
+    workload = workload or Workload.from_costs(costs, sim.seed)
     wall = time.perf_counter()
     with contextlib.ExitStack() as stack:
         run_dir = sim.run_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="sim-"))
         cfg = load_config(overrides=sim.to_run_overrides(str(Path(run_dir))))
         accounts = CpuAccounts()
         env = SimEnv(cfg=cfg, cost=cost, workload=workload,
-                     host=Host(cost.eff.contention), rollout_tp=sim.rollout_tp,
+                     host=Host(cost.eff.contention, cost.eff.train_contention),
+                     rollout_tp=sim.rollout_tp,
                      colocated=sim.placement == "colocated",
                      num_trainer_ranks=sim.num_trainer_ranks)
         ctl = Controller(cfg, runtime=SimRuntime(env, sim.wire))

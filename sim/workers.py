@@ -42,21 +42,26 @@ SECRET = "sim"
 
 
 class Host:
-    """Generation and training that share one machine's cores slow each other down by
-    `contention` (an accelerator entry's own efficiency; 1 on a GPU cluster: nothing happens)."""
+    """Generation and training that share one machine's cores slow each other down:
+    generation by `contention` while training runs, training by `train_contention` (default:
+    the same) while generation runs (an accelerator entry's own efficiency; 1 on a GPU
+    cluster: nothing happens)."""
 
-    def __init__(self, contention: float) -> None:
+    def __init__(self, contention: float, train_contention: float | None = None) -> None:
         self.contention = contention
+        self.train_contention = contention if train_contention is None else train_contention
         self._active = {WorkerKind.ROLLOUT: 0, WorkerKind.TRAINER: 0}
         self._listeners: list[Callable[[], None]] = []
 
     @property
     def shared(self) -> bool:
-        return self.contention != 1.0
+        return self.contention != 1.0 or self.train_contention != 1.0
 
     def slowdown(self, kind: WorkerKind) -> float:
         other = WorkerKind.TRAINER if kind is WorkerKind.ROLLOUT else WorkerKind.ROLLOUT
-        return self.contention if self.shared and self._active[other] else 1.0
+        if not (self.shared and self._active[other]):
+            return 1.0
+        return self.contention if kind is WorkerKind.ROLLOUT else self.train_contention
 
     def listen(self, callback: Callable[[], None]) -> None:
         """`callback()` whenever the set of busy kinds changes (re-plan your work)."""
@@ -221,7 +226,8 @@ class SimTrainer(SimWorker):
         env.multi_version += _count_multi_version(msg.versions, msg.cu_seqlens)
         seconds = env.cost.train_s(
             lengths, len(msg.minibatch_sizes) or env.cfg.trainer.num_minibatches,
-            env.num_trainer_ranks, env.cfg.trainer.ppo.prox_logp == "recompute")
+            env.num_trainer_ranks, env.cfg.trainer.ppo.prox_logp == "recompute",
+            env.cfg.trainer.micro_batch_tokens)
         publish = self.rank == 0 and not msg.replay
         if publish:
             seconds += env.cost.publish_s(env.colocated)

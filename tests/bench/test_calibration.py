@@ -1,0 +1,45 @@
+"""`python bench/cluster.py --calibrate --quick`: the simulator's prediction of
+bench/speedup.py's sync and async runs next to the real runs (short ones), from a cost
+entry fitted to timings of this machine. Checks that every number is there and sane, not
+how close the prediction is (that depends on the machine's load)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+NUMBER = r"(-?[0-9.]+)"
+
+
+@pytest.mark.slow
+def test_calibrate_quick_prints_prediction_and_measurement(tmp_path):
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "cluster.py"), "--calibrate",
+                           "--quick", "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=900, cwd=REPO)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    for mode in ("sync", "async"):
+        match = re.search(rf"{mode} wall s\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}%", out)
+        assert match, out
+        measured, predicted, error = map(float, match.groups())
+        assert measured > 0 and predicted > 0
+        # the error is of the unrounded times; both are printed to 0.1 s
+        assert error == pytest.approx((predicted / measured - 1) * 100,
+                                      abs=0.2 + 100 * 0.1 / measured)
+        tokens = re.search(rf"{mode} trained tokens\s+{NUMBER}\s+{NUMBER}", out)
+        assert tokens and float(tokens.group(1)) > 0 and float(tokens.group(2)) > 0, out
+    ratio = re.search(rf"sync / async time\s+{NUMBER}x\s+{NUMBER}x", out)
+    assert ratio and float(ratio.group(1)) > 0 and float(ratio.group(2)) > 0, out
+    # the fitted entry is a cost-file entry like the shipped ones: every number sourced
+    costs = yaml.safe_load((tmp_path / "costs-cpu.yaml").read_text())
+    efficiency = costs["accelerators"]["cpu-2core"]["efficiency"]
+    assert efficiency["mfu"]["value"] > 0 and efficiency["contention"]["value"] > 0
+    assert all("source" in item for item in efficiency.values())
+    assert "measured by python bench/cluster.py --calibrate" in efficiency["mfu"]["source"]
+    assert (tmp_path / "calibration-quick.txt").read_text().strip() in out
