@@ -20,11 +20,16 @@ simulated rollout and trainer workers on a virtual clock, with durations from th
 run a quarter of it (128 x 16) on a quarter of (a)'s 1.5B cluster (32 accelerators), the
 same load per accelerator, so that the full bench fits its time budget. Each table is
 printed as soon as it is done. Plots of (b) and (e) go to OUT (bench/results/cluster).
-`--quick` runs a small subset on small clusters and batches (a smoke run).
-`--calibrate` runs only the check against this machine instead (bench/calibration.py:
-measure the torch engine and trainer, fit the cost model, predict bench/speedup.py's sync
-and async wall times and compare with real runs; OUT defaults to bench/results/calibration). A fixed seed prints the same
-simulated numbers twice (the CPU-time columns of (f) are real measurements and vary).
+Then
+
+    g. the check against this machine (bench/calibration.py): measure the torch engine and
+       trainer, fit the cost model, predict bench/speedup.py's sync and async wall times
+       and compare with real runs (OUT/calibration)
+
+`--quick` runs a small subset of a-f on small clusters and batches (a smoke run), without
+(g). `--calibrate` runs only (g) (`--calibrate --quick`: its smoke run; OUT defaults to
+bench/results/calibration). A fixed seed prints the same simulated numbers twice (the
+CPU-time columns of (f) and everything in (g) are real measurements and vary).
 """
 
 from __future__ import annotations
@@ -256,10 +261,8 @@ def main() -> int:
                         help="default: bench/results/cluster (bench/results/calibration)")
     args = parser.parse_args()
     if args.calibrate:
-        from calibration import run as calibrate
-
         text = calibrate(args.quick, args.out or Path("bench/results/calibration"))
-        print("calibration against this machine (bench/speedup.py's runs)\n" + text)
+        print(f"{CALIBRATION_TITLE}\n{text}")
         return 0
     args.out = args.out or Path("bench/results/cluster")
     bench = Bench(args.quick, args.seed)
@@ -278,15 +281,27 @@ def main() -> int:
     text_e, eta_tput = table_e(bench)
     show("e. throughput vs eta", text_e)
     show("f. the controller's own cost", table_f(bench))
-    text = "\n\n".join(sections)
     print(f"\n{len(bench._cache)} simulations in {time.perf_counter() - start:.0f} s",
           file=sys.stderr)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / ("table-quick.txt" if args.quick else "table.txt")).write_text(text + "\n")
     if not args.quick:
         _plot(args.out, scale_counts(bench), tput, ETAS, eta_tput)
         print(f"plot: {args.out / 'cluster.png'}")
+        bench._cache.clear()  # the simulations' memory, before the real runs
+        show(f"g. {CALIBRATION_TITLE}", calibrate(False, args.out / "calibration"))
+    text = "\n\n".join(sections)
+    (args.out / ("table-quick.txt" if args.quick else "table.txt")).write_text(text + "\n")
     return 0
+
+
+CALIBRATION_TITLE = "calibration against this machine (bench/speedup.py's runs)"
+
+
+def calibrate(quick: bool, out: Path) -> str:
+    """Table (g). Imported here: it loads torch and the engines, which (a)-(f) do not use."""
+    from calibration import run
+
+    return run(quick, out)
 
 
 if __name__ == "__main__":
