@@ -79,9 +79,9 @@ class Trajectory:
             raise ValueError(
                 f"trajectory {prompt_id!r}: per-token arrays differ in length (output_ids="
                 f"{num_out}, logprobs={len(output_logprobs)}, versions={len(output_versions)})")
-        out_mask = np.ones(num_out, bool) if output_loss_mask is None \
-            else np.asarray(output_loss_mask, bool)
-        if len(out_mask) == num_out and not out_mask.all():
+        # A single completion (no mask) is all sampled tokens: nothing to check or build.
+        out_mask = True if output_loss_mask is None else np.asarray(output_loss_mask, bool)
+        if out_mask is not True and len(out_mask) == num_out and not out_mask.all():
             observed = np.asarray(output_versions)[~out_mask]
             if (observed != PROMPT_VERSION).any():
                 raise ValueError(f"trajectory {prompt_id!r}: observation tokens (loss mask "
@@ -111,7 +111,7 @@ class Trajectory:
     @property
     def num_model_tokens(self) -> int:
         """Output tokens the model sampled (all of them, unless this is an episode)."""
-        return int(self.loss_mask[self.num_prompt_tokens:].sum())
+        return int(np.count_nonzero(self.loss_mask[self.num_prompt_tokens:]))
 
     def oldest_version(self) -> int:
         """Version of the oldest policy that sampled any token (staleness = current - this)."""
