@@ -547,30 +547,36 @@ def encode(msg: Any) -> list[Any]:
     if kind is None or _SCHEMAS.get(kind) is not type(msg):
         raise MessageError(f"{type(msg).__name__} is not a registered message schema")
     buffers: list[memoryview] = []
-
-    def pack_value(value: Any) -> Any:
-        if type(value) in _SCALARS:
-            return value
-        if isinstance(value, np.ndarray) or type(value).__module__.startswith("torch"):
-            dtype, shape, raw = _array_bytes(value)
-            buffers.append(raw)
-            return msgpack.ExtType(_ARRAY_EXT, msgpack.packb([dtype, list(shape), len(buffers) - 1]))
-        if isinstance(value, enum.Enum):
-            return value.value
-        if isinstance(value, (list, tuple)):
-            return [pack_value(v) for v in value]
-        if isinstance(value, dict):
-            return {k: pack_value(v) for k, v in value.items()}
-        if isinstance(value, np.generic):
-            return value.item()
-        return value
-
-    header = {name: pack_value(getattr(msg, name)) for name in _field_names(type(msg))}
+    header = {}
+    for name in _field_names(type(msg)):
+        value = getattr(msg, name)
+        # Most fields are plain scalars: no call for them (every Generate and Score).
+        header[name] = value if type(value) in _SCALARS else _pack_value(value, buffers)
     try:
         packed = msgpack.packb(header)
     except TypeError as err:
         raise MessageError(f"{kind.name}: a field is not serialisable: {err}") from None
     return [bytes([kind]), packed, *buffers]
+
+
+def _pack_value(value: Any, buffers: list[memoryview]) -> Any:
+    """`value` as msgpack can hold it; each array becomes a reference to a frame appended to
+    `buffers`."""
+    if type(value) in _SCALARS:
+        return value
+    if isinstance(value, np.ndarray) or type(value).__module__.startswith("torch"):
+        dtype, shape, raw = _array_bytes(value)
+        buffers.append(raw)
+        return msgpack.ExtType(_ARRAY_EXT, msgpack.packb([dtype, list(shape), len(buffers) - 1]))
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (list, tuple)):
+        return [_pack_value(v, buffers) for v in value]
+    if isinstance(value, dict):
+        return {k: _pack_value(v, buffers) for k, v in value.items()}
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
 
 
 # ---------------------------------------------------------------------------------------------

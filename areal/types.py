@@ -88,14 +88,16 @@ class Trajectory:
                                  f"False) must have version {PROMPT_VERSION}, got "
                                  f"{sorted(set(observed.tolist()))}")
         # Filled in place (no temporaries): the controller builds one per finished sample.
+        # Each element written once (no zero fill first): the controller builds one per
+        # finished sample, thousands per step at cluster scale.
         token_ids = np.empty(num_prompt + num_out, np.int32)
         token_ids[:num_prompt], token_ids[num_prompt:] = prompt_ids, output_ids
-        logprobs = np.zeros(num_prompt + num_out, np.float32)
-        logprobs[num_prompt:] = output_logprobs
-        versions = np.full(num_prompt + num_out, PROMPT_VERSION, np.int32)
-        versions[num_prompt:] = output_versions
-        loss_mask = np.zeros(num_prompt + num_out, bool)
-        loss_mask[num_prompt:] = out_mask
+        logprobs = np.empty(num_prompt + num_out, np.float32)
+        logprobs[:num_prompt], logprobs[num_prompt:] = 0.0, output_logprobs
+        versions = np.empty(num_prompt + num_out, np.int32)
+        versions[:num_prompt], versions[num_prompt:] = PROMPT_VERSION, output_versions
+        loss_mask = np.empty(num_prompt + num_out, bool)
+        loss_mask[:num_prompt], loss_mask[num_prompt:] = False, out_mask
         return cls(prompt_id=prompt_id, group_id=group_id, token_ids=token_ids,
                    logprobs=logprobs, versions=versions, loss_mask=loss_mask,
                    num_prompt_tokens=num_prompt, finish_reason=finish_reason)
