@@ -1,6 +1,6 @@
 """The headline claims at cluster scale, from the real controller on a simulated cluster.
 
-    python bench/cluster.py [--quick] [--seed N] [--out DIR]
+    python bench/cluster.py [--quick] [--seed N] [--out DIR] [--only TABLES]
 
 Every number comes from `areal.sim.run.simulate`: the project's controller (admission,
 staleness, dispatch, batching, sharding, the weight-update and interruption protocol) drives
@@ -247,7 +247,11 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="a small subset (smoke test)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("bench/results/cluster"))
+    parser.add_argument("--only", default="abcdef",
+                        help="the tables to run, e.g. f (the controller's cost alone)")
     args = parser.parse_args()
+    if not args.only or set(args.only) - set("abcdef"):
+        parser.error(f"--only={args.only!r}: letters among a-f, e.g. --only f")
     bench = Bench(args.quick, args.seed)
     start = time.perf_counter()
     sections: list[str] = []
@@ -256,20 +260,28 @@ def main() -> int:
         sections.append(f"{title}\n{body}")
         print(sections[-1] + "\n", flush=True)
 
-    show("a. sync vs async at the paper's settings (H800)", table_a(bench))
-    text_b, tput = table_b(bench)
-    show("b. effective training throughput vs accelerators (1.5B)", text_b)
-    show("c. maximum generation length", table_c(bench))
-    show("d. interruptible generation", table_d(bench))
-    text_e, eta_tput = table_e(bench)
-    show("e. throughput vs eta", text_e)
-    show("f. the controller's own cost", table_f(bench))
+    if "a" in args.only:
+        show("a. sync vs async at the paper's settings (H800)", table_a(bench))
+    if "b" in args.only:
+        text_b, tput = table_b(bench)
+        show("b. effective training throughput vs accelerators (1.5B)", text_b)
+    if "c" in args.only:
+        show("c. maximum generation length", table_c(bench))
+    if "d" in args.only:
+        show("d. interruptible generation", table_d(bench))
+    if "e" in args.only:
+        text_e, eta_tput = table_e(bench)
+        show("e. throughput vs eta", text_e)
+    if "f" in args.only:
+        show("f. the controller's own cost", table_f(bench))
     text = "\n\n".join(sections)
     print(f"\n{len(bench._cache)} simulations in {time.perf_counter() - start:.0f} s",
           file=sys.stderr)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / ("table-quick.txt" if args.quick else "table.txt")).write_text(text + "\n")
-    if not args.quick:
+    name = "table" + ("" if args.only == "abcdef" else f"-{args.only}") \
+        + ("-quick" if args.quick else "")
+    (args.out / f"{name}.txt").write_text(text + "\n")
+    if not args.quick and {"b", "e"} <= set(args.only):
         _plot(args.out, scale_counts(bench), tput, ETAS, eta_tput)
         print(f"plot: {args.out / 'cluster.png'}")
     return 0
