@@ -697,8 +697,8 @@ def _field_check(annotation: Any) -> FieldCheck:
     the declared type, an array reference, an enum's value, a list of plain scalars, None
     for an optional field) takes a short path; anything else (a conversion, an error) goes
     through `_check` itself. So both accept, convert and refuse exactly the same values,
-    with the same errors (tests/areal/test_message_fast_path.py); the short paths made the
-    controller's decoding of Generated and Scored several times cheaper."""
+    with the same errors (tests/areal/test_message_fast_path.py). The controller decodes
+    every Generated and Scored (about 16,000 messages per step at 512 accelerators)."""
 
     def general(value: Any, frames: Sequence[Any], where: str, used: set) -> Any:
         return _check(value, annotation, frames, where, used)
