@@ -547,30 +547,36 @@ def encode(msg: Any) -> list[Any]:
     if kind is None or _SCHEMAS.get(kind) is not type(msg):
         raise MessageError(f"{type(msg).__name__} is not a registered message schema")
     buffers: list[memoryview] = []
-
-    def pack_value(value: Any) -> Any:
-        if type(value) in _SCALARS:
-            return value
-        if isinstance(value, np.ndarray) or type(value).__module__.startswith("torch"):
-            dtype, shape, raw = _array_bytes(value)
-            buffers.append(raw)
-            return msgpack.ExtType(_ARRAY_EXT, msgpack.packb([dtype, list(shape), len(buffers) - 1]))
-        if isinstance(value, enum.Enum):
-            return value.value
-        if isinstance(value, (list, tuple)):
-            return [pack_value(v) for v in value]
-        if isinstance(value, dict):
-            return {k: pack_value(v) for k, v in value.items()}
-        if isinstance(value, np.generic):
-            return value.item()
-        return value
-
-    header = {name: pack_value(getattr(msg, name)) for name in _field_names(type(msg))}
+    header = {}
+    for name in _field_names(type(msg)):
+        value = getattr(msg, name)
+        # Most fields are plain scalars: no call for them (every Generate and Score).
+        header[name] = value if type(value) in _SCALARS else _pack_value(value, buffers)
     try:
         packed = msgpack.packb(header)
     except TypeError as err:
         raise MessageError(f"{kind.name}: a field is not serialisable: {err}") from None
     return [bytes([kind]), packed, *buffers]
+
+
+def _pack_value(value: Any, buffers: list[memoryview]) -> Any:
+    """`value` as msgpack can hold it; each array becomes a reference to a frame appended to
+    `buffers`."""
+    if type(value) in _SCALARS:
+        return value
+    if isinstance(value, np.ndarray) or type(value).__module__.startswith("torch"):
+        dtype, shape, raw = _array_bytes(value)
+        buffers.append(raw)
+        return msgpack.ExtType(_ARRAY_EXT, msgpack.packb([dtype, list(shape), len(buffers) - 1]))
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (list, tuple)):
+        return [_pack_value(v, buffers) for v in value]
+    if isinstance(value, dict):
+        return {k: _pack_value(v, buffers) for k, v in value.items()}
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -583,6 +589,9 @@ class _ArrayRef(typing.NamedTuple):  # a tuple: built for every array of every m
     index: int
 
 
+_ALLOWED_DTYPES = frozenset(_NUMPY_DTYPES + _TORCH_ONLY_DTYPES)
+
+
 def _ext_hook(code: int, data: bytes) -> Any:
     if code != _ARRAY_EXT:
         raise MessageError(f"unknown msgpack extension type {code}")
@@ -591,11 +600,11 @@ def _ext_hook(code: int, data: bytes) -> Any:
         ref = _ArrayRef(str(dtype), tuple(int(s) for s in shape), int(index))
     except (ValueError, TypeError, msgpack.UnpackException) as err:
         raise MessageError(f"malformed array reference: {err}") from None
-    if ref.dtype not in _NUMPY_DTYPES + _TORCH_ONLY_DTYPES:
+    if ref.dtype not in _ALLOWED_DTYPES:
         raise MessageError(f"array dtype {ref.dtype!r} is not allowed")
     if len(ref.shape) > MAX_DEPTH:
         raise MessageError(f"array of {len(ref.shape)} dimensions; at most {MAX_DEPTH}")
-    if any(s < 0 for s in ref.shape) or ref.index < 0:
+    if ref.index < 0 or (ref.shape and min(ref.shape) < 0):
         raise MessageError(f"array reference with negative shape or index: {ref}")
     return ref
 
@@ -679,6 +688,58 @@ def _check(value: Any, annotation: Any, frames: Sequence[Any], where: str, used:
     raise MessageError(f"{where}: unsupported annotation {annotation!r}")
 
 
+FieldCheck = typing.Callable[[Any, Sequence[Any], str, set], Any]
+
+
+@functools.cache
+def _field_check(annotation: Any) -> FieldCheck:
+    """`_check` specialised once for `annotation`. What a well-behaved peer sends (a scalar of
+    the declared type, an array reference, an enum's value, a list of plain scalars, None
+    for an optional field) takes a short path; anything else (a conversion, an error) goes
+    through `_check` itself. So both accept, convert and refuse exactly the same values,
+    with the same errors (tests/areal/test_message_fast_path.py). The controller decodes
+    every Generated and Scored (about 16,000 messages per step at 512 accelerators)."""
+
+    def general(value: Any, frames: Sequence[Any], where: str, used: set) -> Any:
+        return _check(value, annotation, frames, where, used)
+
+    origin, args = _origin_args(annotation)
+    if annotation in (int, float, str, bool, bytes):
+        def scalar(value, frames, where, used):
+            return value if type(value) is annotation else general(value, frames, where, used)
+        return scalar
+    if annotation is np.ndarray:
+        def array(value, frames, where, used):
+            if type(value) is _ArrayRef and value.index not in used:
+                used.add(value.index)
+                return _build_array(value, frames, False, where)
+            return general(value, frames, where, used)
+        return array
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        members = {m.value: m for m in annotation if type(m.value) is str}
+
+        def member(value, frames, where, used):
+            found = members.get(value) if type(value) is str else None
+            return found if found is not None else general(value, frames, where, used)
+        return member
+    if origin in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
+        (inner,) = [a for a in args if a is not type(None)]
+        inner_check = _field_check(inner)
+
+        def optional(value, frames, where, used):
+            return None if value is None else inner_check(value, frames, where, used)
+        return optional
+    if origin is list and args[0] in _SCALARS:
+        (inner,) = args
+
+        def scalars(value, frames, where, used):
+            if type(value) is list and all(type(v) is inner for v in value):
+                return value
+            return general(value, frames, where, used)
+        return scalars
+    return general
+
+
 def _plain(value: Any, where: str, depth: int = 0) -> Any:
     """Plain data only (an untyped field must not smuggle array references), nested at most
     MAX_DEPTH deep."""
@@ -738,11 +799,12 @@ _KINDS = {kind.value: kind for kind in MsgType}
 
 
 @functools.cache
-def _schema_fields(schema: type) -> tuple[list[tuple[str, Any, bool, str]], frozenset[str]]:
-    """([(field, type hint, required, where)], names) of a schema, resolved once:
+def _schema_fields(schema: type) -> tuple[list[tuple[str, FieldCheck, bool, str]],
+                                          frozenset[str]]:
+    """([(field, its check, required, where)], names) of a schema, resolved once:
     `get_type_hints` alone cost about two thirds of decoding a small message."""
     hints = typing.get_type_hints(schema)
-    fields = [(f.name, hints[f.name], f.default is dataclasses.MISSING
+    fields = [(f.name, _field_check(hints[f.name]), f.default is dataclasses.MISSING
                and f.default_factory is dataclasses.MISSING, f"{schema.KIND.name}.{f.name}")
               for f in dataclasses.fields(schema)]
     return fields, frozenset(f[0] for f in fields)
@@ -754,12 +816,12 @@ def _build(schema: type, header: dict[str, Any], frames: Sequence[memoryview]) -
     if not names.issuperset(header):
         raise MessageError(f"{name}: unknown field(s) {sorted(set(header) - names)}")
     values, used = {}, set()
-    for fname, hint, required, where in fields:
+    for fname, check, required, where in fields:
         if fname not in header:
             if required:
                 raise MessageError(f"{name}: required field {fname!r} missing")
             continue
-        values[fname] = _check(header[fname], hint, frames, where, used)
+        values[fname] = check(header[fname], frames, where, used)
     if len(used) != len(frames):
         raise MessageError(f"{name}: {len(frames)} array frames sent, {len(used)} referenced")
     return schema(**values)

@@ -79,23 +79,25 @@ class Trajectory:
             raise ValueError(
                 f"trajectory {prompt_id!r}: per-token arrays differ in length (output_ids="
                 f"{num_out}, logprobs={len(output_logprobs)}, versions={len(output_versions)})")
-        out_mask = np.ones(num_out, bool) if output_loss_mask is None \
-            else np.asarray(output_loss_mask, bool)
-        if len(out_mask) == num_out and not out_mask.all():
+        # A single completion (no mask) is all sampled tokens: nothing to check or build.
+        out_mask = True if output_loss_mask is None else np.asarray(output_loss_mask, bool)
+        if out_mask is not True and len(out_mask) == num_out and not out_mask.all():
             observed = np.asarray(output_versions)[~out_mask]
             if (observed != PROMPT_VERSION).any():
                 raise ValueError(f"trajectory {prompt_id!r}: observation tokens (loss mask "
                                  f"False) must have version {PROMPT_VERSION}, got "
                                  f"{sorted(set(observed.tolist()))}")
         # Filled in place (no temporaries): the controller builds one per finished sample.
+        # Each element written once (no zero fill first): the controller builds one per
+        # finished sample, thousands per step at cluster scale.
         token_ids = np.empty(num_prompt + num_out, np.int32)
         token_ids[:num_prompt], token_ids[num_prompt:] = prompt_ids, output_ids
-        logprobs = np.zeros(num_prompt + num_out, np.float32)
-        logprobs[num_prompt:] = output_logprobs
-        versions = np.full(num_prompt + num_out, PROMPT_VERSION, np.int32)
-        versions[num_prompt:] = output_versions
-        loss_mask = np.zeros(num_prompt + num_out, bool)
-        loss_mask[num_prompt:] = out_mask
+        logprobs = np.empty(num_prompt + num_out, np.float32)
+        logprobs[:num_prompt], logprobs[num_prompt:] = 0.0, output_logprobs
+        versions = np.empty(num_prompt + num_out, np.int32)
+        versions[:num_prompt], versions[num_prompt:] = PROMPT_VERSION, output_versions
+        loss_mask = np.empty(num_prompt + num_out, bool)
+        loss_mask[:num_prompt], loss_mask[num_prompt:] = False, out_mask
         return cls(prompt_id=prompt_id, group_id=group_id, token_ids=token_ids,
                    logprobs=logprobs, versions=versions, loss_mask=loss_mask,
                    num_prompt_tokens=num_prompt, finish_reason=finish_reason)
@@ -111,7 +113,7 @@ class Trajectory:
     @property
     def num_model_tokens(self) -> int:
         """Output tokens the model sampled (all of them, unless this is an episode)."""
-        return int(self.loss_mask[self.num_prompt_tokens:].sum())
+        return int(np.count_nonzero(self.loss_mask[self.num_prompt_tokens:]))
 
     def oldest_version(self) -> int:
         """Version of the oldest policy that sampled any token (staleness = current - this)."""

@@ -1,7 +1,7 @@
 """The headline claims at cluster scale, from the real controller on a simulated cluster.
 
-    python bench/cluster.py [--quick] [--seed N] [--out DIR]
-    python bench/cluster.py --calibrate [--quick]   # the check against this machine
+    python bench/cluster.py [--quick] [--seed N] [--out DIR] [--only TABLES]
+    python bench/cluster.py --calibrate [--quick]   # (g) only: the check against this machine
 
 Every number comes from `areal.sim.run.simulate`: the project's controller (admission,
 staleness, dispatch, batching, sharding, the weight-update and interruption protocol) drives
@@ -26,8 +26,9 @@ Then
        trainer, fit the cost model, predict bench/speedup.py's sync and async wall times
        and compare with real runs (OUT/calibration)
 
-`--quick` runs a small subset of a-f on small clusters and batches (a smoke run), without
-(g). `--calibrate` runs only (g) (`--calibrate --quick`: its smoke run; OUT defaults to
+`--only TABLES` runs some of them (e.g. `--only f`: the controller's cost alone). `--quick`
+runs a small subset of a-f on small clusters and batches (a smoke run), without (g) unless
+asked. `--calibrate` runs only (g) (`--calibrate --quick`: its smoke run; OUT defaults to
 bench/results/calibration). A fixed seed prints the same simulated numbers twice (the
 CPU-time columns of (f) and everything in (g) are real measurements and vary).
 """
@@ -255,12 +256,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small subset (smoke test)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--only", default=None,
+                        help="the tables to run, e.g. f (the controller's cost alone); "
+                             "default a-g (a-f with --quick)")
     parser.add_argument("--calibrate", action="store_true",
-                        help="only the check of the simulator against real runs on this machine")
+                        help="the same as --only g: only the check of the simulator against "
+                             "real runs on this machine")
     parser.add_argument("--out", type=Path, default=None,
-                        help="default: bench/results/cluster (bench/results/calibration)")
+                        help="default: bench/results/cluster (bench/results/calibration "
+                             "with --calibrate)")
     args = parser.parse_args()
-    if args.calibrate:
+    default = "abcdef" if args.quick else "abcdefg"
+    only = "g" if args.calibrate else args.only or default
+    if set(only) - set("abcdefg"):
+        parser.error(f"--only={only!r}: letters among a-g, e.g. --only f")
+    if only == "g":
         text = calibrate(args.quick, args.out or Path("bench/results/calibration"))
         print(f"{CALIBRATION_TITLE}\n{text}")
         return 0
@@ -273,24 +283,31 @@ def main() -> int:
         sections.append(f"{title}\n{body}")
         print(sections[-1] + "\n", flush=True)
 
-    show("a. sync vs async at the paper's settings (H800)", table_a(bench))
-    text_b, tput = table_b(bench)
-    show("b. effective training throughput vs accelerators (1.5B)", text_b)
-    show("c. maximum generation length", table_c(bench))
-    show("d. interruptible generation", table_d(bench))
-    text_e, eta_tput = table_e(bench)
-    show("e. throughput vs eta", text_e)
-    show("f. the controller's own cost", table_f(bench))
+    if "a" in only:
+        show("a. sync vs async at the paper's settings (H800)", table_a(bench))
+    if "b" in only:
+        text_b, tput = table_b(bench)
+        show("b. effective training throughput vs accelerators (1.5B)", text_b)
+    if "c" in only:
+        show("c. maximum generation length", table_c(bench))
+    if "d" in only:
+        show("d. interruptible generation", table_d(bench))
+    if "e" in only:
+        text_e, eta_tput = table_e(bench)
+        show("e. throughput vs eta", text_e)
+    if "f" in only:
+        show("f. the controller's own cost", table_f(bench))
     print(f"\n{len(bench._cache)} simulations in {time.perf_counter() - start:.0f} s",
           file=sys.stderr)
     args.out.mkdir(parents=True, exist_ok=True)
-    if not args.quick:
+    if not args.quick and {"b", "e"} <= set(only):
         _plot(args.out, scale_counts(bench), tput, ETAS, eta_tput)
         print(f"plot: {args.out / 'cluster.png'}")
+    if "g" in only:
         bench._cache.clear()  # the simulations' memory, before the real runs
-        show(f"g. {CALIBRATION_TITLE}", calibrate(False, args.out / "calibration"))
-    text = "\n\n".join(sections)
-    (args.out / ("table-quick.txt" if args.quick else "table.txt")).write_text(text + "\n")
+        show(f"g. {CALIBRATION_TITLE}", calibrate(args.quick, args.out / "calibration"))
+    name = "table" + ("" if only == default else f"-{only}") + ("-quick" if args.quick else "")
+    (args.out / f"{name}.txt").write_text("\n\n".join(sections) + "\n")
     return 0
 
 

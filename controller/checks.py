@@ -59,6 +59,43 @@ def sender_problem(msg: Any, handle: WorkerHandle | None) -> str:
 
 def generated_problem(msg: Generated, *, max_new_tokens: int, version: int,
                       vocab_size: int | None) -> str:
+    if msg.loss_mask is None and _plain_completion_fits(msg, max_new_tokens, version,
+                                                         vocab_size):
+        return ""
+    return _generated_problem(msg, max_new_tokens=max_new_tokens, version=version,
+                              vocab_size=vocab_size)
+
+
+def _plain_completion_fits(msg: Generated, max_new_tokens: int, version: int,
+                           vocab_size: int | None) -> bool:
+    """True only when `_generated_problem` finds nothing in a single completion (no loss
+    mask), with fewer numpy calls: every Generated a rollout worker sends passes here (about
+    8,000 per step at 512 accelerators). Versions that never decrease have their least and
+    greatest at the ends; a log-prob maximum that is NaN or +inf fails `<=`, and a minimum
+    of -inf fails `>`. Anything it does not accept is judged (and worded) by
+    `_generated_problem`."""
+    ids, logprobs, versions = msg.output_ids, msg.logprobs, msg.versions
+    if not (type(ids) is type(logprobs) is type(versions) is np.ndarray):
+        return False
+    if ids.ndim != 1 or logprobs.ndim != 1 or versions.ndim != 1:
+        return False
+    n = len(ids)
+    if not 0 < n <= max_new_tokens or len(logprobs) != n or len(versions) != n:
+        return False
+    if ids.dtype.kind not in "iu" or versions.dtype.kind not in "iu" \
+            or logprobs.dtype.kind != "f":
+        return False
+    if ids.min() < 0 or (vocab_size is not None and ids.max() >= vocab_size):
+        return False
+    if not (0 <= versions[0] and versions[-1] <= version):
+        return False
+    if n > 1 and not (versions[1:] >= versions[:-1]).all():
+        return False
+    return bool(logprobs.max() <= LOGPROB_SLACK and logprobs.min() > -math.inf)
+
+
+def _generated_problem(msg: Generated, *, max_new_tokens: int, version: int,
+                       vocab_size: int | None) -> str:
     arrays = {"output_ids": msg.output_ids, "logprobs": msg.logprobs, "versions": msg.versions}
     for name, array in arrays.items():
         if array.ndim != 1:

@@ -32,6 +32,9 @@ class Changed:
             remaining = None if deadline is None else deadline - loop.time()
             if remaining is not None and remaining <= 0:
                 return False
+            if remaining is None:  # the common case: no timer, no wrapper coroutine
+                await fut
+                continue
             try:
                 await asyncio.wait_for(fut, remaining)
             except asyncio.TimeoutError:

@@ -6,7 +6,10 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from areal.controller import checks
 from areal.controller.checks import (
     generated_problem, model_vocab_size, scored_problem, sender_problem,
 )
@@ -106,3 +109,82 @@ def test_the_vocabulary_size_comes_from_the_model_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 151936}}))
     assert model_vocab_size(str(tmp_path)) == 151936
     assert model_vocab_size(str(tmp_path / "missing")) is None and model_vocab_size(None) is None
+
+
+_FLAWS = ["value", "value", "dtype", "length", "swap", "shape"]
+
+
+@st.composite
+def _completion(draw, n: int, version: int) -> dict[str, np.ndarray]:
+    """A well-formed completion of n tokens with up to two flaws: one value set to a
+    boundary or special number, a dtype changed, an array cut or grown, two versions
+    swapped, an array given a second dimension."""
+    arrays = {
+        "output_ids": np.array(draw(st.lists(st.integers(0, 99), min_size=n, max_size=n)),
+                               np.int32),
+        "logprobs": np.array(draw(st.lists(st.floats(-30, 0), min_size=n, max_size=n)),
+                             np.float32),
+        "versions": np.sort(np.array(draw(st.lists(st.integers(0, version), min_size=n,
+                                                   max_size=n)), np.int32)),
+    }
+    for flaw in draw(st.lists(st.sampled_from(_FLAWS), max_size=2)):
+        name = draw(st.sampled_from(sorted(arrays)))
+        array = arrays[name]
+        if flaw == "value" and len(array):
+            value = draw(st.sampled_from([-1, -3, 100, version + 1, 1e-3, 2e-3, float("nan"),
+                                          float("inf"), -float("inf")]))
+            if array.dtype.kind in "iu" and not np.isfinite(value):
+                continue
+            array = array.astype(np.float64 if array.dtype.kind == "f" else np.int64)
+            array[draw(st.sampled_from([0, -1, draw(st.integers(0, len(array) - 1))]))] = value
+            array = array.astype(arrays[name].dtype if array.dtype.kind == "f"
+                                 or value >= 0 else np.int64)
+        elif flaw == "dtype":
+            dtype = draw(st.sampled_from(["int64", "uint16", "float16", "float64"]))
+            with np.errstate(invalid="ignore", over="ignore"):
+                array = np.nan_to_num(array).astype(dtype)
+        elif flaw == "length":
+            array = array[:-1] if len(array) and draw(st.booleans()) else \
+                np.resize(array, (len(array) + 1, *array.shape[1:]))
+        elif flaw == "swap" and len(array) > 1:
+            array = array.copy()
+            array[[0, -1]] = array[[-1, 0]]
+        elif flaw == "shape":
+            array = array.reshape(-1, 1)
+        arrays[name] = array
+    return arrays
+
+
+@settings(max_examples=500, deadline=None)
+@given(data=st.data(), n=st.integers(0, 9), version=st.integers(0, 3),
+       vocab_size=st.sampled_from([None, 100]))
+def test_the_short_path_accepts_only_what_the_full_check_accepts(data, n, version, vocab_size):
+    msg = Generated(request_id="g0-s0-a0", finish_reason=FinishReason.LENGTH,
+                    **data.draw(_completion(n, version)))
+    full = checks._generated_problem(msg, max_new_tokens=8, version=version,
+                                     vocab_size=vocab_size)
+    if checks._plain_completion_fits(msg, 8, version, vocab_size):
+        assert full == ""
+    assert generated_problem(msg, max_new_tokens=8, version=version,
+                             vocab_size=vocab_size) == full
+
+
+@pytest.mark.parametrize("name", ["output_ids", "logprobs", "versions"])
+@pytest.mark.parametrize("index", [0, 1, -1])
+@pytest.mark.parametrize("value", [-3, -1, 0, 2, 3, 99, 100, 1e-3, 2e-3, float("nan"),
+                                   float("inf"), -float("inf")])
+def test_each_boundary_value_at_each_end_is_judged_as_the_full_check_does(name, index, value):
+    """Exhaustive over single flaws, where the short path reads only the ends."""
+    arrays = {"output_ids": np.array([5, 6, 7]), "logprobs": np.array([-1.0, -0.5, 0.0]),
+              "versions": np.array([0, 1, 2])}
+    arrays[name] = arrays[name].astype(float if name == "logprobs" or not np.isfinite(value)
+                                       else np.int64)
+    arrays[name][index] = value
+    msg = Generated(request_id="g0-s0-a0", finish_reason=FinishReason.LENGTH, **arrays)
+    full = checks._generated_problem(msg, max_new_tokens=8, version=2, vocab_size=100)
+    assert not (checks._plain_completion_fits(msg, 8, 2, 100) and full)
+    assert generated_problem(msg, max_new_tokens=8, version=2, vocab_size=100) == full
+
+
+def test_the_short_path_takes_a_well_formed_completion():
+    assert checks._plain_completion_fits(_generated(), 8, 2, 100)

@@ -1,0 +1,147 @@
+"""The decoder's short paths (areal.messages._field_check) accept, convert and refuse exactly
+what the general field check (`_check`, field by field, as decoding did before them) does.
+
+Headers are drawn as msgpack would hand them over: a well-formed message's fields, each
+possibly replaced by a hostile value (wrong type, wrong enum value, an array reference to a
+missing, reused or mis-sized frame, nested lists and maps) or left out, plus unknown fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from areal import messages
+from areal.messages import MessageError, MsgType, encode
+
+from tests.areal.test_messages import SAMPLES
+
+
+def reference_build(schema: type, header: dict[str, typing.Any], frames) -> typing.Any:
+    """Decoding's last step as it was before the short paths: `_check` on every field."""
+    name = schema.KIND.name
+    hints = typing.get_type_hints(schema)
+    names = {f.name for f in dataclasses.fields(schema)}
+    if not names.issuperset(header):
+        raise MessageError(f"{name}: unknown field(s) {sorted(set(header) - names)}")
+    values, used = {}, set()
+    for f in dataclasses.fields(schema):
+        if f.name not in header:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise MessageError(f"{name}: required field {f.name!r} missing")
+            continue
+        values[f.name] = messages._check(header[f.name], hints[f.name], frames,
+                                         f"{name}.{f.name}", used)
+    if len(used) != len(frames):
+        raise MessageError(f"{name}: {len(frames)} array frames sent, {len(used)} referenced")
+    return schema(**values)
+
+
+def _header_and_frames(msg) -> tuple[dict[str, typing.Any], list[memoryview]]:
+    """What decoding sees of `msg`: its unpacked header (array references) and frames."""
+    import msgpack
+
+    frames = [memoryview(f) for f in encode(msg)]
+    header = msgpack.unpackb(frames[1], ext_hook=messages._ext_hook, raw=False)
+    return header, frames[2:]
+
+
+def _outcome(build, schema, header, frames) -> tuple[str, typing.Any]:
+    try:
+        msg = build(schema, dict(header), frames)
+    except Exception as err:  # noqa: BLE001 - the two must fail alike, whatever the error
+        return "error", (type(err).__name__, str(err))
+    return "ok", {f.name: _plain(getattr(msg, f.name)) for f in dataclasses.fields(schema)}
+
+
+def _plain(value: typing.Any) -> typing.Any:
+    """A comparable form that keeps types (an enum member is not its value; NaN == NaN)."""
+    if isinstance(value, np.ndarray):
+        return ("ndarray", value.dtype.str, value.shape, value.tobytes())
+    if isinstance(value, torch.Tensor):
+        return ("tensor", str(value.dtype), tuple(value.shape),
+                value.reshape(-1).view(torch.uint8).numpy().tobytes())
+    if isinstance(value, list):
+        return ("list", [_plain(v) for v in value])
+    if isinstance(value, dict):
+        return ("dict", [(k, _plain(v)) for k, v in value.items()])
+    if isinstance(value, float) and math.isnan(value):
+        return ("float", "nan")
+    return (type(value).__name__, value)
+
+
+_REFS = st.builds(messages._ArrayRef, st.sampled_from(["int32", "float32", "int64", "bool",
+                                                       "bfloat16", "uint8"]),
+                  st.lists(st.integers(0, 6), max_size=2).map(tuple), st.integers(0, 4))
+_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1),
+                     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=8),
+                     st.binary(max_size=8),
+                     st.sampled_from(["stop", "length", "abort", "ok", "wrong", "rollout",
+                                      "trainer", "joined", "environment", "STOP", ""]))
+_HOSTILE = st.recursive(st.one_of(_SCALARS, _REFS),
+                        lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                st.dictionaries(st.one_of(st.text(max_size=3),
+                                                                          st.integers(0, 3)),
+                                                                inner, max_size=3)),
+                        max_leaves=6)
+_NEAR_MISSES = ["STOP", "Stop", "stop ", "OK", "Ok", "ok", "length", 1, 0, -1, 1.0, 2.5, True,
+                False, None, b"x", "", [], {}, [1, "a"], [1.0], ["a", "b"]]
+_FRAMES = st.lists(st.binary(max_size=24).map(memoryview), max_size=4)
+
+
+@settings(max_examples=600, deadline=None)
+@given(kind=st.sampled_from(sorted(SAMPLES)), data=st.data())
+def test_the_short_paths_decide_every_header_as_the_general_check_does(kind, data):
+    schema = messages.schemas()[kind]
+    header, frames = _header_and_frames(SAMPLES[kind])
+    # Near misses: another field's value (an array reference used twice, a string where an
+    # enum is expected), an enum value in another case, numbers of the neighbouring types.
+    near = st.sampled_from([*header.values(), *_NEAR_MISSES])
+    for name in list(header):
+        change = data.draw(st.sampled_from(["keep", "keep", "near", "hostile", "drop"]),
+                           label=name)
+        if change == "near":
+            header[name] = data.draw(near, label=f"{name} value")
+        elif change == "hostile":
+            header[name] = data.draw(_HOSTILE, label=f"{name} value")
+        elif change == "drop":
+            del header[name]
+    if data.draw(st.booleans(), label="other frames"):
+        frames = data.draw(_FRAMES, label="frames")
+    if data.draw(st.integers(0, 9), label="unknown field") == 0:
+        header["surplus"] = 1
+    assert _outcome(messages._build, schema, header, frames) == \
+        _outcome(reference_build, schema, header, frames)
+
+
+@pytest.mark.parametrize("kind", [MsgType.GENERATED, MsgType.SCORED])
+def test_a_well_formed_hot_message_decodes_to_what_the_general_check_gives(kind):
+    schema = messages.schemas()[kind]
+    header, frames = _header_and_frames(SAMPLES[kind])
+    fast = _outcome(messages._build, schema, header, frames)
+    assert fast[0] == "ok"
+    assert fast == _outcome(reference_build, schema, header, frames)
+
+
+@pytest.mark.parametrize("kind", sorted(SAMPLES))
+def test_every_near_miss_in_every_field_is_decided_as_the_general_check_does(kind):
+    """Exhaustive over a finite set: each field replaced in turn by each near miss and by
+    each other field's value (the random test above rarely lands on one exact value)."""
+    schema = messages.schemas()[kind]
+    header, frames = _header_and_frames(SAMPLES[kind])
+    candidates = [*header.values(), *_NEAR_MISSES, float("nan"), float("inf"), 2**64 - 1]
+    refused = 0
+    for name in header:
+        for value in candidates:
+            changed = {**header, name: value}
+            fast = _outcome(messages._build, schema, changed, frames)
+            assert fast == _outcome(reference_build, schema, changed, frames), (name, value)
+            refused += fast[0] == "error"
+    assert refused  # the candidates do reach the refusals
