@@ -56,17 +56,19 @@ async def _exchange(address: str, curve, server_public: bytes | None) -> list:
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
-    if curve is not None:
-        sock.curve_serverkey = server_public
-        sock.curve_publickey, sock.curve_secretkey = curve
-    sock.connect(address)
-    await sock.send_multipart(encode(Register(kind=WorkerKind.ROLLOUT, worker_id="w", pid=1,
-                                              host="h", secret="")))
     got = []
-    while await sock.poll(1500):
-        got.append(decode(await sock.recv_multipart()))
-    sock.close(0)
-    ctx.term()
+    try:  # closed also when it fails: a context left to the garbage collector can hang
+        if curve is not None:
+            sock.curve_serverkey = server_public
+            sock.curve_publickey, sock.curve_secretkey = curve
+        sock.connect(address)
+        await sock.send_multipart(encode(Register(kind=WorkerKind.ROLLOUT, worker_id="w",
+                                                  pid=1, host="h", secret="")))
+        while await sock.poll(1500):
+            got.append(decode(await sock.recv_multipart()))
+    finally:
+        sock.close(0)
+        ctx.term()
     return got
 
 

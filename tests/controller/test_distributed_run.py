@@ -86,25 +86,28 @@ async def _intrude(address: str, keys: Path) -> dict[str, list]:
     received: dict[str, list] = {}
     stranger = zmq.curve_keypair()
     trusted_server = load_client_keys(keys).server_public
-    for name in ("plain", "unknown-key"):
-        sock = ctx.socket(zmq.DEALER)
-        sock.linger = 0
-        if name == "unknown-key":
-            sock.curve_serverkey = trusted_server
-            sock.curve_publickey, sock.curve_secretkey = stranger
-        sock.connect(address)
-        for msg in (Register(kind=WorkerKind.ROLLOUT, worker_id=f"intruder-{name}", pid=1,
-                             host="evil", secret=""),
-                    Generated(request_id="x", output_ids=np.zeros(3, np.int32),
-                              logprobs=np.zeros(3, np.float32), versions=np.zeros(3, np.int32),
-                              finish_reason=FinishReason.STOP),
-                    Trained(step=1, version=99, stats={"loss": 0.0})):
-            await sock.send_multipart(encode(msg))
-        received[name] = []
-        while await sock.poll(3000):
-            received[name].append(await sock.recv_multipart())
-        sock.close(0)
-    ctx.term()
+    try:  # closed also when it fails: a context left to the garbage collector can hang
+        for name in ("plain", "unknown-key"):
+            sock = ctx.socket(zmq.DEALER)
+            sock.linger = 0
+            if name == "unknown-key":
+                sock.curve_serverkey = trusted_server
+                sock.curve_publickey, sock.curve_secretkey = stranger
+            sock.connect(address)
+            for msg in (Register(kind=WorkerKind.ROLLOUT, worker_id=f"intruder-{name}", pid=1,
+                                 host="evil", secret=""),
+                        Generated(request_id="x", output_ids=np.zeros(3, np.int32),
+                                  logprobs=np.zeros(3, np.float32),
+                                  versions=np.zeros(3, np.int32),
+                                  finish_reason=FinishReason.STOP),
+                        Trained(step=1, version=99, stats={"loss": 0.0})):
+                await sock.send_multipart(encode(msg))
+            received[name] = []
+            while await sock.poll(3000):
+                received[name].append(await sock.recv_multipart())
+            sock.close(0)
+    finally:
+        ctx.destroy(linger=0)  # closes a socket a failure left open, then terminates
     return received
 
 

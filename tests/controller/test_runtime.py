@@ -48,15 +48,17 @@ async def _send_garbage(address: str) -> None:
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 1000)
-    sock.connect(address)
-    await sock.send_multipart([b"\xff", b"not msgpack"])
-    await sock.send_multipart([bytes([MsgType.GENERATED]), b"\x81\xa1x\x01"])
-    await sock.send_multipart(encode(Register(kind=WorkerKind.ROLLOUT, worker_id="intruder",
-                                              pid=1, host="evil", secret="wrong")))
-    reply = await asyncio.wait_for(sock.recv_multipart(), 10)
-    assert reply[0] == bytes([MsgType.SHUTDOWN])  # refused
-    sock.close()
-    ctx.term()
+    try:  # closed also when it fails: a context left to the garbage collector can hang
+        sock.connect(address)
+        await sock.send_multipart([b"\xff", b"not msgpack"])
+        await sock.send_multipart([bytes([MsgType.GENERATED]), b"\x81\xa1x\x01"])
+        await sock.send_multipart(encode(Register(kind=WorkerKind.ROLLOUT, worker_id="intruder",
+                                                  pid=1, host="evil", secret="wrong")))
+        reply = await asyncio.wait_for(sock.recv_multipart(), 10)
+        assert reply[0] == bytes([MsgType.SHUTDOWN])  # refused
+    finally:
+        sock.close()
+        ctx.term()
 
 
 async def _drive_faulty_run(cfg) -> dict:
