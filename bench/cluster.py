@@ -252,6 +252,17 @@ def _plot(out: Path, counts: list[int], tput: dict[str, list[float]],
     fig.savefig(out / "cluster.png", dpi=120)
 
 
+TABLES = {
+    "a": ("sync vs async at the paper's settings (H800)", table_a, False),
+    "b": ("effective training throughput vs accelerators (1.5B)", table_b, True),
+    "c": ("maximum generation length", table_c, False),
+    "d": ("interruptible generation", table_d, False),
+    "e": ("throughput vs eta", table_e, True),
+    "f": ("the controller's own cost", table_f, False),
+}
+"""Letter: (title, the function printing it, whether it also returns data to plot)."""
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small subset (smoke test)")
@@ -283,25 +294,18 @@ def main() -> int:
         sections.append(f"{title}\n{body}")
         print(sections[-1] + "\n", flush=True)
 
-    if "a" in only:
-        show("a. sync vs async at the paper's settings (H800)", table_a(bench))
-    if "b" in only:
-        text_b, tput = table_b(bench)
-        show("b. effective training throughput vs accelerators (1.5B)", text_b)
-    if "c" in only:
-        show("c. maximum generation length", table_c(bench))
-    if "d" in only:
-        show("d. interruptible generation", table_d(bench))
-    if "e" in only:
-        text_e, eta_tput = table_e(bench)
-        show("e. throughput vs eta", text_e)
-    if "f" in only:
-        show("f. the controller's own cost", table_f(bench))
+    plotted: dict[str, Any] = {}
+    """The throughputs of (b) and (e), for the plot."""
+    for letter, (title, make, has_data) in TABLES.items():
+        if letter in only:
+            made = make(bench)
+            text, plotted[letter] = made if has_data else (made, None)
+            show(f"{letter}. {title}", text)
     print(f"\n{len(bench._cache)} simulations in {time.perf_counter() - start:.0f} s",
           file=sys.stderr)
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.quick and {"b", "e"} <= set(only):
-        _plot(args.out, scale_counts(bench), tput, ETAS, eta_tput)
+        _plot(args.out, scale_counts(bench), plotted["b"], ETAS, plotted["e"])
         print(f"plot: {args.out / 'cluster.png'}")
     if "g" in only:
         bench._cache.clear()  # the simulations' memory, before the real runs
