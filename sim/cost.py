@@ -134,7 +134,12 @@ class Efficiency:
     train_mfu: float | None = None
     """Fraction of peak FLOP/s reached by the trainer's forward/backward; None: `mfu`."""
     train_step_overhead_s: float = 0.0
+    """Fixed cost of one training step on one rank beyond its FLOPs (optimiser step,
+    Python, packing): 0 on GPUs (hidden by the FLOPs), measured on the CPU machine."""
     train_pack_attention: bool = False
+    """The trainer's attention costs the square of each packed micro-batch's tokens (a
+    dense mask over the pack) rather than of each sequence's: False on GPUs (varlen
+    kernels), decided by the fit on the CPU machine."""
     decode_pack_attention: bool = False
     """A decode step's attention costs (batch x context) rather than context: each new
     token is scored against every running sequence's cache under a mask. False on GPUs
@@ -145,11 +150,6 @@ class Efficiency:
     train_contention: float | None = None
     """Slowdown of training while generation runs on the same cores; None: `contention`
     (which then is generation's slowdown while training runs)."""
-    """The trainer's attention costs the square of each packed micro-batch's tokens (a
-    dense mask over the pack) rather than of each sequence's: False on GPUs (varlen
-    kernels), decided by the fit on the CPU machine."""
-    """Fixed cost of one training step on one rank beyond its FLOPs (optimiser step,
-    Python, packing): 0 on GPUs (hidden by the FLOPs), measured on the CPU machine."""
     contention: float = 1.0
     """Slowdown of generation and of training while the other runs on the same devices
     (the CPU machine, where every process shares the cores); 1 on separate accelerators."""
