@@ -1,6 +1,6 @@
 """The headline claims at cluster scale, from the real controller on a simulated cluster.
 
-    python bench/cluster.py [--quick] [--seed N] [--out DIR] [--only TABLES]
+    python bench/cluster.py [--quick] [--seed N] [--out DIR] [--only TABLES] [--jobs N]
     python bench/cluster.py --calibrate [--quick]   # (g) only: the check against this machine
 
 Every number comes from `areal.sim.run.simulate`: the project's controller (admission,
@@ -36,14 +36,21 @@ CPU-time columns of (f) and everything in (g) are real measurements and vary).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import multiprocessing
+import os
 import sys
+import threading
 import time
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from areal.sim.config import sim_config
+import psutil
+
+from areal.sim.config import SimConfig, sim_config
 from areal.sim.run import SimResult, simulate
 
 
@@ -84,30 +91,91 @@ ASYNC_STEPS = dict(steps=4, measure_from=2)
 
 
 class Bench:
-    def __init__(self, quick: bool, seed: int) -> None:
+    """Runs the simulations the tables ask for, each configuration once (tables share runs),
+    in `jobs` worker processes: a simulation is single-threaded and independent of the
+    others, so the tables are filled in parallel and printed in order."""
+
+    def __init__(self, quick: bool, seed: int, jobs: int = 1) -> None:
         self.quick = quick
         self.seed = seed
         self.batch = QUICK_BATCH if quick else BATCH
-        self._cache: dict[str, SimResult] = {}
+        self.jobs = jobs
+        self._pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context(
+            "spawn")) if jobs > 1 else None
+        """Spawned, not forked: the pool starts its processes from the tables' threads."""
+        self._runs: dict[str, Future[SimResult]] = {}
+        self._lock = threading.Lock()
 
     def run(self, mode: str, wire: bool = False, ablation: bool = False,
             **values: Any) -> SimResult:
-        """Simulate one configuration (cached: tables share runs). `wire`: messages go
-        through the real codec (the controller's cost of table f); it changes no simulated
-        number. `ablation`: the reduced batch of tables c-e."""
+        """Simulate one configuration (once: runs with the same resolved configuration are
+        shared). `wire`: messages go through the real codec (the controller's cost of table
+        f); it changes no simulated number. `ablation`: the reduced batch of tables c-e."""
         batch = ABLATION_BATCH if ablation and not self.quick else self.batch
         values = {**batch, **(SYNC_STEPS if mode == "sync" else ASYNC_STEPS),
                   "seed": self.seed, "mode": mode, "wire": wire,
                   "placement": "colocated" if mode == "sync" else "split", **values}
-        key = json.dumps(values, sort_keys=True)
-        if key not in self._cache:
-            start = time.perf_counter()
-            self._cache[key] = simulate(sim_config(**values))
-            print(f"  simulated {values.get('model', '1.5b')} {mode} x"
-                  f"{values.get('num_accelerators')} "
-                  f"{ {k: v for k, v in values.items() if k in ('eta', 'interrupt', 'max_new_tokens')} } "
-                  f"in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
-        return self._cache[key]
+        config = sim_config(**values)
+        key = json.dumps(dataclasses.asdict(config), sort_keys=True)
+        with self._lock:
+            run = self._runs.get(key)
+            if run is None:
+                run = self._runs[key] = self._start(config)
+        return run.result()
+
+    def _start(self, config: SimConfig) -> Future[SimResult]:
+        if self._pool is not None:
+            return self._pool.submit(_simulate, config)
+        run: Future[SimResult] = Future()
+        run.set_result(_simulate(config))
+        return run
+
+    @property
+    def simulations(self) -> int:
+        return len(self._runs)
+
+    def tables(self, makers: list[Callable[[Bench], Any]]) -> list[Future[Any]]:
+        """Each table's result, in order: made one after the other with one job, else all at
+        once (each in a thread that waits for its simulations from the worker processes)."""
+        if self._pool is None:
+            done = []
+            for make in makers:
+                future: Future[Any] = Future()
+                future.set_result(make(self))
+                done.append(future)
+            return done
+        threads = ThreadPoolExecutor(max_workers=len(makers), thread_name_prefix="table")
+        futures = [threads.submit(make, self) for make in makers]
+        threads.shutdown(wait=False)
+        return futures
+
+    def close(self) -> None:
+        """Frees the worker processes (and their simulations' memory)."""
+        self._runs.clear()
+        if self._pool is not None:
+            self._pool.shutdown()
+
+
+def _simulate(config: SimConfig) -> SimResult:
+    start = time.perf_counter()
+    result = simulate(config)
+    settings = {k: v for k, v in dataclasses.asdict(config).items()
+                if k in ("eta", "interrupt", "max_new_tokens") and (k == "max_new_tokens"
+                                                                    or config.mode == "async")}
+    print(f"  simulated {config.model} {config.mode} x{config.num_accelerators} {settings} "
+          f"in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    return result
+
+
+def default_jobs() -> int:
+    """One simulation per core, as many as memory holds (SIM_MEMORY_GB each)."""
+    cores = len(os.sched_getaffinity(0))
+    return max(1, min(cores, int(psutil.virtual_memory().available / SIM_MEMORY_GB / 2**30)))
+
+
+SIM_MEMORY_GB = 6
+"""A simulation's peak memory, with margin: the largest (512 prompts x 16 answers, async, 512
+accelerators) peaked at 4.8 GB in table (f)."""
 
 
 def _lines(head: str, rows: list[str]) -> str:
@@ -276,7 +344,12 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None,
                         help="default: bench/results/cluster (bench/results/calibration "
                              "with --calibrate)")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="simulations run at once, one per process (default: one per "
+                             f"core, as many as free memory holds at {SIM_MEMORY_GB} GB each)")
     args = parser.parse_args()
+    if args.jobs is not None and args.jobs < 1:
+        parser.error(f"--jobs={args.jobs}: at least 1")
     default = "abcdef" if args.quick else "abcdefg"
     only = "g" if args.calibrate else args.only or default
     if set(only) - set("abcdefg"):
@@ -286,7 +359,7 @@ def main() -> int:
         print(f"{CALIBRATION_TITLE}\n{text}")
         return 0
     args.out = args.out or Path("bench/results/cluster")
-    bench = Bench(args.quick, args.seed)
+    bench = Bench(args.quick, args.seed, args.jobs or default_jobs())
     start = time.perf_counter()
     sections: list[str] = []
 
@@ -296,19 +369,20 @@ def main() -> int:
 
     plotted: dict[str, Any] = {}
     """The throughputs of (b) and (e), for the plot."""
-    for letter, (title, make, has_data) in TABLES.items():
-        if letter in only:
-            made = make(bench)
-            text, plotted[letter] = made if has_data else (made, None)
-            show(f"{letter}. {title}", text)
-    print(f"\n{len(bench._cache)} simulations in {time.perf_counter() - start:.0f} s",
-          file=sys.stderr)
+    letters = [letter for letter in TABLES if letter in only]
+    made = bench.tables([TABLES[letter][1] for letter in letters])
+    for letter, future in zip(letters, made):
+        title, _, has_data = TABLES[letter]
+        text, plotted[letter] = future.result() if has_data else (future.result(), None)
+        show(f"{letter}. {title}", text)
+    print(f"\n{bench.simulations} simulations in {time.perf_counter() - start:.0f} s "
+          f"({bench.jobs} at once)", file=sys.stderr)
+    bench.close()  # the simulations' memory, before the real runs of (g)
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.quick and {"b", "e"} <= set(only):
         _plot(args.out, scale_counts(bench), plotted["b"], ETAS, plotted["e"])
         print(f"plot: {args.out / 'cluster.png'}")
     if "g" in only:
-        bench._cache.clear()  # the simulations' memory, before the real runs
         show(f"g. {CALIBRATION_TITLE}", calibrate(args.quick, args.out / "calibration"))
     name = "table" + ("" if only == default else f"-{only}") + ("-quick" if args.quick else "")
     (args.out / f"{name}.txt").write_text("\n\n".join(sections) + "\n")

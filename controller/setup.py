@@ -23,7 +23,6 @@ from typing import Any, Iterator
 import numpy as np
 
 from areal.config import RunConfig, config_to_dict, config_to_yaml
-from areal.models.hf import load_tokenizer
 from areal.tasks import Prompt, Task, load_task
 from areal.tasks.environment import Environment, load_environment
 from areal.types import PackedBatch
@@ -132,6 +131,8 @@ def prepare_run(cfg: RunConfig) -> RunSetup:
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
     (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
     task = load_task(cfg.task.name, cfg.task.params)
+    from areal.models.hf import load_tokenizer  # transformers: 3 s to import, real runs only
+
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path,
                                trust_remote_code=cfg.model.trust_remote_code)
     task.use_tokenizer(tokenizer)

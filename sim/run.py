@@ -142,6 +142,7 @@ def simulate(sim: SimConfig, console: io.TextIOBase | None = None,
     cost = cost_model(costs, sim.accelerator, sim.model)
     workload = workload or Workload.from_costs(costs, sim.seed)
     wall = time.perf_counter()
+    _reset_peak_rss()
     with contextlib.ExitStack() as stack:
         run_dir = sim.run_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="sim-"))
         cfg = load_config(overrides=sim.to_run_overrides(str(Path(run_dir))))
@@ -192,5 +193,22 @@ def _result(sim: SimConfig, summary: dict[str, Any], steps: list[dict[str, Any]]
         trajectories_per_cpu_s=batch * (last - first) / cpu if cpu > 0 else float("inf"),
         worker_cpu_s=accounts.cpu_s[WORKERS], process_cpu_s_per_step=process_cpu / (last - first),
         wall_s=wall_s,
-        peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        peak_rss_mb=_peak_rss_mb(),
         summary=summary)
+
+
+def _reset_peak_rss() -> None:
+    """Start this run's peak memory from now (Linux: "5" to clear_refs resets VmHWM), so that
+    runs in one process each report their own peak; elsewhere the process's peak is kept."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def _peak_rss_mb() -> float:
+    """Peak resident memory since `_reset_peak_rss` (the process's peak where it cannot be
+    reset)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -1,0 +1,74 @@
+"""`python bench/cluster.py --quick`: every table a-f printed and saved, from simulations run
+in two worker processes; the simulated numbers are those of the same simulations run one
+after the other in this process (the virtual clock does not depend on where it runs)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TITLES = {"a": "sync vs async", "b": "effective training throughput", "c": "maximum generation",
+          "d": "interruptible generation", "e": "throughput vs eta", "f": "controller's own cost"}
+
+
+@pytest.fixture
+def cluster_bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import cluster
+
+    return cluster
+
+
+@pytest.mark.slow
+def test_quick_bench_prints_every_table_and_parallel_runs_match_serial(tmp_path, cluster_bench):
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "cluster.py"), "--quick",
+                           "--jobs", "2", "--out", str(tmp_path)], capture_output=True,
+                          text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    starts = [out.index(f"{letter}. ") for letter in TITLES]
+    assert starts == sorted(starts), out
+    for letter, title in TITLES.items():
+        assert re.search(rf"^{letter}\. .*{title}", out, re.MULTILINE), (letter, out)
+    assert "(2 at once)" in done.stderr
+    saved = (tmp_path / "table-quick.txt").read_text()
+    assert saved.strip() in out
+
+    shares = re.findall(r"^\s+(16|32)\s+(sync|async)\s+[0-9.]+\s+[0-9.]+\s+([0-9.]+)%", out,
+                        re.MULTILINE)
+    assert len(shares) == 4, out  # (f): both modes at 16 and 32 accelerators
+
+    serial = cluster_bench.Bench(quick=True, seed=1, jobs=1)
+    table_b, _ = cluster_bench.table_b(serial)
+    assert table_b in out  # every throughput and efficiency the same, digit for digit
+    assert serial.simulations == 4
+
+
+def test_one_job_runs_each_configuration_once(cluster_bench, monkeypatch):
+    calls = []
+    monkeypatch.setattr(cluster_bench, "simulate", lambda config: calls.append(config) or config)
+    bench = cluster_bench.Bench(quick=True, seed=1, jobs=1)
+    first = bench.run("async", num_accelerators=16, eta=8)
+    # the same resolved configuration: interrupt is on by default
+    assert bench.run("async", num_accelerators=16, eta=8, interrupt=True) is first
+    bench.run("async", num_accelerators=16, eta=4)
+    assert len(calls) == bench.simulations == 2
+    assert calls[0].num_prompts == cluster_bench.QUICK_BATCH["num_prompts"]
+
+
+def test_default_jobs_are_bounded_by_cores_and_memory(cluster_bench, monkeypatch):
+    class Memory:
+        available = 13 * 2**30
+
+    monkeypatch.setattr(cluster_bench.os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(cluster_bench.psutil, "virtual_memory", lambda: Memory)
+    assert cluster_bench.default_jobs() == 13 // cluster_bench.SIM_MEMORY_GB
+    Memory.available = 2**30
+    assert cluster_bench.default_jobs() == 1
+    Memory.available = 2**40
+    assert cluster_bench.default_jobs() == 8
