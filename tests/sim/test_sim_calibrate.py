@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from areal.sim.calibrate import (
-    DecodeSample, PrefillSample, TrainSample, fit_generation, fit_training,
+    DecodeSample, PrefillSample, TrainSample, fit_generation, fit_train_slowdown, fit_training,
 )
 from areal.sim.cost import COSTS_FILE, CostModel, Efficiency, accelerator, load_costs, model_shape
 from areal.sim.replay import ReplayWorkload, batch_groups
@@ -82,6 +82,41 @@ def test_training_fit_recovers_rate_overhead_and_attention_form(pack):
 def test_training_needs_samples_of_several_sizes():
     with pytest.raises(ValueError, match="at least 2 samples"):
         fit_training(ACC, MODEL, [TrainSample(lengths=(10,), seconds=1.0)])
+
+
+def _in_run_steps(cost: CostModel, slowdown: float) -> list[TrainSample]:
+    """Steps of real batch shapes (varied lengths) as a trainer `slowdown` times slower than
+    `cost` prices training would take them, plus the publication at its price."""
+    rng = np.random.default_rng(1)
+    batches = [tuple(int(n) for n in rng.integers(12, 400, size=64)) for _ in range(10)]
+    return [TrainSample(lengths=b, seconds=slowdown * cost.train_s(b, 1, 1, True, 8192)
+                        + cost.publish_s(colocated=False)) for b in batches]
+
+
+def test_train_slowdown_fit_recovers_the_factor_that_made_the_steps():
+    cost = _cost(train_mfu=0.2, train_step_overhead_s=0.05, train_pack_attention=True)
+    fit = fit_train_slowdown(cost, _in_run_steps(cost, 1.15))
+    assert fit.factor == pytest.approx(1.15, rel=1e-9)
+    assert fit.rms < 1e-9 and fit.steps == 10
+
+
+def test_train_slowdown_is_total_over_total_and_reports_the_spread():
+    cost = _cost(train_mfu=0.2)
+    samples = _in_run_steps(cost, 1.0)
+    # one step with 1 s more: the factor grows by 1 s over the priced training total
+    longer = [TrainSample(lengths=samples[0].lengths, seconds=samples[0].seconds + 1.0),
+              *samples[1:]]
+    fit = fit_train_slowdown(cost, longer)
+    train = sum(cost.train_s(s.lengths, 1, 1, True, 8192) for s in samples)
+    assert fit.factor == pytest.approx(1.0 + 1.0 / train)
+    assert fit.rms > 0.05
+    # without the publication priced apart the same steps look slower against the model
+    assert fit_train_slowdown(cost, samples, publishes=False).factor > 1.0
+
+
+def test_train_slowdown_needs_steps():
+    with pytest.raises(ValueError, match="at least one step"):
+        fit_train_slowdown(_cost(), [])
 
 
 def test_training_extensions_by_hand():
