@@ -10,7 +10,7 @@
 2. runs a short real async run with another seed (the probe: seed 2, eta 2, 12 steps) and
    prices training as it costs inside a run: the fitted training price times the probe's
    trainer steps (as its controller timed them, less the publication) over what the fit
-   prices for the same batches, total over total (areal.sim.calibrate.fit_train_slowdown).
+   prices for the same batches, the median step (areal.sim.calibrate.fit_train_slowdown).
    The synthetic batches of step 1, timed minutes before the runs, priced the real runs'
    batches 5-16% short (README: calibration); the probe's steps are real batches, in a
    real run (beside generation, the controller, the reward worker), close in time to the
@@ -223,7 +223,7 @@ def probe_training(costs: dict[str, Any], model_dir: Path, out: Path, steps: int
     probe = (f"; times {fit.factor:.3f}, the training price of a real async run of seed "
              f"{PROBE_SEED} (bench/speedup.py's settings, {steps} steps, measured by {COMMAND} "
              f"on {stamp}): its trainer's steps 2-{steps} as its controller timed them, less "
-             "the publication, over the fit's price of the same batches, total over total; "
+             "the publication, over the fit's price of the same batches, the median step; "
              f"rms {fit.rms:.1%} per step")
     for key, scale in (("train_mfu", 1 / fit.factor), ("train_step_overhead_s", fit.factor)):
         efficiency[key] = {"value": efficiency[key]["value"] * scale,

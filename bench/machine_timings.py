@@ -182,7 +182,7 @@ def packed_batch(num_seqs: int, length: int, prompt: int = 10) -> PackedBatch:
         group_ids=torch.arange(num_seqs) // 8)
 
 
-class _Trainer:
+class TimedTrainer:
     """The trainer rank's work per step: PPO step, then the weights published to disk."""
 
     def __init__(self, cfg: RunConfig) -> None:
@@ -207,7 +207,7 @@ class _Trainer:
 
 
 def _training(cfg: RunConfig, plan: Plan, timings: Timings) -> None:
-    trainer = _Trainer(cfg)
+    trainer = TimedTrainer(cfg)
     trainer.step_s(packed_batch(16, 32))  # warm-up
     for num_seqs, length in plan.train_grid:
         batch = packed_batch(num_seqs, length)
@@ -253,7 +253,7 @@ def cfg_overrides(cfg: RunConfig) -> list[str]:
 def _background_main(model_dir: str, overrides: list[str]) -> None:
     with tempfile.TemporaryDirectory() as run_dir:
         cfg = run_config(Path(model_dir), Path(run_dir), overrides)
-        trainer, batch = _Trainer(cfg), packed_batch(*BACKGROUND_TRAIN)
+        trainer, batch = TimedTrainer(cfg), packed_batch(*BACKGROUND_TRAIN)
         trainer.step_s(batch)
         print("ready", flush=True)
         while True:

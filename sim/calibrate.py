@@ -19,8 +19,9 @@ file (with its own `efficiency` mapping), priced by the very code the simulator 
         with attention per sequence and over whole packs: the better fit is kept
     in-run steps -> a factor on the training price
         a real run's trainer steps (seconds seen by its controller, less the publication)
-        over what the fitted model prices for the same batches, total over total: what
-        training costs inside a run, on the batches a run trains, against the fit's price
+        over what the fitted model prices for the same batches, the median over steps:
+        what training costs inside a run, on the batches a run trains, against the fit's
+        price
 
 Each fit reports its residual (root mean square of the relative errors) so the cost file can
 say how well the form fits. Measuring is not done here (bench/calibration.py measures this
@@ -206,7 +207,7 @@ def fit_training(acc: Accelerator, model: ModelShape, samples: Sequence[TrainSam
 @dataclass(frozen=True, kw_only=True)
 class SlowdownFit:
     factor: float
-    """The training price that reproduces the steps' total time over `cost`'s price."""
+    """The median over steps of the step's training time over `cost`'s price of it."""
     rms: float
     """Root mean square of each step's relative error at that factor."""
     steps: int
@@ -215,18 +216,19 @@ class SlowdownFit:
 def fit_train_slowdown(cost: CostModel, samples: Sequence[TrainSample], *,
                        num_minibatches: int = 1, micro_batch_tokens: int = 8192,
                        publishes: bool = True) -> SlowdownFit:
-    """The factor on `cost`'s training price (`train_s`) that makes the steps of a real run
+    """The factor on `cost`'s training price (`train_s`) of the steps of a real run
     (`samples`: each step's batch lengths and the seconds its controller waited for the
-    trainer's answer) take as long in total as they did, with (`publishes`) the weights'
-    publication added at its own price, as a simulated trainer rank 0 spends a step
-    (sim/workers.py). Total over total, so that long steps weigh as they do in a run."""
+    trainer's answer, less (`publishes`) the weights' publication at its own price, as a
+    simulated trainer rank 0 spends a step: sim/workers.py). The median of the steps'
+    factors: on a shared machine a few steps slowed by a process outside the run move it
+    less than they would move a total."""
     if not samples:
         raise ValueError("fit_train_slowdown needs at least one step")
     train = np.array([cost.train_s(s.lengths, num_minibatches, 1, s.recompute_prox,
                                    micro_batch_tokens) for s in samples])
     publish = cost.publish_s(colocated=False) if publishes else 0.0
     measured = np.array([s.seconds for s in samples])
-    factor = float((measured.sum() - publish * len(samples)) / train.sum())
+    factor = float(np.median((measured - publish) / train))
     return SlowdownFit(factor=factor, rms=_rms((factor * train + publish) / measured - 1),
                        steps=len(samples))
 

@@ -100,16 +100,21 @@ def test_train_slowdown_fit_recovers_the_factor_that_made_the_steps():
     assert fit.rms < 1e-9 and fit.steps == 10
 
 
-def test_train_slowdown_is_total_over_total_and_reports_the_spread():
+def test_train_slowdown_is_the_median_step_and_reports_the_spread():
     cost = _cost(train_mfu=0.2)
     samples = _in_run_steps(cost, 1.0)
-    # one step with 1 s more: the factor grows by 1 s over the priced training total
-    longer = [TrainSample(lengths=samples[0].lengths, seconds=samples[0].seconds + 1.0),
-              *samples[1:]]
-    fit = fit_train_slowdown(cost, longer)
-    train = sum(cost.train_s(s.lengths, 1, 1, True, 8192) for s in samples)
-    assert fit.factor == pytest.approx(1.0 + 1.0 / train)
-    assert fit.rms > 0.05
+    # three of ten steps disturbed (3x): the median step is not, the spread shows them
+    disturbed = [TrainSample(lengths=s.lengths, seconds=3 * s.seconds) if i < 3 else s
+                 for i, s in enumerate(samples)]
+    fit = fit_train_slowdown(cost, disturbed)
+    assert fit.factor == pytest.approx(1.0, rel=1e-9)
+    assert fit.rms == pytest.approx(np.sqrt(3 / 10 * (2 / 3) ** 2))  # 3 steps at 1/3 - 1
+    # steps 1.1, 1.2, ... 2.0 times the price: the median of ten is between the 5th and 6th
+    graded = _in_run_steps(cost, 1.0)
+    graded = [TrainSample(lengths=s.lengths, seconds=(1 + (i + 1) / 10) * cost.train_s(
+        s.lengths, 1, 1, True, 8192) + cost.publish_s(colocated=False))
+        for i, s in enumerate(graded)]
+    assert fit_train_slowdown(cost, graded).factor == pytest.approx(1.55)
     # without the publication priced apart the same steps look slower against the model
     assert fit_train_slowdown(cost, samples, publishes=False).factor > 1.0
 
