@@ -11,10 +11,11 @@
    prices training as it costs inside a run: the fitted training price times the probe's
    trainer steps (as its controller timed them, less the publication) over what the fit
    prices for the same batches, the median step (areal.sim.calibrate.fit_train_slowdown).
-   The synthetic batches of step 1, timed minutes before the runs, priced the real runs'
-   batches 5-16% short (README: calibration); the probe's steps are real batches, in a
-   real run (beside generation, the controller, the reward worker), close in time to the
-   runs being predicted, and none of them is a step of those runs;
+   A fit to step 1's timings priced later runs' batches 7-16% off (either way), though a
+   trainer trains them alone as fast as in the run and as fast as synthetic batches of
+   their size: this machine's speed drifts over minutes (README: calibration). The
+   probe's steps are real batches, in a real run, a minute before the runs being
+   predicted, and none of them is a step of those runs;
 3. runs bench/speedup.py's sync and async runs (its config: 40 steps of 8 prompts x 8
    samples, eta 2, max_new_tokens 384, one rollout worker, one trainer rank, interruption
    on), saving their trained batches;
@@ -300,7 +301,8 @@ def fitted_lines(gen: GenerationFit, train: TrainFit, timings: Timings,
         f"{timings.publish_s * 1e3:.0f} ms, checkpoint {timings.checkpoint_s * 1e3:.0f} ms; "
         f"contention decode {timings.decode_contention:.2f}x (beside a trainer process)",
         f"training price x {slowdown.factor:.3f} in a run: seed-{PROBE_SEED} async probe, "
-        f"{slowdown.steps} steps over the fit's price, rms {slowdown.rms:.1%} per step"])
+        f"median of {slowdown.steps} step{'s' if slowdown.steps != 1 else ''} over the fit's "
+        f"price, rms {slowdown.rms:.1%} per step"])
 
 
 def run(quick: bool, out: Path) -> str:
