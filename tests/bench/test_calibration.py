@@ -1,7 +1,8 @@
 """`python bench/cluster.py --calibrate --quick`: the simulator's prediction of
 bench/speedup.py's sync and async runs next to the real runs (short ones), from a cost
-entry fitted to timings of this machine and to a short probe run of another seed. Checks that every number is there and sane, not
-how close the prediction is (that depends on the machine's load)."""
+entry fitted to timings of this machine and to a short probe run of another seed. Checks
+that every number is there and sane, not how close the prediction is (that depends on the
+machine's load)."""
 
 from __future__ import annotations
 
