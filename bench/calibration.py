@@ -27,7 +27,7 @@
 
 The lengths come from the real runs (what the model wrote is not what is being predicted;
 how long writing and training on it takes is); everything else is the fitted cost model.
-`--quick` (the test suite's): fewer timings, a 3-step probe, 4-step runs, 16 held-out
+`--quick` (the test suite's): fewer timings, a 2-step probe, 4-step runs, 16 held-out
 prompts.
 """
 
@@ -66,10 +66,11 @@ from areal.sim.run import simulate  # noqa: E402
 ACCELERATOR, MODEL = "cpu-2core", "tiny"
 COMMAND = "python bench/cluster.py --calibrate"
 REWARD_LATENCY_S = 0.002
+"""Assumption: one ZeroMQ round trip to the reward worker and an exact integer check."""
 PROBE_SEED = 2
 """The probe run's seed: not the seed of the runs being predicted (1)."""
 PROBE_STEPS = 12
-"""Assumption: one ZeroMQ round trip to the reward worker and an exact integer check."""
+"""The probe's steps: 11 compared, and a checkpoint (every 10th step) as the runs have."""
 NOMINAL = {
     "peak_flops": (134.4e9, "nominal, not measured: one core of this machine's Xeon (lscpu: "
                    "avx512f, BogoMIPS 4200 = 2.1 GHz) x 2 AVX-512 FMA units x 16 fp32 lanes x "
