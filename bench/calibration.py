@@ -232,8 +232,8 @@ def probe_training(costs: dict[str, Any], model_dir: Path, out: Path, steps: int
                            "source": efficiency[key]["source"] + probe}
     efficiency["train_contention"] = {"value": 1.0, "source": (
         "the training price above is the one of a run whose trainer shares the machine with "
-        "generation (the probe); a trainer replaying the probe's batches alone took as long "
-        "(README: calibration, 2026-12-01)")}
+        "generation (the probe); a trainer training a run's batches again alone was not faster "
+        "than the run's (bench/trainer_replay.py; README: calibration, 2026-12-01)")}
     return fit
 
 

@@ -71,7 +71,7 @@ class Plan:
     @classmethod
     def quick(cls) -> "Plan":
         return cls(decode_grid=((1, 16), (32, 16), (32, 192), (128, 16)),
-                   decode_tokens=(8, 72), train_grid=((16, 32), (64, 24), (64, 96)),
+                   decode_tokens=(8, 72), train_grid=((16, 32), (64, 24), (64, 64)),
                    repeats=1)
 
 

@@ -71,8 +71,8 @@ def main() -> int:
             totals += (in_run, alone, model)
             print(f"{index:>4} {int(lengths.sum()):>7} {in_run:>9.3f} {alone:>8.3f} {model:>8.3f}")
     in_run, alone, model = totals
-    print(f"steps 2-{len(records)}: in run {in_run:.2f} s, alone {alone:.2f} s, model "
-          f"{model:.2f} s; in run / alone {in_run / alone:.3f}, alone / model "
+    print(f"steps 2-{len(records)}: in run {in_run:.3f} s, alone {alone:.3f} s, model "
+          f"{model:.3f} s; in run / alone {in_run / alone:.3f}, alone / model "
           f"{alone / model:.3f}")
     return 0
 

@@ -67,6 +67,7 @@ def test_replay_prints_each_step_in_run_alone_and_priced(tmp_path):
                       rf"in run / alone {NUMBER}, alone / model {NUMBER}", done.stdout)
     assert total, done.stdout
     in_run, alone, model, ratio, priced = map(float, total.groups())
-    assert in_run == pytest.approx(sum(s + p for s, p in times[1:]), abs=0.01)
-    assert ratio == pytest.approx(in_run / alone, rel=0.01)
-    assert priced == pytest.approx(alone / model, rel=0.01)
+    assert in_run == pytest.approx(sum(s + p for s, p in times[1:]), abs=1e-3)
+    # the totals are printed to the millisecond, the ratios of the unrounded ones
+    assert ratio == pytest.approx(in_run / alone, rel=0.02)
+    assert priced == pytest.approx(alone / model, rel=0.02)
