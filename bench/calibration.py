@@ -7,10 +7,19 @@
    (areal.sim.calibrate): a `cpu-2core` accelerator entry (one accelerator = one core
    running one worker with one torch thread, as the real run's rollout worker and trainer)
    and a `tiny` model shape, written to OUT/costs-cpu.yaml with their sources;
-2. runs bench/speedup.py's sync and async runs (its config: 40 steps of 8 prompts x 8
+2. runs a short real async run with another seed (the probe: seed 2, eta 2, 12 steps) and
+   prices training as it costs inside a run: the fitted training price times the probe's
+   trainer steps (as its controller timed them, less the publication) over what the fit
+   prices for the same batches, the median step (areal.sim.calibrate.fit_train_slowdown).
+   A fit to step 1's timings priced later runs' batches 7-16% off (either way), though a
+   trainer trains them alone as fast as in the run and as fast as synthetic batches of
+   their size: this machine's speed drifts over minutes (README: calibration). The
+   probe's steps are real batches, in a real run, a minute before the runs being
+   predicted, and none of them is a step of those runs;
+3. runs bench/speedup.py's sync and async runs (its config: 40 steps of 8 prompts x 8
    samples, eta 2, max_new_tokens 384, one rollout worker, one trainer rank, interruption
    on), saving their trained batches;
-3. simulates each with the real controller on two simulated `cpu-2core` accelerators (one
+4. simulates each with the real controller on two simulated `cpu-2core` accelerators (one
    generating, one training), replaying the real run's prompt and completion lengths
    (areal.sim.replay), and prints predicted vs measured wall time from the end of the first
    training step to the end of the last (see `after_first`), their ratio and the error of
@@ -18,7 +27,8 @@
 
 The lengths come from the real runs (what the model wrote is not what is being predicted;
 how long writing and training on it takes is); everything else is the fitted cost model.
-`--quick` (the test suite's): fewer timings, 4-step runs, 16 held-out prompts.
+`--quick` (the test suite's): fewer timings, a 2-step probe, 4-step runs, 16 held-out
+prompts.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import uvloop
 import yaml
 
@@ -42,9 +53,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 import speedup  # noqa: E402
 from machine_timings import Plan, Timings, measure  # noqa: E402
 
-from areal.sim.calibrate import GenerationFit, TrainFit, fit_generation, fit_training  # noqa: E402
+from areal.config import load_config  # noqa: E402
+from areal.sim.calibrate import (  # noqa: E402
+    GenerationFit, SlowdownFit, TrainFit, TrainSample, fit_generation, fit_train_slowdown,
+    fit_training,
+)
 from areal.sim.config import sim_config  # noqa: E402
-from areal.sim.cost import accelerator, load_costs, model_shape  # noqa: E402
+from areal.sim.cost import accelerator, cost_model, load_costs, model_shape  # noqa: E402
 from areal.sim.replay import ReplayWorkload  # noqa: E402
 from areal.sim.run import simulate  # noqa: E402
 
@@ -52,6 +67,10 @@ ACCELERATOR, MODEL = "cpu-2core", "tiny"
 COMMAND = "python bench/cluster.py --calibrate"
 REWARD_LATENCY_S = 0.002
 """Assumption: one ZeroMQ round trip to the reward worker and an exact integer check."""
+PROBE_SEED = 2
+"""The probe run's seed: not the seed of the runs being predicted (1)."""
+PROBE_STEPS = 12
+"""The probe's steps: 11 compared, and a checkpoint (every 10th step) as the runs have."""
 NOMINAL = {
     "peak_flops": (134.4e9, "nominal, not measured: one core of this machine's Xeon (lscpu: "
                    "avx512f, BogoMIPS 4200 = 2.1 GHz) x 2 AVX-512 FMA units x 16 fp32 lanes x "
@@ -159,27 +178,72 @@ def fit_costs(model_dir: Path, timings: Timings, stamp: str
         "contention": {"value": timings.decode_contention, "source": (
             f"{measured}: decode time while a trainer runs in a second process over decode "
             "time alone (the real run's controller and reward worker not included)")},
-        "train_contention": {"value": timings.train_contention, "source": (
-            f"{measured}: training step time while a decode loop runs in a second process "
-            "over step time alone")},
     }
     return costs, gen, train
+
+
+def run_steps(model_dir: Path, run_dir: Path, mode: str, seed: int, steps: int,
+              extra: list[str]) -> list[dict[str, Any]]:
+    """One bench/speedup.py run (eta 2), its batches saved: its step records."""
+    args = argparse.Namespace(eta=2, steps=steps, overrides=[*extra, "logging.save_batches=true"])
+    shutil.rmtree(run_dir, ignore_errors=True)  # a previous calibration's run: not resumed
+    start = time.monotonic()
+    _, records = uvloop.run(speedup._run(speedup._overrides(args, model_dir, run_dir, mode,
+                                                            seed=seed)))
+    print(f"  real {run_dir.name} run: {time.monotonic() - start:.0f} s", file=sys.stderr,
+          flush=True)
+    return [r for r in records if r["kind"] == "step"]
+
+
+def in_run_steps(run_dir: Path, records: list[dict[str, Any]]) -> list[TrainSample]:
+    """Each step after the first of a run: its batch's lengths and the seconds the
+    controller waited for the trainer's answer (`perf/train_s`: the step, the publication,
+    a checkpoint where due, and the messages)."""
+    recompute = load_config(run_dir / "config.yaml").trainer.ppo.prox_logp == "recompute"
+    samples = []
+    for index, record in enumerate(records[1:], start=2):
+        batch = np.load(run_dir / "batches" / f"step_{index:06d}.npz")
+        samples.append(TrainSample(lengths=tuple(int(n) for n in np.diff(batch["cu_seqlens"])),
+                                   seconds=float(record["perf/train_s"]),
+                                   recompute_prox=recompute))
+    return samples
+
+
+def probe_training(costs: dict[str, Any], model_dir: Path, out: Path, steps: int,
+                   stamp: str) -> SlowdownFit:
+    """The training price of a real async run of seed PROBE_SEED (see the module
+    docstring): the fitted `train_mfu` and `train_step_overhead_s` in `costs` scaled by
+    the probe's factor."""
+    run_dir = out / "probe-async"
+    records = run_steps(model_dir, run_dir, "async", PROBE_SEED, steps, ["eval.max_prompts=16"])
+    cfg = load_config(run_dir / "config.yaml")
+    fit = fit_train_slowdown(cost_model(costs, ACCELERATOR, MODEL),
+                             in_run_steps(run_dir, records),
+                             num_minibatches=cfg.trainer.num_minibatches,
+                             micro_batch_tokens=cfg.trainer.micro_batch_tokens)
+    efficiency = costs["accelerators"][ACCELERATOR]["efficiency"]
+    probe = (f"; times {fit.factor:.3f}, the training price of a real async run of seed "
+             f"{PROBE_SEED} (bench/speedup.py's settings, {steps} steps, measured by {COMMAND} "
+             f"on {stamp}): its trainer's steps 2-{steps} as its controller timed them, less "
+             "the publication, over the fit's price of the same batches, the median step; "
+             f"rms {fit.rms:.1%} per step")
+    for key, scale in (("train_mfu", 1 / fit.factor), ("train_step_overhead_s", fit.factor)):
+        efficiency[key] = {"value": efficiency[key]["value"] * scale,
+                           "source": efficiency[key]["source"] + probe}
+    efficiency["train_contention"] = {"value": 1.0, "source": (
+        "the training price above is the one of a run whose trainer shares the machine with "
+        "generation (the probe); a trainer training a run's batches again alone was not faster "
+        "than the run's (bench/trainer_replay.py; README: calibration, 2026-12-01)")}
+    return fit
 
 
 def real_runs(model_dir: Path, out: Path, steps: int, extra: list[str]
               ) -> dict[str, tuple[float, int]]:
     """bench/speedup.py's sync and async runs (seed 1), batches saved for the replay: per
     mode, (wall seconds and tokens trained after the first step, see `after_first`)."""
-    args = argparse.Namespace(eta=2, steps=steps, overrides=[*extra, "logging.save_batches=true"])
     summaries = {}
     for mode in ("sync", "async"):
-        run_dir = out / mode
-        shutil.rmtree(run_dir, ignore_errors=True)  # a previous calibration's run: not resumed
-        start = time.monotonic()
-        _, records = uvloop.run(speedup._run(speedup._overrides(args, model_dir, run_dir, mode,
-                                                                seed=1)))
-        print(f"  real {mode} run: {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
-        steps_done = [r for r in records if r["kind"] == "step"]
+        steps_done = run_steps(model_dir, out / mode, mode, 1, steps, extra)
         summaries[mode] = after_first([r["perf/train_elapsed_s"] for r in steps_done],
                                       [r["perf/trained_tokens"] for r in steps_done])
     return summaries
@@ -223,7 +287,8 @@ def table(checks: dict[str, Check]) -> str:
     return "\n".join(rows)
 
 
-def fitted_lines(gen: GenerationFit, train: TrainFit, timings: Timings) -> str:
+def fitted_lines(gen: GenerationFit, train: TrainFit, timings: Timings,
+                 slowdown: SlowdownFit) -> str:
     return "\n".join([
         f"decode step = {gen.step_overhead_s * 1e3:.2f} ms + {gen.seq_step_overhead_s * 1e6:.0f}"
         f" us x batch + roofline (mfu {gen.mfu:.3g}, hbm {gen.hbm:.3g} of nominal; attention "
@@ -235,8 +300,10 @@ def fitted_lines(gen: GenerationFit, train: TrainFit, timings: Timings) -> str:
         f"{train.rms:.1%}",
         f"weight update {timings.weight_update_s * 1e3:.0f} ms, publish "
         f"{timings.publish_s * 1e3:.0f} ms, checkpoint {timings.checkpoint_s * 1e3:.0f} ms; "
-        f"contention decode {timings.decode_contention:.2f}x, train "
-        f"{timings.train_contention:.2f}x"])
+        f"contention decode {timings.decode_contention:.2f}x (beside a trainer process)",
+        f"training price x {slowdown.factor:.3f} in a run: seed-{PROBE_SEED} async probe, "
+        f"median of {slowdown.steps} step{'s' if slowdown.steps != 1 else ''} over the fit's "
+        f"price, rms {slowdown.rms:.1%} per step"])
 
 
 def run(quick: bool, out: Path) -> str:
@@ -250,6 +317,7 @@ def run(quick: bool, out: Path) -> str:
     print(f"  timings: {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
     (out / "timings.json").write_text(json.dumps(dataclasses.asdict(timings)))
     costs, gen, train = fit_costs(model_dir, timings, stamp)
+    slowdown = probe_training(costs, model_dir, out, 2 if quick else PROBE_STEPS, stamp)
     costs_path = out / "costs-cpu.yaml"
     costs_path.write_text(yaml.safe_dump(costs, sort_keys=False, width=100))
     summaries = real_runs(model_dir, out, steps, extra)
@@ -259,6 +327,6 @@ def run(quick: bool, out: Path) -> str:
         checks[mode] = Check(mode, measured_s, predicted_s, measured_tokens, predicted_tokens)
     text = (f"{table(checks)}\n({steps} steps of 8 prompts x 8 samples, eta 2, seed 1; "
             f"steps 2-{steps} compared; fitted cost file: {costs_path})\n"
-            f"{fitted_lines(gen, train, timings)}")
+            f"{fitted_lines(gen, train, timings, slowdown)}")
     (out / ("calibration-quick.txt" if quick else "calibration.txt")).write_text(text + "\n")
     return text

@@ -14,9 +14,10 @@ bench/speedup.py (one torch thread per engine and per trainer, as the real run's
     weights   one engine weight update with sequences running: pause (abort), load from
               disk, resume; what a rollout worker pays per new version
     checkpoint one trainer checkpoint (the real run saves one every 10 steps)
-    contention decode and train each timed again while the other runs in a second process
-              (`python bench/machine_timings.py --background train|decode MODEL_DIR`),
-              against the median of undisturbed timings taken before and after
+    contention decode timed again while training steps run in a second process
+              (`python bench/machine_timings.py --background train MODEL_DIR`), against
+              the median of undisturbed timings taken before and after (training's
+              slowdown is measured inside a real run instead: bench/calibration.py)
 
 Each timing is the median of `repeats`. Nothing here fits or predicts.
 """
@@ -45,12 +46,12 @@ from areal.workers.trainer.checkpoint import save_checkpoint
 from areal.workers.trainer.ppo import PPOTrainer
 from areal.workers.trainer.publish import publish_to_disk
 
-BACKGROUND_BATCH = (64, 16, 136)
-"""(batch, prompt tokens, new tokens) of the background decode load and the contended
-decode sample: the order of a sync step's batch of 64 completions."""
+CONTENDED_DECODE = (64, 16, 136)
+"""(batch, prompt tokens, new tokens) of the contended decode sample: the order of a sync
+step's batch of 64 completions."""
 BACKGROUND_TRAIN = (64, 64)
-"""(sequences, tokens each) of the background training load and the contended train
-sample: about one real step's batch."""
+"""(sequences, tokens each) of the background training load: about one real step's
+batch."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,7 +62,7 @@ class Plan:
                                                 (32, 16), (32, 192), (64, 16), (64, 192),
                                                 (128, 16), (128, 192))
     """(batch, prompt tokens) pairs."""
-    decode_tokens: tuple[int, int] = (8, 136)
+    decode_tokens: tuple[int, int] = (8, 72)
     train_grid: tuple[tuple[int, int], ...] = ((16, 32), (64, 24), (64, 64), (64, 120),
                                                (128, 96))
     """(sequences, tokens each) of the packed training batches."""
@@ -70,7 +71,7 @@ class Plan:
     @classmethod
     def quick(cls) -> "Plan":
         return cls(decode_grid=((1, 16), (32, 16), (32, 192), (128, 16)),
-                   decode_tokens=(8, 72), train_grid=((16, 32), (64, 24), (64, 96)),
+                   decode_tokens=(8, 72), train_grid=((16, 32), (64, 24), (64, 64)),
                    repeats=1)
 
 
@@ -84,7 +85,6 @@ class Timings:
     checkpoint_s: float = 0.0
     decode_contention: float = 1.0
     """Contended over undisturbed time of the same decode sample."""
-    train_contention: float = 1.0
 
 
 def run_config(model_dir: Path, run_dir: Path, overrides: list[str]) -> RunConfig:
@@ -137,7 +137,7 @@ async def _generation(cfg: RunConfig, plan: Plan, timings: Timings) -> None:
                   f"{(long - short) / (n2 - n1) * 1e3:.2f} ms/step", file=sys.stderr, flush=True)
         timings.weight_update_s = await _median_async(
             lambda: _weight_update_s(engine, cfg), plan.repeats)
-        batch, prompt, new = BACKGROUND_BATCH
+        batch, prompt, new = CONTENDED_DECODE
         alone = [await _generate_s(engine, batch, prompt, new) for _ in range(plan.repeats)]
         with _background(cfg, "train"):
             loaded = await _median_async(lambda: _generate_s(engine, batch, prompt, new),
@@ -182,7 +182,7 @@ def packed_batch(num_seqs: int, length: int, prompt: int = 10) -> PackedBatch:
         group_ids=torch.arange(num_seqs) // 8)
 
 
-class _Trainer:
+class TimedTrainer:
     """The trainer rank's work per step: PPO step, then the weights published to disk."""
 
     def __init__(self, cfg: RunConfig) -> None:
@@ -207,7 +207,7 @@ class _Trainer:
 
 
 def _training(cfg: RunConfig, plan: Plan, timings: Timings) -> None:
-    trainer = _Trainer(cfg)
+    trainer = TimedTrainer(cfg)
     trainer.step_s(packed_batch(16, 32))  # warm-up
     for num_seqs, length in plan.train_grid:
         batch = packed_batch(num_seqs, length)
@@ -220,20 +220,14 @@ def _training(cfg: RunConfig, plan: Plan, timings: Timings) -> None:
     save_checkpoint(trainer.trainer.model, trainer.trainer.optimizer, cfg.run_dir, 10,
                     trainer.version, cfg.trainer.keep_checkpoints)
     timings.checkpoint_s = time.perf_counter() - start
-    batch = packed_batch(*BACKGROUND_TRAIN)
-    alone = [trainer.step_s(batch) for _ in range(plan.repeats)]
-    with _background(cfg, "decode"):
-        loaded = _median(lambda: trainer.step_s(batch), plan.repeats)
-    alone += [trainer.step_s(batch) for _ in range(plan.repeats)]
-    timings.train_contention = loaded / statistics.median(alone)
 
 
 # -- the other load ------------------------------------------------------------------------------
 
 
 class _background:
-    """A second process running decode or training steps in a loop (the other worker of an
-    async run), from its first finished step until the block ends."""
+    """A second process running training steps in a loop (the trainer of an async run),
+    from its first finished step until the block ends."""
 
     def __init__(self, cfg: RunConfig, kind: str) -> None:
         self.command = [sys.executable, __file__, "--background", kind, str(cfg.model.path),
@@ -256,25 +250,14 @@ def cfg_overrides(cfg: RunConfig) -> list[str]:
             f"rollout.max_concurrent={cfg.rollout.max_concurrent}"]
 
 
-def _background_main(kind: str, model_dir: str, overrides: list[str]) -> None:
+def _background_main(model_dir: str, overrides: list[str]) -> None:
     with tempfile.TemporaryDirectory() as run_dir:
         cfg = run_config(Path(model_dir), Path(run_dir), overrides)
-        if kind == "train":
-            trainer, batch = _Trainer(cfg), packed_batch(*BACKGROUND_TRAIN)
+        trainer, batch = TimedTrainer(cfg), packed_batch(*BACKGROUND_TRAIN)
+        trainer.step_s(batch)
+        print("ready", flush=True)
+        while True:
             trainer.step_s(batch)
-            print("ready", flush=True)
-            while True:
-                trainer.step_s(batch)
-
-        async def loop() -> None:
-            engine = TorchEngine.from_config(cfg)
-            await engine.start()
-            await _generate_s(engine, *BACKGROUND_BATCH)
-            print("ready", flush=True)
-            while True:
-                await _generate_s(engine, *BACKGROUND_BATCH)
-
-        asyncio.run(loop())
 
 
 def measure(model_dir: Path, overrides: list[str], plan: Plan) -> Timings:
@@ -289,8 +272,8 @@ def measure(model_dir: Path, overrides: list[str], plan: Plan) -> Timings:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="background load for the contention timing")
-    parser.add_argument("--background", choices=["train", "decode"], required=True)
+    parser.add_argument("--background", choices=["train"], required=True)
     parser.add_argument("model_dir")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    _background_main(args.background, args.model_dir, args.overrides)
+    _background_main(args.model_dir, args.overrides)

@@ -17,6 +17,11 @@ file (with its own `efficiency` mapping), priced by the very code the simulator 
     training     -> train_mfu, train_step_overhead_s, train_pack_attention
         linear least squares of seconds on (3 + r) * forward FLOPs / peak (see cost.py),
         with attention per sequence and over whole packs: the better fit is kept
+    in-run steps -> a factor on the training price
+        a real run's trainer steps (seconds seen by its controller, less the publication)
+        over what the fitted model prices for the same batches, the median over steps:
+        what training costs inside a run, on the batches a run trains, against the fit's
+        price
 
 Each fit reports its residual (root mean square of the relative errors) so the cost file can
 say how well the form fits. Measuring is not done here (bench/calibration.py measures this
@@ -197,6 +202,35 @@ def fit_training(acc: Accelerator, model: ModelShape, samples: Sequence[TrainSam
         raise ValueError("training time does not grow with the tokens trained: the samples "
                          "cannot give a training rate; measure batches of more different sizes")
     return min(fits, key=lambda f: f.rms)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlowdownFit:
+    factor: float
+    """The median over steps of the step's training time over `cost`'s price of it."""
+    rms: float
+    """Root mean square of each step's relative error at that factor."""
+    steps: int
+
+
+def fit_train_slowdown(cost: CostModel, samples: Sequence[TrainSample], *,
+                       num_minibatches: int = 1, micro_batch_tokens: int = 8192,
+                       publishes: bool = True) -> SlowdownFit:
+    """The factor on `cost`'s training price (`train_s`) of the steps of a real run
+    (`samples`: each step's batch lengths and the seconds its controller waited for the
+    trainer's answer, less (`publishes`) the weights' publication at its own price, as a
+    simulated trainer rank 0 spends a step: sim/workers.py). The median of the steps'
+    factors: on a shared machine a few steps slowed by a process outside the run move it
+    less than they would move a total."""
+    if not samples:
+        raise ValueError("fit_train_slowdown needs at least one step")
+    train = np.array([cost.train_s(s.lengths, num_minibatches, 1, s.recompute_prox,
+                                   micro_batch_tokens) for s in samples])
+    publish = cost.publish_s(colocated=False) if publishes else 0.0
+    measured = np.array([s.seconds for s in samples])
+    factor = float(np.median((measured - publish) / train))
+    return SlowdownFit(factor=factor, rms=_rms((factor * train + publish) / measured - 1),
+                       steps=len(samples))
 
 
 def _rms(errors: Sequence[float] | np.ndarray) -> float:

@@ -1,7 +1,8 @@
 """`python bench/cluster.py --calibrate --quick`: the simulator's prediction of
 bench/speedup.py's sync and async runs next to the real runs (short ones), from a cost
-entry fitted to timings of this machine. Checks that every number is there and sane, not
-how close the prediction is (that depends on the machine's load)."""
+entry fitted to timings of this machine and to a short probe run of another seed. Checks
+that every number is there and sane, not how close the prediction is (that depends on the
+machine's load)."""
 
 from __future__ import annotations
 
@@ -41,5 +42,12 @@ def test_calibrate_quick_prints_prediction_and_measurement(tmp_path):
     efficiency = costs["accelerators"]["cpu-2core"]["efficiency"]
     assert efficiency["mfu"]["value"] > 0 and efficiency["contention"]["value"] > 0
     assert all("source" in item for item in efficiency.values())
+    # training is priced from the probe, a short async run of another seed (2, 2 steps)
+    probe = re.search(rf"training price x {NUMBER} in a run: seed-2 async probe, median of 1 "
+                      rf"step over the fit's price", out)
+    assert probe and float(probe.group(1)) > 0, out
+    assert efficiency["train_contention"]["value"] == 1.0
+    assert "real async run of seed 2" in efficiency["train_mfu"]["source"]
+    assert (tmp_path / "probe-async" / "batches" / "step_000002.npz").is_file()
     assert "measured by python bench/cluster.py --calibrate" in efficiency["mfu"]["source"]
     assert (tmp_path / "calibration-quick.txt").read_text().strip() in out

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from areal.sim.calibrate import (
-    DecodeSample, PrefillSample, TrainSample, fit_generation, fit_training,
+    DecodeSample, PrefillSample, TrainSample, fit_generation, fit_train_slowdown, fit_training,
 )
 from areal.sim.cost import COSTS_FILE, CostModel, Efficiency, accelerator, load_costs, model_shape
 from areal.sim.replay import ReplayWorkload, batch_groups
@@ -82,6 +82,46 @@ def test_training_fit_recovers_rate_overhead_and_attention_form(pack):
 def test_training_needs_samples_of_several_sizes():
     with pytest.raises(ValueError, match="at least 2 samples"):
         fit_training(ACC, MODEL, [TrainSample(lengths=(10,), seconds=1.0)])
+
+
+def _in_run_steps(cost: CostModel, slowdown: float) -> list[TrainSample]:
+    """Steps of real batch shapes (varied lengths) as a trainer `slowdown` times slower than
+    `cost` prices training would take them, plus the publication at its price."""
+    rng = np.random.default_rng(1)
+    batches = [tuple(int(n) for n in rng.integers(12, 400, size=64)) for _ in range(10)]
+    return [TrainSample(lengths=b, seconds=slowdown * cost.train_s(b, 1, 1, True, 8192)
+                        + cost.publish_s(colocated=False)) for b in batches]
+
+
+def test_train_slowdown_fit_recovers_the_factor_that_made_the_steps():
+    cost = _cost(train_mfu=0.2, train_step_overhead_s=0.05, train_pack_attention=True)
+    fit = fit_train_slowdown(cost, _in_run_steps(cost, 1.15))
+    assert fit.factor == pytest.approx(1.15, rel=1e-9)
+    assert fit.rms < 1e-9 and fit.steps == 10
+
+
+def test_train_slowdown_is_the_median_step_and_reports_the_spread():
+    cost = _cost(train_mfu=0.2)
+    samples = _in_run_steps(cost, 1.0)
+    # three of ten steps disturbed (3x): the median step is not, the spread shows them
+    disturbed = [TrainSample(lengths=s.lengths, seconds=3 * s.seconds) if i < 3 else s
+                 for i, s in enumerate(samples)]
+    fit = fit_train_slowdown(cost, disturbed)
+    assert fit.factor == pytest.approx(1.0, rel=1e-9)
+    assert fit.rms == pytest.approx(np.sqrt(3 / 10 * (2 / 3) ** 2))  # 3 steps at 1/3 - 1
+    # steps 1.1, 1.2, ... 2.0 times the price: the median of ten is between the 5th and 6th
+    graded = _in_run_steps(cost, 1.0)
+    graded = [TrainSample(lengths=s.lengths, seconds=(1 + (i + 1) / 10) * cost.train_s(
+        s.lengths, 1, 1, True, 8192) + cost.publish_s(colocated=False))
+        for i, s in enumerate(graded)]
+    assert fit_train_slowdown(cost, graded).factor == pytest.approx(1.55)
+    # without the publication priced apart the same steps look slower against the model
+    assert fit_train_slowdown(cost, samples, publishes=False).factor > 1.0
+
+
+def test_train_slowdown_needs_steps():
+    with pytest.raises(ValueError, match="at least one step"):
+        fit_train_slowdown(_cost(), [])
 
 
 def test_training_extensions_by_hand():
