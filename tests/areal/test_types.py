@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from areal.types import PROMPT_VERSION, Trajectory, pack
+from areal.types import PROMPT_VERSION, Trajectory, pack, pack_arrays, pack_shards
 
 
 def _traj(num_prompt, num_out, version=0, group_id=0, reward=0.0):
@@ -67,3 +67,46 @@ def test_pack_concatenates_and_select_recovers_sequences():
 def test_pack_refuses_empty_batches():
     with pytest.raises(ValueError, match="empty"):
         pack([])
+
+
+def _oldest_by_definition(t: Trajectory) -> int:
+    sampled = [int(v) for v in t.versions if v != PROMPT_VERSION]
+    return min(sampled) if sampled else PROMPT_VERSION
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_oldest_version_is_the_least_version_that_is_not_a_prompts(seed):
+    """Its shortcut (prompt all PROMPT_VERSION, completion without it) and the general path
+    agree with the definition, whatever the arrays hold: prompts with versions, completions
+    with observation tokens or versions below PROMPT_VERSION, no sampled token at all."""
+    rng = np.random.default_rng(seed)
+    for _ in range(300):
+        num_prompt, num_out = int(rng.integers(1, 6)), int(rng.integers(0, 6))
+        versions = rng.integers(-3, 4, num_prompt + num_out).astype(np.int32)
+        if rng.random() < 0.5:
+            versions[:num_prompt] = PROMPT_VERSION
+        if rng.random() < 0.3:
+            versions[num_prompt:] = np.abs(versions[num_prompt:])
+        n = num_prompt + num_out
+        t = Trajectory(prompt_id="p", group_id=0, token_ids=np.zeros(n, np.int32),
+                       logprobs=np.zeros(n, np.float32), versions=versions,
+                       loss_mask=np.zeros(n, bool), num_prompt_tokens=num_prompt)
+        assert t.oldest_version() == _oldest_by_definition(t), versions.tolist()
+
+
+def test_pack_shards_gives_each_shard_what_pack_arrays_gives_it_alone():
+    """Shards packed together (their token arrays views of one buffer per field) hold the
+    same values, dtypes and shapes as each packed on its own; empty shards included."""
+    trajs = [_traj(2 + i % 3, 1 + i % 4, version=i % 2, group_id=i, reward=i / 7)
+             for i in range(9)]
+    shards = [trajs[:4], [], trajs[4:5], trajs[5:]]
+    masked = [[False, True, False, False], [], [True], [False, False, True, False]]
+    for use_mask in (False, True):
+        together = pack_shards(shards, masked if use_mask else None)
+        assert len(together) == len(shards)
+        for shard, mask, got in zip(shards, masked, together, strict=True):
+            alone = pack_arrays(shard, mask if use_mask else None)
+            assert got.keys() == alone.keys()
+            for name, expected in alone.items():
+                assert got[name].dtype == expected.dtype, name
+                np.testing.assert_array_equal(got[name], expected, err_msg=name)
