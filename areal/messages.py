@@ -567,9 +567,11 @@ def _pack_value(value: Any, buffers: list[memoryview]) -> Any:
     if isinstance(value, np.ndarray) or type(value).__module__.startswith("torch"):
         dtype, shape, raw = _array_bytes(value)
         buffers.append(raw)
-        return msgpack.ExtType(_ARRAY_EXT, msgpack.packb([dtype, list(shape), len(buffers) - 1]))
+        return _array_ext(dtype, shape, len(buffers) - 1)
     if isinstance(value, enum.Enum):
         return value.value
+    if type(value) is list and all(type(v) in _SCALARS for v in value):
+        return value  # e.g. stop token ids, request ids: msgpack packs them as they are
     if isinstance(value, (list, tuple)):
         return [_pack_value(v, buffers) for v in value]
     if isinstance(value, dict):
@@ -577,6 +579,13 @@ def _pack_value(value: Any, buffers: list[memoryview]) -> Any:
     if isinstance(value, np.generic):
         return value.item()
     return value
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _array_ext(dtype: str, shape: tuple[int, ...], index: int) -> msgpack.ExtType:
+    """The header's reference to array frame `index` (immutable, so shared: the same few
+    recur in every Generate, Generated and Score)."""
+    return msgpack.ExtType(_ARRAY_EXT, msgpack.packb([dtype, list(shape), index]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -592,7 +601,27 @@ class _ArrayRef(typing.NamedTuple):  # a tuple: built for every array of every m
 _ALLOWED_DTYPES = frozenset(_NUMPY_DTYPES + _TORCH_ONLY_DTYPES)
 
 
+_REF_CACHE: dict[bytes, _ArrayRef] = {}
+_REF_CACHE_ITEMS = 1 << 16
+_REF_CACHE_KEY_BYTES = 32
+"""Array references already accepted, by their bytes: a reference is a pure function of
+them, and the same few (dtype, length, frame) recur across the tens of thousands of
+messages a step carries. Bounded: short keys only, emptied when full."""
+
+
 def _ext_hook(code: int, data: bytes) -> Any:
+    ref = _REF_CACHE.get(data) if code == _ARRAY_EXT else None
+    if ref is None:
+        ref = _array_ref(code, data)
+        if len(data) <= _REF_CACHE_KEY_BYTES:
+            if len(_REF_CACHE) >= _REF_CACHE_ITEMS:
+                _REF_CACHE.clear()
+            _REF_CACHE[data] = ref
+    return ref
+
+
+def _array_ref(code: int, data: bytes) -> _ArrayRef:
+    """Parse and check one array reference (every check of `_ext_hook`, uncached)."""
     if code != _ARRAY_EXT:
         raise MessageError(f"unknown msgpack extension type {code}")
     try:
@@ -799,15 +828,32 @@ _KINDS = {kind.value: kind for kind in MsgType}
 
 
 @functools.cache
-def _schema_fields(schema: type) -> tuple[list[tuple[str, FieldCheck, bool, str]],
+def _schema_fields(schema: type) -> tuple[list[tuple[str, FieldCheck, bool, str, frozenset]],
                                           frozenset[str]]:
-    """([(field, its check, required, where)], names) of a schema, resolved once:
-    `get_type_hints` alone cost about two thirds of decoding a small message."""
+    """([(field, its check, required, where, types taken as they are)], names) of a schema,
+    resolved once: `get_type_hints` alone cost about two thirds of decoding a small message."""
     hints = typing.get_type_hints(schema)
     fields = [(f.name, _field_check(hints[f.name]), f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING, f"{schema.KIND.name}.{f.name}")
+               and f.default_factory is dataclasses.MISSING, f"{schema.KIND.name}.{f.name}",
+               _taken_as_is(hints[f.name]))
               for f in dataclasses.fields(schema)]
     return fields, frozenset(f[0] for f in fields)
+
+
+@functools.cache
+def _taken_as_is(annotation: Any) -> frozenset[type]:
+    """Types of value that `_field_check(annotation)` returns unchanged, with nothing to
+    check (a scalar of the declared type, None for an optional field, a plain scalar for an
+    untyped one): decoding takes them without calling it, most fields of every message."""
+    if annotation is Any:
+        return frozenset(_SCALARS)
+    if annotation in (int, float, str, bool, bytes):
+        return frozenset({annotation})
+    origin, args = _origin_args(annotation)
+    if origin in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
+        (inner,) = [a for a in args if a is not type(None)]
+        return frozenset({type(None)}) | _taken_as_is(inner)
+    return frozenset()
 
 
 def _build(schema: type, header: dict[str, Any], frames: Sequence[memoryview]) -> Any:
@@ -816,12 +862,13 @@ def _build(schema: type, header: dict[str, Any], frames: Sequence[memoryview]) -
     if not names.issuperset(header):
         raise MessageError(f"{name}: unknown field(s) {sorted(set(header) - names)}")
     values, used = {}, set()
-    for fname, check, required, where in fields:
+    for fname, check, required, where, as_is in fields:
         if fname not in header:
             if required:
                 raise MessageError(f"{name}: required field {fname!r} missing")
             continue
-        values[fname] = check(header[fname], frames, where, used)
+        value = header[fname]
+        values[fname] = value if type(value) in as_is else check(value, frames, where, used)
     if len(used) != len(frames):
         raise MessageError(f"{name}: {len(frames)} array frames sent, {len(used)} referenced")
     return schema(**values)
