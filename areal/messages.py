@@ -567,7 +567,7 @@ def _pack_value(value: Any, buffers: list[memoryview]) -> Any:
     if isinstance(value, np.ndarray) or type(value).__module__.startswith("torch"):
         dtype, shape, raw = _array_bytes(value)
         buffers.append(raw)
-        return _array_ext(dtype, shape, len(buffers) - 1)
+        return msgpack.ExtType(_ARRAY_EXT, msgpack.packb([dtype, list(shape), len(buffers) - 1]))
     if isinstance(value, enum.Enum):
         return value.value
     if type(value) is list and all(type(v) in _SCALARS for v in value):
@@ -579,13 +579,6 @@ def _pack_value(value: Any, buffers: list[memoryview]) -> Any:
     if isinstance(value, np.generic):
         return value.item()
     return value
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _array_ext(dtype: str, shape: tuple[int, ...], index: int) -> msgpack.ExtType:
-    """The header's reference to array frame `index` (immutable, so shared: the same few
-    recur in every Generate, Generated and Score)."""
-    return msgpack.ExtType(_ARRAY_EXT, msgpack.packb([dtype, list(shape), index]))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -191,8 +191,8 @@ def test_the_array_reference_cache_stays_bounded(monkeypatch):
 
 @pytest.mark.parametrize("kind", sorted(SAMPLES))
 def test_encoding_gives_the_bytes_it_gave_without_its_short_cuts(kind):
-    """Array references are built once per (dtype, shape, frame) and lists of plain scalars
-    go to msgpack as they are: the header's bytes are those of building every value."""
+    """Lists of plain scalars go to msgpack as they are: the header's bytes are those of
+    converting every value."""
     import msgpack
 
     def slow_pack(value, buffers):
