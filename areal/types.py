@@ -209,44 +209,24 @@ def pack_arrays(trajectories: Sequence[Trajectory],
                 masked: Sequence[bool] | None = None) -> dict[str, np.ndarray]:
     """`pack` as the numpy arrays of a Train message (areal.messages.Train): token_ids,
     versions and cu_seqlens int32, logprobs and rewards float32, loss_mask bool, group_ids
-    int64. One copy of each trajectory's arrays, none of the whole batch in int64. An empty
-    list gives empty arrays (a rank with no sequence). `masked[i]`: no token of trajectory
-    i is trained on (loss mask all False)."""
-    return pack_shards([trajectories], None if masked is None else [masked])[0]
+    int64. One copy of each trajectory's arrays, none of the whole batch in int64: the
+    controller builds each data-parallel rank's share with it (tens of millions of tokens
+    per step at cluster scale). An empty list gives empty arrays (a rank with no sequence).
+    `masked[i]`: no token of trajectory i is trained on (loss mask all False)."""
+    lengths = np.fromiter((t.num_tokens for t in trajectories), np.int32, len(trajectories))
 
+    def cat(name: str, dtype: type) -> np.ndarray:
+        parts = [getattr(t, name) for t in trajectories]
+        return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
 
-_TOKEN_FIELDS = (("token_ids", np.int32), ("logprobs", np.float32), ("versions", np.int32),
-                 ("loss_mask", np.bool_))
-
-
-def pack_shards(shards: Sequence[Sequence[Trajectory]],
-                masked: Sequence[Sequence[bool]] | None = None) -> list[dict[str, np.ndarray]]:
-    """`pack_arrays` of each shard (each data-parallel rank's share of a step), with the
-    per-token arrays of all shards views into one buffer per field. Why: the controller
-    packs tens of millions of tokens per step at cluster scale into freshly allocated
-    memory, and first touching a page costs more than copying into it; one large buffer
-    per field is backed by huge pages (numpy advises them for large arrays), so packing a
-    step faults a few hundred pages instead of a few hundred thousand (about half the time
-    measured for 50 million tokens). The values, dtypes and shapes are those of
-    `pack_arrays` on each shard alone."""
-    sizes = [sum(t.num_tokens for t in shard) for shard in shards]
-    buffers = {name: np.empty(sum(sizes), dtype) for name, dtype in _TOKEN_FIELDS}
-    packed, start = [], 0
-    for s, (shard, size) in enumerate(zip(shards, sizes, strict=True)):
-        shard_masked = None if masked is None else masked[s]
-        arrays = {name: buffers[name][start:start + size] for name, _ in _TOKEN_FIELDS}
-        start += size
-        if shard:
-            for name, _ in _TOKEN_FIELDS[:3]:
-                np.concatenate([getattr(t, name) for t in shard], out=arrays[name],
-                               casting="unsafe")
-            np.concatenate([np.zeros(t.num_tokens, bool) if shard_masked is not None
-                            and shard_masked[i] else t.loss_mask for i, t in enumerate(shard)],
-                           out=arrays["loss_mask"], casting="unsafe")
-        lengths = np.fromiter((t.num_tokens for t in shard), np.int32, len(shard))
-        arrays.update(
-            cu_seqlens=np.concatenate([np.zeros(1, np.int32), np.cumsum(lengths, dtype=np.int32)]),
-            rewards=np.array([t.reward for t in shard], dtype=np.float32),
-            group_ids=np.array([t.group_id for t in shard], dtype=np.int64))
-        packed.append(arrays)
-    return packed
+    return {
+        "token_ids": cat("token_ids", np.int32), "logprobs": cat("logprobs", np.float32),
+        "versions": cat("versions", np.int32),
+        "loss_mask": np.concatenate([np.zeros(t.num_tokens, bool) if masked is not None
+                                     and masked[i] else t.loss_mask
+                                     for i, t in enumerate(trajectories)])
+        if trajectories else np.zeros(0, bool),
+        "cu_seqlens": np.concatenate([np.zeros(1, np.int32), np.cumsum(lengths, dtype=np.int32)]),
+        "rewards": np.array([t.reward for t in trajectories], dtype=np.float32),
+        "group_ids": np.array([t.group_id for t in trajectories], dtype=np.int64),
+    }

@@ -62,7 +62,7 @@ from areal.messages import (
     WorkerKind,
 )
 from areal.transport import PeerMessageError, RouterChannel
-from areal.types import pack, pack_shards
+from areal.types import pack, pack_arrays
 from areal.controller import dynamic_sampling
 from areal.controller.checks import (
     generated_problem, model_vocab_size, scored_problem, sender_problem,
@@ -446,13 +446,13 @@ class Controller(FaultRepairs):
             [0 if masked[i] else int(np.count_nonzero(t.loss_mask))
              for i, t in enumerate(trajectories)],
             trainer_cfg.num_ranks, trainer_cfg.num_minibatches)
-        packed = pack_shards([[trajectories[i] for i in plan.seq_indices] for plan in plans],
-                             [[masked[i] for i in plan.seq_indices] for plan in plans])
         return [Train(step=step, version=self.version, advantages=advantages[plan.seq_indices],
                       minibatch_sizes=plan.minibatch_sizes,
                       minibatch_loss_tokens=plan.minibatch_loss_tokens,
-                      minibatch_loss_seqs=plan.minibatch_loss_seqs, **arrays)
-                for plan, arrays in zip(plans, packed, strict=True)]
+                      minibatch_loss_seqs=plan.minibatch_loss_seqs,
+                      **pack_arrays([trajectories[i] for i in plan.seq_indices],
+                                    [masked[i] for i in plan.seq_indices]))
+                for plan in plans]
 
     async def _publish(self, trained: Trained) -> None:
         """The trainer published `trained.version`: tell every rollout worker to serve it."""

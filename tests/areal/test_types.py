@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from areal.types import PROMPT_VERSION, Trajectory, pack, pack_arrays, pack_shards
+from areal.types import PROMPT_VERSION, Trajectory, pack
 
 
 def _traj(num_prompt, num_out, version=0, group_id=0, reward=0.0):
@@ -93,20 +93,3 @@ def test_oldest_version_is_the_least_version_that_is_not_a_prompts(seed):
                        loss_mask=np.zeros(n, bool), num_prompt_tokens=num_prompt)
         assert t.oldest_version() == _oldest_by_definition(t), versions.tolist()
 
-
-def test_pack_shards_gives_each_shard_what_pack_arrays_gives_it_alone():
-    """Shards packed together (their token arrays views of one buffer per field) hold the
-    same values, dtypes and shapes as each packed on its own; empty shards included."""
-    trajs = [_traj(2 + i % 3, 1 + i % 4, version=i % 2, group_id=i, reward=i / 7)
-             for i in range(9)]
-    shards = [trajs[:4], [], trajs[4:5], trajs[5:]]
-    masked = [[False, True, False, False], [], [True], [False, False, True, False]]
-    for use_mask in (False, True):
-        together = pack_shards(shards, masked if use_mask else None)
-        assert len(together) == len(shards)
-        for shard, mask, got in zip(shards, masked, together, strict=True):
-            alone = pack_arrays(shard, mask if use_mask else None)
-            assert got.keys() == alone.keys()
-            for name, expected in alone.items():
-                assert got[name].dtype == expected.dtype, name
-                np.testing.assert_array_equal(got[name], expected, err_msg=name)
