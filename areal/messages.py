@@ -570,6 +570,8 @@ def _pack_value(value: Any, buffers: list[memoryview]) -> Any:
         return msgpack.ExtType(_ARRAY_EXT, msgpack.packb([dtype, list(shape), len(buffers) - 1]))
     if isinstance(value, enum.Enum):
         return value.value
+    if type(value) is list and all(type(v) in _SCALARS for v in value):
+        return value  # e.g. stop token ids, request ids: msgpack packs them as they are
     if isinstance(value, (list, tuple)):
         return [_pack_value(v, buffers) for v in value]
     if isinstance(value, dict):
@@ -592,12 +594,36 @@ class _ArrayRef(typing.NamedTuple):  # a tuple: built for every array of every m
 _ALLOWED_DTYPES = frozenset(_NUMPY_DTYPES + _TORCH_ONLY_DTYPES)
 
 
+_REF_CACHE: dict[bytes, _ArrayRef] = {}
+_REF_CACHE_ITEMS = 1 << 16
+_REF_CACHE_KEY_BYTES = 32
+"""Array references already accepted, by their bytes: a reference is a pure function of
+them, and the same few (dtype, length, frame) recur across the tens of thousands of
+messages a step carries. Bounded: short keys only, emptied when full."""
+
+
 def _ext_hook(code: int, data: bytes) -> Any:
+    ref = _REF_CACHE.get(data) if code == _ARRAY_EXT else None
+    if ref is None:
+        ref = _array_ref(code, data)
+        if len(data) <= _REF_CACHE_KEY_BYTES:
+            if len(_REF_CACHE) >= _REF_CACHE_ITEMS:
+                _REF_CACHE.clear()
+            _REF_CACHE[data] = ref
+    return ref
+
+
+def _array_ref(code: int, data: bytes) -> _ArrayRef:
+    """Parse and check one array reference (every check of `_ext_hook`, uncached)."""
     if code != _ARRAY_EXT:
         raise MessageError(f"unknown msgpack extension type {code}")
     try:
         dtype, shape, index = msgpack.unpackb(data)
-        ref = _ArrayRef(str(dtype), tuple(int(s) for s in shape), int(index))
+        if type(shape) is list and len(shape) == 1 and type(shape[0]) is int:
+            shape = (shape[0],)  # what the general conversion below gives, without a loop
+        else:
+            shape = tuple(int(s) for s in shape)
+        ref = _ArrayRef(str(dtype), shape, int(index))
     except (ValueError, TypeError, msgpack.UnpackException) as err:
         raise MessageError(f"malformed array reference: {err}") from None
     if ref.dtype not in _ALLOWED_DTYPES:
@@ -609,11 +635,22 @@ def _ext_hook(code: int, data: bytes) -> Any:
     return ref
 
 
+def _view(frame: Any) -> memoryview:
+    """The bytes of a received frame: a zmq Frame's `buffer`, or a view of a bytes-like
+    object. A memoryview or bytes is told by its type: `hasattr` on them raises and
+    catches an AttributeError, which showed in profiles (every frame of every message)."""
+    if type(frame) is memoryview:
+        return frame
+    if type(frame) is bytes:
+        return memoryview(frame)
+    return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+
+
 def _build_array(ref: _ArrayRef, frames: Sequence[Any], as_tensor: bool, where: str) -> Any:
     if ref.index >= len(frames):
         raise MessageError(f"{where}: array frame {ref.index} missing (message truncated?)")
     buf = frames[ref.index]
-    buf = buf.buffer if hasattr(buf, "buffer") else memoryview(buf)
+    buf = _view(buf)
     count = math.prod(ref.shape)
     if not as_tensor and ref.dtype in _TORCH_ONLY_DTYPES:
         raise MessageError(f"{where}: dtype {ref.dtype} needs a tensor field, not a numpy one")
@@ -630,7 +667,8 @@ def _build_array(ref: _ArrayRef, frames: Sequence[Any], as_tensor: bool, where: 
             f"{count * itemsize}"
         )
     if not as_tensor:
-        return np.frombuffer(buf, dtype=dtype, count=count).reshape(ref.shape)
+        array = np.frombuffer(buf, dtype=dtype, count=count)  # 1-d: already its shape
+        return array if len(ref.shape) == 1 else array.reshape(ref.shape)
     if count == 0:
         return torch.empty(ref.shape, dtype=dtype)
     import warnings
@@ -760,7 +798,7 @@ def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_BYTES, *,
     `only`: the kinds accepted; any other is refused on its type byte, nothing else read."""
     if len(frames) < 2:
         raise MessageError(f"message has {len(frames)} frame(s); at least 2 expected")
-    first = frames[0].buffer if hasattr(frames[0], "buffer") else memoryview(frames[0])
+    first = _view(frames[0])
     type_frame = first[:8].tobytes()
     kind = _KINDS.get(type_frame[0]) if first.nbytes == 1 else None
     if kind is None:
@@ -772,7 +810,7 @@ def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_BYTES, *,
     if len(frames) - 2 > limit.max_items:
         raise MessageError(f"{kind.name}: {len(frames) - 2} array frames; at most {limit.max_items}",
                            reason="too large")
-    raw = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in frames]
+    raw = [_view(f) for f in frames]
     total = sum(b.nbytes for b in raw)
     if total > max_bytes:
         raise MessageError(f"{kind.name}: message of {total} bytes exceeds the {max_bytes}-byte "
@@ -799,15 +837,32 @@ _KINDS = {kind.value: kind for kind in MsgType}
 
 
 @functools.cache
-def _schema_fields(schema: type) -> tuple[list[tuple[str, FieldCheck, bool, str]],
+def _schema_fields(schema: type) -> tuple[list[tuple[str, FieldCheck, bool, str, frozenset]],
                                           frozenset[str]]:
-    """([(field, its check, required, where)], names) of a schema, resolved once:
-    `get_type_hints` alone cost about two thirds of decoding a small message."""
+    """([(field, its check, required, where, types taken as they are)], names) of a schema,
+    resolved once: `get_type_hints` alone cost about two thirds of decoding a small message."""
     hints = typing.get_type_hints(schema)
     fields = [(f.name, _field_check(hints[f.name]), f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING, f"{schema.KIND.name}.{f.name}")
+               and f.default_factory is dataclasses.MISSING, f"{schema.KIND.name}.{f.name}",
+               _taken_as_is(hints[f.name]))
               for f in dataclasses.fields(schema)]
     return fields, frozenset(f[0] for f in fields)
+
+
+@functools.cache
+def _taken_as_is(annotation: Any) -> frozenset[type]:
+    """Types of value that `_field_check(annotation)` returns unchanged, with nothing to
+    check (a scalar of the declared type, None for an optional field, a plain scalar for an
+    untyped one): decoding takes them without calling it, most fields of every message."""
+    if annotation is Any:
+        return frozenset(_SCALARS)
+    if annotation in (int, float, str, bool, bytes):
+        return frozenset({annotation})
+    origin, args = _origin_args(annotation)
+    if origin in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
+        (inner,) = [a for a in args if a is not type(None)]
+        return frozenset({type(None)}) | _taken_as_is(inner)
+    return frozenset()
 
 
 def _build(schema: type, header: dict[str, Any], frames: Sequence[memoryview]) -> Any:
@@ -816,12 +871,13 @@ def _build(schema: type, header: dict[str, Any], frames: Sequence[memoryview]) -
     if not names.issuperset(header):
         raise MessageError(f"{name}: unknown field(s) {sorted(set(header) - names)}")
     values, used = {}, set()
-    for fname, check, required, where in fields:
+    for fname, check, required, where, as_is in fields:
         if fname not in header:
             if required:
                 raise MessageError(f"{name}: required field {fname!r} missing")
             continue
-        values[fname] = check(header[fname], frames, where, used)
+        value = header[fname]
+        values[fname] = value if type(value) in as_is else check(value, frames, where, used)
     if len(used) != len(frames):
         raise MessageError(f"{name}: {len(frames)} array frames sent, {len(used)} referenced")
     return schema(**values)

@@ -117,6 +117,15 @@ class Trajectory:
 
     def oldest_version(self) -> int:
         """Version of the oldest policy that sampled any token (staleness = current - this)."""
+        # Most trajectories: a prompt of PROMPT_VERSION only and a completion without it
+        # (not an episode), whose least version is the answer. Three reductions instead of a
+        # mask and a copy of every token (the controller asks for each trained trajectory).
+        prompt, completion = self.versions[:self.num_prompt_tokens], \
+            self.versions[self.num_prompt_tokens:]
+        if len(prompt) and len(completion) and prompt.min() == prompt.max() == PROMPT_VERSION:
+            least = completion.min()
+            if least != PROMPT_VERSION:
+                return int(least)
         sampled = self.versions[self.versions != PROMPT_VERSION]
         return int(sampled.min()) if len(sampled) else PROMPT_VERSION
 

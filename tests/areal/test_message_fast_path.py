@@ -145,3 +145,78 @@ def test_every_near_miss_in_every_field_is_decided_as_the_general_check_does(kin
             assert fast == _outcome(reference_build, schema, changed, frames), (name, value)
             refused += fast[0] == "error"
     assert refused  # the candidates do reach the refusals
+
+
+def _ref_outcome(parse, code, data) -> tuple[str, typing.Any]:
+    try:
+        return "ok", parse(code, data)
+    except MessageError as err:
+        return "error", str(err)
+
+
+_REF_PARTS = st.one_of(st.integers(-3, 1 << 40), st.text(max_size=8), st.none(),
+                       st.booleans(), st.floats(allow_nan=False))
+_REF_DATA = st.one_of(
+    st.binary(max_size=40),
+    st.builds(lambda d, s, i: __import__("msgpack").packb([d, s, i]),
+              st.one_of(st.sampled_from(["int32", "float32", "bool", "bfloat16", "object"]),
+                        _REF_PARTS),
+              st.one_of(st.lists(st.integers(-2, 1 << 20), max_size=3), _REF_PARTS),
+              _REF_PARTS))
+
+
+@settings(max_examples=800, deadline=None)
+@given(code=st.sampled_from([messages._ARRAY_EXT, 0, 7]), data=_REF_DATA)
+def test_a_cached_array_reference_is_decided_as_an_uncached_one(code, data):
+    """`_ext_hook` remembers accepted references by their bytes: the first and every later
+    time it gives what parsing them afresh (`_array_ref`) gives, the same error included."""
+    expected = _ref_outcome(messages._array_ref, code, data)
+    assert _ref_outcome(messages._ext_hook, code, data) == expected
+    assert _ref_outcome(messages._ext_hook, code, data) == expected
+
+
+def test_the_array_reference_cache_stays_bounded(monkeypatch):
+    import msgpack
+
+    monkeypatch.setattr(messages, "_REF_CACHE", {})
+    monkeypatch.setattr(messages, "_REF_CACHE_ITEMS", 10)
+    for n in range(25):
+        data = msgpack.packb(["int32", [n], 0])
+        assert messages._ext_hook(messages._ARRAY_EXT, data) == ("int32", (n,), 0)
+        assert len(messages._REF_CACHE) <= 10
+    long_shape = msgpack.packb(["int32", [1 << 40] * 4, 0])  # over the key size: not kept
+    messages._ext_hook(messages._ARRAY_EXT, long_shape)
+    assert long_shape not in messages._REF_CACHE
+
+
+@pytest.mark.parametrize("kind", sorted(SAMPLES))
+def test_encoding_gives_the_bytes_it_gave_without_its_short_cuts(kind):
+    """Lists of plain scalars go to msgpack as they are: the header's bytes are those of
+    converting every value."""
+    import msgpack
+
+    def slow_pack(value, buffers):
+        if type(value) in messages._SCALARS:
+            return value
+        if isinstance(value, np.ndarray) or type(value).__module__.startswith("torch"):
+            dtype, shape, raw = messages._array_bytes(value)
+            buffers.append(raw)
+            return msgpack.ExtType(messages._ARRAY_EXT,
+                                   msgpack.packb([dtype, list(shape), len(buffers) - 1]))
+        if isinstance(value, messages.enum.Enum):
+            return value.value
+        if isinstance(value, (list, tuple)):
+            return [slow_pack(v, buffers) for v in value]
+        if isinstance(value, dict):
+            return {k: slow_pack(v, buffers) for k, v in value.items()}
+        if isinstance(value, np.generic):
+            return value.item()
+        return value
+
+    msg = SAMPLES[kind]
+    buffers: list = []
+    header = {f.name: slow_pack(getattr(msg, f.name), buffers)
+              for f in dataclasses.fields(msg)}
+    frames = encode(msg)
+    assert frames[1] == msgpack.packb(header)
+    assert [bytes(f) for f in frames[2:]] == [bytes(b) for b in buffers]

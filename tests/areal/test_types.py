@@ -67,3 +67,29 @@ def test_pack_concatenates_and_select_recovers_sequences():
 def test_pack_refuses_empty_batches():
     with pytest.raises(ValueError, match="empty"):
         pack([])
+
+
+def _oldest_by_definition(t: Trajectory) -> int:
+    sampled = [int(v) for v in t.versions if v != PROMPT_VERSION]
+    return min(sampled) if sampled else PROMPT_VERSION
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_oldest_version_is_the_least_version_that_is_not_a_prompts(seed):
+    """Its shortcut (prompt all PROMPT_VERSION, completion without it) and the general path
+    agree with the definition, whatever the arrays hold: prompts with versions, completions
+    with observation tokens or versions below PROMPT_VERSION, no sampled token at all."""
+    rng = np.random.default_rng(seed)
+    for _ in range(300):
+        num_prompt, num_out = int(rng.integers(1, 6)), int(rng.integers(0, 6))
+        versions = rng.integers(-3, 4, num_prompt + num_out).astype(np.int32)
+        if rng.random() < 0.5:
+            versions[:num_prompt] = PROMPT_VERSION
+        if rng.random() < 0.3:
+            versions[num_prompt:] = np.abs(versions[num_prompt:])
+        n = num_prompt + num_out
+        t = Trajectory(prompt_id="p", group_id=0, token_ids=np.zeros(n, np.int32),
+                       logprobs=np.zeros(n, np.float32), versions=versions,
+                       loss_mask=np.zeros(n, bool), num_prompt_tokens=num_prompt)
+        assert t.oldest_version() == _oldest_by_definition(t), versions.tolist()
+
