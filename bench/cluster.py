@@ -36,6 +36,7 @@ CPU-time columns of (f) and everything in (g) are real measurements and vary).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import multiprocessing
@@ -43,6 +44,7 @@ import os
 import sys
 import threading
 import time
+from concurrent import futures
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,7 +95,9 @@ ASYNC_STEPS = dict(steps=4, measure_from=2)
 class Bench:
     """Runs the simulations the tables ask for, each configuration once (tables share runs),
     in `jobs` worker processes: a simulation is single-threaded and independent of the
-    others, so the tables are filled in parallel and printed in order."""
+    others, so the tables are filled in parallel and printed in order. A simulation whose
+    CPU time is measured (`wire`: table f) runs alone, nothing else beside it: another
+    process on the other core would move the measurement (the simulated numbers never)."""
 
     def __init__(self, quick: bool, seed: int, jobs: int = 1) -> None:
         self.quick = quick
@@ -105,6 +109,8 @@ class Bench:
         """Spawned, not forked: the pool starts its processes from the tables' threads."""
         self._runs: dict[str, Future[SimResult]] = {}
         self._lock = threading.Lock()
+        self._alone = threading.Lock()
+        """Held through a measured simulation (callers start those after the others)."""
 
     def run(self, mode: str, wire: bool = False, ablation: bool = False,
             **values: Any) -> SimResult:
@@ -117,11 +123,12 @@ class Bench:
                   "placement": "colocated" if mode == "sync" else "split", **values}
         config = sim_config(**values)
         key = json.dumps(dataclasses.asdict(config), sort_keys=True)
-        with self._lock:
-            run = self._runs.get(key)
-            if run is None:
-                run = self._runs[key] = self._start(config)
-        return run.result()
+        with self._alone if wire else contextlib.nullcontext():
+            with self._lock:
+                run = self._runs.get(key)
+                if run is None:
+                    run = self._runs[key] = self._start(config)
+            return run.result()
 
     def _start(self, config: SimConfig) -> Future[SimResult]:
         if self._pool is not None:
@@ -136,7 +143,8 @@ class Bench:
 
     def tables(self, makers: list[Callable[[Bench], Any]]) -> list[Future[Any]]:
         """Each table's result, in order: made one after the other with one job, else all at
-        once (each in a thread that waits for its simulations from the worker processes)."""
+        once (each in a thread that waits for its simulations from the worker processes).
+        Tables of measured simulations go in a call of their own, after the others are done."""
         if self._pool is None:
             done = []
             for make in makers:
@@ -321,14 +329,15 @@ def _plot(out: Path, counts: list[int], tput: dict[str, list[float]],
 
 
 TABLES = {
-    "a": ("sync vs async at the paper's settings (H800)", table_a, False),
-    "b": ("effective training throughput vs accelerators (1.5B)", table_b, True),
-    "c": ("maximum generation length", table_c, False),
-    "d": ("interruptible generation", table_d, False),
-    "e": ("throughput vs eta", table_e, True),
-    "f": ("the controller's own cost", table_f, False),
+    "a": ("sync vs async at the paper's settings (H800)", table_a, False, False),
+    "b": ("effective training throughput vs accelerators (1.5B)", table_b, True, True),
+    "c": ("maximum generation length", table_c, False, False),
+    "d": ("interruptible generation", table_d, False, False),
+    "e": ("throughput vs eta", table_e, True, False),
+    "f": ("the controller's own cost", table_f, False, True),
 }
-"""Letter: (title, the function printing it, whether it also returns data to plot)."""
+"""Letter: (title, the function printing it, whether it also returns data to plot, whether its
+simulations are measured: run through the codec (`wire`), one at a time; (b) shares (f)'s)."""
 
 
 def main() -> int:
@@ -369,10 +378,13 @@ def main() -> int:
 
     plotted: dict[str, Any] = {}
     """The throughputs of (b) and (e), for the plot."""
-    letters = [letter for letter in TABLES if letter in only]
-    made = bench.tables([TABLES[letter][1] for letter in letters])
-    for letter, future in zip(letters, made):
-        title, _, has_data = TABLES[letter]
+    made: dict[str, Future[Any]] = {}
+    for measured in (False, True):  # measured runs alone, after the others
+        letters = [letter for letter in TABLES if letter in only and TABLES[letter][3] is measured]
+        made.update(zip(letters, bench.tables([TABLES[letter][1] for letter in letters])))
+        futures.wait(made.values())
+    for letter, future in sorted(made.items()):
+        title, _, has_data, _ = TABLES[letter]
         text, plotted[letter] = future.result() if has_data else (future.result(), None)
         show(f"{letter}. {title}", text)
     print(f"\n{bench.simulations} simulations in {time.perf_counter() - start:.0f} s "

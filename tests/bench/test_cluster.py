@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -72,3 +74,35 @@ def test_default_jobs_are_bounded_by_cores_and_memory(cluster_bench, monkeypatch
     assert cluster_bench.default_jobs() == 1
     Memory.available = 2**40
     assert cluster_bench.default_jobs() == 8
+
+
+@pytest.mark.parametrize("wire, most_at_once", [(True, 1), (False, 2)])
+def test_measured_simulations_run_one_at_a_time(cluster_bench, monkeypatch, wire, most_at_once):
+    bench = cluster_bench.Bench(quick=True, seed=1, jobs=2)
+    running, most = [], []
+    lock, both = threading.Lock(), threading.Event()
+
+    def start(config):
+        done = Future()
+
+        def work():
+            with lock:
+                running.append(config)
+                most.append(len(running))
+                if len(running) == 2:
+                    both.set()
+            both.wait(timeout=0.5)  # the other table's run overlaps this one, if it may
+            with lock:
+                running.remove(config)
+            done.set_result(config)
+
+        threading.Thread(target=work).start()
+        return done
+
+    monkeypatch.setattr(bench, "_start", start)
+    tables = [lambda b, mode=mode: [b.run(mode, wire=wire, num_accelerators=n) for n in (16, 32)]
+              for mode in ("sync", "async")]
+    made = bench.tables(tables)
+    assert [len(table.result(timeout=30)) for table in made] == [2, 2]
+    bench.close()
+    assert bench.simulations == 0 and max(most) == most_at_once
