@@ -54,6 +54,7 @@ import speedup  # noqa: E402
 from machine_timings import Plan, Timings, measure  # noqa: E402
 
 from areal.config import load_config  # noqa: E402
+from areal.controller.setup import saved_batch_path  # noqa: E402
 from areal.sim.calibrate import (  # noqa: E402
     GenerationFit, SlowdownFit, TrainFit, TrainSample, fit_generation, fit_train_slowdown,
     fit_training,
@@ -195,14 +196,14 @@ def run_steps(model_dir: Path, run_dir: Path, mode: str, seed: int, steps: int,
     return [r for r in records if r["kind"] == "step"]
 
 
-def in_run_steps(run_dir: Path, records: list[dict[str, Any]]) -> list[TrainSample]:
+def in_run_steps(run_dir: Path, records: list[dict[str, Any]], recompute: bool
+                 ) -> list[TrainSample]:
     """Each step after the first of a run: its batch's lengths and the seconds the
     controller waited for the trainer's answer (`perf/train_s`: the step, the publication,
     a checkpoint where due, and the messages)."""
-    recompute = load_config(run_dir / "config.yaml").trainer.ppo.prox_logp == "recompute"
     samples = []
     for index, record in enumerate(records[1:], start=2):
-        batch = np.load(run_dir / "batches" / f"step_{index:06d}.npz")
+        batch = np.load(saved_batch_path(run_dir, index))
         samples.append(TrainSample(lengths=tuple(int(n) for n in np.diff(batch["cu_seqlens"])),
                                    seconds=float(record["perf/train_s"]),
                                    recompute_prox=recompute))
@@ -218,7 +219,8 @@ def probe_training(costs: dict[str, Any], model_dir: Path, out: Path, steps: int
     records = run_steps(model_dir, run_dir, "async", PROBE_SEED, steps, ["eval.max_prompts=16"])
     cfg = load_config(run_dir / "config.yaml")
     fit = fit_train_slowdown(cost_model(costs, ACCELERATOR, MODEL),
-                             in_run_steps(run_dir, records),
+                             in_run_steps(run_dir, records,
+                                          cfg.trainer.ppo.prox_logp == "recompute"),
                              num_minibatches=cfg.trainer.num_minibatches,
                              micro_batch_tokens=cfg.trainer.micro_batch_tokens)
     efficiency = costs["accelerators"][ACCELERATOR]["efficiency"]

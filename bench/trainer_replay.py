@@ -16,34 +16,20 @@ controller, the reward worker) or whether the cost model misprices the run's bat
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
-import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from machine_timings import TimedTrainer  # noqa: E402
 
 from areal.config import load_config  # noqa: E402
+from areal.controller.setup import load_saved_batch  # noqa: E402
+from areal.records import read_records  # noqa: E402
 from areal.sim.cost import cost_model, load_costs  # noqa: E402
-from areal.types import PackedBatch  # noqa: E402
-
-BATCH_FIELDS = ("token_ids", "logprobs", "versions", "loss_mask", "cu_seqlens", "rewards",
-                "group_ids")
-
-
-def saved_batch(path: Path) -> PackedBatch:
-    data = np.load(path)
-    return PackedBatch(**{key: torch.from_numpy(data[key]) for key in BATCH_FIELDS})
-
-
-def step_records(run_dir: Path) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, filter(str.strip, lines)) if r.get("kind") == "step"]
 
 
 def main() -> int:
@@ -51,7 +37,7 @@ def main() -> int:
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--costs", type=Path, default=None, help="default: sim/costs.yaml")
     args = parser.parse_args()
-    records = step_records(args.run_dir)
+    records = [r for r in read_records(args.run_dir) if r["kind"] == "step"]
     cost = cost_model(load_costs(args.costs), "cpu-2core", "tiny")
     with tempfile.TemporaryDirectory(prefix="trainer-replay-") as scratch:
         cfg = load_config(args.run_dir / "config.yaml", [f"run_dir={scratch}"])
@@ -60,7 +46,7 @@ def main() -> int:
         print(f"{'step':>4} {'tokens':>7} {'in run s':>9} {'alone s':>8} {'model s':>8}")
         totals = np.zeros(3)
         for index, record in enumerate(records, start=1):
-            batch = saved_batch(args.run_dir / "batches" / f"step_{index:06d}.npz")
+            batch = load_saved_batch(args.run_dir, index)
             alone = trainer.step_s(batch)  # step 1 too: the trainer state follows the run's
             if index == 1:
                 continue

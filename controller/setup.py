@@ -21,11 +21,27 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
+import torch
 
 from areal.config import RunConfig, config_to_dict, config_to_yaml
 from areal.tasks import Prompt, Task, load_task
 from areal.tasks.environment import Environment, load_environment
 from areal.types import PackedBatch
+
+SAVED_BATCH_FIELDS = ("token_ids", "logprobs", "versions", "loss_mask", "cu_seqlens", "rewards",
+                      "group_ids")
+"""The fields of a PackedBatch that `logging.save_batches` writes."""
+
+
+def saved_batch_path(run_dir: str | Path, step: int) -> Path:
+    """Where a run with `logging.save_batches` keeps the batch it trained at `step`."""
+    return Path(run_dir) / "batches" / f"step_{step:06d}.npz"
+
+
+def load_saved_batch(run_dir: str | Path, step: int) -> PackedBatch:
+    """The batch a run trained at `step`, as `RunSetup.save_batch` wrote it."""
+    data = np.load(saved_batch_path(run_dir, step))
+    return PackedBatch(**{name: torch.from_numpy(data[name]) for name in SAVED_BATCH_FIELDS})
 
 
 @dataclass(kw_only=True)
@@ -79,12 +95,10 @@ class RunSetup:
 
     def save_batch(self, step: int, version: int, batch: PackedBatch) -> None:
         """`<run_dir>/batches/step_<n>.npz`: the packed batch as trained, for inspection."""
-        directory = self.run_dir / "batches"
-        directory.mkdir(exist_ok=True)
-        np.savez(directory / f"step_{step:06d}.npz", version=version,
-                 **{name: getattr(batch, name).numpy() for name in (
-                     "token_ids", "logprobs", "versions", "loss_mask", "cu_seqlens", "rewards",
-                     "group_ids")})
+        path = saved_batch_path(self.run_dir, step)
+        path.parent.mkdir(exist_ok=True)
+        np.savez(path, version=version,
+                 **{name: getattr(batch, name).numpy() for name in SAVED_BATCH_FIELDS})
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from areal.controller.setup import saved_batch_path
 from areal.sim.workload import Workload
 
 
@@ -69,7 +70,7 @@ class ReplayWorkload(Workload):
         completions: dict[int, tuple[int, ...]] = {}
         prompts: dict[int, int] = {}
         for index, record in enumerate(steps, start=1):
-            path = run_dir / "batches" / f"step_{index:06d}.npz"
+            path = saved_batch_path(run_dir, index)
             if not path.is_file():
                 raise ValueError(f"{path} is missing: replaying a run needs every trained "
                                  "batch; run it with logging.save_batches=true")
