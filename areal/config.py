@@ -525,7 +525,8 @@ class RunConfig:
                     "staleness.eta); sync: generate a whole batch, then train", ["async", "sync"])
     seed: int = opt(1, "seed of data order, sampling and initialisation")
     run_dir: str | None = opt(None, "output directory; null: runs/<timestamp>")
-    cache_dir: str = opt("~/.cache/areal", "where the warm-started embedded model is kept")
+    cache_dir: str = opt("~/.cache/areal", "where the warm-started embedded model is kept, and "
+                         "which tokenizer class a model directory needs (areal.models.tokenizer)")
     model: ModelConfig = opt(ModelConfig(), "policy model")
     task: TaskConfig = opt(TaskConfig(), "prompts, references and reward")
     episode: EpisodeConfig = opt(EpisodeConfig(), "multi-turn episodes with tools")

@@ -110,12 +110,13 @@ def requested_ks(text: str, num_samples: int) -> list[int]:
 def load_prompts(cfg: RunConfig) -> tuple[Any, Any, list[tuple[Any, list[int]]], list[int]]:
     """(task, tokenizer, [(prompt, token ids)], stop token ids): the controller's setup."""
     from areal.controller.setup import episode_environment, stop_token_ids
-    from areal.models.hf import load_tokenizer
+    from areal.models.tokenizer import load_tokenizer
     from areal.tasks import load_task
 
     task = load_task(cfg.task.name, cfg.task.params)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path,
-                               trust_remote_code=cfg.model.trust_remote_code)
+                               trust_remote_code=cfg.model.trust_remote_code,
+                               cache_dir=cfg.cache_dir)
     if hasattr(task, "use_tokenizer"):
         task.use_tokenizer(tokenizer)
     environment = episode_environment(cfg, task, tokenizer)  # its tools reach the prompts

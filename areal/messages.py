@@ -624,7 +624,7 @@ def _array_ref(code: int, data: bytes) -> _ArrayRef:
         else:
             shape = tuple(int(s) for s in shape)
         ref = _ArrayRef(str(dtype), shape, int(index))
-    except (ValueError, TypeError, msgpack.UnpackException) as err:
+    except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as err:
         raise MessageError(f"malformed array reference: {err}") from None
     if ref.dtype not in _ALLOWED_DTYPES:
         raise MessageError(f"array dtype {ref.dtype!r} is not allowed")

@@ -36,8 +36,8 @@ CPU-time columns of (f) and everything in (g) are real measurements and vary).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
+import heapq
 import json
 import multiprocessing
 import os
@@ -95,9 +95,11 @@ ASYNC_STEPS = dict(steps=4, measure_from=2)
 class Bench:
     """Runs the simulations the tables ask for, each configuration once (tables share runs),
     in `jobs` worker processes: a simulation is single-threaded and independent of the
-    others, so the tables are filled in parallel and printed in order. A simulation whose
-    CPU time is measured (`wire`: table f) runs alone, nothing else beside it: another
-    process on the other core would move the measurement (the simulated numbers never)."""
+    others, so the tables are filled in parallel and printed in order. Tables queue all their
+    simulations first (`start`), and the longest queued one starts first whenever a process
+    is free, so that no long one is left running alone at the end. A simulation whose CPU
+    time is measured (`wire`: table f) runs alone, nothing else beside it: another process on
+    the other core would move the measurement (the simulated numbers never)."""
 
     def __init__(self, quick: bool, seed: int, jobs: int = 1) -> None:
         self.quick = quick
@@ -109,33 +111,75 @@ class Bench:
         """Spawned, not forked: the pool starts its processes from the tables' threads."""
         self._runs: dict[str, Future[SimResult]] = {}
         self._lock = threading.Lock()
-        self._alone = threading.Lock()
-        """Held through a measured simulation (callers start those after the others)."""
+        self._queue: list[tuple[bool, float, int, SimConfig, Future[SimResult]]] = []
+        """Waiting simulations: measured last, then the longest (estimated) first."""
+        self._running: list[bool] = []
+        """Whether each running simulation is measured."""
 
     def run(self, mode: str, wire: bool = False, ablation: bool = False,
             **values: Any) -> SimResult:
-        """Simulate one configuration (once: runs with the same resolved configuration are
-        shared). `wire`: messages go through the real codec (the controller's cost of table
-        f); it changes no simulated number. `ablation`: the reduced batch of tables c-e."""
+        """Simulate one configuration and wait for it (see `start`)."""
+        return self.start(mode, wire, ablation, **values).result()
+
+    def start(self, mode: str, wire: bool = False, ablation: bool = False,
+              **values: Any) -> Future[SimResult]:
+        """Queue one configuration's simulation (once: runs with the same resolved
+        configuration are shared). `wire`: messages go through the real codec (the
+        controller's cost of table f); it changes no simulated number. `ablation`: the
+        reduced batch of tables c-e."""
         batch = ABLATION_BATCH if ablation and not self.quick else self.batch
         values = {**batch, **(SYNC_STEPS if mode == "sync" else ASYNC_STEPS),
                   "seed": self.seed, "mode": mode, "wire": wire,
                   "placement": "colocated" if mode == "sync" else "split", **values}
         config = sim_config(**values)
         key = json.dumps(dataclasses.asdict(config), sort_keys=True)
-        with self._alone if wire else contextlib.nullcontext():
-            with self._lock:
-                run = self._runs.get(key)
-                if run is None:
-                    run = self._runs[key] = self._start(config)
-            return run.result()
+        with self._lock:
+            run = self._runs.get(key)
+            if run is not None:
+                return run
+            run = self._runs[key] = Future()
+            if self._pool is None:  # one job: right here, in order
+                run.set_result(_simulate(config))
+                return run
+            heapq.heappush(self._queue, (wire, -estimated_cost(config), len(self._runs),
+                                         config, run))
+            startable = self._take_startable()
+        self._launch(startable)
+        return run
+
+    def _take_startable(self) -> list[tuple[SimConfig, Future[SimResult], bool]]:
+        """The queued simulations to start now, counted as running (caller holds the lock):
+        as many as processes are free; a measured one only when nothing runs."""
+        startable = []
+        while self._queue and len(self._running) < self.jobs and not any(self._running):
+            measured = self._queue[0][0]
+            if measured and self._running:
+                break  # it waits for the running ones to finish
+            *_, config, run = heapq.heappop(self._queue)
+            self._running.append(measured)
+            startable.append((config, run, measured))
+        return startable
+
+    def _launch(self, startable: list[tuple[SimConfig, Future[SimResult], bool]]) -> None:
+        for config, run, measured in startable:
+            self._start(config).add_done_callback(
+                lambda done, run=run, measured=measured: self._finished(done, run, measured))
+
+    def _finished(self, done: Future[SimResult], run: Future[SimResult],
+                  measured: bool) -> None:
+        with self._lock:
+            self._running.remove(measured)
+            startable = self._take_startable()
+        self._launch(startable)
+        error = done.exception()
+        if error is None:
+            run.set_result(done.result())
+        else:
+            run.set_exception(error)
 
     def _start(self, config: SimConfig) -> Future[SimResult]:
-        if self._pool is not None:
-            return self._pool.submit(_simulate, config)
-        run: Future[SimResult] = Future()
-        run.set_result(_simulate(config))
-        return run
+        assert self._pool is not None
+        return self._pool.submit(_simulate, config)
 
     @property
     def simulations(self) -> int:
@@ -162,6 +206,11 @@ class Bench:
         self._runs.clear()
         if self._pool is not None:
             self._pool.shutdown()
+
+
+def estimated_cost(config: SimConfig) -> float:
+    """A simulation's relative cost, only to order the queue: the tokens it may generate."""
+    return config.num_prompts * config.group_size * config.steps * config.max_new_tokens
 
 
 def _simulate(config: SimConfig) -> SimResult:
@@ -193,11 +242,13 @@ def _lines(head: str, rows: list[str]) -> str:
 def table_a(bench: Bench) -> str:
     rows = []
     paper = PAPER[:1] if bench.quick else PAPER
-    for p in paper:
-        n = 32 if bench.quick else p.accelerators
+    counts = [32 if bench.quick else p.accelerators for p in paper]
+    runs = []  # all queued before the first is awaited
+    for p, n in zip(paper, counts):
         common = dict(model=p.model, num_accelerators=n, rollout_tp=p.rollout_tp)
-        sync = bench.run("sync", **common)
-        async_ = bench.run("async", eta=p.eta, **common)
+        runs.append((bench.start("sync", **common), bench.start("async", eta=p.eta, **common)))
+    for p, n, (sync_run, async_run) in zip(paper, counts, runs):
+        sync, async_ = sync_run.result(), async_run.result()
         rows.append(f"{p.model:>5} {n:>5} {p.eta:>4} {sync.step_s / 60:>9.2f} "
                     f"{async_.step_s / 60:>9.2f} {sync.step_s / async_.step_s:>7.2f}x "
                     f"{p.sync_h:>6.1f} {p.async_h:>6.1f} {p.sync_h / p.async_h:>7.2f}x "
@@ -214,12 +265,8 @@ def scale_counts(bench: Bench) -> list[int]:
 
 def table_b(bench: Bench) -> tuple[str, dict[str, list[float]]]:
     counts = scale_counts(bench)
-    tput: dict[str, list[float]] = {"sync": [], "async": []}
-    for n in counts:
-        for mode in tput:
-            extra = {} if mode == "sync" else {"eta": 8}
-            tput[mode].append(bench.run(mode, wire=True, num_accelerators=n,
-                                        **extra).trained_tokens_per_s)
+    runs = {mode: [_scale_run(bench, mode, n) for n in counts] for mode in ("sync", "async")}
+    tput = {mode: [run.result().trained_tokens_per_s for run in runs[mode]] for mode in runs}
     rows = []
     for i, n in enumerate(counts):
         eff = {m: tput[m][i] / n / (tput[m][0] / counts[0]) for m in tput}
@@ -230,14 +277,21 @@ def table_b(bench: Bench) -> tuple[str, dict[str, list[float]]]:
                   f"{'par.eff':>8} {'ratio':>8}", rows), tput
 
 
+def _scale_run(bench: Bench, mode: str, n: int) -> Future[SimResult]:
+    """A run of (b) and (f): the paper's batch on n accelerators, through the codec."""
+    eta = {} if mode == "sync" else {"eta": 8}
+    return bench.start(mode, wire=True, num_accelerators=n, **eta)
+
+
 def table_c(bench: Bench) -> str:
     rows = []
     n = ABLATION_ACCELERATORS
     lengths = [4096, 8192] if bench.quick else [16384, 32768]
-    for length in lengths:
-        sync = bench.run("sync", ablation=True, num_accelerators=n, max_new_tokens=length)
-        async_ = bench.run("async", ablation=True, num_accelerators=n,
-                           max_new_tokens=length, eta=8)
+    runs = [(bench.start("sync", ablation=True, num_accelerators=n, max_new_tokens=length),
+             bench.start("async", ablation=True, num_accelerators=n, max_new_tokens=length,
+                         eta=8)) for length in lengths]
+    for length, (sync_run, async_run) in zip(lengths, runs):
+        sync, async_ = sync_run.result(), async_run.result()
         rows.append(f"{length:>7} {sync.step_s / 60:>9.2f} {async_.step_s / 60:>9.2f} "
                     f"{sync.trained_tokens_per_s:>11.0f} {async_.trained_tokens_per_s:>11.0f} "
                     f"{sync.step_s / async_.step_s:>7.2f}x")
@@ -248,9 +302,9 @@ def table_c(bench: Bench) -> str:
 def table_d(bench: Bench) -> str:
     n = ABLATION_ACCELERATORS
     rows = []
-    results = {flag: bench.run("async", ablation=True, num_accelerators=n, eta=8,
-                               interrupt=flag)
-               for flag in (False, True)}
+    runs = {flag: bench.start("async", ablation=True, num_accelerators=n, eta=8, interrupt=flag)
+            for flag in (False, True)}
+    results = {flag: run.result() for flag, run in runs.items()}
     for flag, r in results.items():
         rows.append(f"{'on' if flag else 'off':>9} {r.step_s / 60:>9.2f} "
                     f"{r.generated_tokens_per_s:>12.0f} {r.trained_tokens_per_s:>11.0f} "
@@ -273,10 +327,12 @@ ETAS: list[int | None] = [0, 1, 2, 4, 8, None]
 def table_e(bench: Bench) -> tuple[str, list[float]]:
     n = ABLATION_ACCELERATORS
     etas = [0, 4] if bench.quick else ETAS
-    sync = bench.run("sync", ablation=True, num_accelerators=n)
+    sync_run = bench.start("sync", ablation=True, num_accelerators=n)
+    runs = [bench.start("async", ablation=True, num_accelerators=n, eta=eta) for eta in etas]
+    sync = sync_run.result()
     rows, tput = [], []
-    for eta in etas:
-        r = bench.run("async", ablation=True, num_accelerators=n, eta=eta)
+    for eta, run in zip(etas, runs):
+        r = run.result()
         tput.append(r.trained_tokens_per_s)
         rows.append(f"{'inf' if eta is None else eta:>5} {r.step_s / 60:>9.2f} "
                     f"{r.trained_tokens_per_s:>11.0f} {r.trained_tokens_per_s / sync.trained_tokens_per_s:>9.2f}x "
@@ -289,15 +345,15 @@ def table_e(bench: Bench) -> tuple[str, list[float]]:
 
 
 def table_f(bench: Bench) -> str:
+    counts = scale_counts(bench)
+    runs = [(n, mode, _scale_run(bench, mode, n)) for n in counts for mode in ("sync", "async")]
     rows = []
-    for n in scale_counts(bench):
-        for mode in ("sync", "async"):
-            extra = {} if mode == "sync" else {"eta": 8}
-            r = bench.run(mode, wire=True, num_accelerators=n, **extra)
-            top = max(r.controller_cpu_by_loop.items(), key=lambda kv: kv[1], default=("-", 0))
-            rows.append(f"{n:>5} {mode:>6} {r.step_s:>9.1f} {r.controller_cpu_s_per_step:>9.2f} "
-                        f"{r.controller_share:>7.1%} {r.trajectories_per_cpu_s:>9.0f} "
-                        f"{r.peak_rss_mb / 1024:>6.1f} {top[0]}:{top[1]:.2f}")
+    for n, mode, run in runs:
+        r = run.result()
+        top = max(r.controller_cpu_by_loop.items(), key=lambda kv: kv[1], default=("-", 0))
+        rows.append(f"{n:>5} {mode:>6} {r.step_s:>9.1f} {r.controller_cpu_s_per_step:>9.2f} "
+                    f"{r.controller_share:>7.1%} {r.trajectories_per_cpu_s:>9.0f} "
+                    f"{r.peak_rss_mb / 1024:>6.1f} {top[0]}:{top[1]:.2f}")
     return _lines(f"{'accel':>5} {'mode':>6} {'step s':>9} {'ctl cpu s':>9} {'share':>7} "
                   f"{'traj/cpus':>9} {'rss GB':>6} largest loop (cpu s/step)", rows) + \
         "\n(ctl cpu s: real CPU seconds inside the controller's tasks per simulated step, " \

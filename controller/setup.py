@@ -145,10 +145,11 @@ def prepare_run(cfg: RunConfig) -> RunSetup:
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
     (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
     task = load_task(cfg.task.name, cfg.task.params)
-    from areal.models.hf import load_tokenizer  # transformers: 3 s to import, real runs only
+    from areal.models.tokenizer import load_tokenizer  # transformers: 3 s to import, real runs only
 
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path,
-                               trust_remote_code=cfg.model.trust_remote_code)
+                               trust_remote_code=cfg.model.trust_remote_code,
+                               cache_dir=cfg.cache_dir)
     task.use_tokenizer(tokenizer)
     environment = episode_environment(cfg, task, tokenizer)
     setup = RunSetup(cfg=cfg, run_dir=run_dir, task=task, tokenizer=tokenizer, eval_prompts=[],

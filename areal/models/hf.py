@@ -1,4 +1,4 @@
-"""Load a Hugging Face causal-LM directory and its tokenizer for training, scoring and rollout.
+"""Load a Hugging Face causal-LM directory for training, scoring and rollout.
 
 Contract: `load_model` returns a transformers model in the requested dtype and device, in eval
 mode unless asked otherwise, with an attention implementation under which a padding-free
@@ -7,8 +7,9 @@ flash-attention kernel on CUDA when the `flash_attn` package is importable. Only
 weights are loaded (no pickle). Missing directories, configs or weights fail before
 transformers is called, with the path in the message.
 
-Not here: building the embedded model (`areal.models.tiny`), per-token log-probs
-(`areal.models.logprobs`), weight publishing (`areal.models.weights`).
+Not here: the tokenizer (`areal.models.tokenizer`), building the embedded model
+(`areal.models.tiny`), per-token log-probs (`areal.models.logprobs`), weight publishing
+(`areal.models.weights`).
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ import importlib.util
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
-from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -42,10 +42,6 @@ For these, `transformers.masking_utils.create_causal_mask` recognises restarting
 explicit `cu_seq_lens_*`. Anything else (hub kernels, 'paged|...' implementations used by
 continuous batching) skips that logic and would let packed sequences attend to each other.
 """
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
-                    "vocab.txt")
-
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """'float32' | 'bfloat16' | 'float16' (or the torch dtype itself) -> torch dtype."""
@@ -120,40 +116,3 @@ def load_model(
     )
     model.to(device)
     return model.train(train)
-
-
-def load_tokenizer(
-    path: str | Path,
-    *,
-    trust_remote_code: bool = False,
-    padding_side: str | None = None,
-) -> PreTrainedTokenizerBase:
-    """The tokenizer in `path`, with a pad token guaranteed.
-
-    Pad token: kept if the tokenizer has one; otherwise the EOS token is reused as padding
-    (no new token is added, so the vocabulary still matches the model's embedding). Padding
-    only matters for padded batches (generation); packed training never pads. A tokenizer
-    with neither pad nor EOS token is refused. `padding_side` ('left' for batched generation)
-    overrides the tokenizer's own when given.
-    """
-    directory = Path(path).expanduser()
-    if not directory.is_dir():
-        what = "is not a directory" if directory.exists() else "does not exist"
-        raise FileNotFoundError(f"tokenizer path {str(directory)!r} {what}")
-    if not any((directory / name).is_file() for name in _TOKENIZER_FILES):
-        raise FileNotFoundError(
-            f"tokenizer path {str(directory)!r} has none of {', '.join(_TOKENIZER_FILES)}; "
-            "it is not a Hugging Face tokenizer directory"
-        )
-    options = {} if padding_side is None else {"padding_side": padding_side}
-    tokenizer = AutoTokenizer.from_pretrained(
-        directory, trust_remote_code=trust_remote_code, **options
-    )
-    if tokenizer.pad_token is None:
-        if tokenizer.eos_token is None:
-            raise ValueError(
-                f"tokenizer in {str(directory)!r} has neither a pad nor an EOS token; add a "
-                "pad_token to its tokenizer_config.json"
-            )
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer

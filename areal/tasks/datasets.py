@@ -138,7 +138,7 @@ class DatasetTask(Task):
     def _get_tokenizer(self) -> Any:
         if not self._tokenizer_loaded:
             if self.tokenizer_path is not None:
-                from areal.models.hf import load_tokenizer
+                from areal.models.tokenizer import load_tokenizer
 
                 self._tokenizer = load_tokenizer(self.tokenizer_path)
             elif self.style.chat_template is not False:

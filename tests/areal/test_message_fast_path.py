@@ -16,7 +16,7 @@ import msgpack
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from areal import messages
@@ -168,12 +168,24 @@ _REF_DATA = st.one_of(
 
 @settings(max_examples=800, deadline=None)
 @given(code=st.sampled_from([messages._ARRAY_EXT, 0, 7]), data=_REF_DATA)
+@example(code=messages._ARRAY_EXT, data=msgpack.packb([None, [], float("inf")]))
 def test_a_cached_array_reference_is_decided_as_an_uncached_one(code, data):
     """`_ext_hook` remembers accepted references by their bytes: the first and every later
     time it gives what parsing them afresh (`_array_ref`) gives, the same error included."""
     expected = _ref_outcome(messages._array_ref, code, data)
     assert _ref_outcome(messages._ext_hook, code, data) == expected
     assert _ref_outcome(messages._ext_hook, code, data) == expected
+
+
+@pytest.mark.parametrize("shape, index", [([float("inf")], 0), ([4], float("inf")),
+                                          ([4], float("-inf")), ([4], float("nan"))])
+def test_an_infinite_or_nan_shape_or_index_is_a_malformed_reference(shape, index):
+    """int() of an infinity raises OverflowError (of a nan, ValueError): both are a hostile
+    peer's malformed message, refused as such, never an uncaught error in the receive loop."""
+    data = msgpack.packb(["int32", shape, index])
+    for parse in (messages._array_ref, messages._ext_hook):
+        with pytest.raises(MessageError, match="malformed array reference"):
+            parse(messages._ARRAY_EXT, data)
 
 
 def test_the_array_reference_cache_stays_bounded(monkeypatch):

@@ -106,3 +106,26 @@ def test_measured_simulations_run_one_at_a_time(cluster_bench, monkeypatch, wire
     assert [len(table.result(timeout=30)) for table in made] == [2, 2]
     bench.close()
     assert bench.simulations == 0 and max(most) == most_at_once
+
+
+def test_the_longest_queued_simulation_starts_first_and_measured_ones_last(cluster_bench,
+                                                                          monkeypatch):
+    bench = cluster_bench.Bench(quick=True, seed=1, jobs=2)
+    started, pending = [], []
+
+    def start(config):
+        started.append((config.wire, config.max_new_tokens))
+        pending.append(done := Future())
+        return done
+
+    monkeypatch.setattr(bench, "_start", start)
+    runs = [bench.start("async", wire=wire, num_accelerators=16, max_new_tokens=length)
+            for wire, length in [(False, 100), (False, 200), (True, 9000), (False, 300),
+                                 (False, 400), (True, 8000)]]
+    assert started == [(False, 100), (False, 200)]  # both processes taken at once
+    while pending:  # each finished simulation frees its process for the next queued one
+        pending.pop(0).set_result(None)
+    assert started == [(False, 100), (False, 200), (False, 400), (False, 300), (True, 9000),
+                       (True, 8000)]
+    assert all(run.done() for run in runs)
+    bench.close()

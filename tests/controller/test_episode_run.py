@@ -23,7 +23,8 @@ import torch
 
 from areal.config import load_config
 from areal.controller import Controller
-from areal.models.hf import load_model, load_tokenizer
+from areal.models.hf import load_model
+from areal.models.tokenizer import load_tokenizer
 from areal.models.logprobs import packed_logprobs
 from areal.models.weights import copy_into_model, load_tensors
 

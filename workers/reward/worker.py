@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from areal.messages import Score, Scored, WorkerKind
-from areal.models.hf import load_tokenizer
+from areal.models.tokenizer import load_tokenizer
 from areal.tasks import load_task
 from areal.tasks.base import RewardOutcome, Verdict
 from areal.workers.base import Worker
@@ -31,7 +31,7 @@ class RewardWorker(Worker):
         self.task = await asyncio.to_thread(load_task, cfg.task.name, cfg.task.params)
         self.tokenizer = await asyncio.to_thread(
             load_tokenizer, cfg.model.tokenizer_path or cfg.model.path,
-            trust_remote_code=cfg.model.trust_remote_code)
+            trust_remote_code=cfg.model.trust_remote_code, cache_dir=cfg.cache_dir)
         from areal.sandbox.pool import CheckerPool
 
         self.pool = CheckerPool(max_concurrency=cfg.reward.max_concurrency,

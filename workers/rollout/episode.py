@@ -196,13 +196,14 @@ async def start_episodes(cfg: RunConfig, generator: InterruptibleGenerator) -> E
     built and started, with the run's task and tokenizer), else None."""
     if cfg.episode.environment is None:
         return None
-    from areal.models.hf import load_tokenizer
+    from areal.models.tokenizer import load_tokenizer
     from areal.tasks import load_task
     from areal.tasks.environment import load_environment
 
     def build() -> tuple[Environment, Any]:
         tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path,
-                                   trust_remote_code=cfg.model.trust_remote_code)
+                                   trust_remote_code=cfg.model.trust_remote_code,
+                                   cache_dir=cfg.cache_dir)
         task = load_task(cfg.task.name, cfg.task.params)
         task.use_tokenizer(tokenizer)
         return load_environment(cfg.episode.environment, cfg.episode.params, task=task,

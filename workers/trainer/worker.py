@@ -41,7 +41,8 @@ from areal.messages import (
     BroadcastWeights, GroupName, GroupState, GroupStatus, JoinGroup, Ready, Train, Trained,
     Welcome, WorkerKind,
 )
-from areal.models.hf import load_model, load_tokenizer
+from areal.models.hf import load_model
+from areal.models.tokenizer import load_tokenizer
 from areal.models.weights import load_tensors
 from areal.types import PackedBatch
 from areal.workers.base import Worker
@@ -316,5 +317,5 @@ class TrainerWorker(Worker):
         else:
             self.model.save_pretrained(target, safe_serialization=True)
         cfg = self.config.model
-        load_tokenizer(cfg.tokenizer_path or cfg.path,
-                       trust_remote_code=cfg.trust_remote_code).save_pretrained(target)
+        load_tokenizer(cfg.tokenizer_path or cfg.path, trust_remote_code=cfg.trust_remote_code,
+                       cache_dir=self.config.cache_dir).save_pretrained(target)

@@ -1,4 +1,4 @@
-"""Loading HF model directories and tokenizers: weights, dtype, mode, pad token, clear errors."""
+"""Loading HF model directories: weights, dtype, mode, attention implementation, clear errors."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from areal.config import TinyModelConfig
-from areal.models.hf import load_model, load_tokenizer
+from areal.models.hf import load_model
 from areal.models.tiny import build_char_tokenizer, build_tiny_model
 
 
@@ -69,39 +69,3 @@ def test_load_model_names_a_directory_without_safetensors(tiny_dir: Path, tmp_pa
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match=r"pytorch_model.bin.*convert it to safetensors"):
         load_model(tmp_path)
-
-
-def test_load_tokenizer_keeps_its_pad_token_and_round_trips_text(tiny_dir: Path) -> None:
-    tokenizer = load_tokenizer(tiny_dir)
-    assert (tokenizer.pad_token, tokenizer.eos_token) == ("<pad>", "<|endoftext|>")
-    text = "Q: 17 + 25 =\n\tA: 42 !"
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    assert len(ids) == len(text), "the character tokenizer is one token per character"
-    assert tokenizer.decode(ids) == text
-
-
-def test_load_tokenizer_reuses_eos_as_pad_when_missing(tmp_path: Path) -> None:
-    tokenizer = build_char_tokenizer()
-    tokenizer.pad_token = None
-    tokenizer.save_pretrained(tmp_path)
-    loaded = load_tokenizer(tmp_path, padding_side="left")
-    assert loaded.pad_token == loaded.eos_token == "<|endoftext|>"
-    assert loaded.pad_token_id == tokenizer.eos_token_id
-    assert len(loaded) == len(tokenizer), "no token was added"
-    assert loaded.padding_side == "left"
-
-
-def test_load_tokenizer_refuses_one_without_pad_or_eos(tmp_path: Path) -> None:
-    tokenizer = build_char_tokenizer()
-    tokenizer.pad_token = None
-    tokenizer.eos_token = None
-    tokenizer.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=rf"{tmp_path}.*neither a pad nor an EOS token"):
-        load_tokenizer(tmp_path)
-
-
-def test_load_tokenizer_names_a_missing_or_empty_directory(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match=rf"{tmp_path / 'nope'}.*does not exist"):
-        load_tokenizer(tmp_path / "nope")
-    with pytest.raises(FileNotFoundError, match=rf"{tmp_path}.*not a Hugging Face tokenizer"):
-        load_tokenizer(tmp_path)

@@ -154,7 +154,7 @@ def test_the_gpu_recipe_renders_gsm8k_prompts_with_the_python_tool(tmp_path):
     place of the model and the shipped GSM8K sample in place of the dataset."""
     from areal.config import load_config
     from areal.controller.setup import episode_environment, stop_token_ids
-    from areal.models.hf import load_tokenizer
+    from areal.models.tokenizer import load_tokenizer
 
     repo = Path(__file__).resolve().parents[3]
     build_qwen_style_tokenizer().save_pretrained(tmp_path / "qwen-style")

@@ -9,7 +9,7 @@ import pytest
 from episode_helpers import DONE, ScriptedEnvironment, check_update_in_turn_two, segments
 
 from areal.messages import EpisodeEnd
-from areal.models.hf import load_tokenizer
+from areal.models.tokenizer import load_tokenizer
 from areal.tasks.base import Verdict
 from areal.workers.rollout.engine import FinishReason, SamplingParams
 from areal.workers.rollout.episode import EpisodeLimits, EpisodeRunner

@@ -275,7 +275,7 @@ async def test_an_episode_keeps_provenance_across_an_update_in_its_second_turn(
         engine, weights_dirs, reference_models):
     from episode_helpers import DONE, ScriptedEnvironment, check_update_in_turn_two
 
-    from areal.models.hf import load_tokenizer
+    from areal.models.tokenizer import load_tokenizer
     from areal.workers.rollout.episode import EpisodeLimits, EpisodeRunner
 
     env = ScriptedEnvironment(["obs one\n", "obs two\n", DONE])
