@@ -108,12 +108,12 @@ class Trajectory:
                                  f"{sorted(set(observed.tolist()))}")
         if _kept_as_is(prompt_ids, output_ids, output_logprobs, output_versions, out_mask):
             _check_num_prompt(prompt_id, num_prompt, num_prompt + num_out)
-            self = cls.__new__(cls)
-            self._init(prompt_id, group_id, num_prompt, 0.0, finish_reason, None, None)
-            self._joined = None
-            self._parts = (prompt_ids, output_ids, output_logprobs, output_versions,
+            kept = cls.__new__(cls)
+            kept._init(prompt_id, group_id, num_prompt, 0.0, finish_reason, None, None)
+            kept._joined = None
+            kept._parts = (prompt_ids, output_ids, output_logprobs, output_versions,
                            None if out_mask is True else out_mask)
-            return self
+            return kept
         # Anything else (lists, other dtypes, a mask of another length) is converted as
         # numpy assignment converts it, into arrays written once each.
         token_ids = np.empty(num_prompt + num_out, np.int32)
