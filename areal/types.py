@@ -13,7 +13,7 @@ talks to processes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -23,39 +23,58 @@ PROMPT_VERSION = -1
 """Version recorded for prompt tokens: they were not sampled by any policy."""
 
 
-@dataclass(kw_only=True)
 class Trajectory:
-    """One prompt + completion. All per-token arrays have shape [T] (T = prompt + completion)."""
+    """One prompt + completion. The per-token arrays `token_ids`, `logprobs`, `versions`,
+    `loss_mask` have shape [T] (T = prompt + completion).
 
-    prompt_id: str
-    group_id: int
-    """Index of the prompt group (the samples of one prompt, one advantage group) in the run."""
-    token_ids: np.ndarray  # [T] int32
-    logprobs: np.ndarray  # [T] float32; behaviour log-prob of each sampled token, 0 for prompt
-    versions: np.ndarray  # [T] int32; policy version that sampled the token, -1 for prompt
-    loss_mask: np.ndarray  # [T] bool; True for tokens the loss trains on
-    num_prompt_tokens: int
-    reward: float = 0.0
-    finish_reason: str = "length"
-    timings: dict[str, float] = field(default_factory=dict)
-    """Seconds: 'submitted', 'generated', 'rewarded' (controller clock), 'generation' (span)."""
-    episode: dict[str, Any] = field(default_factory=dict)
-    """Episodes only: 'turns', 'tool_calls', 'tool_errors' (counts), 'tool_s' (seconds) and
-    'end' (its EpisodeEnd value); empty for a single completion."""
+    Two forms, the same trajectory to every reader. Built from full arrays (the constructor):
+    they are kept as given. Built by `from_generation` from a completion whose arrays already
+    have the trajectory's dtypes (what every rollout worker sends): the prompt's and the
+    completion's arrays are kept as they are, without a copy (the controller builds one per
+    finished sample, tens of millions of tokens per step at cluster scale), and the [T]
+    arrays are joined the first time one is read. What the controller reads on its hot path
+    (`num_tokens`, `output_ids`, `num_loss_tokens`, `oldest_version`, `pack_arrays`) never
+    joins them: each token is copied once, into the Train message."""
 
-    def __post_init__(self) -> None:
-        lengths = {len(self.token_ids), len(self.logprobs), len(self.versions), len(self.loss_mask)}
+    def __init__(self, *, prompt_id: str, group_id: int, token_ids: np.ndarray,
+                 logprobs: np.ndarray, versions: np.ndarray, loss_mask: np.ndarray,
+                 num_prompt_tokens: int, reward: float = 0.0, finish_reason: str = "length",
+                 timings: dict[str, float] | None = None,
+                 episode: dict[str, Any] | None = None) -> None:
+        lengths = {len(token_ids), len(logprobs), len(versions), len(loss_mask)}
         if len(lengths) != 1:
             raise ValueError(
-                f"trajectory {self.prompt_id!r}: per-token arrays differ in length "
-                f"(token_ids={len(self.token_ids)}, logprobs={len(self.logprobs)}, "
-                f"versions={len(self.versions)}, loss_mask={len(self.loss_mask)})"
+                f"trajectory {prompt_id!r}: per-token arrays differ in length "
+                f"(token_ids={len(token_ids)}, logprobs={len(logprobs)}, "
+                f"versions={len(versions)}, loss_mask={len(loss_mask)})"
             )
-        if not 0 < self.num_prompt_tokens <= len(self.token_ids):
-            raise ValueError(
-                f"trajectory {self.prompt_id!r}: num_prompt_tokens={self.num_prompt_tokens} "
-                f"outside (0, {len(self.token_ids)}]"
-            )
+        _check_num_prompt(prompt_id, num_prompt_tokens, len(token_ids))
+        self._init(prompt_id, group_id, num_prompt_tokens, reward, finish_reason, timings,
+                   episode)
+        self._joined: tuple[np.ndarray, ...] | None = (token_ids, logprobs, versions, loss_mask)
+        self._parts: tuple[Any, ...] | None = None
+
+    def _init(self, prompt_id: str, group_id: int, num_prompt_tokens: int, reward: float,
+              finish_reason: str, timings: dict[str, float] | None,
+              episode: dict[str, Any] | None) -> None:
+        self.prompt_id = prompt_id
+        self.group_id = group_id
+        """Index of the prompt group (the samples of one prompt, one advantage group) in the
+        run."""
+        self.num_prompt_tokens = num_prompt_tokens
+        self.reward = reward
+        self.finish_reason = finish_reason
+        self.timings: dict[str, float] = {} if timings is None else timings
+        """Seconds: 'submitted', 'generated', 'rewarded' (controller clock), 'generation'
+        (span)."""
+        self.episode: dict[str, Any] = {} if episode is None else episode
+        """Episodes only: 'turns', 'tool_calls', 'tool_errors' (counts), 'tool_s' (seconds)
+        and 'end' (its EpisodeEnd value); empty for a single completion."""
+
+    def __repr__(self) -> str:
+        return (f"Trajectory(prompt_id={self.prompt_id!r}, group_id={self.group_id}, "
+                f"num_tokens={self.num_tokens}, num_prompt_tokens={self.num_prompt_tokens}, "
+                f"reward={self.reward}, finish_reason={self.finish_reason!r})")
 
     @classmethod
     def from_generation(
@@ -87,9 +106,16 @@ class Trajectory:
                 raise ValueError(f"trajectory {prompt_id!r}: observation tokens (loss mask "
                                  f"False) must have version {PROMPT_VERSION}, got "
                                  f"{sorted(set(observed.tolist()))}")
-        # Filled in place (no temporaries): the controller builds one per finished sample.
-        # Each element written once (no zero fill first): the controller builds one per
-        # finished sample, thousands per step at cluster scale.
+        if _kept_as_is(prompt_ids, output_ids, output_logprobs, output_versions, out_mask):
+            _check_num_prompt(prompt_id, num_prompt, num_prompt + num_out)
+            kept = cls.__new__(cls)
+            kept._init(prompt_id, group_id, num_prompt, 0.0, finish_reason, None, None)
+            kept._joined = None
+            kept._parts = (prompt_ids, output_ids, output_logprobs, output_versions,
+                           None if out_mask is True else out_mask)
+            return kept
+        # Anything else (lists, other dtypes, a mask of another length) is converted as
+        # numpy assignment converts it, into arrays written once each.
         token_ids = np.empty(num_prompt + num_out, np.int32)
         token_ids[:num_prompt], token_ids[num_prompt:] = prompt_ids, output_ids
         logprobs = np.empty(num_prompt + num_out, np.float32)
@@ -102,32 +128,127 @@ class Trajectory:
                    logprobs=logprobs, versions=versions, loss_mask=loss_mask,
                    num_prompt_tokens=num_prompt, finish_reason=finish_reason)
 
+    def _arrays(self) -> tuple[np.ndarray, ...]:
+        """(token_ids, logprobs, versions, loss_mask), each [T]; joined once if kept apart."""
+        if self._joined is None:
+            prompt, ids, logprobs, versions, mask = self._parts
+            n = self.num_prompt_tokens
+            self._joined = (
+                np.concatenate([prompt, ids]),
+                np.concatenate([np.zeros(n, np.float32), logprobs]),
+                np.concatenate([np.full(n, PROMPT_VERSION, np.int32), versions]),
+                np.concatenate([np.zeros(n, bool),
+                                np.ones(len(ids), bool) if mask is None else mask]))
+            self._parts = None
+        return self._joined
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        """[T] int32."""
+        return self._arrays()[0]
+
+    @property
+    def logprobs(self) -> np.ndarray:
+        """[T] float32; behaviour log-prob of each sampled token, 0 for prompt."""
+        return self._arrays()[1]
+
+    @property
+    def versions(self) -> np.ndarray:
+        """[T] int32; policy version that sampled the token, -1 for prompt."""
+        return self._arrays()[2]
+
+    @property
+    def loss_mask(self) -> np.ndarray:
+        """[T] bool; True for tokens the loss trains on."""
+        return self._arrays()[3]
+
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        if self._parts is not None:
+            return self.num_prompt_tokens + len(self._parts[1])
+        return len(self._joined[0])
 
     @property
     def output_ids(self) -> np.ndarray:
-        return self.token_ids[self.num_prompt_tokens:]
+        if self._parts is not None:
+            return self._parts[1]
+        return self._joined[0][self.num_prompt_tokens:]
 
     @property
     def num_model_tokens(self) -> int:
         """Output tokens the model sampled (all of them, unless this is an episode)."""
-        return int(np.count_nonzero(self.loss_mask[self.num_prompt_tokens:]))
+        if self._parts is not None:
+            mask = self._parts[4]
+            return len(self._parts[1]) if mask is None else int(np.count_nonzero(mask))
+        return int(np.count_nonzero(self._joined[3][self.num_prompt_tokens:]))
+
+    @property
+    def num_loss_tokens(self) -> int:
+        """Tokens the loss trains on (loss mask True)."""
+        if self._parts is not None:
+            return self.num_model_tokens  # a prompt is never trained on
+        return int(np.count_nonzero(self._joined[3]))
 
     def oldest_version(self) -> int:
         """Version of the oldest policy that sampled any token (staleness = current - this)."""
+        if self._parts is not None:  # the prompt is all PROMPT_VERSION: the completion's
+            completion = self._parts[3]
+            if len(completion):
+                least = completion.min()
+                if least != PROMPT_VERSION:
+                    return int(least)
+            sampled = completion[completion != PROMPT_VERSION]
+            return int(sampled.min()) if len(sampled) else PROMPT_VERSION
+        versions = self._joined[2]
         # Most trajectories: a prompt of PROMPT_VERSION only and a completion without it
         # (not an episode), whose least version is the answer. Three reductions instead of a
         # mask and a copy of every token (the controller asks for each trained trajectory).
-        prompt, completion = self.versions[:self.num_prompt_tokens], \
-            self.versions[self.num_prompt_tokens:]
+        prompt, completion = versions[:self.num_prompt_tokens], versions[self.num_prompt_tokens:]
         if len(prompt) and len(completion) and prompt.min() == prompt.max() == PROMPT_VERSION:
             least = completion.min()
             if least != PROMPT_VERSION:
                 return int(least)
-        sampled = self.versions[self.versions != PROMPT_VERSION]
+        sampled = versions[versions != PROMPT_VERSION]
         return int(sampled.min()) if len(sampled) else PROMPT_VERSION
+
+    def _write(self, start: int, token_ids: np.ndarray, logprobs: np.ndarray,
+               versions: np.ndarray, loss_mask: np.ndarray, trained: bool) -> None:
+        """Copy this trajectory into [start, start + T) of packed arrays whose logprobs are
+        0, versions PROMPT_VERSION and loss_mask False beforehand (`pack_arrays`)."""
+        if self._parts is None:
+            end = start + len(self._joined[0])
+            token_ids[start:end], logprobs[start:end], versions[start:end] = self._joined[:3]
+            if trained:
+                loss_mask[start:end] = self._joined[3]
+            return
+        prompt, ids, out_logprobs, out_versions, mask = self._parts
+        mid = start + len(prompt)
+        end = mid + len(ids)
+        token_ids[start:mid], token_ids[mid:end] = prompt, ids
+        logprobs[mid:end], versions[mid:end] = out_logprobs, out_versions
+        if trained:
+            loss_mask[mid:end] = True if mask is None else mask
+
+
+def _check_num_prompt(prompt_id: str, num_prompt_tokens: int, num_tokens: int) -> None:
+    if not 0 < num_prompt_tokens <= num_tokens:
+        raise ValueError(
+            f"trajectory {prompt_id!r}: num_prompt_tokens={num_prompt_tokens} "
+            f"outside (0, {num_tokens}]"
+        )
+
+
+def _kept_as_is(prompt_ids: Any, output_ids: Any, logprobs: Any, versions: Any,
+                mask: Any) -> bool:
+    """The arrays have the trajectory's own types (1-D int32 ids and versions, float32
+    log-probs, a bool mask per token or none): `from_generation` keeps them without a copy,
+    and every reader sees what the copy would have held."""
+    return (type(prompt_ids) is type(output_ids) is type(logprobs) is type(versions)
+            is np.ndarray
+            and prompt_ids.dtype == output_ids.dtype == versions.dtype == np.int32
+            and logprobs.dtype == np.float32
+            and prompt_ids.ndim == output_ids.ndim == logprobs.ndim == versions.ndim == 1
+            and (mask is True or (mask.ndim == 1 and len(mask) == len(output_ids))))
 
 
 @dataclass(kw_only=True)
@@ -214,19 +335,16 @@ def pack_arrays(trajectories: Sequence[Trajectory],
     per step at cluster scale). An empty list gives empty arrays (a rank with no sequence).
     `masked[i]`: no token of trajectory i is trained on (loss mask all False)."""
     lengths = np.fromiter((t.num_tokens for t in trajectories), np.int32, len(trajectories))
-
-    def cat(name: str, dtype: type) -> np.ndarray:
-        parts = [getattr(t, name) for t in trajectories]
-        return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
-
-    return {
-        "token_ids": cat("token_ids", np.int32), "logprobs": cat("logprobs", np.float32),
-        "versions": cat("versions", np.int32),
-        "loss_mask": np.concatenate([np.zeros(t.num_tokens, bool) if masked is not None
-                                     and masked[i] else t.loss_mask
-                                     for i, t in enumerate(trajectories)])
-        if trajectories else np.zeros(0, bool),
-        "cu_seqlens": np.concatenate([np.zeros(1, np.int32), np.cumsum(lengths, dtype=np.int32)]),
-        "rewards": np.array([t.reward for t in trajectories], dtype=np.float32),
-        "group_ids": np.array([t.group_id for t in trajectories], dtype=np.int64),
-    }
+    cu_seqlens = np.concatenate([np.zeros(1, np.int32), np.cumsum(lengths, dtype=np.int32)])
+    total = int(cu_seqlens[-1])
+    # Each field written once per token: prompts' log-probs, versions and loss mask are the
+    # constants filled here, so a trajectory kept as its prompt and completion writes only
+    # the completion's (Trajectory._write).
+    arrays = {"token_ids": np.empty(total, np.int32), "logprobs": np.zeros(total, np.float32),
+              "versions": np.full(total, PROMPT_VERSION, np.int32),
+              "loss_mask": np.zeros(total, bool)}
+    for i, (t, start) in enumerate(zip(trajectories, cu_seqlens[:-1].tolist(), strict=True)):
+        t._write(start, **arrays, trained=masked is None or not masked[i])
+    return {**arrays, "cu_seqlens": cu_seqlens,
+            "rewards": np.array([t.reward for t in trajectories], dtype=np.float32),
+            "group_ids": np.array([t.group_id for t in trajectories], dtype=np.int64)}

@@ -443,7 +443,7 @@ class Controller(FaultRepairs):
         trainer_cfg = self.cfg.trainer
         plans = plan_shard_sequences(
             [t.num_tokens for t in trajectories],
-            [0 if masked[i] else int(np.count_nonzero(t.loss_mask))
+            [0 if masked[i] else t.num_loss_tokens
              for i, t in enumerate(trajectories)],
             trainer_cfg.num_ranks, trainer_cfg.num_minibatches)
         return [Train(step=step, version=self.version, advantages=advantages[plan.seq_indices],

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from areal.types import PROMPT_VERSION, Trajectory, pack
+from areal.types import PROMPT_VERSION, Trajectory, pack, pack_arrays
 
 
 def _traj(num_prompt, num_out, version=0, group_id=0, reward=0.0):
@@ -93,3 +93,97 @@ def test_oldest_version_is_the_least_version_that_is_not_a_prompts(seed):
                        loss_mask=np.zeros(n, bool), num_prompt_tokens=num_prompt)
         assert t.oldest_version() == _oldest_by_definition(t), versions.tolist()
 
+
+
+def _both_forms(rng: np.random.Generator, episode: bool) -> tuple[Trajectory, Trajectory]:
+    """The same completion built twice: from arrays of the trajectory's own dtypes (kept as
+    they came) and from lists (copied into [T] arrays)."""
+    num_prompt, num_out = int(rng.integers(1, 6)), int(rng.integers(0, 8))
+    prompt = rng.integers(0, 100, num_prompt).astype(np.int32)
+    ids = rng.integers(0, 100, num_out).astype(np.int32)
+    logprobs = -rng.random(num_out).astype(np.float32)
+    versions = np.sort(rng.integers(0, 4, num_out)).astype(np.int32)
+    mask = None
+    if episode:
+        mask = rng.random(num_out) < 0.6
+        versions[~mask], logprobs[~mask] = PROMPT_VERSION, 0.0
+    kept, copied = (Trajectory.from_generation(
+        prompt_id="p", group_id=3, prompt_ids=p, output_ids=i, output_logprobs=lp,
+        output_versions=v, output_loss_mask=m, finish_reason="stop")
+        for p, i, lp, v, m in [(prompt, ids, logprobs, versions, mask),
+                               (prompt.tolist(), ids.tolist(), logprobs.tolist(),
+                                versions.tolist(), None if mask is None else mask.tolist())])
+    return kept, copied
+
+
+@pytest.mark.parametrize("episode", [False, True])
+def test_a_completion_kept_as_it_came_reads_as_the_copied_one(episode):
+    """`from_generation` keeps arrays of the trajectory's dtypes without a copy; every reader
+    (the [T] arrays, counts, staleness, packing) sees what the copying path built."""
+    rng = np.random.default_rng(int(episode))
+    for _ in range(200):
+        kept, copied = _both_forms(rng, episode)
+        assert kept._parts is not None and copied._parts is None  # the two forms
+        assert kept.num_tokens == copied.num_tokens
+        assert kept.num_prompt_tokens == copied.num_prompt_tokens
+        np.testing.assert_array_equal(kept.output_ids, copied.output_ids)
+        assert kept.num_model_tokens == copied.num_model_tokens
+        assert kept.num_loss_tokens == copied.num_loss_tokens == int(copied.loss_mask.sum())
+        assert kept.oldest_version() == copied.oldest_version() == _oldest_by_definition(copied)
+        for name in ("token_ids", "logprobs", "versions", "loss_mask"):
+            got, expected = getattr(kept, name), getattr(copied, name)
+            assert got.dtype == expected.dtype, name
+            np.testing.assert_array_equal(got, expected, err_msg=name)
+
+
+def test_a_kept_completion_shares_the_messages_arrays():
+    ids = np.arange(4, dtype=np.int32)
+    t = Trajectory.from_generation(
+        prompt_id="p", group_id=0, prompt_ids=np.ones(2, np.int32), output_ids=ids,
+        output_logprobs=np.zeros(4, np.float32), output_versions=np.zeros(4, np.int32))
+    assert t.output_ids is ids and t._parts is not None
+    assert t.num_tokens == 6 and t._parts is not None  # nothing joined to count
+    assert t.token_ids.tolist() == [1, 1, 0, 1, 2, 3] and t._parts is None  # joined once
+    assert not np.shares_memory(t.token_ids, ids)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(prompt_ids=np.zeros(0, np.int32)),  # no prompt
+    dict(output_logprobs=np.zeros(2, np.float32)),  # misaligned
+    dict(output_versions=np.array([1, 1, 1], np.int32),  # an observation with a version
+         output_loss_mask=np.array([True, False, True]))])
+def test_a_kept_completion_is_refused_as_the_copied_one(kwargs):
+    args = {**dict(prompt_id="p", group_id=0, prompt_ids=np.ones(2, np.int32),
+                   output_ids=np.arange(3, dtype=np.int32),
+                   output_logprobs=np.zeros(3, np.float32),
+                   output_versions=np.zeros(3, np.int32)), **kwargs}
+    with pytest.raises(ValueError) as kept:
+        Trajectory.from_generation(**args)
+    listed = {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in args.items()}
+    with pytest.raises(ValueError) as copied:
+        Trajectory.from_generation(**listed)
+    assert str(kept.value) == str(copied.value)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_pack_arrays_equals_concatenating_each_trajectorys_arrays(seed):
+    """Kept and copied trajectories, episodes among them, some masked out of the loss."""
+    rng = np.random.default_rng(seed)
+    trajs = [t for _ in range(12) for t in _both_forms(rng, episode=bool(rng.random() < 0.4))]
+    for t in trajs:
+        t.reward = float(rng.random())
+    masked = (rng.random(len(trajs)) < 0.3).tolist()
+    got = pack_arrays(trajs, masked)
+    expected = {
+        "token_ids": np.concatenate([t.token_ids for t in trajs]),
+        "logprobs": np.concatenate([t.logprobs for t in trajs]),
+        "versions": np.concatenate([t.versions for t in trajs]),
+        "loss_mask": np.concatenate([t.loss_mask & (not m) for t, m in zip(trajs, masked,
+                                                                         strict=True)]),
+        "cu_seqlens": np.cumsum([0] + [t.num_tokens for t in trajs]).astype(np.int32),
+        "rewards": np.array([t.reward for t in trajs], np.float32),
+        "group_ids": np.array([t.group_id for t in trajs], np.int64)}
+    assert got.keys() == expected.keys()
+    for name, array in expected.items():
+        assert got[name].dtype == array.dtype, name
+        np.testing.assert_array_equal(got[name], array, err_msg=name)

@@ -25,10 +25,14 @@ def _groups(rng: np.random.Generator, num_groups: int, group_size: int) -> list[
             prompt_id=f"p{g}", text="", reference=None), prompt_ids=prompt, admitted_version=0)
         for i in range(group_size):
             n = int(rng.integers(1, 40))
+            ids, logprobs, versions = (rng.integers(0, 50, n), -rng.random(n),
+                                       np.sort(rng.integers(0, 3, n)))
+            if i % 2:  # a rollout worker's dtypes: the trajectory keeps the arrays uncopied
+                ids, logprobs, versions = (ids.astype(np.int32), logprobs.astype(np.float32),
+                                           versions.astype(np.int32))
             trajectory = Trajectory.from_generation(
-                prompt_id=f"p{g}", group_id=g, prompt_ids=prompt,
-                output_ids=rng.integers(0, 50, n), output_logprobs=-rng.random(n),
-                output_versions=np.sort(rng.integers(0, 3, n)),
+                prompt_id=f"p{g}", group_id=g, prompt_ids=prompt, output_ids=ids,
+                output_logprobs=logprobs, output_versions=versions,
                 finish_reason=str(rng.choice(["stop", "length"])))
             trajectory.reward = float(rng.integers(0, 2))
             group.samples.append(Sample(group_id=g, index=i, stage=Stage.DONE,
