@@ -189,6 +189,8 @@ class Bench:
         """Each table's result, in order: made one after the other with one job, else all at
         once (each in a thread that waits for its simulations from the worker processes).
         Tables of measured simulations go in a call of their own, after the others are done."""
+        if not makers:  # e.g. --only f: no table of unmeasured simulations
+            return []
         if self._pool is None:
             done = []
             for make in makers:

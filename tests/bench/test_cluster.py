@@ -129,3 +129,11 @@ def test_the_longest_queued_simulation_starts_first_and_measured_ones_last(clust
                        (True, 8000)]
     assert all(run.done() for run in runs)
     bench.close()
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_no_tables_is_no_work(cluster_bench, jobs):
+    """`--only f` asks for no table of unmeasured simulations: nothing to make, no error."""
+    bench = cluster_bench.Bench(quick=True, seed=1, jobs=jobs)
+    assert bench.tables([]) == []
+    bench.close()
