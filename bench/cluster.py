@@ -234,7 +234,8 @@ def default_jobs() -> int:
 
 SIM_MEMORY_GB = 6
 """A simulation's peak memory, with margin: the largest (512 prompts x 16 answers, async, 512
-accelerators) peaked at 4.8 GB in table (f)."""
+accelerators) peaked at 4.8 GB in table (f), 2.4 GB since trajectories keep the messages'
+arrays (README, table f)."""
 
 
 def _lines(head: str, rows: list[str]) -> str:
