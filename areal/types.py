@@ -191,25 +191,13 @@ class Trajectory:
 
     def oldest_version(self) -> int:
         """Version of the oldest policy that sampled any token (staleness = current - this)."""
-        if self._parts is not None:  # the prompt is all PROMPT_VERSION: the completion's
-            completion = self._parts[3]
-            if len(completion):
-                least = completion.min()
-                if least != PROMPT_VERSION:
-                    return int(least)
-            sampled = completion[completion != PROMPT_VERSION]
-            return int(sampled.min()) if len(sampled) else PROMPT_VERSION
+        if self._parts is not None:  # kept apart: the prompt is all PROMPT_VERSION
+            return _oldest_sampled(self._parts[3])
         versions = self._joined[2]
-        # Most trajectories: a prompt of PROMPT_VERSION only and a completion without it
-        # (not an episode), whose least version is the answer. Three reductions instead of a
-        # mask and a copy of every token (the controller asks for each trained trajectory).
-        prompt, completion = versions[:self.num_prompt_tokens], versions[self.num_prompt_tokens:]
-        if len(prompt) and len(completion) and prompt.min() == prompt.max() == PROMPT_VERSION:
-            least = completion.min()
-            if least != PROMPT_VERSION:
-                return int(least)
-        sampled = versions[versions != PROMPT_VERSION]
-        return int(sampled.min()) if len(sampled) else PROMPT_VERSION
+        prompt = versions[:self.num_prompt_tokens]
+        if prompt.min() == prompt.max() == PROMPT_VERSION:  # all but episodes' built ones
+            return _oldest_sampled(versions[self.num_prompt_tokens:])
+        return _oldest_sampled(versions)
 
     def _write(self, start: int, token_ids: np.ndarray, logprobs: np.ndarray,
                versions: np.ndarray, loss_mask: np.ndarray, trained: bool) -> None:
@@ -228,6 +216,19 @@ class Trajectory:
         logprobs[mid:end], versions[mid:end] = out_logprobs, out_versions
         if trained:
             loss_mask[mid:end] = True if mask is None else mask
+
+
+def _oldest_sampled(versions: np.ndarray) -> int:
+    """The least version in `versions` other than PROMPT_VERSION (PROMPT_VERSION if none).
+    A completion without observation tokens holds no PROMPT_VERSION: its least is the
+    answer, one reduction instead of a mask and a copy of every token (the controller asks
+    for each trained trajectory)."""
+    if len(versions):
+        least = versions.min()
+        if least != PROMPT_VERSION:
+            return int(least)
+    sampled = versions[versions != PROMPT_VERSION]
+    return int(sampled.min()) if len(sampled) else PROMPT_VERSION
 
 
 def _check_num_prompt(prompt_id: str, num_prompt_tokens: int, num_tokens: int) -> None:

@@ -18,8 +18,9 @@ simulated rollout and trainer workers on a virtual clock, with durations from th
 
 (a) and (b) run the paper's batch (512 prompts x 16 answers, up to 27,648 tokens); (c)-(e)
 run a quarter of it (128 x 16) on a quarter of (a)'s 1.5B cluster (32 accelerators), the
-same load per accelerator, so that the full bench fits its time budget. Each table is
-printed as soon as it is done. Plots of (b) and (e) go to OUT (bench/results/cluster).
+same load per accelerator, so that the full bench fits its time budget. The tables are
+printed in order once their simulations are done. Plots of (b) and (e) go to OUT
+(bench/results/cluster).
 Then
 
     g. the check against this machine (bench/calibration.py): measure the torch engine and

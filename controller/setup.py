@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from areal.config import RunConfig, config_to_dict, config_to_yaml
+from areal.models.tokenizer import load_tokenizer
 from areal.tasks import Prompt, Task, load_task
 from areal.tasks.environment import Environment, load_environment
 from areal.types import PackedBatch
@@ -145,8 +146,6 @@ def prepare_run(cfg: RunConfig) -> RunSetup:
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
     (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
     task = load_task(cfg.task.name, cfg.task.params)
-    from areal.models.tokenizer import load_tokenizer  # transformers: 3 s to import, real runs only
-
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path,
                                trust_remote_code=cfg.model.trust_remote_code,
                                cache_dir=cfg.cache_dir)

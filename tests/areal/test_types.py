@@ -94,7 +94,6 @@ def test_oldest_version_is_the_least_version_that_is_not_a_prompts(seed):
         assert t.oldest_version() == _oldest_by_definition(t), versions.tolist()
 
 
-
 def _both_forms(rng: np.random.Generator, episode: bool) -> tuple[Trajectory, Trajectory]:
     """The same completion built twice: from arrays of the trajectory's own dtypes (kept as
     they came) and from lists (copied into [T] arrays)."""
