@@ -7,7 +7,9 @@ Checked on what the trainer was sent (logging.save_batches) and what it reported
 observation tokens are in the context but never trained (loss mask False, version -1,
 log-prob 0, and the trainer's loss-token count excludes them); every model token's
 behaviour log-prob equals the trainer-side recomputation under the weights of its own
-version, with the observations in the context; failures are outcomes, never lost episodes.
+version, with the observations in the context (one kind of episode waits for a weight
+update between its turns, so some episode always spans versions); failures are outcomes,
+never lost episodes.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def _config(run_dir: Path, model_dir: str, steps: int):
         f"model.path={model_dir}", f"run_dir={run_dir}", "task.name=letter_task:LetterTask",
         "task.params.num_eval=5",
         "episode.environment=episode_env:SandboxScriptEnvironment", "episode.max_turns=3",
+        f"episode.params.weights_dir={run_dir / 'weights'}",
         "episode.max_turn_tokens=24", "rollout.max_new_tokens=300",
         f"trainer.total_steps={steps}", f"trainer.batch_size={BATCH}", f"task.group_size={GROUP}",
         "staleness.eta=1", "trainer.checkpoint_every=2", "trainer.lr=1e-2",
