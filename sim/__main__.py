@@ -46,8 +46,9 @@ def report(result: SimResult) -> str:
         f"  trained tokens/s   {result.trained_tokens_per_s:10.0f}",
         f"  generated tokens/s {result.generated_tokens_per_s:10.0f}",
         f"  staleness          {result.staleness} (max {result.max_staleness})",
-        f"  interruptions      {result.interruptions} (trajectories with several versions: "
-        f"{result.multi_version_trajectories})",
+        f"  interruptions      {result.interruptions} reported by completions received "
+        f"(trajectories with several versions: {result.multi_version_trajectories}); "
+        f"{result.interrupted_in_window} sequences interrupted in the measured steps",
         f"  controller CPU     {result.controller_cpu_s_per_step:.3f} s per step = "
         f"{result.controller_share:.1%} of the step; simulated in {result.wall_s:.0f} s",
     ])

@@ -308,6 +308,7 @@ class SimRollout(SimWorker):
                 self.waiting.append(seq)
             seq.interruptions += 1
             interrupted += 1
+        self.env.interrupted[0] += interrupted
         self.waiting.sort(key=lambda s: not s.started)  # resubmitted first, in order
         self._set_busy(False)
         load = 0.0 if self.env.colocated else self.env.cost.weight_load_s(self.tp)

@@ -62,6 +62,10 @@ class SimResult:
     """Trained trajectories by staleness (version trained at - oldest token version)."""
     max_staleness: int
     interruptions: int
+    """Interruptions reported by the completions the controller received (in every step)."""
+    interrupted_in_window: int
+    """Sequences interrupted by weight updates in the measured steps, finished or not (a
+    short run ends with interrupted sequences whose completions never came back)."""
     multi_version_trajectories: int
     """Trained trajectories whose tokens come from more than one policy version."""
     trained_group_ids: list[int]
@@ -88,17 +92,22 @@ class SimResult:
         return asdict(self)
 
 
+Mark = tuple[float, float, int, dict[str, float], int]
+"""(controller CPU s, process CPU s, generated tokens, CPU s by coroutine, sequences
+interrupted) at one moment of a run."""
+
+
 async def _drive(ctl: Controller, accounts: CpuAccounts, env: SimEnv
-                 ) -> tuple[dict[str, Any], list[dict[str, Any]], list[tuple[float, float, int]]]:
-    """Run the controller; returns its summary, its records and, per step, (controller CPU
-    s, process CPU s, generated tokens) when the step record appeared."""
+                 ) -> tuple[dict[str, Any], list[dict[str, Any]], list[Mark]]:
+    """Run the controller; returns its summary, its records and, when each step record
+    appeared, a Mark."""
     accounts.install(asyncio.get_running_loop())
     run = asyncio.create_task(ctl.run())
     records, marks = [], []
 
-    def mark() -> tuple[float, float, int, dict[str, float]]:
+    def mark() -> Mark:
         return (accounts.cpu_s[CONTROLLER], time.process_time(), env.generated_tokens[0],
-                dict(accounts.by_coroutine))
+                dict(accounts.by_coroutine), env.interrupted[0])
 
     start = mark()
     watchdog = asyncio.create_task(_watchdog(ctl, records))
@@ -160,7 +169,7 @@ def simulate(sim: SimConfig, console: io.TextIOBase | None = None,
 
 
 def _result(sim: SimConfig, summary: dict[str, Any], steps: list[dict[str, Any]],
-            marks: list[tuple[float, float, int]], ctl: Controller, env: SimEnv,
+            marks: list[Mark], ctl: Controller, env: SimEnv,
             accounts: CpuAccounts, wall_s: float) -> SimResult:
     if len(steps) != sim.steps:
         raise RuntimeError(f"the simulated run trained {len(steps)} of {sim.steps} steps")
@@ -185,6 +194,7 @@ def _result(sim: SimConfig, summary: dict[str, Any], steps: list[dict[str, Any]]
         step_times=times[1:], staleness=dict(sorted(staleness.items(), key=lambda kv: int(kv[0]))),
         max_staleness=max(int(k) for k in staleness),
         interruptions=int(sum(r["rollout/interruptions"] for r in steps)),
+        interrupted_in_window=marks[last][4] - marks[first][4],
         multi_version_trajectories=env.multi_version,
         trained_group_ids=list(ctl.ledger.trained_group_ids),
         controller_cpu_s_per_step=cpu / (last - first),

@@ -34,6 +34,7 @@ def async_run():
 def test_interrupts_sequences_keeps_the_bound_and_trains_every_group_once(async_run):
     r = async_run
     assert r.interruptions > 0
+    assert r.interrupted_in_window > 0  # counted when they happen, finished or not
     assert r.multi_version_trajectories > 0  # tokens of one trajectory from several versions
     # The bound holds at admission (DESIGN.md section 5): N_r <= (i + eta + 1) * B. Token
     # staleness may exceed eta (batches are taken in finishing order, not admission order).
@@ -49,7 +50,8 @@ def test_interrupts_sequences_keeps_the_bound_and_trains_every_group_once(async_
 
 def test_the_same_seed_gives_the_same_timeline(async_run):
     again = simulate(sim_config(mode="async", eta=2, **SMALL))
-    for field in ("step_times", "staleness", "interruptions", "trained_group_ids",
+    for field in ("step_times", "staleness", "interruptions", "interrupted_in_window",
+                  "trained_group_ids",
                   "generated_tokens_per_s", "multi_version_trajectories"):
         assert getattr(again, field) == getattr(async_run, field), field
     # encoding every message on the wire costs real time, never simulated time
@@ -81,7 +83,21 @@ def test_sync_colocated_run_never_interrupts_and_is_on_policy():
     r = simulate(sim_config(mode="sync", placement="colocated", **dict(SMALL, steps=3,
                                                                        measure_from=1)))
     assert r.interruptions == 0 and r.multi_version_trajectories == 0
+    assert r.interrupted_in_window == 0
     assert r.max_staleness == 0
+
+
+def test_interruptions_count_sequences_that_never_finished():
+    """A short run with long completions: updates interrupt sequences that are still
+    running when it ends, so no completion received reports them (bench/cluster.py's quick
+    table d); the simulated servers count them. Without interruption, updates drain."""
+    base = dict(num_accelerators=32, num_prompts=32, group_size=8, max_new_tokens=8192,
+                num_minibatches=2, steps=4, measure_from=2, seed=1, mode="async", eta=8)
+    on = simulate(sim_config(interrupt=True, **base))
+    off = simulate(sim_config(interrupt=False, **base))
+    assert on.interruptions == 0 < on.interrupted_in_window
+    assert off.interruptions == off.interrupted_in_window == 0
+    assert on.generated_tokens_per_s > off.generated_tokens_per_s
 
 
 @pytest.mark.parametrize("overrides, message", [
