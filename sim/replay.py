@@ -18,7 +18,6 @@ takes, except the latency, given as a parameter).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from areal.controller.setup import saved_batch_path
+from areal.records import read_records
 from areal.sim.workload import Workload
 
 
@@ -64,13 +64,13 @@ class ReplayWorkload(Workload):
                  ) -> "ReplayWorkload":
         """The lengths of a real run's trained batches (it ran with logging.save_batches)."""
         run_dir = Path(run_dir)
-        steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-                 if line.strip()]
-        steps = [r for r in steps if r.get("kind") == "step"]
+        # The run's history: a resumed run's superseded steps were trained again (their
+        # saved batches are the later ones), and a torn last line is skipped.
+        steps = [r for r in read_records(run_dir) if r.get("kind") == "step"]
         completions: dict[int, tuple[int, ...]] = {}
         prompts: dict[int, int] = {}
-        for index, record in enumerate(steps, start=1):
-            path = saved_batch_path(run_dir, index)
+        for record in steps:
+            path = saved_batch_path(run_dir, int(record["step"]))
             if not path.is_file():
                 raise ValueError(f"{path} is missing: replaying a run needs every trained "
                                  "batch; run it with logging.save_batches=true")

@@ -166,7 +166,7 @@ def test_replay_gives_the_real_lengths_by_draw_position(tmp_path):
     (tmp_path / "batches").mkdir()
     np.savez(tmp_path / "batches" / "step_000001.npz",
              **_saved_batch({300: [(5, 10), (5, 2)], 301: [(9, 4), (9, 40)]}))
-    records = [{"kind": "eval"}, {"kind": "step", "rollout/trained_positions": [1, 0]}]
+    records = [{"kind": "eval"}, {"kind": "step", "step": 1, "rollout/trained_positions": [1, 0]}]
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records))
     workload = ReplayWorkload.from_run(tmp_path, reward_latency_s=0.001)
     assert workload.completion_tokens(1, "0", 384) == 10
@@ -179,9 +179,26 @@ def test_replay_gives_the_real_lengths_by_draw_position(tmp_path):
     assert workload.completion_tokens(5, "3", 384) == unseen
 
 
+def test_replay_reads_a_resumed_run_as_its_history(tmp_path):
+    """Step 2 was trained, the run resumed from step 1's checkpoint and trained step 2 again
+    (its batch file is the second one); the last line was torn by a kill."""
+    (tmp_path / "batches").mkdir()
+    np.savez(tmp_path / "batches" / "step_000001.npz", **_saved_batch({0: [(5, 10)]}))
+    np.savez(tmp_path / "batches" / "step_000002.npz", **_saved_batch({1: [(6, 20)]}))
+    records = [{"kind": "step", "step": 1, "rollout/trained_positions": [0]},
+               {"kind": "step", "step": 2, "rollout/trained_positions": [1]},
+               {"kind": "event", "event": "resumed", "step": 1, "version": 1},
+               {"kind": "step", "step": 2, "rollout/trained_positions": [2]}]
+    (tmp_path / "metrics.jsonl").write_text(
+        "\n".join(json.dumps(r) for r in records) + '\n{"kind": "st')
+    workload = ReplayWorkload.from_run(tmp_path, reward_latency_s=0.001)
+    assert workload.completions == {0: (10,), 2: (20,)}
+    assert workload.prompts == {0: 5, 2: 6}
+
+
 def test_replay_refuses_a_run_without_saved_batches(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps(
-        {"kind": "step", "rollout/trained_positions": [0]}))
+        {"kind": "step", "step": 1, "rollout/trained_positions": [0]}))
     with pytest.raises(ValueError, match="logging.save_batches=true"):
         ReplayWorkload.from_run(tmp_path, reward_latency_s=0.001)
 
