@@ -27,6 +27,9 @@ Then
        trainer, fit the cost model, predict bench/speedup.py's sync and async wall times
        and compare with real runs (OUT/calibration)
 
+    s. (only with --only s) what `staleness.strict` costs: async runs of (e) with and
+       without it, trained throughput, largest staleness and the groups it dropped
+
 `--only TABLES` runs some of them (e.g. `--only f`: the controller's cost alone). `--quick`
 runs a small subset of a-f on small clusters and batches (a smoke run), without (g) unless
 asked. `--calibrate` runs only (g) (`--calibrate --quick`: its smoke run; OUT defaults to
@@ -349,6 +352,30 @@ def table_e(bench: Bench) -> tuple[str, list[float]]:
         f"{sync.trained_tokens_per_s:.0f} tok/s)", tput
 
 
+STRICT_ETAS = [1, 2, 4]
+
+
+def table_s(bench: Bench) -> str:
+    """What `staleness.strict` costs: the same async runs as (e), with and without it."""
+    n = ABLATION_ACCELERATORS
+    etas = STRICT_ETAS[:2] if bench.quick else STRICT_ETAS
+    runs = [(eta, bench.start("async", ablation=True, num_accelerators=n, eta=eta),
+             bench.start("async", ablation=True, num_accelerators=n, eta=eta, strict=True))
+            for eta in etas]
+    rows = []
+    for eta, loose_run, strict_run in runs:
+        loose, strict = loose_run.result(), strict_run.result()
+        rows.append(f"{eta:>5} {loose.trained_tokens_per_s:>11.0f} {strict.trained_tokens_per_s:>11.0f} "
+                    f"{strict.trained_tokens_per_s / loose.trained_tokens_per_s:>7.2f}x "
+                    f"{loose.max_staleness:>6} {strict.max_staleness:>6} "
+                    f"{strict.dropped_groups:>8} {strict.dropped_tokens:>12}")
+    return _lines(f"{'eta':>5} {'tok/s':>11} {'strict':>11} {'ratio':>8} {'stale':>6} "
+                  f"{'strict':>6} {'dropped':>8} {'dropped tok':>12}", rows) + \
+        f"\n(1.5B, {n} accelerators, {_batch(bench)}, async with a 3/4 generation split; " \
+        "stale: the largest trained staleness; dropped: groups too stale to train and their " \
+        "generated tokens, over the whole run)"
+
+
 def table_f(bench: Bench) -> str:
     counts = scale_counts(bench)
     runs = [(n, mode, _scale_run(bench, mode, n)) for n in counts for mode in ("sync", "async")]
@@ -396,6 +423,7 @@ TABLES = {
     "d": ("interruptible generation", table_d, False, False),
     "e": ("throughput vs eta", table_e, True, False),
     "f": ("the controller's own cost", table_f, False, True),
+    "s": ("what staleness.strict costs (not in the default run)", table_s, False, False),
 }
 """Letter: (title, the function printing it, whether it also returns data to plot, whether its
 simulations are measured: run through the codec (`wire`), one at a time; (b) shares (f)'s)."""
@@ -407,7 +435,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--only", default=None,
                         help="the tables to run, e.g. f (the controller's cost alone); "
-                             "default a-g (a-f with --quick)")
+                             "default a-g (a-f with --quick); s (the cost of "
+                             "staleness.strict) only when asked")
     parser.add_argument("--calibrate", action="store_true",
                         help="the same as --only g: only the check of the simulator against "
                              "real runs on this machine")
@@ -422,8 +451,8 @@ def main() -> int:
         parser.error(f"--jobs={args.jobs}: at least 1")
     default = "abcdef" if args.quick else "abcdefg"
     only = "g" if args.calibrate else args.only or default
-    if set(only) - set("abcdefg"):
-        parser.error(f"--only={only!r}: letters among a-g, e.g. --only f")
+    if set(only) - set("abcdefgs"):
+        parser.error(f"--only={only!r}: letters among a-g and s, e.g. --only f")
     if only == "g":
         text = calibrate(args.quick, args.out or Path("bench/results/calibration"))
         print(f"{CALIBRATION_TITLE}\n{text}")

@@ -49,6 +49,8 @@ def report(result: SimResult) -> str:
         f"  interruptions      {result.interruptions} reported by completions received "
         f"(trajectories with several versions: {result.multi_version_trajectories}); "
         f"{result.interrupted_in_window} sequences interrupted in the measured steps",
+        f"  dropped            {result.dropped_groups} groups, {result.dropped_tokens} tokens "
+        f"generated for nothing",
         f"  controller CPU     {result.controller_cpu_s_per_step:.3f} s per step = "
         f"{result.controller_share:.1%} of the step; simulated in {result.wall_s:.0f} s",
     ])

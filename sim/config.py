@@ -41,6 +41,9 @@ class SimConfig:
     rollout_tp: int = opt(1, "accelerators per rollout server (tensor parallel)")
     eta: int | None = opt(4, "staleness bound of async mode; null: unbounded")
     interrupt: bool = opt(True, "async mode: interrupt generation for new weights")
+    strict: bool = opt(False, "async mode: the controller's staleness.strict (no trained "
+                       "token more than eta versions old; groups that cannot make it are "
+                       "dropped and generated again)")
     num_prompts: int = opt(512, "prompts per training step")
     group_size: int = opt(16, "samples per prompt")
     max_new_tokens: int = opt(27648, "longest completion")
@@ -130,7 +133,7 @@ class SimConfig:
             f"rollout.num_workers={self.num_rollout_workers}",
             f"rollout.max_new_tokens={self.max_new_tokens}",
             f"rollout.max_concurrent={per_worker}", f"rollout.interrupt={self.interrupt}",
-            f"staleness.eta={eta}",
+            f"staleness.eta={eta}", f"staleness.strict={self.strict}",
             # Reward checks run on CPUs beside the accelerators: one worker (256 checks at
             # once) per 8 nodes is never the bottleneck here.
             f"reward.num_workers={math.ceil(num_nodes / 8)}", "reward.max_concurrency=256",

@@ -68,6 +68,10 @@ class SimResult:
     short run ends with interrupted sequences whose completions never came back)."""
     multi_version_trajectories: int
     """Trained trajectories whose tokens come from more than one policy version."""
+    dropped_groups: int
+    """Groups dropped and never trained, over the whole run (staleness.strict: too stale)."""
+    dropped_tokens: int
+    """Their generated tokens: generation spent on nothing."""
     trained_group_ids: list[int]
     controller_cpu_s_per_step: float
     """Real CPU seconds the controller spent per simulated step (steady state)."""
@@ -196,6 +200,8 @@ def _result(sim: SimConfig, summary: dict[str, Any], steps: list[dict[str, Any]]
         interruptions=int(sum(r["rollout/interruptions"] for r in steps)),
         interrupted_in_window=marks[last][4] - marks[first][4],
         multi_version_trajectories=env.multi_version,
+        dropped_groups=int(sum(r["rollout/dropped_groups"] for r in steps)),
+        dropped_tokens=int(sum(r["rollout/dropped_tokens"] for r in steps)),
         trained_group_ids=list(ctl.ledger.trained_group_ids),
         controller_cpu_s_per_step=cpu / (last - first),
         controller_cpu_by_loop={k.removeprefix("Controller."): v for k, v in sorted(

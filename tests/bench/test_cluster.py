@@ -137,3 +137,17 @@ def test_no_tables_is_no_work(cluster_bench, jobs):
     bench = cluster_bench.Bench(quick=True, seed=1, jobs=jobs)
     assert bench.tables([]) == []
     bench.close()
+
+
+def test_strict_table_compares_the_same_runs_with_and_without_strict(cluster_bench, monkeypatch):
+    calls = []
+    real = cluster_bench.simulate
+    monkeypatch.setattr(cluster_bench, "simulate", lambda config: calls.append(config) or real(config))
+    bench = cluster_bench.Bench(quick=True, seed=1, jobs=1)
+    table = cluster_bench.table_s(bench)
+    rows = [line.split() for line in table.splitlines()[2:4]]
+    assert [row[0] for row in rows] == ["1", "2"]
+    for row in rows:  # the ratio is of the two throughputs printed beside it
+        assert float(row[3].rstrip("x")) == pytest.approx(float(row[2]) / float(row[1]), abs=0.006)
+    assert [(c.eta, c.strict) for c in calls] == [(1, False), (1, True), (2, False), (2, True)]
+    assert all(c.mode == "async" for c in calls)

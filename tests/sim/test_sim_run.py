@@ -87,6 +87,17 @@ def test_sync_colocated_run_never_interrupts_and_is_on_policy():
     assert r.max_staleness == 0
 
 
+def test_strict_staleness_holds_the_bound_on_trained_tokens_by_dropping_groups():
+    loose = simulate(sim_config(mode="async", eta=1, **SMALL))
+    strict = simulate(sim_config(mode="async", eta=1, strict=True, **SMALL))
+    assert loose.max_staleness > 1 and loose.dropped_groups == loose.dropped_tokens == 0
+    assert strict.max_staleness <= 1
+    assert strict.dropped_groups > 0 and strict.dropped_tokens > 0
+    # every step still trains a full batch of distinct groups
+    assert len(strict.trained_group_ids) == len(set(strict.trained_group_ids)) \
+        == SMALL["steps"] * SMALL["num_prompts"]
+
+
 def test_interruptions_count_sequences_that_never_finished():
     """A short run with long completions: updates interrupt sequences that are still
     running when it ends, so no completion received reports them (bench/cluster.py's quick
