@@ -535,7 +535,7 @@ class Controller(FaultRepairs):
         while True:
             await self.changed.wait_for(
                 lambda: self._admission_open and not self._stopping
-                and self.staleness.capacity(self.version) >= size)
+                and self.staleness.capacity(self.version) >= size, at_notify=True)
             position, prompt, prompt_ids = await self._setup.next_train_prompt()
             self.staleness.admit(size, self.version)
             group = self.ledger.add_group(prompt, prompt_ids, size, self.version,
