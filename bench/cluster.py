@@ -365,7 +365,8 @@ def table_s(bench: Bench) -> str:
     rows = []
     for eta, loose_run, strict_run in runs:
         loose, strict = loose_run.result(), strict_run.result()
-        rows.append(f"{eta:>5} {loose.trained_tokens_per_s:>11.0f} {strict.trained_tokens_per_s:>11.0f} "
+        rows.append(f"{eta:>5} {loose.trained_tokens_per_s:>11.0f} "
+                    f"{strict.trained_tokens_per_s:>11.0f} "
                     f"{strict.trained_tokens_per_s / loose.trained_tokens_per_s:>7.2f}x "
                     f"{loose.max_staleness:>6} {strict.max_staleness:>6} "
                     f"{strict.dropped_groups:>8} {strict.dropped_tokens:>12}")

@@ -142,7 +142,8 @@ def test_no_tables_is_no_work(cluster_bench, jobs):
 def test_strict_table_compares_the_same_runs_with_and_without_strict(cluster_bench, monkeypatch):
     calls = []
     real = cluster_bench.simulate
-    monkeypatch.setattr(cluster_bench, "simulate", lambda config: calls.append(config) or real(config))
+    monkeypatch.setattr(cluster_bench, "simulate",
+                        lambda config: calls.append(config) or real(config))
     bench = cluster_bench.Bench(quick=True, seed=1, jobs=1)
     table = cluster_bench.table_s(bench)
     rows = [line.split() for line in table.splitlines()[2:4]]
