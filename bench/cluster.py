@@ -225,6 +225,8 @@ def _simulate(config: SimConfig) -> SimResult:
     settings = {k: v for k, v in dataclasses.asdict(config).items()
                 if k in ("eta", "interrupt", "max_new_tokens") and (k == "max_new_tokens"
                                                                     or config.mode == "async")}
+    if config.strict:  # table (s): otherwise the same line as its non-strict run
+        settings["strict"] = True
     print(f"  simulated {config.model} {config.mode} x{config.num_accelerators} {settings} "
           f"in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     return result
