@@ -53,6 +53,9 @@ def report(result: SimResult) -> str:
         f"generated for nothing",
         f"  controller CPU     {result.controller_cpu_s_per_step:.3f} s per step = "
         f"{result.controller_share:.1%} of the step; simulated in {result.wall_s:.0f} s",
+        *([] if result.controller_alone_cpu_s_per_step is None else [
+            f"  controller alone   {result.controller_alone_cpu_s_per_step:.3f} s per step = "
+            f"{result.controller_alone_share:.1%} (its messages replayed, sim/alone.py)"]),
     ])
 
 

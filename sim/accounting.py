@@ -16,7 +16,7 @@ import asyncio
 import collections.abc
 import contextvars
 import time
-from typing import Any, Coroutine
+from typing import Any, Callable, Coroutine
 
 CONTROLLER, WORKERS = "controller", "workers"
 _OWNER: contextvars.ContextVar[str] = contextvars.ContextVar("areal_sim_owner",
@@ -31,6 +31,11 @@ class CpuAccounts:
     def __init__(self) -> None:
         self.cpu_s = {CONTROLLER: 0.0, WORKERS: 0.0}
         self.by_coroutine: dict[str, float] = {}
+        self.controller_steps = 0
+        """Steps the controller's tasks have taken: where in its own work a message arrived
+        (sim/alone.py replays messages at the same places)."""
+        self.after_controller_step: Callable[[], None] | None = None
+        """Called after each of them, outside the time measured."""
 
     def install(self, loop: asyncio.AbstractEventLoop) -> None:
         loop.set_task_factory(self._factory)
@@ -60,9 +65,13 @@ class _Timed(collections.abc.Coroutine):
 
     def _add(self, seconds: float) -> None:
         self._accounts.cpu_s[self._owner] += seconds
-        if self._name is not None:
-            by = self._accounts.by_coroutine
-            by[self._name] = by.get(self._name, 0.0) + seconds
+        if self._name is not None:  # the controller's
+            accounts = self._accounts
+            accounts.by_coroutine[self._name] = accounts.by_coroutine.get(self._name, 0.0) \
+                + seconds
+            accounts.controller_steps += 1
+            if accounts.after_controller_step is not None:
+                accounts.after_controller_step()
 
     def send(self, value: Any) -> Any:
         start = time.process_time()

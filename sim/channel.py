@@ -29,8 +29,10 @@ class SimRouter:
 
     address = ADDRESS
 
-    def __init__(self, wire: bool = True) -> None:
+    def __init__(self, wire: bool = True, recorder: Any = None) -> None:
         self.wire = wire
+        self.recorder = recorder
+        """Sees every message in and out as frames (sim/alone.py's Recording); wire only."""
         self._inbox: asyncio.Queue[tuple[bytes, Any]] = asyncio.Queue()
         self._peers: dict[bytes, SimDealer] = {}
 
@@ -53,8 +55,17 @@ class SimRouter:
         peer = self._peers.get(identity)
         if peer is None or peer.closed:
             return False
-        peer._inbox.put_nowait(encode(msg) if self.wire else msg)
+        payload = encode(msg) if self.wire else msg
+        if self.recorder is not None:
+            self.recorder.sent(identity, payload)
+        peer._inbox.put_nowait(payload)
         return True
+
+    def deliver(self, identity: bytes, payload: Any) -> None:
+        """A message from the worker `identity` arrives."""
+        if self.recorder is not None:
+            self.recorder.received(identity, payload)
+        self._inbox.put_nowait((identity, payload))
 
     def close(self) -> None:
         for peer in self._peers.values():
@@ -77,7 +88,7 @@ class SimDealer:
     async def send(self, msg: Any) -> None:
         if self.closed:
             return
-        self.router._inbox.put_nowait((self.identity, encode(msg) if self.router.wire else msg))
+        self.router.deliver(self.identity, encode(msg) if self.router.wire else msg)
 
     def close(self) -> None:
         self.closed = True

@@ -59,6 +59,9 @@ class SimConfig:
     seed: int = opt(1, "seed of prompt and completion lengths and rewards")
     wire: bool = opt(True, "encode and decode every message as on the wire (msgpack + raw "
                      "frames), so the controller pays its real decoding cost")
+    measure_alone: bool = opt(False, "also measure the controller's CPU cost alone: replay "
+                              "the messages it received to a fresh controller with no "
+                              "simulated worker beside it (sim/alone.py; needs wire)")
     costs: str | None = opt(None, "cost parameter file; null: the shipped sim/costs.yaml")
     run_dir: str | None = opt(None, "where the simulated run writes metrics.jsonl; null: a "
                               "temporary directory")
@@ -72,6 +75,9 @@ class SimConfig:
         if not 0 <= self.measure_from < self.steps:
             raise ConfigError(f"measure_from={self.measure_from} must be in [0, steps="
                               f"{self.steps}): at least one step is measured")
+        if self.measure_alone and not self.wire:
+            raise ConfigError("measure_alone=true replays the messages as frames: it needs "
+                              "wire=true")
         if self.eta is not None and self.eta < 0:
             raise ConfigError(f"eta={self.eta!r} must be >= 0 or null (unbounded)")
         if self.placement == "colocated" and self.mode != "sync":

@@ -30,6 +30,7 @@ from areal.config import load_config
 from areal.controller import Controller
 
 from areal.sim.accounting import CONTROLLER, WORKERS, CpuAccounts
+from areal.sim.alone import Alone, Recording, replay
 from areal.sim.config import SimConfig
 from areal.sim.cost import cost_model, load_costs
 from areal.sim.loop import SimulationStalled, run_virtual
@@ -79,6 +80,10 @@ class SimResult:
     """The controller's CPU seconds per step by coroutine (its loops and handlers' tasks)."""
     trajectories_per_cpu_s: float
     """Trajectories the controller handles per second of its own CPU time."""
+    controller_alone_cpu_s_per_step: float | None
+    """The same, measured on a controller alone, its messages replayed (sim/alone.py):
+    what a controller on a core of its own spends (measure_alone; else None)."""
+    controller_alone_by_loop: dict[str, float]
     worker_cpu_s: float
     """CPU seconds inside the simulated workers' tasks over the whole run."""
     process_cpu_s_per_step: float
@@ -91,6 +96,12 @@ class SimResult:
     def controller_share(self) -> float:
         """Controller CPU time per step over the simulated step time."""
         return self.controller_cpu_s_per_step / self.step_s if self.step_s else float("inf")
+
+    @property
+    def controller_alone_share(self) -> float | None:
+        """The same for the controller alone (None if not measured)."""
+        alone = self.controller_alone_cpu_s_per_step
+        return None if alone is None else alone / self.step_s if self.step_s else float("inf")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -165,16 +176,25 @@ def simulate(sim: SimConfig, console: io.TextIOBase | None = None,
                      rollout_tp=sim.rollout_tp,
                      colocated=sim.placement == "colocated",
                      num_trainer_ranks=sim.num_trainer_ranks)
-        ctl = Controller(cfg, runtime=SimRuntime(env, sim.wire))
-        stack.enter_context(contextlib.redirect_stdout(console or io.StringIO()))
-        summary, records, marks = run_virtual(lambda: _drive(ctl, accounts, env), VIRTUAL_LIMIT_S)
+        recording = Recording(accounts, lambda: asyncio.get_running_loop().time()) \
+            if sim.measure_alone else None
+        ctl = Controller(cfg, runtime=SimRuntime(env, sim.wire, recording))
+        with contextlib.redirect_stdout(console or io.StringIO()):
+            summary, records, marks = run_virtual(lambda: _drive(ctl, accounts, env),
+                                                  VIRTUAL_LIMIT_S)
+        alone = None
+        if recording is not None:
+            replay_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="alone-")))
+            alone = replay(sim.to_run_overrides, env, recording, _drive, run_virtual,
+                           VIRTUAL_LIMIT_S, replay_dir)
     steps = [r for r in records if r["kind"] == "step"]
-    return _result(sim, summary, steps, marks, ctl, env, accounts, time.perf_counter() - wall)
+    return _result(sim, summary, steps, marks, ctl, env, accounts, time.perf_counter() - wall,
+                   alone)
 
 
 def _result(sim: SimConfig, summary: dict[str, Any], steps: list[dict[str, Any]],
             marks: list[Mark], ctl: Controller, env: SimEnv,
-            accounts: CpuAccounts, wall_s: float) -> SimResult:
+            accounts: CpuAccounts, wall_s: float, alone: Alone | None) -> SimResult:
     if len(steps) != sim.steps:
         raise RuntimeError(f"the simulated run trained {len(steps)} of {sim.steps} steps")
     times = [0.0] + [r["perf/train_elapsed_s"] for r in steps]
@@ -184,8 +204,8 @@ def _result(sim: SimConfig, summary: dict[str, Any], steps: list[dict[str, Any]]
     step_s = window / (last - first)
     cpu = marks[last][0] - marks[first][0]
     process_cpu = marks[last][1] - marks[first][1]
-    by_loop = {name: (seconds - marks[first][3].get(name, 0.0)) / (last - first)
-               for name, seconds in marks[last][3].items()}
+    alone_cpu = None if alone is None else \
+        (alone.marks[last][0] - alone.marks[first][0]) / (last - first)
     staleness: collections.Counter = collections.Counter()
     for r in steps:
         staleness.update({k: int(v) for k, v in r["staleness/hist"].items()})
@@ -204,13 +224,22 @@ def _result(sim: SimConfig, summary: dict[str, Any], steps: list[dict[str, Any]]
         dropped_tokens=int(sum(r["rollout/dropped_tokens"] for r in steps)),
         trained_group_ids=list(ctl.ledger.trained_group_ids),
         controller_cpu_s_per_step=cpu / (last - first),
-        controller_cpu_by_loop={k.removeprefix("Controller."): v for k, v in sorted(
-            by_loop.items(), key=lambda kv: -kv[1]) if v > 0.0005},
+        controller_cpu_by_loop=_by_loop(marks, first, last),
         trajectories_per_cpu_s=batch * (last - first) / cpu if cpu > 0 else float("inf"),
+        controller_alone_cpu_s_per_step=alone_cpu,
+        controller_alone_by_loop={} if alone is None else _by_loop(alone.marks, first, last),
         worker_cpu_s=accounts.cpu_s[WORKERS], process_cpu_s_per_step=process_cpu / (last - first),
         wall_s=wall_s,
         peak_rss_mb=_peak_rss_mb(),
         summary=summary)
+
+
+def _by_loop(marks: list[Mark], first: int, last: int) -> dict[str, float]:
+    """The controller's CPU seconds per step by coroutine, largest first."""
+    by_loop = {name: (seconds - marks[first][3].get(name, 0.0)) / (last - first)
+               for name, seconds in marks[last][3].items()}
+    return {k.removeprefix("Controller."): v for k, v in sorted(
+        by_loop.items(), key=lambda kv: -kv[1]) if v > 0.0005}
 
 
 def _reset_peak_rss() -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from areal.config import RunConfig
 from areal.controller.pool import WorkerHandle, WorkerPool
@@ -87,9 +87,11 @@ class SimPool(WorkerPool):
 class SimRuntime:
     """Plugs the simulated cluster into a real controller."""
 
-    def __init__(self, env: SimEnv, wire: bool) -> None:
+    def __init__(self, env: SimEnv, wire: bool, recorder: Any = None) -> None:
         self.env = env
         self.wire = wire
+        self.recorder = recorder
+        """sim/alone.py's Recording of the controller's messages, or None."""
         self.router: SimRouter | None = None
 
     def prepare_run(self, cfg: RunConfig) -> SimSetup:
@@ -97,5 +99,5 @@ class SimRuntime:
 
     def connect(self, cfg: RunConfig, setup: SimSetup
                 ) -> tuple[SimRouter, SimPool, Callable[[], None]]:
-        self.router = SimRouter(self.wire)
+        self.router = SimRouter(self.wire, self.recorder)
         return self.router, SimPool(cfg, setup.run_dir, self.router, self.env), self.router.close

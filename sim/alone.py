@@ -1,0 +1,220 @@
+"""The controller's CPU cost measured alone: a simulation's inbound messages, replayed.
+
+In a simulation the controller shares one thread, and so one core and its caches, with the
+whole simulated cluster: between two of its messages, the tasks of hundreds of simulated
+servers run and push its data out of the CPU's caches, so each message costs it more than
+it would cost a controller on a core of its own, which a real deployment gives it. Measured
+on this machine (2026-12-01): decoding one Generated of 3,000 tokens took 15 us in a loop,
+48 us when 16 MB had been touched between calls, and 56 us on average inside the simulation
+at 512 accelerators.
+
+So table (f) also measures the controller alone. The simulation records what its controller
+received (`Recording`): each message's frames, the virtual time it arrived and how many
+steps the controller's own tasks had taken by then (sim/accounting.py counts them). `replay`
+then runs a fresh controller of the same configuration with no simulated worker, on the
+same virtual clock, and hands it each message at the same virtual time after the same
+number of its own steps. The controller's decisions depend on nothing else (its inputs are
+these messages and its clock), so it does the same work in the same order. That is checked,
+not assumed: every message it sends (kind, destination, header bytes) must equal the
+recorded run's, and a message that would arrive after more of the controller's steps than it
+did in the simulation stops the replay (`ReplayDiverged`). Welcome is compared by kind and
+destination only: its header carries the run directory, which is another one.
+
+Recording keeps the received frames themselves (a reference each, nothing copied or
+compressed, so as not to disturb the simulation whose cost is measured): the arrays of every
+completion stay in memory until the replay, about 1.3 GB more at 512 accelerators.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from areal.config import load_config
+from areal.controller import Controller
+from areal.controller.pool import WorkerHandle
+from areal.messages import MsgType, encode
+
+from areal.sim.accounting import CpuAccounts, as_worker
+from areal.sim.channel import SimRouter
+from areal.sim.runtime import SimPool, SimProcess, SimRuntime
+from areal.sim.workers import SimEnv
+
+_WELCOME = bytes([MsgType.WELCOME])
+
+
+class ReplayDiverged(RuntimeError):
+    """The replayed controller did not do what the simulated one did."""
+
+
+@dataclass(frozen=True)
+class Arrival:
+    steps: int
+    """The controller's steps taken before the message arrived."""
+    time: float
+    identity: bytes
+    frames: list[Any]
+    """As received: type byte, header, array frames."""
+
+
+@dataclass
+class Recording:
+    """What a simulated controller received and sent (SimRouter's `recorder`)."""
+
+    accounts: CpuAccounts
+    clock: Callable[[], float]
+    arrivals: list[Arrival] = field(default_factory=list)
+    sent_frames: list[tuple[bytes, bytes, bytes]] = field(default_factory=list)
+    """(destination, type byte, header) of each message the controller sent, in order."""
+
+    def received(self, identity: bytes, frames: list[Any]) -> None:
+        self.arrivals.append(Arrival(self.accounts.controller_steps, self.clock(), identity,
+                                     frames))
+
+    def sent(self, identity: bytes, frames: list[Any]) -> None:
+        self.sent_frames.append(_sent_key(identity, frames))
+
+
+def _sent_key(identity: bytes, frames: list[Any]) -> tuple[bytes, bytes, bytes]:
+    kind = bytes(frames[0])
+    return identity, kind, b"" if kind == _WELCOME else bytes(frames[1])
+
+
+@dataclass(frozen=True)
+class Alone:
+    """The replayed controller's marks (run.Mark) at the start and at each step record."""
+
+    marks: list[Any]
+    num_received: int
+    num_sent: int
+
+
+class _ReplayRouter(SimRouter):
+    """Encodes what the controller sends (its cost, as on a socket), compares it with the
+    recording, delivers nothing; receives the recorded messages from `_Feeder`."""
+
+    def __init__(self, expected: list[tuple[bytes, bytes, bytes]]) -> None:
+        super().__init__(wire=True)
+        self.expected = expected
+        self.stop: Callable[[], None] = lambda: None
+        """Stops the controller (its `stop`, set once it exists)."""
+        self.num_sent = 0
+        self.diverged: ReplayDiverged | None = None
+        self.checking = True
+        """False once the replay has diverged elsewhere and the controller is stopping."""
+
+    async def send(self, identity: bytes, msg: Any) -> bool:
+        key = _sent_key(identity, encode(msg))
+        if not self.checking:
+            return True
+        i = self.num_sent
+        if i >= len(self.expected) or key != self.expected[i]:
+            want = self.expected[i][:2] if i < len(self.expected) else "nothing"
+            self.diverged = ReplayDiverged(
+                f"message {i} the replayed controller sent: {type(msg).__name__} to "
+                f"{identity!r}; the simulated controller sent {want}")
+            self.checking = False
+            self.stop()  # it winds down; `replay` raises
+        self.num_sent += 1
+        return True
+
+
+class _ReplayPool(SimPool):
+    """Workers that only exist: each is an idle task, as alive as a simulated one."""
+
+    def spawn(self, kind: Any, index: int, rank: int = 0) -> WorkerHandle:
+        worker_id = f"{kind.value}-{index}"
+        handle = self.expected.get(worker_id) or WorkerHandle(worker_id=worker_id, kind=kind,
+                                                              rank=rank)
+        handle.process = SimProcess(as_worker(asyncio.get_running_loop(), _idle(), worker_id))
+        handle.ready, handle.identity = False, None
+        self.expected[worker_id] = handle
+        return handle
+
+
+async def _idle() -> None:
+    await asyncio.get_running_loop().create_future()  # until cancelled (pool.stop_all)
+
+
+class _ReplayRuntime(SimRuntime):
+    def __init__(self, env: SimEnv, router: _ReplayRouter) -> None:
+        super().__init__(env, wire=True)
+        self.replay_router = router
+
+    def connect(self, cfg, setup):
+        self.router = self.replay_router
+        return self.router, _ReplayPool(cfg, setup.run_dir, self.router, self.env), \
+            self.router.close
+
+
+class _Feeder:
+    """Hands each recorded message to the router when the controller has taken as many steps
+    as it had in the simulation and the clock has reached its time."""
+
+    def __init__(self, arrivals: list[Arrival], router: _ReplayRouter, accounts: CpuAccounts,
+                 stop: Callable[[], None]) -> None:
+        self.arrivals, self.router, self.accounts, self.stop = arrivals, router, accounts, stop
+        self.next = 0
+        self.timer_for = -1
+        self.diverged: ReplayDiverged | None = None
+
+    def __call__(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self.next < len(self.arrivals) and self.diverged is None \
+                and self.router.diverged is None:
+            arrival = self.arrivals[self.next]
+            steps = self.accounts.controller_steps
+            if steps > arrival.steps:
+                self.diverged = ReplayDiverged(
+                    f"message {self.next} ({arrival.frames[0].hex()} from "
+                    f"{arrival.identity!r}) came after {arrival.steps} steps of the simulated "
+                    f"controller; the replayed one has taken {steps}")
+                self.router.checking = False
+                self.stop()
+                return
+            if steps < arrival.steps:
+                return
+            if loop.time() < arrival.time:
+                if self.timer_for != self.next:
+                    self.timer_for = self.next
+                    loop.call_at(arrival.time, self)
+                return
+            self.router.deliver(arrival.identity, arrival.frames)
+            self.next += 1
+
+
+def replay(cfg_overrides: Callable[[str], list[str]], env: SimEnv, recording: Recording,
+           drive: Callable[..., Any], run_virtual: Callable[..., Any], limit_s: float,
+           run_dir: Path) -> Alone:
+    """Run a fresh controller on `recording`'s messages (see the module docstring); its marks
+    are taken by `drive` (run._drive) as the simulation's were."""
+    cfg = load_config(overrides=cfg_overrides(str(run_dir)))
+    accounts = CpuAccounts()
+    router = _ReplayRouter(recording.sent_frames)
+    ctl = Controller(cfg, runtime=_ReplayRuntime(env, router))
+    router.stop = ctl.stop
+    feeder = _Feeder(recording.arrivals, router, accounts, ctl.stop)
+
+    async def main() -> Any:
+        accounts.after_controller_step = feeder
+        feeder()  # what arrived before the controller's first step
+        return await drive(ctl, accounts, env)
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            _, _, marks = run_virtual(main, limit_s)
+    except Exception:
+        if router.diverged or feeder.diverged:
+            raise router.diverged or feeder.diverged from None  # what failed followed from it
+        raise
+    if router.diverged or feeder.diverged:  # whichever came first: the other stopped looking
+        raise router.diverged or feeder.diverged
+    if feeder.next != len(recording.arrivals) or router.num_sent != len(recording.sent_frames):
+        raise ReplayDiverged(
+            f"the replayed controller took {feeder.next} of {len(recording.arrivals)} "
+            f"messages and sent {router.num_sent} of {len(recording.sent_frames)}")
+    return Alone(marks=marks, num_received=feeder.next, num_sent=router.num_sent)

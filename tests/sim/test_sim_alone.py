@@ -1,0 +1,109 @@
+"""The controller measured alone (sim/alone.py): its recorded messages replayed to a fresh
+controller, which must do exactly what the simulated one did."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from areal.config import ConfigError
+from areal.sim import alone as alone_mod
+from areal.sim import run as run_mod
+from areal.sim.accounting import CpuAccounts, as_worker
+from areal.sim.config import sim_config
+from areal.sim.loop import run_virtual
+from areal.sim.run import simulate
+
+from tests.sim.test_sim_run import SMALL
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_the_replayed_controller_sends_every_message_the_simulated_one_sent(mode):
+    settings = dict(mode=mode, **SMALL) if mode == "async" else \
+        dict(mode=mode, placement="colocated", **dict(SMALL, num_accelerators=8))
+    seen = {}
+    real_replay = run_mod.replay
+
+    def replay(*args, **kwargs):
+        recording = args[2]
+        seen["received"], seen["sent"] = len(recording.arrivals), len(recording.sent_frames)
+        result = real_replay(*args, **kwargs)
+        seen["replayed"] = (result.num_received, result.num_sent)
+        return result
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(run_mod, "replay", replay)
+        measured = simulate(sim_config(measure_alone=True, **settings))
+    plain = simulate(sim_config(**settings))
+    # every message in, every message out, each identical (else ReplayDiverged)
+    assert seen["received"] > 100 and seen["replayed"] == (seen["received"], seen["sent"])
+    assert measured.controller_alone_cpu_s_per_step > 0
+    assert "_recv_loop" in measured.controller_alone_by_loop
+    assert 0 < measured.controller_alone_share < 1
+    # recording changes nothing simulated
+    for name in ("step_times", "trained_group_ids", "staleness", "interruptions"):
+        assert getattr(measured, name) == getattr(plain, name), name
+    assert plain.controller_alone_cpu_s_per_step is None and plain.controller_alone_share is None
+
+
+def _tampered(tamper):
+    """simulate() whose recording is altered by `tamper` before the replay."""
+    real_replay = run_mod.replay
+
+    def replay(overrides, env, recording, *rest):
+        tamper(recording)
+        return real_replay(overrides, env, recording, *rest)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(run_mod, "replay", replay)
+        simulate(sim_config(mode="async", measure_alone=True, **dict(SMALL, steps=3,
+                                                                       measure_from=1)))
+
+
+def test_a_message_sent_otherwise_than_in_the_simulation_stops_the_replay():
+    def tamper(recording):
+        destination, kind, header = recording.sent_frames[200]
+        recording.sent_frames[200] = (destination, kind, header + b"x")
+
+    with pytest.raises(alone_mod.ReplayDiverged, match="message 200 the replayed controller "
+                                                       "sent"):
+        _tampered(tamper)
+
+
+def test_a_message_due_before_where_the_controller_already_is_stops_the_replay():
+    def tamper(recording):
+        recording.arrivals[300] = dataclasses.replace(recording.arrivals[300], steps=0)
+
+    with pytest.raises(alone_mod.ReplayDiverged, match="message 300 .* came after 0 steps"):
+        _tampered(tamper)
+
+
+def test_measuring_alone_needs_the_wire():
+    with pytest.raises(ConfigError, match="measure_alone=true .* needs wire=true"):
+        sim_config(measure_alone=True, wire=False)
+
+
+def test_the_accounts_count_the_controllers_steps_and_call_back_after_each():
+    accounts = CpuAccounts()
+    calls = []
+
+    async def worker():
+        for _ in range(5):
+            await asyncio.sleep(1)
+
+    async def controller():
+        for _ in range(3):
+            await asyncio.sleep(1)
+
+    async def main():
+        accounts.install(asyncio.get_running_loop())
+        accounts.after_controller_step = lambda: calls.append(accounts.controller_steps)
+        work = as_worker(asyncio.get_running_loop(), worker(), "w")
+        await asyncio.create_task(controller())
+        await work
+        return list(calls), accounts.controller_steps
+
+    # the controller task's 4 steps (start, 3 wake-ups); the worker's are not counted
+    assert run_virtual(main) == ([1, 2, 3, 4], 4)
