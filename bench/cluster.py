@@ -29,6 +29,9 @@ Then
 
     s. (only with --only s) what `staleness.strict` costs: async runs of (e) with and
        without it, trained throughput, largest staleness and the groups it dropped
+    r. (only with --only r) the controller alone: (f)'s largest async simulation run
+       again (three times: the machine's noise), each with the controller's CPU measured
+       in the simulation and on a controller alone, its messages replayed (sim/alone.py)
 
 `--only TABLES` runs some of them (e.g. `--only f`: the controller's cost alone). `--quick`
 runs a small subset of a-f on small clusters and batches (a smoke run), without (g) unless
@@ -119,6 +122,8 @@ class Bench:
         """Waiting simulations: measured last, then the longest (estimated) first."""
         self._running: list[bool] = []
         """Whether each running simulation is measured."""
+        self.unshared = 0
+        """Simulations a table ran itself, one after the other (table r's repeats)."""
 
     def run(self, mode: str, wire: bool = False, ablation: bool = False,
             **values: Any) -> SimResult:
@@ -187,7 +192,7 @@ class Bench:
 
     @property
     def simulations(self) -> int:
-        return len(self._runs)
+        return len(self._runs) + self.unshared
 
     def tables(self, makers: list[Callable[[Bench], Any]]) -> list[Future[Any]]:
         """Each table's result, in order: made one after the other with one job, else all at
@@ -379,6 +384,32 @@ def table_s(bench: Bench) -> str:
         "generated tokens, over the whole run)"
 
 
+ALONE_REPEATS = 3
+
+
+def table_r(bench: Bench) -> str:
+    """(f)'s largest async run, measured in the simulation and alone, a few times over. Run
+    here, one after the other (nothing else runs beside a measured simulation)."""
+    n = scale_counts(bench)[-1]
+    config = sim_config(**{**bench.batch, **ASYNC_STEPS, "seed": bench.seed, "mode": "async",
+                           "wire": True, "placement": "split", "num_accelerators": n,
+                           "eta": 8, "measure_alone": True})
+    rows = []
+    for i in range(2 if bench.quick else ALONE_REPEATS):
+        r = _simulate(config)
+        bench.unshared += 1
+        rows.append(f"{i + 1:>5} {r.controller_cpu_s_per_step:>9.2f} {r.controller_share:>7.1%} "
+                    f"{r.controller_alone_cpu_s_per_step:>9.2f} "
+                    f"{r.controller_alone_share:>7.1%} "
+                    f"{r.controller_alone_cpu_s_per_step / r.controller_cpu_s_per_step:>7.2f}")
+    return _lines(f"{'run':>5} {'in sim s':>9} {'share':>7} {'alone s':>9} {'share':>7} "
+                  f"{'alone/in':>7}", rows) + \
+        f"\n(1.5B async, eta 8, {n} accelerators, batch {bench.batch['num_prompts']} x " \
+        f"{bench.batch['group_size']}, step {r.step_s:.1f} s " \
+        "simulated; CPU seconds per step inside the controller's tasks: in the simulation " \
+        "(its messages recorded), and alone with the same messages replayed)"
+
+
 def table_f(bench: Bench) -> str:
     counts = scale_counts(bench)
     runs = [(n, mode, _scale_run(bench, mode, n)) for n in counts for mode in ("sync", "async")]
@@ -427,6 +458,7 @@ TABLES = {
     "e": ("throughput vs eta", table_e, True, False),
     "f": ("the controller's own cost", table_f, False, True),
     "s": ("what staleness.strict costs (not in the default run)", table_s, False, False),
+    "r": ("the controller alone (not in the default run)", table_r, False, True),
 }
 """Letter: (title, the function printing it, whether it also returns data to plot, whether its
 simulations are measured: run through the codec (`wire`), one at a time; (b) shares (f)'s)."""
@@ -439,7 +471,7 @@ def main() -> int:
     parser.add_argument("--only", default=None,
                         help="the tables to run, e.g. f (the controller's cost alone); "
                              "default a-g (a-f with --quick); s (the cost of "
-                             "staleness.strict) only when asked")
+                             "staleness.strict) and r (the controller alone) only when asked")
     parser.add_argument("--calibrate", action="store_true",
                         help="the same as --only g: only the check of the simulator against "
                              "real runs on this machine")
@@ -454,8 +486,8 @@ def main() -> int:
         parser.error(f"--jobs={args.jobs}: at least 1")
     default = "abcdef" if args.quick else "abcdefg"
     only = "g" if args.calibrate else args.only or default
-    if set(only) - set("abcdefgs"):
-        parser.error(f"--only={only!r}: letters among a-g and s, e.g. --only f")
+    if set(only) - set("abcdefgsr"):
+        parser.error(f"--only={only!r}: letters among a-g, s and r, e.g. --only f")
     if only == "g":
         text = calibrate(args.quick, args.out or Path("bench/results/calibration"))
         print(f"{CALIBRATION_TITLE}\n{text}")

@@ -51,6 +51,16 @@ def test_quick_bench_prints_every_table_and_parallel_runs_match_serial(tmp_path,
     assert serial.simulations == 4
 
 
+def test_table_r_measures_the_controller_in_the_simulation_and_alone(cluster_bench):
+    bench = cluster_bench.Bench(quick=True, seed=1, jobs=1)
+    text = cluster_bench.table_r(bench)
+    rows = re.findall(r"^\s+(\d)\s+([0-9.]+)\s+([0-9.]+)%\s+([0-9.]+)\s+([0-9.]+)%\s+([0-9.]+)$",
+                      text, re.MULTILINE)
+    assert [row[0] for row in rows] == ["1", "2"], text  # repeated: the machine's noise
+    assert all(float(row[2]) > 0 and float(row[4]) > 0 for row in rows), text
+    assert "32 accelerators" in text and bench.simulations == 2
+
+
 def test_one_job_runs_each_configuration_once(cluster_bench, monkeypatch):
     calls = []
     monkeypatch.setattr(cluster_bench, "simulate", lambda config: calls.append(config) or config)
