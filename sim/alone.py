@@ -21,8 +21,9 @@ did in the simulation stops the replay (`ReplayDiverged`). Welcome is compared b
 destination only: its header carries the run directory, which is another one.
 
 Recording keeps the received frames themselves (a reference each, nothing copied or
-compressed, so as not to disturb the simulation whose cost is measured): the arrays of every
-completion stay in memory until the replay, about 1.3 GB more at 512 accelerators.
+compressed, so as to disturb the simulation whose cost is measured as little as it can):
+the arrays of every completion stay in memory until the replay (peak 2.9 GB against 2.4 at
+512 accelerators async), and the garbage collector has their objects to walk as well.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class ReplayDiverged(RuntimeError):
     """The replayed controller did not do what the simulated one did."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # no __dict__: one object fewer for the collector
 class Arrival:
     steps: int
     """The controller's steps taken before the message arrived."""
