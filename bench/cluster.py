@@ -136,11 +136,7 @@ class Bench:
         configuration are shared). `wire`: messages go through the real codec (the
         controller's cost of table f); it changes no simulated number. `ablation`: the
         reduced batch of tables c-e."""
-        batch = ABLATION_BATCH if ablation and not self.quick else self.batch
-        values = {**batch, **(SYNC_STEPS if mode == "sync" else ASYNC_STEPS),
-                  "seed": self.seed, "mode": mode, "wire": wire,
-                  "placement": "colocated" if mode == "sync" else "split", **values}
-        config = sim_config(**values)
+        config = self.config(mode, wire, ablation, **values)
         key = json.dumps(dataclasses.asdict(config), sort_keys=True)
         with self._lock:
             run = self._runs.get(key)
@@ -155,6 +151,15 @@ class Bench:
             startable = self._take_startable()
         self._launch(startable)
         return run
+
+    def config(self, mode: str, wire: bool = False, ablation: bool = False,
+               **values: Any) -> SimConfig:
+        """The resolved configuration of a table's run (see `start`)."""
+        batch = ABLATION_BATCH if ablation and not self.quick else self.batch
+        return sim_config(**{**batch, **(SYNC_STEPS if mode == "sync" else ASYNC_STEPS),
+                             "seed": self.seed, "mode": mode, "wire": wire,
+                             "placement": "colocated" if mode == "sync" else "split",
+                             **values})
 
     def _take_startable(self) -> list[tuple[SimConfig, Future[SimResult], bool]]:
         """The queued simulations to start now, counted as running (caller holds the lock):
@@ -391,9 +396,7 @@ def table_r(bench: Bench) -> str:
     """(f)'s largest async run, measured in the simulation and alone, a few times over. Run
     here, one after the other (nothing else runs beside a measured simulation)."""
     n = scale_counts(bench)[-1]
-    config = sim_config(**{**bench.batch, **ASYNC_STEPS, "seed": bench.seed, "mode": "async",
-                           "wire": True, "placement": "split", "num_accelerators": n,
-                           "eta": 8, "measure_alone": True})
+    config = bench.config("async", wire=True, num_accelerators=n, eta=8, measure_alone=True)
     rows = []
     for i in range(2 if bench.quick else ALONE_REPEATS):
         r = _simulate(config)

@@ -8,7 +8,8 @@ on this machine (2026-12-01): decoding one Generated of 3,000 tokens took 15 us 
 48 us when 16 MB had been touched between calls, and 56 us on average inside the simulation
 at 512 accelerators.
 
-So table (f) also measures the controller alone. The simulation records what its controller
+So the controller can also be measured alone (`measure_alone`; bench/cluster.py's table
+(r)). The simulation records what its controller
 received (`Recording`): each message's frames, the virtual time it arrived and how many
 steps the controller's own tasks had taken by then (sim/accounting.py counts them). `replay`
 then runs a fresh controller of the same configuration with no simulated worker, on the
@@ -33,16 +34,16 @@ import contextlib
 import io
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Coroutine
 
 from areal.config import load_config
 from areal.controller import Controller
-from areal.controller.pool import WorkerHandle
 from areal.messages import MsgType, encode
 
-from areal.sim.accounting import CpuAccounts, as_worker
+from areal.sim.accounting import CpuAccounts
 from areal.sim.channel import SimRouter
-from areal.sim.runtime import SimPool, SimProcess, SimRuntime
+from areal.sim.loop import run_virtual
+from areal.sim.runtime import SimPool, SimRuntime
 from areal.sim.workers import SimEnv
 
 _WELCOME = bytes([MsgType.WELCOME])
@@ -96,30 +97,32 @@ class Alone:
 
 class _ReplayRouter(SimRouter):
     """Encodes what the controller sends (its cost, as on a socket), compares it with the
-    recording, delivers nothing; receives the recorded messages from `_Feeder`."""
+    recording, delivers nothing; receives the recorded messages from `_Feeder`. Holds the
+    replay's first divergence, after which nothing more is compared or fed."""
 
     def __init__(self, expected: list[tuple[bytes, bytes, bytes]]) -> None:
         super().__init__(wire=True)
         self.expected = expected
-        self.stop: Callable[[], None] = lambda: None
-        """Stops the controller (its `stop`, set once it exists)."""
         self.num_sent = 0
         self.diverged: ReplayDiverged | None = None
-        self.checking = True
-        """False once the replay has diverged elsewhere and the controller is stopping."""
+        self.stop: Callable[[], None] = lambda: None
+        """Stops the controller (its `stop`, set once it exists)."""
+
+    def diverge(self, error: ReplayDiverged) -> None:
+        """The replay no longer follows the recording: the controller winds down, `replay`
+        raises `error`."""
+        if self.diverged is None:
+            self.diverged = error
+            self.stop()
 
     async def send(self, identity: bytes, msg: Any) -> bool:
         key = _sent_key(identity, encode(msg))
-        if not self.checking:
-            return True
         i = self.num_sent
-        if i >= len(self.expected) or key != self.expected[i]:
+        if self.diverged is None and (i >= len(self.expected) or key != self.expected[i]):
             want = self.expected[i][:2] if i < len(self.expected) else "nothing"
-            self.diverged = ReplayDiverged(
+            self.diverge(ReplayDiverged(
                 f"message {i} the replayed controller sent: {type(msg).__name__} to "
-                f"{identity!r}; the simulated controller sent {want}")
-            self.checking = False
-            self.stop()  # it winds down; `replay` raises
+                f"{identity!r}; the simulated controller sent {want}"))
         self.num_sent += 1
         return True
 
@@ -127,14 +130,8 @@ class _ReplayRouter(SimRouter):
 class _ReplayPool(SimPool):
     """Workers that only exist: each is an idle task, as alive as a simulated one."""
 
-    def spawn(self, kind: Any, index: int, rank: int = 0) -> WorkerHandle:
-        worker_id = f"{kind.value}-{index}"
-        handle = self.expected.get(worker_id) or WorkerHandle(worker_id=worker_id, kind=kind,
-                                                              rank=rank)
-        handle.process = SimProcess(as_worker(asyncio.get_running_loop(), _idle(), worker_id))
-        handle.ready, handle.identity = False, None
-        self.expected[worker_id] = handle
-        return handle
+    def worker(self, kind: Any, worker_id: str, rank: int) -> Coroutine[Any, Any, Any]:
+        return _idle()
 
 
 async def _idle() -> None:
@@ -156,26 +153,22 @@ class _Feeder:
     """Hands each recorded message to the router when the controller has taken as many steps
     as it had in the simulation and the clock has reached its time."""
 
-    def __init__(self, arrivals: list[Arrival], router: _ReplayRouter, accounts: CpuAccounts,
-                 stop: Callable[[], None]) -> None:
-        self.arrivals, self.router, self.accounts, self.stop = arrivals, router, accounts, stop
+    def __init__(self, arrivals: list[Arrival], router: _ReplayRouter,
+                 accounts: CpuAccounts) -> None:
+        self.arrivals, self.router, self.accounts = arrivals, router, accounts
         self.next = 0
         self.timer_for = -1
-        self.diverged: ReplayDiverged | None = None
 
     def __call__(self) -> None:
         loop = asyncio.get_running_loop()
-        while self.next < len(self.arrivals) and self.diverged is None \
-                and self.router.diverged is None:
+        while self.next < len(self.arrivals) and self.router.diverged is None:
             arrival = self.arrivals[self.next]
             steps = self.accounts.controller_steps
             if steps > arrival.steps:
-                self.diverged = ReplayDiverged(
+                self.router.diverge(ReplayDiverged(
                     f"message {self.next} ({arrival.frames[0].hex()} from "
                     f"{arrival.identity!r}) came after {arrival.steps} steps of the simulated "
-                    f"controller; the replayed one has taken {steps}")
-                self.router.checking = False
-                self.stop()
+                    f"controller; the replayed one has taken {steps}"))
                 return
             if steps < arrival.steps:
                 return
@@ -189,8 +182,7 @@ class _Feeder:
 
 
 def replay(cfg_overrides: Callable[[str], list[str]], env: SimEnv, recording: Recording,
-           drive: Callable[..., Any], run_virtual: Callable[..., Any], limit_s: float,
-           run_dir: Path) -> Alone:
+           drive: Callable[..., Any], limit_s: float, run_dir: Path) -> Alone:
     """Run a fresh controller on `recording`'s messages (see the module docstring); its marks
     are taken by `drive` (run._drive) as the simulation's were."""
     cfg = load_config(overrides=cfg_overrides(str(run_dir)))
@@ -198,7 +190,7 @@ def replay(cfg_overrides: Callable[[str], list[str]], env: SimEnv, recording: Re
     router = _ReplayRouter(recording.sent_frames)
     ctl = Controller(cfg, runtime=_ReplayRuntime(env, router))
     router.stop = ctl.stop
-    feeder = _Feeder(recording.arrivals, router, accounts, ctl.stop)
+    feeder = _Feeder(recording.arrivals, router, accounts)
 
     async def main() -> Any:
         accounts.after_controller_step = feeder
@@ -209,11 +201,11 @@ def replay(cfg_overrides: Callable[[str], list[str]], env: SimEnv, recording: Re
         with contextlib.redirect_stdout(io.StringIO()):
             _, _, marks = run_virtual(main, limit_s)
     except Exception:
-        if router.diverged or feeder.diverged:
-            raise router.diverged or feeder.diverged from None  # what failed followed from it
+        if router.diverged is not None:
+            raise router.diverged from None  # what failed followed from it
         raise
-    if router.diverged or feeder.diverged:  # whichever came first: the other stopped looking
-        raise router.diverged or feeder.diverged
+    if router.diverged is not None:
+        raise router.diverged
     if feeder.next != len(recording.arrivals) or router.num_sent != len(recording.sent_frames):
         raise ReplayDiverged(
             f"the replayed controller took {feeder.next} of {len(recording.arrivals)} "

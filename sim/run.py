@@ -185,8 +185,8 @@ def simulate(sim: SimConfig, console: io.TextIOBase | None = None,
         alone = None
         if recording is not None:
             replay_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="alone-")))
-            alone = replay(sim.to_run_overrides, env, recording, _drive, run_virtual,
-                           VIRTUAL_LIMIT_S, replay_dir)
+            alone = replay(sim.to_run_overrides, env, recording, _drive, VIRTUAL_LIMIT_S,
+                           replay_dir)
     steps = [r for r in records if r["kind"] == "step"]
     return _result(sim, summary, steps, marks, ctl, env, accounts, time.perf_counter() - wall,
                    alone)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Coroutine
 
 from areal.config import RunConfig
 from areal.controller.pool import WorkerHandle, WorkerPool
@@ -69,13 +69,16 @@ class SimPool(WorkerPool):
         worker_id = f"{kind.value}-{index}"
         handle = self.expected.get(worker_id) or WorkerHandle(worker_id=worker_id, kind=kind,
                                                               rank=rank)
-        worker = _WORKERS[kind](self.env, worker_id, rank,
-                                self.router.connect(worker_id.encode()))
-        handle.process = SimProcess(as_worker(asyncio.get_running_loop(), worker.run(),
-                                              worker_id))
+        handle.process = SimProcess(as_worker(asyncio.get_running_loop(),
+                                              self.worker(kind, worker_id, rank), worker_id))
         handle.ready, handle.identity = False, None
         self.expected[worker_id] = handle
         return handle
+
+    def worker(self, kind: WorkerKind, worker_id: str, rank: int) -> Coroutine[Any, Any, Any]:
+        """What the worker's "process" runs: a simulated worker on its own connection."""
+        return _WORKERS[kind](self.env, worker_id, rank,
+                              self.router.connect(worker_id.encode())).run()
 
     def stop_all(self, timeout_s: float = 10.0) -> None:
         """Workers exit on Shutdown; cancel any that did not (thread-safe)."""
