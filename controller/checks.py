@@ -145,7 +145,19 @@ def _observation_problem(loss_mask: np.ndarray, versions: np.ndarray,
 
 
 def scored_problem(msg: Scored) -> str:
-    return "" if math.isfinite(msg.reward) else f"reward {msg.reward!r} is not a finite number"
+    """What makes a whole Scored unusable: lists that do not pair an outcome with each
+    request."""
+    lengths = [len(msg.request_ids), len(msg.rewards), len(msg.verdicts), len(msg.details),
+               len(msg.check_s)]
+    if len(set(lengths)) != 1:
+        return (f"request_ids, rewards, verdicts, details, check_s have lengths {lengths}: "
+                "one of each per request")
+    return ""
+
+
+def reward_problem(reward: float) -> str:
+    """What makes one outcome of a Scored unusable."""
+    return "" if math.isfinite(reward) else f"reward {reward!r} is not a finite number"
 
 
 def model_vocab_size(model_path: str | None) -> int | None:

@@ -6,8 +6,9 @@
     ledger.pending --> [dispatch loop] --Generate--> least-loaded rollout worker
                        waits: a rollout worker below rollout.max_concurrent;
                        unblocked by: Generated, Ready, a lost worker's re-queue
-    Generated --> (handler) --Score--> least-loaded reward worker (queued if none is ready)
-    Scored    --> (handler) --> whole group done --> ledger.buffer (replay buffer)
+    Generated --> (handler) --> the group's last one generated --Score(the whole group)-->
+                       least-loaded reward worker (queued if none is ready)
+    Scored    --> (handler) --> each outcome; whole group done --> ledger.buffer (replay buffer)
     ledger.buffer --> [train driver] --Train(shard r of B trajectories, whole groups)--> rank r
                        waits: B trajectories in the buffer, then Trained from every rank;
                        staleness.strict: earliest deadline first, none past it; groups
@@ -65,7 +66,7 @@ from areal.transport import PeerMessageError, RouterChannel
 from areal.types import pack, pack_arrays
 from areal.controller import dynamic_sampling
 from areal.controller.checks import (
-    generated_problem, model_vocab_size, scored_problem, sender_problem,
+    generated_problem, model_vocab_size, reward_problem, scored_problem, sender_problem,
 )
 from areal.controller.episodes import episode_fields, episode_scored
 from areal.controller.groups import Groups
@@ -87,6 +88,7 @@ from areal.controller.reward_faults import RewardFaults
 from areal.controller.faults import FaultRepairs
 from areal.controller import strict_staleness
 from areal.controller.signal import Changed
+from areal.tasks.base import RewardOutcome
 
 log = logging.getLogger("areal.controller")
 
@@ -138,7 +140,9 @@ class Controller(FaultRepairs):
         self.zap: ZapHandler | None = None
         self.handshake_failures: list[str] = []
         self._auth_tasks: list[asyncio.Task] = []
-        self._score_queue: list[Sample] = []
+        self._score_queue: list[list[Sample]] = []
+        """Samples to score (each entry one Score: samples of one group), waiting for a
+        reward worker with room."""
         self.group_filters: list[Callable[[Group], str | None]] = []
         """Checks of every training group once it is complete, in order: the first that
         names a reason drops the group (`_drop_group`) instead of training on it."""
@@ -492,7 +496,7 @@ class Controller(FaultRepairs):
         """Never train on `group` (wherever it is): its generations are cancelled, its slots
         in the staleness window freed (admission replaces it), the cost counted per reason."""
         dropped = self.ledger.drop_group(group)
-        self._score_queue = [s for s in self._score_queue if s.group_id != group.group_id]
+        self._score_queue = [b for b in self._score_queue if b[0].group_id != group.group_id]
         for identity, request_ids in dropped.generating.items():
             handle = self.pool.get(identity)
             if handle is not None:
@@ -573,17 +577,21 @@ class Controller(FaultRepairs):
             stop_token_ids=self._setup.stop_token_ids,
             **episode_fields(self.cfg, group.prompt)))
 
-    async def _send_score(self, sample: Sample) -> None:
+    async def _send_score(self, samples: list[Sample]) -> None:
+        """Score `samples` (generated, of one group) in one message to the least-loaded reward
+        worker, or queue them until one has room."""
         worker = self._room[WorkerKind.REWARD].take()
         if worker is None:
-            self._score_queue.append(sample)
+            self._score_queue.append(samples)
             return
-        group = self.ledger.groups[sample.group_id]
-        self.ledger.start_scoring(sample, worker.identity)
-        worker.in_flight.add(sample.request_id)
+        group = self.ledger.groups[samples[0].group_id]
+        for sample in samples:
+            self.ledger.start_scoring(sample, worker.identity)
+            worker.in_flight.add(sample.request_id)
         await self.channel.send(worker.identity, Score(
-            request_id=sample.request_id, prompt_id=group.prompt.prompt_id,
-            completion_ids=sample.trajectory.output_ids, reference=group.prompt.reference))
+            request_ids=[s.request_id for s in samples], prompt_id=group.prompt.prompt_id,
+            completion_ids=[s.trajectory.output_ids for s in samples],
+            reference=group.prompt.reference))
         self._room[WorkerKind.REWARD].offer(worker)
 
     # -- receiving ------------------------------------------------------------------------------
@@ -697,26 +705,44 @@ class Controller(FaultRepairs):
                 return
         if msg.episode_end is not None:  # an episode: its environment gave the reward
             self.ledger.start_scoring(sample, identity)
-            await self._on_scored(identity, handle, episode_scored(msg))
+            outcome = episode_scored(msg)
+            self._report.on_scored(outcome.verdict)
+            await self._judge_score(sample, outcome, identity)
             return
-        await self._send_score(sample)
+        unscored = self.ledger.unscored(group)
+        if unscored:  # the group's last generation: score them all in one message
+            await self._send_score(unscored)
 
     async def _on_scored(self, identity: bytes, handle: WorkerHandle, msg: Scored) -> None:
-        handle.in_flight.discard(msg.request_id)
+        for request_id in msg.request_ids:
+            handle.in_flight.discard(request_id)
         problem = scored_problem(msg)
         if problem:
-            self._refuse(identity, "contradicts the ledger", f"Scored {msg.request_id[:60]!r}: "
-                         f"{problem}; scored again")
-            held = self.ledger.scoring(msg.request_id, identity)
-            if held is not None:
-                self.ledger.retry_scoring(held)
-                await self._send_score(held)
+            self._refuse(identity, "contradicts the ledger",
+                         f"Scored {msg.request_ids[:1]!r}...: {problem}; scored again")
+            for request_id in msg.request_ids:
+                await self._score_again(self.ledger.scoring(request_id, identity))
             return
-        self._report.on_scored(msg)
-        sample = self.ledger.scoring(msg.request_id, identity)
+        for request_id, reward, verdict, detail in zip(msg.request_ids, msg.rewards,
+                                                       msg.verdicts, msg.details):
+            problem = reward_problem(reward)
+            if problem:
+                self._refuse(identity, "contradicts the ledger",
+                             f"Scored {request_id[:60]!r}: {problem}; scored again")
+                await self._score_again(self.ledger.scoring(request_id, identity))
+                continue
+            self._report.on_scored(verdict)
+            sample = self.ledger.scoring(request_id, identity)
+            if sample is not None:
+                handle.num_restarts = 0  # it delivers: a later death is not a crash loop
+                await self._judge_score(sample, RewardOutcome(reward=reward, verdict=verdict,
+                                                              detail=detail), identity)
+
+    async def _score_again(self, sample: Sample | None) -> None:
+        """`sample`'s outcome was unusable: check it again (None: nothing held, stale)."""
         if sample is not None:
-            handle.num_restarts = 0  # it delivers: a later death is not a crash loop
-            await self._judge_score(sample, msg, identity)
+            self.ledger.retry_scoring(sample)
+            await self._send_score([sample])
 
     async def _scored(self, group: Group | None) -> None:
         """`group` (None: not complete yet) has a reward for every sample."""

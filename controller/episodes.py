@@ -14,13 +14,14 @@ Everything else treats an episode as one trajectory (admission, staleness, packi
 from __future__ import annotations
 
 import collections
+import math
 from typing import Any, Sequence
 
 import numpy as np
 
 from areal.config import RunConfig
-from areal.messages import Generated, Scored
-from areal.tasks.base import Prompt, Verdict
+from areal.messages import Generated
+from areal.tasks.base import Prompt, RewardOutcome, Verdict
 from areal.types import Trajectory
 
 
@@ -31,13 +32,15 @@ def episode_fields(cfg: RunConfig, prompt: Prompt) -> dict[str, Any]:
     return {"prompt_id": prompt.prompt_id, "reference": prompt.reference}
 
 
-def episode_scored(msg: Generated) -> Scored:
-    """The Scored record of an episode that ended with its environment's reward."""
+def episode_scored(msg: Generated) -> RewardOutcome:
+    """The outcome of an episode that ended with its environment's reward."""
     if msg.verdict is None:  # a worker that does not follow the schema's contract
-        return Scored(request_id=msg.request_id, reward=0.0, verdict=Verdict.ERROR,
-                      detail="the episode arrived without a verdict")
-    return Scored(request_id=msg.request_id, reward=msg.reward, verdict=msg.verdict,
-                  detail=msg.detail, check_s=msg.tool_s)
+        return RewardOutcome(reward=0.0, verdict=Verdict.ERROR,
+                             detail="the episode arrived without a verdict")
+    if not math.isfinite(msg.reward):
+        return RewardOutcome(reward=0.0, verdict=Verdict.ERROR,
+                             detail=f"the episode's reward {msg.reward!r} is not a finite number")
+    return RewardOutcome(reward=msg.reward, verdict=msg.verdict, detail=msg.detail)
 
 
 def episode_metrics(trajectories: Sequence[Trajectory], prefix: str) -> dict[str, Any]:

@@ -6,8 +6,9 @@ weight_retry.py and reward_faults.py, pure decisions.
     WeightsUpdated(error) -> _weights_failed: kept, one retry owed
     liveness tick         -> _retry_weight_loads: the newest weights there are, sent again;
                              a worker failing too often in a row is lost (restarted)
-    Scored, or a reward worker lost mid-check -> _judge_score: accept the reward, score the
-                             sample again, or drop its group (reason reward_error)
+    an outcome of a Scored, or a reward worker lost mid-check -> _judge_score: accept the
+                             reward, score the sample again (alone), or drop its group
+                             (reason reward_error)
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from areal.controller.ledger import Purpose, Sample
 from areal.controller.pool import WorkerHandle
 from areal.controller.reward_faults import REWARD_ERROR, Action
 from areal.controller.weight_retry import newest_on_disk
-from areal.messages import Scored, UpdateWeights, WeightsUpdated, WorkerKind
-from areal.tasks.base import Verdict
+from areal.messages import UpdateWeights, WeightsUpdated, WorkerKind
+from areal.tasks.base import RewardOutcome, Verdict
 
 if TYPE_CHECKING:
     from areal.controller.controller import Controller
@@ -82,27 +83,27 @@ class FaultRepairs:
 
     # -- rewards -------------------------------------------------------------------------------
 
-    async def _judge_score(self: Controller, sample: Sample, msg: Scored | None,
+    async def _judge_score(self: Controller, sample: Sample, outcome: RewardOutcome | None,
                            identity: bytes | None) -> None:
-        """A check of `sample` ended (msg None: its reward worker was lost): accept its
+        """A check of `sample` ended (outcome None: its reward worker was lost): accept its
         reward, score it again, or drop its group (reward_faults.py)."""
         group = self.ledger.groups[sample.group_id]
-        if msg is None or msg.verdict.is_error():
+        if outcome is None or outcome.verdict.is_error():
             sample.num_score_failures += 1
         # An episode's reward came from its environment, in the rollout worker: the reward
         # workers cannot score it again, so its failure goes straight to reward.on_error.
-        action = self.reward_faults.judge(msg.verdict if msg else None,
+        action = self.reward_faults.judge(outcome.verdict if outcome else None,
                                           sample.num_score_failures,
                                           group.purpose is Purpose.TRAIN,
                                           retryable=not sample.trajectory.episode)
         if action is Action.RETRY:
             self.ledger.retry_scoring(sample)
-            await self._send_score(sample)
+            await self._send_score([sample])
             return
         if action is Action.DROP:
             await self._drop_group(group, REWARD_ERROR)
             return
-        if msg is None:
-            msg = Scored(request_id=sample.request_id, reward=0.0, verdict=Verdict.ERROR,
-                         detail="the reward worker was lost while checking")
-        await self._scored(self.ledger.finish_scoring(msg, identity))
+        if outcome is None:
+            outcome = RewardOutcome(reward=0.0, verdict=Verdict.ERROR,
+                                    detail="the reward worker was lost while checking")
+        await self._scored(self.ledger.finish_scoring(sample.request_id, outcome, identity))

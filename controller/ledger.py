@@ -25,8 +25,8 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from areal.messages import Generated, Scored
-from areal.tasks.base import Prompt, Verdict
+from areal.messages import Generated
+from areal.tasks.base import Prompt, RewardOutcome, Verdict
 from areal.types import Trajectory
 
 
@@ -174,13 +174,22 @@ class Ledger:
         assert sample.stage is Stage.SCORING, sample
         sample.worker = None
 
-    def finish_scoring(self, msg: Scored, worker: bytes | None) -> Group | None:
+    def unscored(self, group: Group) -> list[Sample]:
+        """`group`'s generated samples waiting to be sent for scoring, once none of its
+        samples is still to be generated (empty before: a group is scored in one message)."""
+        samples = group.samples
+        if any(s.stage is Stage.PENDING or s.stage is Stage.GENERATING for s in samples):
+            return []
+        return [s for s in samples if s.stage is Stage.SCORING and s.worker is None]
+
+    def finish_scoring(self, request_id: str, outcome: RewardOutcome,
+                       worker: bytes | None) -> Group | None:
         """Record a reward; returns the group when this completed it."""
-        sample = self.scoring(msg.request_id, worker)
+        sample = self.scoring(request_id, worker)
         if sample is None:
             return None
-        sample.trajectory.reward = msg.reward
-        sample.verdict = msg.verdict
+        sample.trajectory.reward = outcome.reward
+        sample.verdict = outcome.verdict
         sample.stage, sample.worker = Stage.DONE, None
         group = self.groups[sample.group_id]
         if not group.done:

@@ -15,7 +15,8 @@ import numpy as np
 from areal import clock
 from areal.algorithms.shaping import shaping_metrics
 from areal.evaluation import summarize
-from areal.messages import Generated, Scored, WeightsUpdated
+from areal.messages import Generated, WeightsUpdated
+from areal.tasks.base import Verdict
 from areal.types import Trajectory
 from areal.controller.episodes import episode_metrics
 from areal.controller.ledger import Dropped, Group
@@ -56,8 +57,8 @@ class StepReport:
         self._generated_tokens += trajectory.num_model_tokens
         self.num_interruptions += msg.num_interruptions
 
-    def on_scored(self, msg: Scored) -> None:
-        self._verdicts[msg.verdict.value] += 1
+    def on_scored(self, verdict: Verdict) -> None:
+        self._verdicts[verdict.value] += 1
 
     def on_dropped(self, reason: str, dropped: Dropped) -> None:
         """A training group was dropped (never trained on) for `reason`."""
@@ -96,7 +97,7 @@ class StepReport:
             "staleness/mean": float(np.mean(staleness)),
             "staleness/max": int(max(staleness)),
             "reward/verdicts": dict(self._verdicts),
-            "reward/queue": len(ctl._score_queue),
+            "reward/queue": sum(len(b) for b in ctl._score_queue),
             "buffer/trajectories": ctl.ledger.num_buffered(),
             "perf/gen_tokens_per_s": self._generated_tokens / window,
             "perf/train_tokens_per_s": batch_tokens / max(train_s, 1e-9),

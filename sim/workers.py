@@ -5,7 +5,8 @@ channel (sim/channel.py):
 
     connect --Register--> controller --Welcome--> --Ready--> serve until Shutdown;
     Heartbeat every controller.heartbeat_interval_s
-    reward:   Score -> (reward_latency_s, up to reward.max_concurrency at once) -> Scored
+    reward:   Score (a group) -> (reward_latency_s each, up to reward.max_concurrency at once)
+              -> Scored
     trainer:  JoinGroup -> GroupStatus(JOINED); Train(shard) -> (cost.train_s of the shard
               + rank 0: publishing the weights) -> Trained(version + 1)
     rollout:  sim/rollout.py (continuous batching under the KV-cache limit, interruption)
@@ -196,13 +197,18 @@ class SimReward(SimWorker):
             super().handle(msg)
 
     async def _score(self, msg: Score) -> None:
+        await asyncio.gather(*(self._check() for _ in msg.request_ids))
+        key = int(msg.reference) if isinstance(msg.reference, int) else 0
+        correct = [self.env.workload.correct(key, sample_name(r)) for r in msg.request_ids]
+        n = len(correct)
+        await self.channel.send(Scored(
+            request_ids=msg.request_ids, rewards=[1.0 if ok else 0.0 for ok in correct],
+            verdicts=[Verdict.OK if ok else Verdict.WRONG for ok in correct], details=[""] * n,
+            check_s=[self.env.workload.reward_latency_s] * n))
+
+    async def _check(self) -> None:
         async with self._slots:
             await asyncio.sleep(self.env.workload.reward_latency_s)
-        key = int(msg.reference) if isinstance(msg.reference, int) else 0
-        ok = self.env.workload.correct(key, sample_name(msg.request_id))
-        await self.channel.send(Scored(request_id=msg.request_id, reward=1.0 if ok else 0.0,
-                                       verdict=Verdict.OK if ok else Verdict.WRONG,
-                                       check_s=self.env.workload.reward_latency_s))
 
 
 class SimTrainer(SimWorker):

@@ -68,20 +68,20 @@ def test_only_refuses_other_kinds_on_the_type_byte(unpack_calls):
 
 def test_deep_nesting_in_an_untyped_field_is_a_message_error_not_a_crash():
     for depth in (MAX_DEPTH + 1, 500, 5000):  # 5000: beyond msgpack's own stack
-        header = b"\x84" + msgpack.packb("request_id") + msgpack.packb("r") \
+        header = b"\x84" + msgpack.packb("request_ids") + msgpack.packb(["r"]) \
             + msgpack.packb("prompt_id") + msgpack.packb("p") \
-            + msgpack.packb("completion_ids") + msgpack.packb(msgpack.ExtType(1, msgpack.packb(["int32", [0], 0]))) \
+            + msgpack.packb("completion_ids") + msgpack.packb([msgpack.ExtType(1, msgpack.packb(["int32", [0], 0]))]) \
             + msgpack.packb("reference") + b"\x91" * depth + b"\xc0"
         with pytest.raises(MessageError):
             decode(_frames(MsgType.SCORE, header, b""))
-    shallow = Score(request_id="r", prompt_id="p", completion_ids=np.zeros(0, np.int32),
+    shallow = Score(request_ids=["r"], prompt_id="p", completion_ids=[np.zeros(0, np.int32)],
                     reference=[[[["deep enough"]]]])
     assert decode(encode(shallow)).reference == [[[["deep enough"]]]]
 
 
 def test_arrays_of_too_many_dimensions_and_too_many_frames_are_refused():
     ref = msgpack.ExtType(1, msgpack.packb(["int32", [1] * (MAX_DEPTH + 1), 0]))
-    header = msgpack.packb({"request_id": "r", "prompt_id": "p", "completion_ids": ref, "reference": 0})
+    header = msgpack.packb({"request_ids": ["r"], "prompt_id": "p", "completion_ids": [ref], "reference": 0})
     with pytest.raises(MessageError, match="dimensions"):
         decode(_frames(MsgType.SCORE, header, b"\x00" * 4))
     limit = header_limit(MsgType.HEARTBEAT).max_items

@@ -53,9 +53,12 @@ SAMPLES = {
                          minibatch_loss_tokens=[3, 5], replay=True),
     MsgType.TRAINED: Trained(step=1, version=2, stats={"loss": 0.1}, weights_path=None,
                              replay=True, checkpoint="/r/checkpoints/step_000001"),
-    MsgType.SCORE: Score(request_id="r", prompt_id="p", completion_ids=_arange(4),
+    MsgType.SCORE: Score(request_ids=["r", "s"], prompt_id="p",
+                         completion_ids=[_arange(4), _arange(2)],
                          reference={"answer": "12", "tests": [[1, 2]]}),
-    MsgType.SCORED: Scored(request_id="r", reward=1.0, verdict=Verdict.OK, detail="", check_s=0.1),
+    MsgType.SCORED: Scored(request_ids=["r", "s"], rewards=[1.0, 0.0],
+                           verdicts=[Verdict.OK, Verdict.WRONG], details=["", "no"],
+                           check_s=[0.1, 0.2]),
     MsgType.SHUTDOWN: Shutdown(reason="done", rejoin=True),
     MsgType.READY: Ready(version=3, store="10.0.0.1:29500"),
     MsgType.JOIN_GROUP: JoinGroup(group=GroupName.WEIGHTS, generation=2, rank=1, world_size=3,
@@ -206,7 +209,8 @@ def _frames(kind=MsgType.HEARTBEAT, header=None, arrays=()):
     (_frames(header={"num_running": True}), "expected int"),
     (_frames(MsgType.SHUTDOWN, {"reason": 5}), "expected str"),
     (_frames(MsgType.CANCEL, {}), "required field 'request_ids' missing"),
-    (_frames(MsgType.SCORED, {"request_id": "r", "reward": 1.0, "verdict": "great"}), "not one of"),
+    (_frames(MsgType.SCORED, {"request_ids": ["r"], "rewards": [1.0], "verdicts": ["great"],
+                              "details": [""], "check_s": [0.0]}), "not one of"),
     (_frames(header={"stats": {1: 2.0}}), "strict"),
     (_frames(MsgType.HEARTBEAT, {}, [b"stray"]), "1 array frames sent, 0 referenced"),
 ], ids=["one-frame", "unknown-type", "long-type", "garbage-header", "list-header",
@@ -242,7 +246,8 @@ def test_disallowed_array_references_are_refused(ref):
 
 
 def test_array_smuggled_into_an_untyped_field_is_refused():
-    header = {"request_id": "r", "prompt_id": "p", "completion_ids": msgpack.ExtType(1, msgpack.packb(["int32", [1], 0])),
+    header = {"request_ids": ["r"], "prompt_id": "p",
+              "completion_ids": [msgpack.ExtType(1, msgpack.packb(["int32", [1], 0]))],
               "reference": [msgpack.ExtType(1, msgpack.packb(["int32", [1], 1]))]}
     with pytest.raises(MessageError, match="untyped"):
         decode(_frames(MsgType.SCORE, header, [b"\x00" * 4, b"\x00" * 4]))

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from areal.controller import checks
 from areal.controller.checks import (
-    generated_problem, model_vocab_size, scored_problem, sender_problem,
+    generated_problem, model_vocab_size, reward_problem, scored_problem, sender_problem,
 )
 from areal.controller.pool import WorkerHandle
 from areal.messages import (
@@ -99,10 +99,17 @@ def test_each_kind_comes_only_from_its_senders():
 
 
 def test_rewards_must_be_finite():
-    scored = Scored(request_id="r", reward=float("inf"), verdict=Verdict.OK)
-    assert "not a finite number" in scored_problem(scored)
-    scored.reward = 0.5
+    assert "not a finite number" in reward_problem(float("inf"))
+    assert "not a finite number" in reward_problem(float("nan"))
+    assert reward_problem(0.5) == ""
+
+
+def test_a_scored_pairs_one_outcome_with_each_request():
+    scored = Scored(request_ids=["a", "b"], rewards=[1.0, 0.0], verdicts=[Verdict.OK] * 2,
+                    details=["", ""], check_s=[0.1, 0.1])
     assert scored_problem(scored) == ""
+    scored.rewards = [1.0]
+    assert "lengths [2, 1, 2, 2, 2]" in scored_problem(scored)
 
 
 def test_the_vocabulary_size_comes_from_the_model_config(tmp_path):

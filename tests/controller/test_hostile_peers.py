@@ -41,8 +41,8 @@ import probes
 from areal.config import load_config
 from areal.controller import Controller
 from areal.messages import (
-    Generate, Generated, FinishReason, Heartbeat, MsgType, Ready, Register, Scored, Welcome,
-    WorkerError, WorkerKind, decode, encode, schemas,
+    Generate, Generated, FinishReason, Heartbeat, MsgType, Ready, Register, Score, Scored,
+    Welcome, WorkerError, WorkerKind, decode, encode, schemas,
 )
 from areal.tasks.base import Verdict
 
@@ -311,6 +311,27 @@ def test_an_inconsistent_generated_is_dropped_and_the_run_goes_on(live):
         assert group is None or group.samples[int(index[1:])].attempt >= 1  # generated again
 
 
+def test_a_group_is_scored_in_one_message_and_an_inconsistent_scored_is_checked_again(live):
+    with FakeWorker(live.address, WorkerKind.REWARD, "fake-reward") as fake:
+        fake.send(Ready(version=fake.welcome.version))
+        score = fake.recv_until(Score)
+        assert len(score.request_ids) == len(score.completion_ids) == 2  # task.group_size
+        assert len({r.split("-")[0] for r in score.request_ids}) == 1  # one group's samples
+        steps = live.num_steps()
+        fake.send(Scored(request_ids=score.request_ids, rewards=[1.0],
+                         verdicts=[Verdict.OK] * 2, details=["", ""], check_s=[0.0, 0.0]))
+        fake.send(WorkerError(error="probe finished", fatal=True))  # what it holds goes back
+        live.wait_for(lambda: any(r["worker_id"] == "fake-reward"
+                                  for r in live.events("worker_lost")), "the fake worker's loss")
+        refusals = [r for r in live.events("peer_refused") if r["peer"] == "fake-reward"]
+        assert [r["reason"] for r in refusals] == ["contradicts the ledger"]
+        assert "lengths [2, 1, 2, 2, 2]" in refusals[0]["detail"]
+        live.wait_for(lambda: live.num_steps() > steps + 1,
+                      "training steps after the bad message")
+        group_id = int(score.request_ids[0].split("-")[0][1:])
+        assert group_id not in live.ctl.ledger.groups  # scored again elsewhere: settled
+
+
 def _forged_headers() -> st.SearchStrategy[bytes]:
     scalars = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
                | st.text(max_size=12) | st.binary(max_size=12))
@@ -323,7 +344,8 @@ def _forged_headers() -> st.SearchStrategy[bytes]:
 _VALID = [encode(m) for m in (
     Register(kind=WorkerKind.ROLLOUT, worker_id="w", pid=1, host="h", secret="wrong"),
     Heartbeat(num_running=2, stats={"a": 1.0}), WorkerError(error="e"),
-    Scored(request_id="g1-s0-a0", reward=float("nan"), verdict=Verdict.OK),
+    Scored(request_ids=["g1-s0-a0"], rewards=[float("nan")], verdicts=[Verdict.OK],
+           details=[""], check_s=[0.0]),
     Generated(request_id="g0-s0-a0", output_ids=np.arange(4, dtype=np.int32),
               logprobs=np.zeros(4, np.float32), versions=np.zeros(4, np.int32),
               finish_reason=FinishReason.STOP))]

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from areal.controller.ledger import Ledger, Purpose, Stage
-from areal.messages import FinishReason, Generated, Scored
-from areal.tasks.base import Prompt, Verdict
+from areal.messages import FinishReason, Generated
+from areal.tasks.base import Prompt, RewardOutcome, Verdict
 
 W1, W2, R1 = b"rollout-1", b"rollout-2", b"reward-1"
 
@@ -22,16 +22,15 @@ def _generated(sample, n=3, version=0):
                      finish_reason=FinishReason.STOP)
 
 
-def _scored(sample, reward=1.0):
-    return Scored(request_id=sample.request_id, reward=reward,
-                  verdict=Verdict.OK if reward else Verdict.WRONG)
+def _outcome(reward=1.0):
+    return RewardOutcome(reward=reward, verdict=Verdict.OK if reward else Verdict.WRONG)
 
 
 def _run_sample(ledger, sample, worker=W1, reward=1.0):
     ledger.start_generation(sample, worker, now=0.0)
     assert ledger.finish_generation(_generated(sample), worker) is sample
     ledger.start_scoring(sample, R1)
-    return ledger.finish_scoring(_scored(sample, reward), R1)
+    return ledger.finish_scoring(sample.request_id, _outcome(reward), R1)
 
 
 def test_group_reaches_the_buffer_only_when_every_sample_is_scored():
@@ -49,6 +48,28 @@ def test_group_reaches_the_buffer_only_when_every_sample_is_scored():
     assert ledger.take_batch(1) == [group] and ledger.trained_group_ids == [group.group_id]
     with pytest.raises(RuntimeError, match="buffer holds 0 groups"):
         ledger.take_batch(1)
+
+
+def test_a_group_is_sent_for_scoring_once_its_last_sample_is_generated():
+    ledger = Ledger()
+    group = ledger.add_group(_prompt(), np.array([5], np.int32), size=3, version=0)
+    a, b, c = (ledger.pending.popleft() for _ in range(3))
+    for sample in (a, b, c):
+        ledger.start_generation(sample, W1, 0.0)
+    assert ledger.finish_generation(_generated(a), W1) is a
+    assert ledger.unscored(group) == []  # b and c still generating
+    ledger.requeue(c)  # c's worker was lost: c is pending again
+    assert ledger.finish_generation(_generated(b), W1) is b
+    assert ledger.unscored(group) == []
+    ledger.pending.popleft()
+    ledger.start_generation(c, W2, 0.0)
+    assert ledger.finish_generation(_generated(c), W2) is c
+    assert ledger.unscored(group) == [a, b, c]
+    ledger.start_scoring(a, R1)
+    ledger.start_scoring(b, R1)
+    assert ledger.unscored(group) == [c]  # only what no reward worker holds
+    ledger.retry_scoring(a)
+    assert ledger.unscored(group) == [a, c]
 
 
 def test_lost_rollout_worker_requeues_its_generations_under_new_ids():
@@ -69,7 +90,7 @@ def test_lost_rollout_worker_requeues_its_generations_under_new_ids():
     assert _run_sample(ledger, a, worker=W2) is None
     assert ledger.finish_generation(_generated(b), W2) is b
     ledger.start_scoring(b, R1)
-    assert ledger.finish_scoring(_scored(b), R1) is group
+    assert ledger.finish_scoring(b.request_id, _outcome(), R1) is group
 
 
 def test_lost_reward_worker_returns_its_samples_for_rescoring():
@@ -81,9 +102,9 @@ def test_lost_reward_worker_returns_its_samples_for_rescoring():
     ledger.start_scoring(sample, R1)
     requeued, rescore = ledger.release_worker(R1)
     assert requeued == [] and rescore == [sample] and sample.stage is Stage.SCORING
-    assert ledger.finish_scoring(_scored(sample), R1) is None  # the lost worker's answer
+    assert ledger.finish_scoring(sample.request_id, _outcome(), R1) is None  # the lost worker's answer
     ledger.start_scoring(sample, b"reward-2")
-    assert ledger.finish_scoring(_scored(sample), b"reward-2") is not None
+    assert ledger.finish_scoring(sample.request_id, _outcome(), b"reward-2") is not None
 
 
 def test_eval_groups_never_enter_the_replay_buffer():
@@ -128,7 +149,7 @@ def test_dropping_a_running_group_releases_every_stage_and_its_late_answers_are_
     assert [s.group_id for s in ledger.pending] == [other.group_id]
     assert group.group_id not in ledger.groups and ledger.dropped_group_ids == [group.group_id]
     assert ledger.finish_generation(_generated(generating), W2) is None
-    assert ledger.finish_scoring(_scored(scoring), R1) is None
+    assert ledger.finish_scoring(scoring.request_id, _outcome(), R1) is None
     assert all(ledger.groups[s.group_id] is other for s in ledger.in_flight())
 
 

@@ -11,8 +11,8 @@ import numpy as np
 
 from areal.controller.ledger import Ledger
 from areal.controller.strict_staleness import deadline, expired, expired_groups, oldest_version
-from areal.messages import FinishReason, Generated, Scored
-from areal.tasks.base import Prompt, Verdict
+from areal.messages import FinishReason, Generated
+from areal.tasks.base import Prompt, RewardOutcome, Verdict
 
 W, R = b"rollout-1", b"reward-1"
 
@@ -34,8 +34,8 @@ def _group(ledger: Ledger, versions_per_sample: list[list[int] | None], score: b
             finish_reason=FinishReason.STOP), W)
         if score:
             ledger.start_scoring(sample, R)
-            ledger.finish_scoring(Scored(request_id=sample.request_id, reward=1.0,
-                                         verdict=Verdict.OK), R)
+            ledger.finish_scoring(sample.request_id,
+                                  RewardOutcome(reward=1.0, verdict=Verdict.OK), R)
     return group
 
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import msgpack
 import pytest
 
 from areal.config import ConfigError
+from areal.messages import MsgType
 from areal.sim import alone as alone_mod
 from areal.sim import run as run_mod
 from areal.sim.accounting import CpuAccounts, as_worker
@@ -48,6 +50,28 @@ def test_the_replayed_controller_sends_every_message_the_simulated_one_sent(mode
     assert plain.controller_alone_cpu_s_per_step is None and plain.controller_alone_share is None
 
 
+def test_the_controller_sends_each_group_for_scoring_in_one_message():
+    sent = []
+    real_replay = run_mod.replay
+
+    def replay(overrides, env, recording, *rest):
+        sent.extend(recording.sent_frames)
+        return real_replay(overrides, env, recording, *rest)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(run_mod, "replay", replay)
+        result = simulate(sim_config(measure_alone=True, **SMALL))
+    scores = [msgpack.unpackb(header)["request_ids"] for _, kind, header in sent
+              if kind == bytes([MsgType.SCORE])]
+    groups = [{int(r.split("-")[0][1:]) for r in request_ids} for request_ids in scores]
+    assert all(len(g) == 1 for g in groups)  # one group's samples in each
+    score_of = {g.pop(): request_ids for g, request_ids in zip(groups, scores, strict=True)}
+    assert len(score_of) == len(scores)  # each group once (no check failed here)
+    trained = result.trained_group_ids
+    assert len(trained) == SMALL["steps"] * SMALL["num_prompts"]
+    assert all(len(score_of[g]) == SMALL["group_size"] for g in trained)  # all of each
+
+
 def _tampered(tamper):
     """simulate() whose recording is altered by `tamper` before the replay."""
     real_replay = run_mod.replay
@@ -74,9 +98,9 @@ def test_a_message_sent_otherwise_than_in_the_simulation_stops_the_replay():
 
 def test_a_message_due_before_where_the_controller_already_is_stops_the_replay():
     def tamper(recording):
-        recording.arrivals[300] = dataclasses.replace(recording.arrivals[300], steps=0)
+        recording.arrivals[100] = dataclasses.replace(recording.arrivals[100], steps=0)
 
-    with pytest.raises(alone_mod.ReplayDiverged, match="message 300 .* came after 0 steps"):
+    with pytest.raises(alone_mod.ReplayDiverged, match="message 100 .* came after 0 steps"):
         _tampered(tamper)
 
 

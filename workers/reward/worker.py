@@ -1,8 +1,8 @@
 """The reward worker: scores finished completions concurrently with generation.
 
-Each `Score` is decoded with the run's tokenizer and checked by the task's reward function
-with bounded parallelism (`reward.max_concurrency`) and a time limit (`reward.timeout_s`).
-A check that times out or raises becomes reward 0 with verdict TIMEOUT/ERROR and the reason
+Each completion of a `Score` (a group's, together) is decoded with the run's tokenizer and
+checked by the task's reward function with bounded parallelism (`reward.max_concurrency`)
+and a time limit (`reward.timeout_s`); one Scored answers for all. A check that times out or raises becomes reward 0 with verdict TIMEOUT/ERROR and the reason
 in `detail`: a trajectory is never lost because its checker failed. Rewards that run
 untrusted code do so through `areal.sandbox`, inside the task's reward function.
 """
@@ -46,17 +46,32 @@ class RewardWorker(Worker):
 
     async def handle(self, msg: Any) -> None:
         if isinstance(msg, Score):
-            self.spawn(self._score(msg), msg.request_id)
+            self.spawn(self._score(msg), ",".join(msg.request_ids)[:200])
         else:
             log.warning("reward worker ignores %s", type(msg).__name__)
 
     async def _score(self, msg: Score) -> None:
+        """Check every completion of `msg` at once (the pool bounds the parallelism) and
+        answer with one Scored, in the same order."""
+        outcomes = await asyncio.gather(*(
+            self._check(ids, msg.reference) for ids in msg.completion_ids))
+        await self.send(Scored(
+            request_ids=msg.request_ids, rewards=[float(o.reward) for o, _ in outcomes],
+            verdicts=[o.verdict for o, _ in outcomes],
+            details=[o.detail[:2000] for o, _ in outcomes],
+            check_s=[seconds for _, seconds in outcomes]))
+
+    async def _check(self, completion_ids: Any, reference: Any) -> tuple[RewardOutcome, float]:
+        """(outcome, seconds) of one completion; a completion the tokenizer cannot decode is
+        an ERROR outcome, not a lost answer for its whole group."""
         start = time.monotonic()
-        text = self.tokenizer.decode(msg.completion_ids.tolist(), skip_special_tokens=True)
-        outcome: RewardOutcome = await self.pool.check(self.task.reward, text, msg.reference)
-        await self.send(Scored(request_id=msg.request_id, reward=float(outcome.reward),
-                               verdict=outcome.verdict, detail=outcome.detail[:2000],
-                               check_s=time.monotonic() - start))
+        try:
+            text = self.tokenizer.decode(completion_ids.tolist(), skip_special_tokens=True)
+        except Exception as err:  # noqa: BLE001 - any tokenizer failure: reported per sample
+            return RewardOutcome(reward=0.0, verdict=Verdict.ERROR,
+                                 detail=f"could not decode the completion: {err!r}"), 0.0
+        outcome: RewardOutcome = await self.pool.check(self.task.reward, text, reference)
+        return outcome, time.monotonic() - start
 
     async def close(self) -> None:
         pool = getattr(self, "pool", None)
