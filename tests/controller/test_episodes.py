@@ -1,0 +1,38 @@
+"""The outcome an episode arrives with (controller/episodes.py): its environment's reward
+as it is, and a clear ERROR outcome (never a number the trainer cannot use) when the
+rollout worker broke the schema's contract."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from areal.controller.episodes import episode_scored
+from areal.messages import EpisodeEnd, FinishReason, Generated
+from areal.tasks.base import Verdict
+
+
+def _episode(reward: float, verdict: Verdict | None) -> Generated:
+    return Generated(request_id="g0-s0-a0", output_ids=np.arange(3, dtype=np.int32),
+                     logprobs=np.zeros(3, np.float32), versions=np.zeros(3, np.int32),
+                     finish_reason=FinishReason.STOP, episode_end=EpisodeEnd.ENVIRONMENT,
+                     reward=reward, verdict=verdict, detail="env said so")
+
+
+def test_an_episode_keeps_its_environments_reward():
+    outcome = episode_scored(_episode(0.5, Verdict.WRONG))
+    assert (outcome.reward, outcome.verdict, outcome.detail) == (0.5, Verdict.WRONG,
+                                                                 "env said so")
+
+
+def test_an_episode_without_a_verdict_is_an_error():
+    outcome = episode_scored(_episode(1.0, None))
+    assert outcome.reward == 0.0 and outcome.verdict is Verdict.ERROR
+    assert "without a verdict" in outcome.detail
+
+
+@pytest.mark.parametrize("reward", [float("nan"), float("inf"), float("-inf")])
+def test_an_episode_whose_reward_is_not_finite_is_an_error(reward):
+    outcome = episode_scored(_episode(reward, Verdict.OK))
+    assert outcome.reward == 0.0 and outcome.verdict is Verdict.ERROR
+    assert "not a finite number" in outcome.detail
