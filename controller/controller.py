@@ -140,6 +140,9 @@ class Controller(FaultRepairs):
         self.zap: ZapHandler | None = None
         self.handshake_failures: list[str] = []
         self._auth_tasks: list[asyncio.Task] = []
+        self._checkpointed: Trained | None = None
+        """Rank 0's answer for the newest checkpointed step, until its resume state is
+        written (`_save_resume_state`)."""
         self._score_queue: list[list[Sample]] = []
         """Samples to score (each entry one Score: samples of one group), waiting for a
         reward worker with room."""
@@ -366,6 +369,7 @@ class Controller(FaultRepairs):
                                               train_s, waited, self)
             record.update(self.reward_faults.window_metrics())
             self._metrics.record("step", record, step=step)
+            self._save_resume_state(step)
             self._metrics.progress(step, {k.split("/")[-1]: record[k] for k in (
                 "rollout/reward_mean", "train/loss") if k in record})
             if self._eval_due(step):
@@ -771,14 +775,27 @@ class Controller(FaultRepairs):
             await self._publish(msg)
         if msg.rank == 0 and msg.checkpoint:
             self.recovery.checkpointed(msg.step, msg.checkpoint)
-            write_state(ResumeState(
-                step=msg.step, version=msg.version, drawn=self._setup.num_drawn,
-                untrained=sorted(self.ledger.untrained_positions()
-                                 + self._setup.requeued_positions()),
-                eval_before=self._eval_before, path=msg.checkpoint))
-            self._record_event("checkpoint", step=msg.step, path=msg.checkpoint,
-                               seconds=msg.stats.get("checkpoint_s"))
+            self._checkpointed = msg
+            if msg.replay:  # a replayed step's record was written when it was first trained
+                self._save_resume_state(msg.step)
         self.trainers.finish_if_complete()
+
+    def _save_resume_state(self, step: int) -> None:
+        """The controller's part of `step`'s checkpoint (resume.py), once the step's record is
+        written: a run killed between the two resumes from the checkpoint before and trains
+        the step again, instead of resuming after a step whose record never reached
+        metrics.jsonl."""
+        msg = self._checkpointed
+        if msg is None or msg.step != step:
+            return
+        self._checkpointed = None
+        write_state(ResumeState(
+            step=msg.step, version=msg.version, drawn=self._setup.num_drawn,
+            untrained=sorted(self.ledger.untrained_positions()
+                             + self._setup.requeued_positions()),
+            eval_before=self._eval_before, path=msg.checkpoint))
+        self._record_event("checkpoint", step=msg.step, path=msg.checkpoint,
+                           seconds=msg.stats.get("checkpoint_s"))
 
     async def _on_weights_chunk(self, identity: bytes, handle: WorkerHandle,
                                 msg: WeightsChunk) -> None:

@@ -68,17 +68,34 @@ class RunSetup:
             raise ValueError(f"prompt {prompt.prompt_id!r} tokenizes to nothing")
         return np.asarray(ids, dtype=np.int32)
 
+    def _draw(self) -> tuple[Prompt, np.ndarray]:
+        prompt = next(self._train_iter)
+        return prompt, self.tokenize(prompt)
+
     def _next_train_prompt_sync(self) -> tuple[int, Prompt, np.ndarray]:
+        """`next_train_prompt` in the caller's thread (the simulation's, tests')."""
         if self._requeued:
             position, prompt = self._requeued.popleft()
-        else:
-            position, prompt = self.num_drawn, next(self._train_iter)
-            self.num_drawn += 1
-        return position, prompt, self.tokenize(prompt)
+            return position, prompt, self.tokenize(prompt)
+        prompt, ids = self._draw()
+        self.num_drawn += 1
+        return self.num_drawn - 1, prompt, ids
 
     async def next_train_prompt(self) -> tuple[int, Prompt, np.ndarray]:
-        """(draw position, prompt, token ids) of the next training prompt."""
-        return await asyncio.to_thread(self._next_train_prompt_sync)
+        """(draw position, prompt, token ids) of the next training prompt. The draw is
+        counted (`num_drawn`, the re-queued positions) only once it is done, after the last
+        await: the caller admits the group without awaiting, so a resume state written
+        meanwhile never counts a position that is neither in the ledger nor still queued
+        (one drawn in the thread while a checkpoint was written was lost on resume)."""
+        if self._requeued:
+            position, prompt = self._requeued[0]
+            ids = await asyncio.to_thread(self.tokenize, prompt)
+            self._requeued.popleft()
+            return position, prompt, ids
+        prompt, ids = await asyncio.to_thread(self._draw)
+        position = self.num_drawn
+        self.num_drawn += 1
+        return position, prompt, ids
 
     def requeued_positions(self) -> list[int]:
         """Positions queued again by `redraw` and not admitted yet."""

@@ -78,6 +78,18 @@ def test_the_resumed_run_continues_from_the_checkpoint(runs):
     assert steps == list(range(1, TOTAL + 1))
 
 
+def test_a_checkpoints_resume_state_is_written_after_its_steps_record(runs):
+    # A run killed between the two must not resume after a step that has no record: the
+    # controller's part of the checkpoint (with its "checkpoint" event) follows the record.
+    records = runs["first"]["records"]
+    order = [(r["kind"], r.get("step")) for r in records if r["kind"] == "step"
+             or r.get("event") == "checkpoint"]
+    checkpoints = [step for kind, step in order if kind == "event"]
+    assert checkpoints == [2, 4]
+    for step in checkpoints:
+        assert order.index(("step", step)) < order.index(("event", step))
+
+
 def test_rollout_workers_start_from_the_checkpoint_weights(runs):
     last_of_first = _evals(runs["first"])[-1]
     first_of_second = _evals(runs["second"])[0]

@@ -74,6 +74,39 @@ def test_redraw_gives_untrained_prompts_first_then_continues_the_stream():
     assert resumed.num_drawn == 12 and resumed.requeued_positions() == []
 
 
+def test_a_prompt_being_drawn_is_not_counted_until_it_is_drawn():
+    # A resume state written while the draw runs in its thread must still find the
+    # position in the re-queued list or beyond num_drawn (it was lost on resume before).
+    import asyncio
+    import threading
+
+    setup = _setup()
+    setup.redraw(drawn=2, untrained=[1])
+    release, entered = threading.Event(), threading.Event()
+    tokenize = setup.tokenize
+
+    def slow_tokenize(prompt):
+        entered.set()
+        release.wait(10)
+        return tokenize(prompt)
+    setup.tokenize = slow_tokenize
+
+    async def main():
+        seen = []
+        for _ in range(2):  # the re-queued position 1, then the new position 2
+            entered.clear()
+            draw = asyncio.create_task(setup.next_train_prompt())
+            await asyncio.to_thread(entered.wait, 10)
+            seen.append((setup.num_drawn, setup.requeued_positions()))
+            release.set()
+            position, _, _ = await draw
+            release.clear()
+            seen.append((position, setup.num_drawn, setup.requeued_positions()))
+        return seen
+
+    assert asyncio.run(main()) == [(2, [1]), (1, 2, []), (2, []), (2, 3, [])]
+
+
 def test_the_summary_of_a_resumed_run_names_the_steps_it_trained():
     from areal.controller.report import summary_lines
 
