@@ -289,6 +289,19 @@ def test_floods_write_bounded_warnings_and_records(live, warnings_seen):
     assert new_warnings <= 80 and len(new_records) <= 80  # was 22,000 lines and 1,002 records
 
 
+def _refused_once_then_lost(live, fake: FakeWorker, worker_id: str, detail: str,
+                            steps: int) -> None:
+    """`fake` sent one message contradicting the ledger: it ends itself (what it holds goes
+    back), its one refusal names `detail`, and the run trains on past `steps`."""
+    fake.send(WorkerError(error="probe finished", fatal=True))
+    live.wait_for(lambda: any(r["worker_id"] == worker_id for r in live.events("worker_lost")),
+                  "the fake worker's loss")
+    refusals = [r for r in live.events("peer_refused") if r["peer"] == worker_id]
+    assert [r["reason"] for r in refusals] == ["contradicts the ledger"]
+    assert detail in refusals[0]["detail"]
+    live.wait_for(lambda: live.num_steps() > steps + 1, "training steps after the bad message")
+
+
 def test_an_inconsistent_generated_is_dropped_and_the_run_goes_on(live):
     with FakeWorker(live.address, WorkerKind.ROLLOUT, "fake-rollout") as fake:
         fake.send(Ready(version=fake.welcome.version))
@@ -298,14 +311,7 @@ def test_an_inconsistent_generated_is_dropped_and_the_run_goes_on(live):
                             output_ids=np.arange(5, dtype=np.int32),
                             logprobs=np.zeros(3, np.float32), versions=np.zeros(5, np.int32),
                             finish_reason=FinishReason.LENGTH))
-        fake.send(WorkerError(error="probe finished", fatal=True))  # its other requests go back
-        live.wait_for(lambda: any(r["worker_id"] == "fake-rollout"
-                                  for r in live.events("worker_lost")), "the fake worker's loss")
-        refusals = [r for r in live.events("peer_refused") if r["peer"] == "fake-rollout"]
-        assert [r["reason"] for r in refusals] == ["contradicts the ledger"]
-        assert "lengths [5, 3, 5]" in refusals[0]["detail"]
-        live.wait_for(lambda: live.num_steps() > steps + 1,
-                      "training steps after the bad message")
+        _refused_once_then_lost(live, fake, "fake-rollout", "lengths [5, 3, 5]", steps)
         group_id, index, _ = request.request_id.split("-")
         group = live.ctl.ledger.groups.get(int(group_id[1:]))
         assert group is None or group.samples[int(index[1:])].attempt >= 1  # generated again
@@ -320,14 +326,7 @@ def test_a_group_is_scored_in_one_message_and_an_inconsistent_scored_is_checked_
         steps = live.num_steps()
         fake.send(Scored(request_ids=score.request_ids, rewards=[1.0],
                          verdicts=[Verdict.OK] * 2, details=["", ""], check_s=[0.0, 0.0]))
-        fake.send(WorkerError(error="probe finished", fatal=True))  # what it holds goes back
-        live.wait_for(lambda: any(r["worker_id"] == "fake-reward"
-                                  for r in live.events("worker_lost")), "the fake worker's loss")
-        refusals = [r for r in live.events("peer_refused") if r["peer"] == "fake-reward"]
-        assert [r["reason"] for r in refusals] == ["contradicts the ledger"]
-        assert "lengths [2, 1, 2, 2, 2]" in refusals[0]["detail"]
-        live.wait_for(lambda: live.num_steps() > steps + 1,
-                      "training steps after the bad message")
+        _refused_once_then_lost(live, fake, "fake-reward", "lengths [2, 1, 2, 2, 2]", steps)
         group_id = int(score.request_ids[0].split("-")[0][1:])
         assert group_id not in live.ctl.ledger.groups  # scored again elsewhere: settled
 

@@ -102,7 +102,8 @@ def test_lost_reward_worker_returns_its_samples_for_rescoring():
     ledger.start_scoring(sample, R1)
     requeued, rescore = ledger.release_worker(R1)
     assert requeued == [] and rescore == [sample] and sample.stage is Stage.SCORING
-    assert ledger.finish_scoring(sample.request_id, _outcome(), R1) is None  # the lost worker's answer
+    # the lost worker's answer
+    assert ledger.finish_scoring(sample.request_id, _outcome(), R1) is None
     ledger.start_scoring(sample, b"reward-2")
     assert ledger.finish_scoring(sample.request_id, _outcome(), b"reward-2") is not None
 

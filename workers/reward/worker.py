@@ -2,8 +2,9 @@
 
 Each completion of a `Score` (a group's, together) is decoded with the run's tokenizer and
 checked by the task's reward function with bounded parallelism (`reward.max_concurrency`)
-and a time limit (`reward.timeout_s`); one Scored answers for all. A check that times out or raises becomes reward 0 with verdict TIMEOUT/ERROR and the reason
-in `detail`: a trajectory is never lost because its checker failed. Rewards that run
+and a time limit (`reward.timeout_s`); one Scored answers for all. A check that times out
+or raises becomes reward 0 with verdict TIMEOUT/ERROR and the reason in `detail`: a
+trajectory is never lost because its checker failed. Rewards that run
 untrusted code do so through `areal.sandbox`, inside the task's reward function.
 """
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import zmq.asyncio
 
 from areal.config import config_to_dict, load_config
 from areal.messages import Ready, Score, Scored, Shutdown, Welcome
@@ -19,8 +20,6 @@ from areal.workers.reward.worker import RewardWorker
 async def _score(model_dir: str, score: Score, break_decode_of: str | None = None) -> Scored:
     """Serve a real RewardWorker against a bare ROUTER, send `score`, return its answer.
     `break_decode_of`: the tokenizer raises on that completion's text (a unit seam)."""
-    import zmq.asyncio
-
     ctx = zmq.asyncio.Context()
     channel = RouterChannel(ctx, "127.0.0.1", 0)
     worker = RewardWorker(channel.address, "reward-0", secret="s")
