@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import pickle
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from areal import messages
 from areal.messages import (
     BroadcastWeights, Cancel, EpisodeEnd, FinishReason, Generate, Generated, GroupName, GroupState,
     GroupStatus, Heartbeat, JoinGroup, MessageError, MsgType, Ready, Register, Score, Scored,
@@ -287,3 +289,35 @@ def test_encoding_refuses_unserialisable_values():
     with pytest.raises(MessageError, match="cannot travel"):
         encode(Generate(request_id="r", prompt_ids=np.array(["a"], dtype=object),
                         max_new_tokens=1, temperature=1.0))
+    # The reused packer is left clean by a failed encoding: the next message is whole.
+    assert decode(encode(Shutdown(reason="after"))).reason == "after"
+
+
+def _generate(n: int) -> Generate:
+    return Generate(request_id=f"r{n}", prompt_ids=np.arange(n, dtype=np.int32),
+                    max_new_tokens=8, temperature=1.0, stop_token_ids=[n])
+
+
+def test_array_references_are_packed_once_and_their_cache_stays_bounded(monkeypatch):
+    monkeypatch.setattr(messages, "_EXT_CACHE", {})
+    monkeypatch.setattr(messages, "_EXT_CACHE_ITEMS", 2)
+    sizes = [3, 4, 3, 5, 6, 3]
+    frames = [encode(_generate(n)) for n in sizes]
+    assert len(messages._EXT_CACHE) <= 2
+    assert frames[0][1] == frames[2][1]  # the same message again, the same bytes
+    for n, message in zip(sizes, frames, strict=True):
+        got = decode(message)
+        assert got.request_id == f"r{n}" and got.stop_token_ids == [n]
+        np.testing.assert_array_equal(got.prompt_ids, np.arange(n, dtype=np.int32))
+
+
+def test_threads_encoding_at_once_each_get_their_own_messages():
+    """Each thread packs with its own reusable Packer (messages._packer)."""
+    def encode_many(offset: int) -> list[Generate]:
+        return [decode(encode(_generate(offset + i))) for i in range(200)]
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(encode_many, [0, 1000, 2000, 3000]))
+    for offset, got in zip([0, 1000, 2000, 3000], results, strict=True):
+        assert [m.request_id for m in got] == [f"r{offset + i}" for i in range(200)]
+        assert all(len(m.prompt_ids) == int(m.request_id[1:]) for m in got)
