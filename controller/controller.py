@@ -65,6 +65,7 @@ from areal.messages import (
 from areal.transport import PeerMessageError, RouterChannel
 from areal.types import pack, pack_arrays
 from areal.controller import dynamic_sampling
+from areal.controller.collector import collection_thresholds
 from areal.controller.checks import (
     generated_problem, model_vocab_size, reward_problem, scored_problem, sender_problem,
 )
@@ -189,6 +190,10 @@ class Controller(FaultRepairs):
 
     async def run(self) -> dict[str, Any]:
         """Run to completion; returns the summary (also written to summary.json)."""
+        with collection_thresholds(self.cfg.controller.gc_thresholds):
+            return await self._run()
+
+    async def _run(self) -> dict[str, Any]:
         self._started = clock.now()
         try:
             self._setup = await asyncio.to_thread(

@@ -54,6 +54,10 @@ def test_round_trip_through_yaml_and_dict(tmp_path):
     ("episode.max_turn_tokens=0", "episode.max_turn_tokens=0 must be > 0"),
     ("episode.step_timeout_s=0", "episode.step_timeout_s=0.0 must be > 0"),
     ("episode.environment=' '", "episode.environment=' ' is empty"),
+    ("controller.gc_thresholds=[50000,20]", r"controller.gc_thresholds=\[50000, 20\]: three "
+                                             "positive integers"),
+    ("controller.gc_thresholds=[0,10,10]", r"controller.gc_thresholds=\[0, 10, 10\]"),
+    ("controller.gc_thresholds=[]", None),
     ("lr", "key=value"),
 ], ids=lambda v: str(v))
 def test_bad_values_name_the_field(override, needle):
