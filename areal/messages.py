@@ -469,6 +469,9 @@ class WorkerError:
     error: str
     fatal: bool = False
     request_id: str = ""
+    request_ids: list[str] = field(default_factory=list)
+    """Every request of the failed work item when it held several (a reward worker's Score,
+    a group's): the controller checks each again elsewhere."""
 
 
 @dataclass(frozen=True)
@@ -493,7 +496,7 @@ HEADER_LIMITS: dict[MsgType, HeaderLimit] = {
     MsgType.TRAINED: HeaderLimit(64 << 20, 1 << 20),  # stats, collective manifest
     MsgType.SCORE: HeaderLimit(256 << 20, 1 << 22),  # reference: a code problem's unit tests
     MsgType.SCORED: HeaderLimit(16 << 20, 1 << 16),  # a group's outcomes and checkers' messages
-    MsgType.WORKER_ERROR: HeaderLimit(1 << 20, 16),  # a traceback
+    MsgType.WORKER_ERROR: HeaderLimit(1 << 20, 1 << 12),  # a traceback, a group's request ids
     MsgType.CANCEL: HeaderLimit(16 << 20, 1 << 20),  # request ids
 }
 """Per-kind header bounds; kinds not listed hold a few scalars (`_SMALL`)."""

@@ -89,7 +89,7 @@ from areal.controller.reward_faults import RewardFaults
 from areal.controller.faults import FaultRepairs
 from areal.controller import strict_staleness
 from areal.controller.signal import Changed
-from areal.tasks.base import RewardOutcome
+from areal.tasks.base import RewardOutcome, Verdict
 
 log = logging.getLogger("areal.controller")
 
@@ -828,12 +828,27 @@ class Controller(FaultRepairs):
             await self._lose(handle, f"fatal error: {msg.error}")
         elif msg.request_id and handle.kind is WorkerKind.TRAINER and self.trainers.busy:
             await self.trainers.step_failed(handle, msg.error, self._losing, self._lose)
+        elif handle.kind is WorkerKind.REWARD and msg.request_ids:
+            await self._scoring_failed(identity, handle, msg)
         elif handle.kind is WorkerKind.ROLLOUT and msg.request_id in self.ledger.by_request:
             # The engine refused or failed a generation (e.g. prompt + rollout.max_new_tokens
             # beyond the model's length): sent again it would fail again, and left alone its
             # group would never finish and the run would wait forever.
             raise RunFailed(f"{handle.worker_id} could not generate request {msg.request_id}: "
                             f"{msg.error}")
+
+    async def _scoring_failed(self, identity: bytes, handle: WorkerHandle,
+                              msg: WorkerError) -> None:
+        """A reward worker's Score failed as a whole (anything but one completion's check,
+        which it answers itself): an infrastructure failure of each check it held, retried
+        elsewhere or settled by reward.on_error; left alone, the group would wait forever."""
+        outcome = RewardOutcome(reward=0.0, verdict=Verdict.ERROR,
+                                detail=f"the reward worker failed: {msg.error}"[:2000])
+        for request_id in msg.request_ids:
+            handle.in_flight.discard(request_id)
+            sample = self.ledger.scoring(request_id, identity)
+            if sample is not None:
+                await self._judge_score(sample, outcome, identity)
 
     # -- liveness -------------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ import sys
 import time
 import uuid
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Sequence
 
 import zmq
 import zmq.asyncio
@@ -93,21 +93,23 @@ class Worker(ABC):
 
     # -- plumbing ------------------------------------------------------------------------------
 
-    def spawn(self, coro: Any, request_id: str = "") -> asyncio.Task:
-        """Run a work item in the background; its failure is reported, not fatal."""
+    def spawn(self, coro: Any, request_id: str = "", request_ids: Sequence[str] = ()
+              ) -> asyncio.Task:
+        """Run a work item in the background; its failure is reported, not fatal.
+        `request_id` names it; `request_ids`: every request it answers for, when several."""
         task = asyncio.create_task(coro)
         self._tasks.add(task)
-        task.add_done_callback(lambda t: self._finished(t, request_id))
+        task.add_done_callback(lambda t: self._finished(t, request_id, list(request_ids)))
         return task
 
-    def _finished(self, task: asyncio.Task, request_id: str) -> None:
+    def _finished(self, task: asyncio.Task, request_id: str, request_ids: list[str]) -> None:
         self._tasks.discard(task)
         if task.cancelled() or task.exception() is None:
             return
         err = task.exception()
         log.error("work item %s failed: %r", request_id or "?", err, exc_info=err)
         self.spawn(self.send(WorkerError(error=f"{type(err).__name__}: {err}",
-                                         request_id=request_id)))
+                                         request_id=request_id, request_ids=request_ids)))
 
     async def send(self, msg: Any) -> None:
         assert self.channel is not None

@@ -7,6 +7,7 @@ what its probe did, the last one that the run still finishes.
     three 100 MB frames from an unregistered peer in another process              (Why 6)
     20,000 garbage messages and 1,100 forged Registers                           (Why 7)
     one inconsistent Generated from a registered rollout worker                   (Why 8)
+    an inconsistent Scored, and a Score reported failed, from a reward worker
     controller.secret given as an override                                        (Why 9)
     a property-based fuzz of the socket: random, truncated, oversized, forged frames
 
@@ -329,6 +330,33 @@ def test_a_group_is_scored_in_one_message_and_an_inconsistent_scored_is_checked_
         _refused_once_then_lost(live, fake, "fake-reward", "lengths [2, 1, 2, 2, 2]", steps)
         group_id = int(score.request_ids[0].split("-")[0][1:])
         assert group_id not in live.ctl.ledger.groups  # scored again elsewhere: settled
+
+
+def test_a_score_that_failed_as_a_whole_is_checked_again_while_its_worker_lives(live):
+    """A reward worker reports a Score failed (not fatal, every request id named): its
+    group is settled elsewhere (or dropped after reward.retries) with that worker alive; it
+    used to stay held by the worker until the worker was lost."""
+    with FakeWorker(live.address, WorkerKind.REWARD, "failing-reward") as fake:
+        fake.send(Ready(version=fake.welcome.version))
+        score = fake.recv_until(Score)
+        group_id = int(score.request_ids[0].split("-")[0][1:])
+        steps = live.num_steps()
+        fake.send(WorkerError(error="RuntimeError: the checker pool is broken",
+                              request_ids=score.request_ids))
+        # A retry may come back here: this worker fails every Score it gets.
+        deadline = time.monotonic() + 120
+        while group_id in live.ctl.ledger.groups and time.monotonic() < deadline:
+            fake.send(Heartbeat())  # alive: the controller must not settle it by a loss
+            try:
+                again = fake.recv_until(Score, timeout_s=0.5)
+            except AssertionError:  # no Score meanwhile
+                continue
+            fake.send(WorkerError(error="RuntimeError: the checker pool is broken",
+                                  request_ids=again.request_ids))
+        assert group_id not in live.ctl.ledger.groups, "the group stayed held"
+        assert not any(r["worker_id"] == "failing-reward" for r in live.events("worker_lost"))
+        fake.send(WorkerError(error="probe finished", fatal=True))
+        live.wait_for(lambda: live.num_steps() > steps + 1, "training steps after the failure")
 
 
 def _forged_headers() -> st.SearchStrategy[bytes]:

@@ -47,7 +47,7 @@ class RewardWorker(Worker):
 
     async def handle(self, msg: Any) -> None:
         if isinstance(msg, Score):
-            self.spawn(self._score(msg), ",".join(msg.request_ids)[:200])
+            self.spawn(self._score(msg), ",".join(msg.request_ids)[:200], msg.request_ids)
         else:
             log.warning("reward worker ignores %s", type(msg).__name__)
 
