@@ -37,6 +37,9 @@ _SENDERS: dict[type, frozenset[WorkerKind]] = {
     Trained: frozenset({WorkerKind.TRAINER}), WeightsChunk: frozenset({WorkerKind.TRAINER}),
     GroupStatus: frozenset({WorkerKind.ROLLOUT, WorkerKind.TRAINER}),
 }
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+"""The unsigned integer type of each signed one's size (`_plain_completion_fits`)."""
+
 LOGPROB_SLACK = 1e-3
 """A sampled token's log-prob is <= 0; this much above 0 is float rounding."""
 
@@ -85,7 +88,10 @@ def _plain_completion_fits(msg: Generated, max_new_tokens: int, version: int,
     if ids.dtype.kind not in "iu" or versions.dtype.kind not in "iu" \
             or logprobs.dtype.kind != "f":
         return False
-    if ids.min() < 0 or (vocab_size is not None and ids.max() >= vocab_size):
+    if vocab_size is not None:  # one pass for both bounds: a negative id read unsigned is
+        if ids.view(_UNSIGNED[ids.dtype.itemsize]).max() >= vocab_size:  # above any vocabulary
+            return False
+    elif ids.min() < 0:
         return False
     if not (0 <= versions[0] and versions[-1] <= version):
         return False
