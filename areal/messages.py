@@ -539,9 +539,21 @@ _SCALAR_TYPES = frozenset(_SCALARS)
 2.6x faster than a generator over it for a Generate's 300 prompt token ids."""
 
 
+_REQUIRED = object()
+
+
 @functools.cache
-def _field_names(schema: type) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(schema))
+def _field_defaults(schema: type) -> tuple[tuple[str, Any], ...]:
+    """(name, default) of each field of `schema`; `_REQUIRED` for a field without one."""
+    out = []
+    for f in dataclasses.fields(schema):
+        if f.default is not dataclasses.MISSING:
+            out.append((f.name, f.default))
+        elif f.default_factory is not dataclasses.MISSING:
+            out.append((f.name, f.default_factory()))  # [] or {}: compared, never handed out
+        else:
+            out.append((f.name, _REQUIRED))
+    return tuple(out)
 
 
 @functools.cache
@@ -562,8 +574,12 @@ def encode(msg: Any) -> list[Any]:
         raise MessageError(f"{type(msg).__name__} is not a registered message schema")
     buffers: list[memoryview] = []
     header = {}
-    for name in _field_names(type(msg)):
+    for name, default in _field_defaults(type(msg)):
         value = getattr(msg, name)
+        # A field at its default is left out (the decoder fills it in): a Generated of one
+        # completion carries 6 of its 17 fields. Same type only: 0 is not taken for False.
+        if type(value) is type(default) and value == default:
+            continue
         # Most fields are plain scalars: no call for them (every Generate and Score).
         header[name] = value if type(value) in _SCALARS else _pack_value(value, buffers)
     try:

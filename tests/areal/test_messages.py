@@ -321,3 +321,17 @@ def test_threads_encoding_at_once_each_get_their_own_messages():
     for offset, got in zip([0, 1000, 2000, 3000], results, strict=True):
         assert [m.request_id for m in got] == [f"r{offset + i}" for i in range(200)]
         assert all(len(m.prompt_ids) == int(m.request_id[1:]) for m in got)
+
+
+def test_fields_at_their_defaults_stay_off_the_wire_and_come_back():
+    plain = Generated(request_id="r", output_ids=_arange(2), logprobs=np.zeros(2, np.float32),
+                      versions=np.zeros(2, np.int32), finish_reason=FinishReason.STOP)
+    frames = encode(plain)
+    header = msgpack.unpackb(frames[1], raw=False, ext_hook=msgpack.ExtType)
+    assert sorted(header) == ["finish_reason", "logprobs", "output_ids", "request_id",
+                              "versions"]
+    _assert_same(plain, decode(frames))
+    # Equal to the default but of another type: sent, and judged by the decoder as before.
+    with pytest.raises(MessageError, match="HEARTBEAT.num_running: expected int, got bool"):
+        decode(encode(Heartbeat(num_running=False)))
+    assert decode(encode(Heartbeat())) == Heartbeat()
