@@ -747,12 +747,6 @@ class Controller(FaultRepairs):
                 await self._judge_score(sample, RewardOutcome(reward=reward, verdict=verdict,
                                                               detail=detail), identity)
 
-    async def _score_again(self, sample: Sample | None) -> None:
-        """`sample`'s outcome was unusable: check it again (None: nothing held, stale)."""
-        if sample is not None:
-            self.ledger.retry_scoring(sample)
-            await self._send_score([sample])
-
     async def _scored(self, group: Group | None) -> None:
         """`group` (None: not complete yet) has a reward for every sample."""
         if group is not None and group.purpose is Purpose.TRAIN:

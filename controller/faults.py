@@ -97,8 +97,7 @@ class FaultRepairs:
                                           group.purpose is Purpose.TRAIN,
                                           retryable=not sample.trajectory.episode)
         if action is Action.RETRY:
-            self.ledger.retry_scoring(sample)
-            await self._send_score([sample])
+            await self._score_again(sample)
             return
         if action is Action.DROP:
             await self._drop_group(group, REWARD_ERROR)
@@ -107,3 +106,10 @@ class FaultRepairs:
             outcome = RewardOutcome(reward=0.0, verdict=Verdict.ERROR,
                                     detail="the reward worker was lost while checking")
         await self._scored(self.ledger.finish_scoring(sample.request_id, outcome, identity))
+
+    async def _score_again(self: Controller, sample: Sample | None) -> None:
+        """Check `sample` again, alone, on the least-loaded reward worker (None: nothing
+        held, a stale answer)."""
+        if sample is not None:
+            self.ledger.retry_scoring(sample)
+            await self._send_score([sample])

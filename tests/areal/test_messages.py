@@ -305,6 +305,8 @@ def test_array_references_are_packed_once_and_their_cache_stays_bounded(monkeypa
     frames = [encode(_generate(n)) for n in sizes]
     assert len(messages._EXT_CACHE) <= 2
     assert frames[0][1] == frames[2][1]  # the same message again, the same bytes
+    first = messages._array_ext("int32", (7,), 0)
+    assert messages._array_ext("int32", (7,), 0) is first  # packed once, then reused
     for n, message in zip(sizes, frames, strict=True):
         got = decode(message)
         assert got.request_id == f"r{n}" and got.stop_token_ids == [n]
