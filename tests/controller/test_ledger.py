@@ -93,6 +93,24 @@ def test_lost_rollout_worker_requeues_its_generations_under_new_ids():
     assert ledger.finish_scoring(b.request_id, _outcome(), R1) is group
 
 
+def test_a_stale_answer_does_not_count_toward_sending_the_group_for_scoring():
+    ledger = Ledger()
+    group = ledger.add_group(_prompt(), np.array([5], np.int32), size=2, version=0)
+    a, b = ledger.pending.popleft(), ledger.pending.popleft()
+    ledger.start_generation(a, W1, 0.0)
+    ledger.start_generation(b, W2, 0.0)
+    assert ledger.finish_generation(_generated(b), W2) is b
+    late = _generated(a)
+    ledger.release_worker(W1)  # a is pending again, under a new id
+    assert ledger.finish_generation(late, W1) is None
+    assert ledger.unscored(group) == []  # a is still to be generated
+    assert ledger.finish_generation(_generated(a), W1) is None  # not started: stale too
+    ledger.pending.popleft()
+    ledger.start_generation(a, W2, 0.0)
+    assert ledger.finish_generation(_generated(a), W2) is a
+    assert ledger.unscored(group) == [a, b]
+
+
 def test_lost_reward_worker_returns_its_samples_for_rescoring():
     ledger = Ledger()
     ledger.add_group(_prompt(), np.array([5], np.int32), size=1, version=0)
