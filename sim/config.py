@@ -56,6 +56,9 @@ class SimConfig:
     measure_from: int = opt(3, "step time is measured over the steps after this one (the "
                             "pipeline fills first)")
     report_steps: int = opt(1000, "hours are reported for a run of this many steps")
+    eval_prompts: int = opt(1, "held-out prompts evaluated (one greedy answer each) at the "
+                            "start and the end, a real run's eval.max_prompts: the first "
+                            "training groups are generated beside the start's")
     seed: int = opt(1, "seed of prompt and completion lengths and rewards")
     wire: bool = opt(True, "encode and decode every message as on the wire (msgpack + raw "
                      "frames), so the controller pays its real decoding cost")
@@ -69,7 +72,7 @@ class SimConfig:
     def check(self) -> None:
         for name in ("num_accelerators", "rollout_tp", "num_prompts", "group_size",
                      "max_new_tokens", "num_minibatches", "max_concurrent_prompts", "steps",
-                     "report_steps"):
+                     "report_steps", "eval_prompts"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be >= 1")
         if not 0 <= self.measure_from < self.steps:
@@ -143,7 +146,8 @@ class SimConfig:
             # Reward checks run on CPUs beside the accelerators: one worker (256 checks at
             # once) per 8 nodes is never the bottleneck here.
             f"reward.num_workers={math.ceil(num_nodes / 8)}", "reward.max_concurrency=256",
-            "weight_sync.mode=disk", "eval.every_steps=0", "eval.max_prompts=1",
+            "weight_sync.mode=disk", "eval.every_steps=0",
+            f"eval.max_prompts={self.eval_prompts}",
             # Liveness is not simulated; rarer heartbeats keep the message count down.
             "controller.heartbeat_interval_s=300", "controller.heartbeat_timeout_s=86400",
             "logging.progress=false", "logging.tensorboard=false", "logging.level=WARNING",

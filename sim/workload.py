@@ -81,6 +81,9 @@ class SimTask(Task):
 
     name = "sim"
 
+    def __init__(self, num_eval: int = 1) -> None:
+        self.num_eval = num_eval
+
     def train_prompts(self, seed: int) -> Iterator[Prompt]:
         key = 0
         while True:
@@ -89,7 +92,7 @@ class SimTask(Task):
 
     def eval_prompts(self) -> list[Prompt]:
         return [Prompt(prompt_id=f"sim-eval-{i}", text="", reference=EVAL_KEY_OFFSET + i)
-                for i in range(4)]
+                for i in range(self.num_eval)]
 
     def reward(self, completion: str, reference: Any) -> RewardOutcome:
         raise NotImplementedError("simulated reward workers decide rewards (sim/workers.py)")
@@ -120,7 +123,7 @@ def prepare_sim_run(cfg: RunConfig, workload: Workload) -> SimSetup:
     """The simulation's `prepare_run`: a run directory and the synthetic task."""
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    task = SimTask()
+    task = SimTask(cfg.eval.max_prompts or 1)
     setup = SimSetup(cfg=cfg, run_dir=run_dir, task=task, tokenizer=None, eval_prompts=[],
                      stop_token_ids=[0], config_dict=config_to_dict(cfg))
     setup.workload = workload

@@ -6,6 +6,7 @@ machine's load)."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -51,3 +52,19 @@ def test_calibrate_quick_prints_prediction_and_measurement(tmp_path):
     assert (tmp_path / "probe-async" / "batches" / "step_000002.npz").is_file()
     assert "measured by python bench/cluster.py --calibrate" in efficiency["mfu"]["source"]
     assert (tmp_path / "calibration-quick.txt").read_text().strip() in out
+
+
+def test_the_prediction_evaluates_as_many_prompts_as_the_real_run_did(tmp_path):
+    """The real run's first training groups are generated beside its opening evaluation;
+    the simulated run is given the same number of held-out prompts (bench/calibration.py)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from calibration import first_eval_problems
+
+    records = [{"kind": "event", "event": "data_loaded"},
+               {"kind": "eval", "step": 0, "eval/num_problems": 256.0},
+               {"kind": "step", "step": 1}, {"kind": "eval", "step": 40, "eval/num_problems": 8.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert first_eval_problems(tmp_path) == 256
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(records[0]) + "\n")
+    with pytest.raises(ValueError, match="no evaluation record"):
+        first_eval_problems(tmp_path)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from areal.algorithms.staleness import StalenessController
@@ -111,12 +113,24 @@ def test_interruptions_count_sequences_that_never_finished():
     assert on.generated_tokens_per_s > off.generated_tokens_per_s
 
 
+def test_the_start_evaluates_as_many_prompts_as_asked_beside_the_first_groups(tmp_path):
+    """A real run evaluates its held-out prompts before training while its first training
+    groups are generated; the simulated run does the same with `eval_prompts` of them."""
+    result = simulate(sim_config(mode="async", eta=2, eval_prompts=12, run_dir=str(tmp_path),
+                                 **SMALL))
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["eval/num_problems"] for r in evals] == [12, 12]  # at the start and the end
+    assert len(result.trained_group_ids) == SMALL["steps"] * SMALL["num_prompts"]
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["mode=async", "placement=colocated"], "needs mode='sync'"),
     (["gen_fraction=1.0"], "gen_fraction=1.0 must be in"),
     (["steps=3", "measure_from=3"], "measure_from=3 must be in"),
     (["num_accelerators=2", "rollout_tp=2"], "leaves no rollout server or no trainer rank"),
     (["eta=-1"], "eta=-1"),
+    (["eval_prompts=0"], "eval_prompts=0 must be >= 1"),
     (["mode=fast"], "mode='fast' is not one of"),
     (["no_such_key=1"], "no_such_key"),
     (["num_accelerators"], "key=value"),
