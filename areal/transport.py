@@ -30,9 +30,8 @@ import zmq
 import zmq.asyncio
 
 from areal.auth import ClientKeys, ServerKeys, make_client, make_server
-from areal.messages import (
-    DEFAULT_MAX_BYTES, REGISTER_MAX_BYTES, MessageError, MsgType, decode, encode,
-)
+from areal.codec import decode, encode
+from areal.messages import DEFAULT_MAX_BYTES, REGISTER_MAX_BYTES, MessageError, MsgType
 
 log = logging.getLogger(__name__)
 

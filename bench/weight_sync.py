@@ -173,7 +173,7 @@ async def _relay(port: int, keys: str, ready) -> None:
     import zmq.asyncio
 
     from areal.auth import load_server_keys
-    from areal.messages import decode
+    from areal.codec import decode
     from areal.transport import RouterChannel
 
     ctx = zmq.asyncio.Context()

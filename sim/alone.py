@@ -41,7 +41,8 @@ from typing import Any, Callable, Coroutine
 
 from areal.config import load_config
 from areal.controller import Controller
-from areal.messages import MsgType, encode
+from areal.codec import encode
+from areal.messages import MsgType
 
 from areal.sim.accounting import CpuAccounts
 from areal.sim.channel import SimRouter

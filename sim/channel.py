@@ -4,7 +4,7 @@ Same contract as `areal.transport` (RouterChannel / DealerChannel): the controll
 (identity, message) and sends to one identity (False when that peer is gone); a worker
 sends and receives messages. Messages are the same `areal.messages` objects. With
 `wire=True` each one is encoded by its sender and decoded by its receiver with the real
-codec (`areal.messages.encode` / `decode`: msgpack header, raw array frames, every field
+codec (`areal.codec.encode` / `decode`: msgpack header, raw array frames, every field
 checked), so the controller pays what it pays on a real socket and the wire contract is
 exercised; arrays stay zero-copy views. With `wire=False` the objects are passed as they are.
 
@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from areal.messages import MessageError, decode, encode
+from areal.codec import decode, encode
+from areal.messages import MessageError
 from areal.transport import PeerMessageError
 
 ADDRESS = "sim://in-process"

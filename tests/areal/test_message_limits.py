@@ -8,10 +8,11 @@ import msgpack
 import numpy as np
 import pytest
 
-from areal import messages
+from areal import codec
+from areal.codec import decode, encode
 from areal.messages import (
     HEADER_LIMITS, MAX_DEPTH, REGISTER_MAX_BYTES, Heartbeat, MessageError, MsgType, Register,
-    Score, WorkerKind, decode, encode, header_limit,
+    Score, WorkerKind, header_limit,
 )
 
 
@@ -29,7 +30,7 @@ def unpack_calls(monkeypatch):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(messages.msgpack, "unpackb", counting)
+    monkeypatch.setattr(codec.msgpack, "unpackb", counting)
     return calls
 
 

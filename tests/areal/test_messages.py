@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from areal import messages
+from areal import codec
+from areal.codec import decode, encode
 from areal.messages import (
-    BroadcastWeights, Cancel, EpisodeEnd, FinishReason, Generate, Generated, GroupName, GroupState,
-    GroupStatus, Heartbeat, JoinGroup, MessageError, MsgType, Ready, Register, Score, Scored,
-    Shutdown, Train, Trained, UpdateWeights, Welcome, WeightsChunk, WeightsUpdated, WorkerError,
-    WorkerKind, decode, encode, schemas,
+    BroadcastWeights, Cancel, EpisodeEnd, FinishReason, Generate, Generated, GroupName,
+    GroupState, GroupStatus, Heartbeat, JoinGroup, MessageError, MsgType, Ready, Register, Score,
+    Scored, Shutdown, Train, Trained, UpdateWeights, Welcome, WeightsChunk, WeightsUpdated,
+    WorkerError, WorkerKind, schemas,
 )
 from areal.tasks.base import Verdict
 
@@ -303,10 +304,10 @@ def test_array_references_are_packed_once_and_their_cache_stays_bounded(monkeypa
     monkeypatch.setattr(messages, "_EXT_CACHE_ITEMS", 2)
     sizes = [3, 4, 3, 5, 6, 3]
     frames = [encode(_generate(n)) for n in sizes]
-    assert len(messages._EXT_CACHE) <= 2
+    assert len(codec._EXT_CACHE) <= 2
     assert frames[0][1] == frames[2][1]  # the same message again, the same bytes
-    first = messages._array_ext("int32", (7,), 0)
-    assert messages._array_ext("int32", (7,), 0) is first  # packed once, then reused
+    first = codec._array_ext("int32", (7,), 0)
+    assert codec._array_ext("int32", (7,), 0) is first  # packed once, then reused
     for n, message in zip(sizes, frames, strict=True):
         got = decode(message)
         assert got.request_id == f"r{n}" and got.stop_token_ids == [n]
@@ -314,7 +315,7 @@ def test_array_references_are_packed_once_and_their_cache_stays_bounded(monkeypa
 
 
 def test_threads_encoding_at_once_each_get_their_own_messages():
-    """Each thread packs with its own reusable Packer (messages._packer)."""
+    """Each thread packs with its own reusable Packer (codec._packer)."""
     def encode_many(offset: int) -> list[Generate]:
         return [decode(encode(_generate(offset + i))) for i in range(200)]
 

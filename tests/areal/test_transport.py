@@ -9,7 +9,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from areal.messages import REGISTER_MAX_BYTES, Heartbeat, MsgType, Register, WorkerKind, encode
+from areal.codec import encode
+from areal.messages import REGISTER_MAX_BYTES, Heartbeat, MsgType, Register, WorkerKind
 from areal.transport import PeerMessageError, RouterChannel, worker_identity
 
 

@@ -15,7 +15,8 @@ import msgpack
 import numpy as np
 import zmq
 
-from areal.messages import MsgType, Register, Shutdown, WorkerKind, decode, encode
+from areal.codec import decode, encode
+from areal.messages import MsgType, Register, Shutdown, WorkerKind
 
 LINGER_MS = 60_000
 """How long close() waits for queued messages to reach the controller."""

@@ -25,7 +25,8 @@ from areal.auth import (
 )
 from areal.config import ConfigError, load_config
 from areal.controller.pool import WorkerPool
-from areal.messages import Heartbeat, Register, WorkerKind, decode, encode
+from areal.codec import decode, encode
+from areal.messages import Heartbeat, Register, WorkerKind
 from areal.transport import RouterChannel
 from refusals import is_plain_peer_refusal
 

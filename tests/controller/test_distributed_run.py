@@ -31,7 +31,8 @@ import zmq.asyncio
 from areal.auth import load_client_keys
 from areal.config import load_config
 from areal.controller import Controller
-from areal.messages import FinishReason, Generated, Register, Trained, WorkerKind, encode
+from areal.codec import encode
+from areal.messages import FinishReason, Generated, Register, Trained, WorkerKind
 from refusals import is_plain_peer_refusal
 
 pytestmark = pytest.mark.slow

@@ -41,9 +41,10 @@ from hypothesis import strategies as st
 import probes
 from areal.config import load_config
 from areal.controller import Controller
+from areal.codec import decode, encode
 from areal.messages import (
     Generate, Generated, FinishReason, Heartbeat, MsgType, Ready, Register, Score, Scored,
-    Welcome, WorkerError, WorkerKind, decode, encode, schemas,
+    Welcome, WorkerError, WorkerKind, schemas,
 )
 from areal.tasks.base import Verdict
 

@@ -23,7 +23,8 @@ import zmq.asyncio
 from areal.config import load_config
 from areal.controller import Controller, RunFailed
 from areal.controller.ledger import Purpose
-from areal.messages import MsgType, Register, WorkerKind, encode
+from areal.codec import encode
+from areal.messages import MsgType, Register, WorkerKind
 from areal.models.hf import load_model
 from areal.models.logprobs import packed_logprobs
 from areal.models.weights import copy_into_model, load_tensors

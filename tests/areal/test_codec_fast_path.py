@@ -1,4 +1,4 @@
-"""The decoder's short paths (areal.messages._field_check) accept, convert and refuse exactly
+"""The decoder's short paths (areal.codec._field_check) accept, convert and refuse exactly
 what the general field check (`_check`, field by field, as decoding did before them) does.
 
 Headers are drawn as msgpack would hand them over: a well-formed message's fields, each
@@ -19,8 +19,9 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from areal import messages
-from areal.messages import MessageError, MsgType, encode
+from areal import codec, messages
+from areal.codec import encode
+from areal.messages import MessageError, MsgType
 
 from tests.areal.test_messages import SAMPLES
 
@@ -38,7 +39,7 @@ def reference_build(schema: type, header: dict[str, typing.Any], frames) -> typi
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise MessageError(f"{name}: required field {f.name!r} missing")
             continue
-        values[f.name] = messages._check(header[f.name], hints[f.name], frames,
+        values[f.name] = codec._check(header[f.name], hints[f.name], frames,
                                          f"{name}.{f.name}", used)
     if len(used) != len(frames):
         raise MessageError(f"{name}: {len(frames)} array frames sent, {len(used)} referenced")
@@ -50,7 +51,7 @@ def _header_and_frames(msg) -> tuple[dict[str, typing.Any], list[memoryview]]:
     import msgpack
 
     frames = [memoryview(f) for f in encode(msg)]
-    header = msgpack.unpackb(frames[1], ext_hook=messages._ext_hook, raw=False)
+    header = msgpack.unpackb(frames[1], ext_hook=codec._ext_hook, raw=False)
     return header, frames[2:]
 
 
@@ -78,7 +79,7 @@ def _plain(value: typing.Any) -> typing.Any:
     return (type(value).__name__, value)
 
 
-_REFS = st.builds(messages._ArrayRef, st.sampled_from(["int32", "float32", "int64", "bool",
+_REFS = st.builds(codec._ArrayRef, st.sampled_from(["int32", "float32", "int64", "bool",
                                                        "bfloat16", "uint8"]),
                   st.lists(st.integers(0, 6), max_size=2).map(tuple), st.integers(0, 4))
 _SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1),
@@ -118,7 +119,7 @@ def test_the_short_paths_decide_every_header_as_the_general_check_does(kind, dat
         frames = data.draw(_FRAMES, label="frames")
     if data.draw(st.integers(0, 9), label="unknown field") == 0:
         header["surplus"] = 1
-    assert _outcome(messages._build, schema, header, frames) == \
+    assert _outcome(codec._build, schema, header, frames) == \
         _outcome(reference_build, schema, header, frames)
 
 
@@ -126,7 +127,7 @@ def test_the_short_paths_decide_every_header_as_the_general_check_does(kind, dat
 def test_a_well_formed_hot_message_decodes_to_what_the_general_check_gives(kind):
     schema = messages.schemas()[kind]
     header, frames = _header_and_frames(SAMPLES[kind])
-    fast = _outcome(messages._build, schema, header, frames)
+    fast = _outcome(codec._build, schema, header, frames)
     assert fast[0] == "ok"
     assert fast == _outcome(reference_build, schema, header, frames)
 
@@ -142,7 +143,7 @@ def test_every_near_miss_in_every_field_is_decided_as_the_general_check_does(kin
     for name in header:
         for value in candidates:
             changed = {**header, name: value}
-            fast = _outcome(messages._build, schema, changed, frames)
+            fast = _outcome(codec._build, schema, changed, frames)
             assert fast == _outcome(reference_build, schema, changed, frames), (name, value)
             refused += fast[0] == "error"
     assert refused  # the candidates do reach the refusals
@@ -167,14 +168,14 @@ _REF_DATA = st.one_of(
 
 
 @settings(max_examples=800, deadline=None)
-@given(code=st.sampled_from([messages._ARRAY_EXT, 0, 7]), data=_REF_DATA)
-@example(code=messages._ARRAY_EXT, data=msgpack.packb([None, [], float("inf")]))
+@given(code=st.sampled_from([codec._ARRAY_EXT, 0, 7]), data=_REF_DATA)
+@example(code=codec._ARRAY_EXT, data=msgpack.packb([None, [], float("inf")]))
 def test_a_cached_array_reference_is_decided_as_an_uncached_one(code, data):
     """`_ext_hook` remembers accepted references by their bytes: the first and every later
     time it gives what parsing them afresh (`_array_ref`) gives, the same error included."""
-    expected = _ref_outcome(messages._array_ref, code, data)
-    assert _ref_outcome(messages._ext_hook, code, data) == expected
-    assert _ref_outcome(messages._ext_hook, code, data) == expected
+    expected = _ref_outcome(codec._array_ref, code, data)
+    assert _ref_outcome(codec._ext_hook, code, data) == expected
+    assert _ref_outcome(codec._ext_hook, code, data) == expected
 
 
 @pytest.mark.parametrize("shape, index", [([float("inf")], 0), ([4], float("inf")),
@@ -183,9 +184,9 @@ def test_an_infinite_or_nan_shape_or_index_is_a_malformed_reference(shape, index
     """int() of an infinity raises OverflowError (of a nan, ValueError): both are a hostile
     peer's malformed message, refused as such, never an uncaught error in the receive loop."""
     data = msgpack.packb(["int32", shape, index])
-    for parse in (messages._array_ref, messages._ext_hook):
+    for parse in (codec._array_ref, codec._ext_hook):
         with pytest.raises(MessageError, match="malformed array reference"):
-            parse(messages._ARRAY_EXT, data)
+            parse(codec._ARRAY_EXT, data)
 
 
 def test_the_array_reference_cache_stays_bounded(monkeypatch):
@@ -193,11 +194,11 @@ def test_the_array_reference_cache_stays_bounded(monkeypatch):
     monkeypatch.setattr(messages, "_REF_CACHE_ITEMS", 10)
     for n in range(25):
         data = msgpack.packb(["int32", [n], 0])
-        assert messages._ext_hook(messages._ARRAY_EXT, data) == ("int32", (n,), 0)
-        assert len(messages._REF_CACHE) <= 10
+        assert codec._ext_hook(codec._ARRAY_EXT, data) == ("int32", (n,), 0)
+        assert len(codec._REF_CACHE) <= 10
     long_shape = msgpack.packb(["int32", [1 << 40] * 4, 0])  # over the key size: not kept
-    messages._ext_hook(messages._ARRAY_EXT, long_shape)
-    assert long_shape not in messages._REF_CACHE
+    codec._ext_hook(codec._ARRAY_EXT, long_shape)
+    assert long_shape not in codec._REF_CACHE
 
 
 @pytest.mark.parametrize("kind", sorted(SAMPLES))
@@ -206,10 +207,10 @@ def test_a_list_of_plain_scalars_packs_as_converting_each_value_would(kind):
     so the same bytes) as converting every element, the general path, gives."""
     msg = SAMPLES[kind]
     plain = [v for v in (getattr(msg, f.name) for f in dataclasses.fields(msg))
-             if type(v) is list and all(type(x) in messages._SCALARS for x in v)]
+             if type(v) is list and all(type(x) in codec._SCALARS for x in v)]
     for value in [*plain, [1, 2.5, "a", None, True, b"x"], []]:
         buffers: list = []
-        assert messages._pack_value(value, buffers) is value
-        assert value == [messages._pack_value(v, buffers) for v in value] and not buffers
+        assert codec._pack_value(value, buffers) is value
+        assert value == [codec._pack_value(v, buffers) for v in value] and not buffers
         assert msgpack.packb(value) == msgpack.packb(
-            [messages._pack_value(v, []) for v in value])
+            [codec._pack_value(v, []) for v in value])
