@@ -190,8 +190,8 @@ def test_an_infinite_or_nan_shape_or_index_is_a_malformed_reference(shape, index
 
 
 def test_the_array_reference_cache_stays_bounded(monkeypatch):
-    monkeypatch.setattr(messages, "_REF_CACHE", {})
-    monkeypatch.setattr(messages, "_REF_CACHE_ITEMS", 10)
+    monkeypatch.setattr(codec, "_REF_CACHE", {})
+    monkeypatch.setattr(codec, "_REF_CACHE_ITEMS", 10)
     for n in range(25):
         data = msgpack.packb(["int32", [n], 0])
         assert codec._ext_hook(codec._ARRAY_EXT, data) == ("int32", (n,), 0)

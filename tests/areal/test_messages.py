@@ -300,8 +300,8 @@ def _generate(n: int) -> Generate:
 
 
 def test_array_references_are_packed_once_and_their_cache_stays_bounded(monkeypatch):
-    monkeypatch.setattr(messages, "_EXT_CACHE", {})
-    monkeypatch.setattr(messages, "_EXT_CACHE_ITEMS", 2)
+    monkeypatch.setattr(codec, "_EXT_CACHE", {})
+    monkeypatch.setattr(codec, "_EXT_CACHE_ITEMS", 2)
     sizes = [3, 4, 3, 5, 6, 3]
     frames = [encode(_generate(n)) for n in sizes]
     assert len(codec._EXT_CACHE) <= 2
