@@ -1,6 +1,6 @@
 """Every cross-process message: one typed schema per kind, and the bounds of each kind.
 
-A message is a frozen dataclass registered for one `MsgType` (`message`); its fields say
+A message is a dataclass registered for one `MsgType` (`message`); its fields say
 what travels, with shapes (T = completion tokens, P = prompt tokens, N = packed tokens, S =
 sequences) and units. How a message becomes frames and back, checking every field against
 its schema, is `areal.codec`; what each kind's header may hold before it is even unpacked
