@@ -28,8 +28,10 @@
     Scored with an infrastructure failure, or a reward worker lost mid-check: the check is
                     retried, then the group dropped or the sample scored 0 (faults.py)
 
-Every loop is a named task; one that fails or returns on its own brings the run down
-loudly. Shutdown: Shutdown to every worker (final=True after a finished run: the trainer
+Each message kind's handler is in handlers.py, the steps the train driver takes in
+training.py, the repairs of faults that workers survive in faults.py: mixins of Controller,
+one concern each. Every loop is a named task; one that fails or returns on its own brings
+the run down loudly. Shutdown: Shutdown to every worker (final=True after a finished run: the trainer
 writes final_model) -> cancel loops -> gather -> reap processes. Local workers die with
 this process (areal.workers.parent); the CLI turns SIGTERM/SIGINT into `stop()`.
 Workers hold no state that must survive; everything here does (data cursor, ledger, version).
@@ -47,33 +49,26 @@ import secrets
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
-import numpy as np
 import zmq
 import zmq.asyncio
 
 from areal import clock
-from areal.algorithms.sharding import plan_shard_sequences
-from areal.algorithms.shaping import training_batch, training_targets
 from areal.algorithms.staleness import StalenessController
 from areal.auth import ZapHandler, run_keys, watch_handshakes
 from areal.config import RunConfig, is_loopback
 from areal.messages import (
-    Cancel, Generate, Generated, GroupStatus, Heartbeat, Ready, Register, Score, Scored,
-    Shutdown, Train, Trained, UpdateWeights, Welcome, WeightsChunk, WeightsUpdated, WorkerError,
-    WorkerKind,
+    Generate, Generated, GroupStatus, Heartbeat, Ready, Register, Score, Scored, Shutdown,
+    Trained, WeightsChunk, WeightsUpdated, WorkerError, WorkerKind,
 )
 from areal.transport import PeerMessageError, RouterChannel
-from areal.types import pack, pack_arrays
 from areal.controller import dynamic_sampling
 from areal.controller.collector import collection_thresholds
-from areal.controller.checks import (
-    generated_problem, model_vocab_size, reward_problem, scored_problem, sender_problem,
-)
-from areal.controller.episodes import episode_fields, episode_scored
+from areal.controller.checks import model_vocab_size, sender_problem
+from areal.controller.episodes import episode_fields
 from areal.controller.groups import Groups
-from areal.controller.ledger import Group, Ledger, Purpose, Sample, Stage
+from areal.controller.ledger import Group, Ledger, Purpose, Sample
 from areal.controller.metrics import MetricsSink, closed_marker, is_closed
-from areal.controller.peer_log import PeerLog, peer_name
+from areal.controller.peer_log import PeerLog
 from areal.controller.pool import WorkerHandle, WorkerPool, stop_process
 from areal.controller.recovery import TrainerRecovery
 from areal.controller.resume import (
@@ -84,12 +79,12 @@ from areal.controller.runtime import Runtime
 from areal.controller.report import StepReport, eval_record, summary_lines
 from areal.controller.setup import RunSetup, prepare_run
 from areal.controller.trainers import MAX_RESTARTS, RunFailed, Trainers
-from areal.controller.weight_retry import WeightRetries, newest_on_disk
+from areal.controller.weight_retry import WeightRetries
 from areal.controller.reward_faults import RewardFaults
 from areal.controller.faults import FaultRepairs
-from areal.controller import strict_staleness
+from areal.controller.handlers import MessageHandlers
+from areal.controller.training import TrainingSteps
 from areal.controller.signal import Changed
-from areal.tasks.base import RewardOutcome, Verdict
 
 log = logging.getLogger("areal.controller")
 
@@ -98,7 +93,7 @@ ADMISSION_LOG_SIZE = 10_000
 
 
 
-class Controller(FaultRepairs):
+class Controller(MessageHandlers, TrainingSteps, FaultRepairs):
     """Run one training job. Embeddable: `await Controller(cfg).run()` inside any event loop,
     with `events()` streaming every metrics record while it runs."""
 
@@ -402,120 +397,6 @@ class Controller(FaultRepairs):
         self._summary = summary
         return summary
 
-    async def _take_batch(self, num_groups: int) -> list[Group] | None:
-        """Wait for `num_groups` complete training groups and take them; None if stopped.
-        Strict bound: earliest deadline first, none past it (strict_staleness.py)."""
-        while True:
-            await self.changed.wait_for(
-                lambda: len(self.ledger.buffer) >= num_groups or self._stopping)
-            if self._stopping:
-                return None
-            if not self.cfg.staleness.strict:
-                return self.ledger.take_batch(num_groups)
-            await self._drop_expired(list(self.ledger.buffer))
-            if len(self.ledger.buffer) >= num_groups:
-                return self.ledger.take_batch(
-                    num_groups, lambda g: strict_staleness.deadline(g, self.cfg.eta))
-
-    async def _drop_expired(self, groups: list[Group]) -> None:
-        """Strict bound: drop the training groups among `groups` that the version in force
-        can no longer train within eta versions of their oldest token."""
-        for group in strict_staleness.expired_groups(groups, self.version, self.cfg.eta):
-            await self._drop_group(group, strict_staleness.STALE)
-
-    def _eval_due(self, step: int) -> bool:
-        every = self.cfg.eval.every_steps
-        return every > 0 and step % every == 0 and step < self.cfg.trainer.total_steps
-
-    async def _wait_ready(self) -> None:
-        kinds = {WorkerKind.ROLLOUT: self.cfg.rollout.num_workers,
-                 WorkerKind.REWARD: self.cfg.reward.num_workers,
-                 WorkerKind.TRAINER: self.cfg.trainer.num_ranks}
-        await self.changed.wait_for(
-            lambda: all(len(self.pool.ready(k)) >= n for k, n in kinds.items()))
-        self._metrics.console(f"workers ready after {clock.now() - self._started:.1f} s")
-
-    async def _train_step(self, step: int, groups: list[Group]) -> tuple[Trained, float] | None:
-        """Send each trainer rank its shard (areal.algorithms.sharding); wait for them all,
-        through the loss and restart of ranks (trainers.py). None: the run was stopped."""
-        messages = await self._train_messages(step, groups)
-        start = clock.now()
-        trained = await self.trainers.run_step(step, messages, lambda: self._stopping)
-        return None if trained is None else (trained, clock.now() - start)
-
-    async def _train_messages(self, step: int, groups: list[Group]) -> list[Train]:
-        """Each rank's share (areal.algorithms.sharding), packed straight from the
-        trajectories into the message's arrays."""
-        trajectories = [t for g in groups for t in g.trajectories()]
-        # Rewards shaped, advantages, and the loss mask to train on (areal.algorithms.shaping).
-        advantages, masked = training_targets(trajectories, self.cfg)
-        advantages, masked = advantages.numpy().astype(np.float32), masked.tolist()
-        if self.cfg.logging.save_batches:
-            batch, _ = training_batch(trajectories, pack(trajectories), self.cfg)  # as trained
-            await asyncio.to_thread(self._setup.save_batch, step, self.version, batch)
-        trainer_cfg = self.cfg.trainer
-        plans = plan_shard_sequences(
-            [t.num_tokens for t in trajectories],
-            [0 if masked[i] else t.num_loss_tokens
-             for i, t in enumerate(trajectories)],
-            trainer_cfg.num_ranks, trainer_cfg.num_minibatches)
-        return [Train(step=step, version=self.version, advantages=advantages[plan.seq_indices],
-                      minibatch_sizes=plan.minibatch_sizes,
-                      minibatch_loss_tokens=plan.minibatch_loss_tokens,
-                      minibatch_loss_seqs=plan.minibatch_loss_seqs,
-                      **pack_arrays([trajectories[i] for i in plan.seq_indices],
-                                    [masked[i] for i in plan.seq_indices]))
-                for plan in plans]
-
-    async def _publish(self, trained: Trained) -> None:
-        """The trainer published `trained.version`: tell every rollout worker to serve it."""
-        self.version = trained.version
-        mode = self.cfg.weight_sync.mode
-        update = UpdateWeights(version=self.version, mode=mode, path=trained.weights_path,
-                               num_chunks=trained.num_chunks,
-                               interrupt=self.cfg.mode == "async" and self.cfg.rollout.interrupt)
-        self._stream_chunks = []
-        self._latest_weights = trained.weights_path
-        if self.cfg.staleness.strict:
-            await self._drop_expired([*self.ledger.buffer, *(
-                g for g in self.ledger.groups.values() if g.purpose is Purpose.TRAIN)])
-        if mode == "collective":
-            await self.groups.publish(self.version, trained.manifest, update.interrupt)
-        else:
-            for handle in self.pool.ready(WorkerKind.ROLLOUT):
-                await self.channel.send(handle.identity, update)
-        self.changed.notify()
-
-    async def _cancel_training_requests(self) -> None:
-        by_worker: dict[bytes, list[str]] = {}
-        for sample in list(self.ledger.in_flight(Purpose.TRAIN)):
-            if sample.stage is Stage.GENERATING:
-                by_worker.setdefault(sample.worker, []).append(sample.request_id)
-        for identity, request_ids in by_worker.items():
-            await self.channel.send(identity, Cancel(request_ids=request_ids))
-            handle = self.pool.get(identity)
-            if handle is not None:  # cancelled requests are never answered: free their slots
-                handle.in_flight.difference_update(request_ids)
-                self._room[WorkerKind.ROLLOUT].offer(handle)
-        self.ledger.pending = type(self.ledger.pending)(
-            s for s in self.ledger.pending
-            if self.ledger.groups[s.group_id].purpose is Purpose.EVAL)
-
-    async def _drop_group(self, group: Group, reason: str) -> None:
-        """Never train on `group` (wherever it is): its generations are cancelled, its slots
-        in the staleness window freed (admission replaces it), the cost counted per reason."""
-        dropped = self.ledger.drop_group(group)
-        self._score_queue = [b for b in self._score_queue if b[0].group_id != group.group_id]
-        for identity, request_ids in dropped.generating.items():
-            handle = self.pool.get(identity)
-            if handle is not None:
-                handle.in_flight.difference_update(request_ids)
-                await self.channel.send(identity, Cancel(request_ids=request_ids))
-        self.staleness.abort(dropped.num_unfinished)
-        self.staleness.reject(dropped.num_finished)
-        self._report.on_dropped(reason, dropped)
-        self.changed.notify()
-
     # -- evaluation -----------------------------------------------------------------------------
 
     async def _evaluate(self) -> dict[str, Any]:
@@ -632,152 +513,8 @@ class Controller(FaultRepairs):
                 self._room[handle.kind].offer(handle)  # it may have finished work or be ready
             self.changed.notify()
 
-    def _refuse(self, identity: bytes, reason: str, detail: str) -> None:
-        """A message dropped: logged and recorded, rate-limited per peer and reason."""
-        handle = self.pool.get(identity)
-        self.peer_log.report(handle.worker_id if handle else peer_name(identity), reason, detail)
-
-    def _registration_refused(self, identity: bytes, msg: Register, why: str) -> None:
-        self.peer_log.report(peer_name(identity), "registration refused",
-                             f"{why}: worker_id={msg.worker_id[:100]!r} host={msg.host[:100]!r} "
-                             f"pid={msg.pid}", worker_id=msg.worker_id[:100])
-
-    async def _on_register(self, identity: bytes, handle: WorkerHandle | None,
-                           msg: Register) -> None:
-        handle = self.pool.register(identity, msg)
-        if handle is None:
-            await self.channel.send(identity, Shutdown(reason="registration refused"))
-            return
-        trainer = handle.kind is WorkerKind.TRAINER
-        # Disk mode: the newest published version (the newest there is, if it was deleted);
-        # after a resume, until the first new version: the checkpoint's weights, any mode.
-        from_disk = self.cfg.weight_sync.mode == "disk" or (
-            self.resumed is not None and self.version == self.resumed.version)
-        version, latest = self.version, self._latest_weights
-        if from_disk and not trainer and self.version > 0:
-            version, latest = newest_on_disk(self._setup.run_dir, latest, self.version) \
-                or (self.version, latest)
-        await self.channel.send(identity, Welcome(
-            config=self._setup.config_dict, version=version,
-            weights_path=latest if from_disk and not trainer else None,
-            run_dir=str(self._setup.run_dir),
-            checkpoint=self.recovery.checkpoint if trainer else ""))
-        if handle.kind is WorkerKind.ROLLOUT and self._stream_chunks \
-                and self.cfg.weight_sync.mode == "stream":
-            await self.channel.send(identity, UpdateWeights(
-                version=self.version, mode="stream", num_chunks=len(self._stream_chunks)))
-            for chunk in self._stream_chunks:
-                await self.channel.send(identity, chunk)
-
-    async def _on_ready(self, identity: bytes, handle: WorkerHandle, msg: Ready) -> None:
-        self.groups.on_ready(handle, msg.store)
-        if handle.kind is WorkerKind.ROLLOUT and self.version > 0 \
-                and self.cfg.weight_sync.mode == "collective":
-            # Before it is ready for work: its first Generate must wait for this version.
-            await self.groups.publish(self.version, [], self._interrupt(), joining=handle)
-        handle.ready, handle.version = True, msg.version
-        self._record_event("worker_ready", worker_id=handle.worker_id)
-
     def _interrupt(self) -> bool:
         return self.cfg.mode == "async" and self.cfg.rollout.interrupt
-
-    async def _on_group_status(self, identity: bytes, handle: WorkerHandle,
-                               msg: GroupStatus) -> None:
-        self.groups.on_status(handle, msg)
-
-    async def _on_heartbeat(self, identity: bytes, handle: WorkerHandle, msg: Heartbeat) -> None:
-        pass  # last_seen is updated for every message
-
-    async def _on_generated(self, identity: bytes, handle: WorkerHandle, msg: Generated) -> None:
-        handle.in_flight.discard(msg.request_id)
-        problem = generated_problem(msg, max_new_tokens=self.cfg.rollout.max_new_tokens,
-                                    version=self.version, vocab_size=self._vocab_size)
-        if problem:
-            self._refuse(identity, "contradicts the ledger", f"Generated {msg.request_id[:60]!r}: "
-                         f"{problem}; generated again")
-            held = self.ledger.held(msg.request_id, identity, Stage.GENERATING)
-            if held is not None:
-                self.ledger.requeue(held)
-            return
-        sample = self.ledger.finish_generation(msg, identity)
-        if sample is None:
-            log.debug("ignored a stale result %s from %s", msg.request_id, handle.worker_id)
-            return
-        handle.num_restarts = 0  # it delivers: a later death is not a crash loop
-        self._report.on_generated(sample.trajectory, msg)
-        group = self.ledger.groups[sample.group_id]
-        if group.purpose is Purpose.TRAIN:
-            self.staleness.finish(1)
-            if self.cfg.staleness.strict and strict_staleness.expired(group, self.version,
-                                                                      self.cfg.eta):
-                await self._drop_group(group, strict_staleness.STALE)
-                return
-        if msg.episode_end is not None:  # an episode: its environment gave the reward
-            self.ledger.start_scoring(sample, identity)
-            outcome = episode_scored(msg)
-            self._report.on_scored(outcome.verdict)
-            await self._judge_score(sample, outcome, identity)
-            return
-        unscored = self.ledger.unscored(group)
-        if unscored:  # the group's last generation: score them all in one message
-            await self._send_score(unscored)
-
-    async def _on_scored(self, identity: bytes, handle: WorkerHandle, msg: Scored) -> None:
-        for request_id in msg.request_ids:
-            handle.in_flight.discard(request_id)
-        problem = scored_problem(msg)
-        if problem:
-            self._refuse(identity, "contradicts the ledger",
-                         f"Scored {msg.request_ids[:1]!r}...: {problem}; scored again")
-            for request_id in msg.request_ids:
-                await self._score_again(self.ledger.scoring(request_id, identity))
-            return
-        for request_id, reward, verdict, detail in zip(msg.request_ids, msg.rewards,
-                                                       msg.verdicts, msg.details):
-            problem = reward_problem(reward)
-            if problem:
-                self._refuse(identity, "contradicts the ledger",
-                             f"Scored {request_id[:60]!r}: {problem}; scored again")
-                await self._score_again(self.ledger.scoring(request_id, identity))
-                continue
-            self._report.on_scored(verdict)
-            sample = self.ledger.scoring(request_id, identity)
-            if sample is not None:
-                handle.num_restarts = 0  # it delivers: a later death is not a crash loop
-                await self._judge_score(sample, RewardOutcome(reward=reward, verdict=verdict,
-                                                              detail=detail), identity)
-
-    async def _scored(self, group: Group | None) -> None:
-        """`group` (None: not complete yet) has a reward for every sample."""
-        if group is not None and group.purpose is Purpose.TRAIN:
-            reason = next(filter(None, (check(group) for check in self.group_filters)), None)
-            if reason is not None:
-                await self._drop_group(group, reason)
-        if group is not None and group.purpose is Purpose.EVAL:
-            state = self._eval_rounds[group.eval_round]
-            state["groups"].append(group)
-            state["pending"] -= 1
-            if state["pending"] == 0:
-                state["done"].set()
-
-    async def _on_trained(self, identity: bytes, handle: WorkerHandle, msg: Trained) -> None:
-        if not self.trainers.answer(msg):
-            self._refuse(identity, "unexpected message", f"Trained for step {msg.step}, which "
-                         "no step in progress expects")
-            return
-        if not msg.replay:
-            handle.num_restarts = 0  # it delivers: a later loss is not a crash loop
-        if msg.rank == 0 and not msg.replay:
-            # Announce the version here, in the receive loop: in stream mode the trainer's
-            # WeightsChunks are the next messages, and they must reach the rollout workers
-            # after the UpdateWeights that tells them to expect the chunks.
-            await self._publish(msg)
-        if msg.rank == 0 and msg.checkpoint:
-            self.recovery.checkpointed(msg.step, msg.checkpoint)
-            self._checkpointed = msg
-            if msg.replay:  # a replayed step's record was written when it was first trained
-                self._save_resume_state(msg.step)
-        self.trainers.finish_if_complete()
 
     def _save_resume_state(self, step: int) -> None:
         """The controller's part of `step`'s checkpoint (resume.py), once the step's record is
@@ -795,54 +532,6 @@ class Controller(FaultRepairs):
             eval_before=self._eval_before, path=msg.checkpoint))
         self._record_event("checkpoint", step=msg.step, path=msg.checkpoint,
                            seconds=msg.stats.get("checkpoint_s"))
-
-    async def _on_weights_chunk(self, identity: bytes, handle: WorkerHandle,
-                                msg: WeightsChunk) -> None:
-        """Stream mode: relay each bucket to every rollout worker, keep it for late joiners."""
-        self._stream_chunks.append(msg)
-        for worker in self.pool.ready(WorkerKind.ROLLOUT):
-            await self.channel.send(worker.identity, msg)
-
-    async def _on_weights_updated(self, identity: bytes, handle: WorkerHandle,
-                                  msg: WeightsUpdated) -> None:
-        if msg.error:
-            self._weights_failed(handle, msg)
-            return
-        handle.version = msg.version
-        self.weight_retries.loaded(handle.worker_id)
-        self._report.on_weights_updated(msg)
-
-    async def _on_worker_error(self, identity: bytes, handle: WorkerHandle,
-                               msg: WorkerError) -> None:
-        log.error("%s reported: %s%s", handle.worker_id, msg.error,
-                  f" (request {msg.request_id})" if msg.request_id else "")
-        self._record_event("worker_error", worker_id=handle.worker_id, error=msg.error,
-                           fatal=msg.fatal)
-        if msg.fatal:
-            await self._lose(handle, f"fatal error: {msg.error}")
-        elif msg.request_id and handle.kind is WorkerKind.TRAINER and self.trainers.busy:
-            await self.trainers.step_failed(handle, msg.error, self._losing, self._lose)
-        elif handle.kind is WorkerKind.REWARD and msg.request_ids:
-            await self._scoring_failed(identity, handle, msg)
-        elif handle.kind is WorkerKind.ROLLOUT and msg.request_id in self.ledger.by_request:
-            # The engine refused or failed a generation (e.g. prompt + rollout.max_new_tokens
-            # beyond the model's length): sent again it would fail again, and left alone its
-            # group would never finish and the run would wait forever.
-            raise RunFailed(f"{handle.worker_id} could not generate request {msg.request_id}: "
-                            f"{msg.error}")
-
-    async def _scoring_failed(self, identity: bytes, handle: WorkerHandle,
-                              msg: WorkerError) -> None:
-        """A reward worker's Score failed as a whole (anything but one completion's check,
-        which it answers itself): an infrastructure failure of each check it held, retried
-        elsewhere or settled by reward.on_error; left alone, the group would wait forever."""
-        outcome = RewardOutcome(reward=0.0, verdict=Verdict.ERROR,
-                                detail=f"the reward worker failed: {msg.error}"[:2000])
-        for request_id in msg.request_ids:
-            handle.in_flight.discard(request_id)
-            sample = self.ledger.scoring(request_id, identity)
-            if sample is not None:
-                await self._judge_score(sample, outcome, identity)
 
     # -- liveness -------------------------------------------------------------------------------
 
