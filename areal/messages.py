@@ -483,6 +483,7 @@ HEADER_LIMITS: dict[MsgType, HeaderLimit] = {
 def header_limit(kind: MsgType) -> HeaderLimit:
     return HEADER_LIMITS.get(kind, _SMALL)
 
+
 def schemas() -> dict[MsgType, type]:
     """Every registered schema by kind (for tests and documentation)."""
     return dict(_SCHEMAS)
