@@ -127,8 +127,7 @@ def prepare_sim_run(cfg: RunConfig, workload: Workload) -> SimSetup:
     setup = SimSetup(cfg=cfg, run_dir=run_dir, task=task, tokenizer=None, eval_prompts=[],
                      stop_token_ids=[0], config_dict=config_to_dict(cfg))
     setup.workload = workload
-    prompts = task.eval_prompts()[: cfg.eval.max_prompts or None]
-    setup.eval_prompts = [(p, setup.tokenize(p)) for p in prompts]
+    setup.eval_prompts = [(p, setup.tokenize(p)) for p in task.eval_prompts()]
     setup._train_iter = task.train_prompts(cfg.seed)
     return setup
 

@@ -33,6 +33,15 @@ def _run_sample(ledger, sample, worker=W1, reward=1.0):
     return ledger.finish_scoring(sample.request_id, _outcome(reward), R1)
 
 
+def _two_generating(ledger):
+    """A group of two samples, a on W1 and b on W2, both being generated."""
+    group = ledger.add_group(_prompt(), np.array([5], np.int32), size=2, version=0)
+    a, b = ledger.pending.popleft(), ledger.pending.popleft()
+    ledger.start_generation(a, W1, 0.0)
+    ledger.start_generation(b, W2, 0.0)
+    return group, a, b
+
+
 def test_group_reaches_the_buffer_only_when_every_sample_is_scored():
     ledger = Ledger()
     group = ledger.add_group(_prompt(), np.array([5, 6], np.int32), size=3, version=0)
@@ -74,10 +83,7 @@ def test_a_group_is_sent_for_scoring_once_its_last_sample_is_generated():
 
 def test_lost_rollout_worker_requeues_its_generations_under_new_ids():
     ledger = Ledger()
-    group = ledger.add_group(_prompt(), np.array([5], np.int32), size=2, version=0)
-    a, b = ledger.pending.popleft(), ledger.pending.popleft()
-    ledger.start_generation(a, W1, 0.0)
-    ledger.start_generation(b, W2, 0.0)
+    group, a, b = _two_generating(ledger)
     old_id = a.request_id
     requeued, rescore = ledger.release_worker(W1)
     assert requeued == [a] and rescore == [] and a.stage is Stage.PENDING
@@ -95,10 +101,7 @@ def test_lost_rollout_worker_requeues_its_generations_under_new_ids():
 
 def test_a_stale_answer_does_not_count_toward_sending_the_group_for_scoring():
     ledger = Ledger()
-    group = ledger.add_group(_prompt(), np.array([5], np.int32), size=2, version=0)
-    a, b = ledger.pending.popleft(), ledger.pending.popleft()
-    ledger.start_generation(a, W1, 0.0)
-    ledger.start_generation(b, W2, 0.0)
+    group, a, b = _two_generating(ledger)
     assert ledger.finish_generation(_generated(b), W2) is b
     late = _generated(a)
     ledger.release_worker(W1)  # a is pending again, under a new id

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from areal.algorithms.staleness import StalenessController
 from areal.config import ConfigError
+from areal.records import read_records
 from areal.sim.config import load_sim_config, sim_config
 from areal.sim.run import simulate
 
@@ -118,8 +117,7 @@ def test_the_start_evaluates_as_many_prompts_as_asked_beside_the_first_groups(tm
     groups are generated; the simulated run does the same with `eval_prompts` of them."""
     result = simulate(sim_config(mode="async", eta=2, eval_prompts=12, run_dir=str(tmp_path),
                                  **SMALL))
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
-    evals = [r for r in records if r["kind"] == "eval"]
+    evals = [r for r in read_records(tmp_path) if r["kind"] == "eval"]
     assert [r["eval/num_problems"] for r in evals] == [12, 12]  # at the start and the end
     assert len(result.trained_group_ids) == SMALL["steps"] * SMALL["num_prompts"]
 
