@@ -88,16 +88,21 @@ def _plain_completion_fits(msg: Generated, max_new_tokens: int, version: int,
     if ids.dtype.kind not in "iu" or versions.dtype.kind not in "iu" \
             or logprobs.dtype.kind != "f":
         return False
+    # The reductions are called as ufuncs: `a.max()` goes through a Python wrapper
+    # (numpy's _methods) that cost as much as the pass over 3,000 tokens.
     if vocab_size is not None:  # one pass for both bounds: a negative id read unsigned is
-        if ids.view(_UNSIGNED[ids.dtype.itemsize]).max() >= vocab_size:  # above any vocabulary
+        if _MAX(ids.view(_UNSIGNED[ids.dtype.itemsize])) >= vocab_size:  # above any vocabulary
             return False
-    elif ids.min() < 0:
+    elif _MIN(ids) < 0:
         return False
     if not (0 <= versions[0] and versions[-1] <= version):
         return False
-    if n > 1 and not (versions[1:] >= versions[:-1]).all():
+    if n > 1 and not _ALL(versions[1:] >= versions[:-1]):
         return False
-    return bool(logprobs.max() <= LOGPROB_SLACK and logprobs.min() > -math.inf)
+    return bool(_MAX(logprobs) <= LOGPROB_SLACK and _MIN(logprobs) > -math.inf)
+
+
+_MIN, _MAX, _ALL = np.minimum.reduce, np.maximum.reduce, np.logical_and.reduce
 
 
 def _generated_problem(msg: Generated, *, max_new_tokens: int, version: int,
