@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import threading
+import types
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -71,6 +72,35 @@ def test_one_job_runs_each_configuration_once(cluster_bench, monkeypatch):
     bench.run("async", num_accelerators=16, eta=4)
     assert len(calls) == bench.simulations == 2
     assert calls[0].num_prompts == cluster_bench.QUICK_BATCH["num_prompts"]
+
+
+def test_async_runs_are_measured_after_the_pipeline_fills(cluster_bench):
+    """Steps 3-4 of 4 were not an async run's steady state (README, "The measured window"):
+    the paper's batch is measured over steps 5-7, the quarter batch over 5-12."""
+    full, quick = cluster_bench.Bench(quick=False, seed=1), cluster_bench.Bench(quick=True, seed=1)
+    assert (full.config("async").steps, full.config("async").measure_from) == (7, 4)
+    ablation = full.config("async", ablation=True)
+    assert (ablation.steps, ablation.measure_from, ablation.num_prompts) == (12, 4, 128)
+    assert (quick.config("async").steps, quick.config("async").measure_from) == (4, 2)
+    assert (full.config("sync").steps, full.config("sync").measure_from) == (2, 1)
+
+
+def test_table_a_shares_its_1_5b_runs_with_table_b(cluster_bench, monkeypatch):
+    calls = []
+
+    def fake(config):
+        calls.append(config)
+        return types.SimpleNamespace(step_s=60.0, max_staleness=1,
+                                     trained_tokens_per_s=float(config.num_accelerators))
+
+    monkeypatch.setattr(cluster_bench, "simulate", fake)
+    bench = cluster_bench.Bench(quick=False, seed=1, jobs=1)
+    cluster_bench.table_a(bench)
+    cluster_bench.table_b(bench)
+    # (a): 4 models x 2 modes; (b): 5 sizes x 2 modes, of which 1.5B at 128 GPUs is (a)'s
+    assert len(calls) == bench.simulations == 8 + 10 - 2
+    shared = [c for c in calls if c.model == "1.5b" and c.num_accelerators == 128]
+    assert len(shared) == 2 and all(c.wire for c in shared)
 
 
 def test_default_jobs_are_bounded_by_cores_and_memory(cluster_bench, monkeypatch):
