@@ -414,7 +414,7 @@ def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_BYTES, *,
     if len(frames) < 2:
         raise MessageError(f"message has {len(frames)} frame(s); at least 2 expected")
     first = _view(frames[0])
-    kind = _KINDS.get(first[0]) if first.nbytes == 1 else None
+    kind = _KINDS.get(first.tobytes()[0]) if first.nbytes == 1 else None  # any view format
     if kind is None:
         raise MessageError(f"unknown message type {first[:8].tobytes()!r}")
     if only is not None and kind not in only:

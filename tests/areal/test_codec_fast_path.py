@@ -214,3 +214,12 @@ def test_a_list_of_plain_scalars_packs_as_converting_each_value_would(kind):
         assert value == [codec._pack_value(v, buffers) for v in value] and not buffers
         assert msgpack.packb(value) == msgpack.packb(
             [codec._pack_value(v, []) for v in value])
+
+
+@pytest.mark.parametrize("view_format", ["B", "b", "c"])
+def test_the_type_frame_is_read_as_its_byte_whatever_the_view_format(view_format):
+    frames = [memoryview(bytes(f)) for f in encode(SAMPLES[MsgType.GENERATED])]
+    frames[0] = frames[0].cast(view_format)
+    decoded = codec.decode(frames)
+    assert type(decoded) is messages.Generated
+    assert decoded.request_id == SAMPLES[MsgType.GENERATED].request_id
