@@ -274,11 +274,8 @@ def table_a(bench: Bench) -> str:
     runs = []  # all queued before the first is awaited
     for p, n in zip(paper, counts):
         common = dict(model=p.model, num_accelerators=n, rollout_tp=p.rollout_tp)
-        # The 1.5B row's runs are also (b)'s at that size: one simulation each, through the
-        # codec (which changes no simulated number), not two.
-        wire = p.model == "1.5b" and p.rollout_tp == 1 and n in scale_counts(bench)
-        runs.append((bench.start("sync", wire, **common),
-                     bench.start("async", wire, eta=p.eta, **common)))
+        runs.append((_shared_start(bench, "sync", **common),
+                     _shared_start(bench, "async", eta=p.eta, **common)))
     for p, n, (sync_run, async_run) in zip(paper, counts, runs):
         sync, async_ = sync_run.result(), async_run.result()
         rows.append(f"{p.model:>5} {n:>5} {p.eta:>4} {sync.step_s / 60:>9.2f} "
@@ -311,8 +308,21 @@ def table_b(bench: Bench) -> tuple[str, dict[str, list[float]]]:
 
 def _scale_run(bench: Bench, mode: str, n: int) -> Future[SimResult]:
     """A run of (b) and (f): the paper's batch on n accelerators, through the codec."""
-    eta = {} if mode == "sync" else {"eta": 8}
-    return bench.start(mode, wire=True, num_accelerators=n, **eta)
+    return bench.start(mode, wire=True, **_scale_values(mode, n))
+
+
+def _scale_values(mode: str, n: int) -> dict[str, Any]:
+    return dict(num_accelerators=n, **({} if mode == "sync" else {"eta": 8}))
+
+
+def _shared_start(bench: Bench, mode: str, **values: Any) -> Future[SimResult]:
+    """`bench.start` for a table outside (b): a configuration that is also one of (b)'s runs
+    goes through the codec as (b)'s do (which changes no simulated number), so that it is
+    simulated once, not twice."""
+    n = values["num_accelerators"]
+    shared = n in scale_counts(bench) and \
+        bench.config(mode, True, **values) == bench.config(mode, True, **_scale_values(mode, n))
+    return bench.start(mode, shared, **values)
 
 
 def table_c(bench: Bench) -> str:

@@ -39,6 +39,9 @@ _SENDERS: dict[type, frozenset[WorkerKind]] = {
 }
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 """The unsigned integer type of each signed one's size (`_plain_completion_fits`)."""
+_MIN, _MAX, _ALL = np.minimum.reduce, np.maximum.reduce, np.logical_and.reduce
+"""Reductions as ufuncs: `a.max()` goes through a Python wrapper (numpy's _methods) that
+cost as much as the pass over a 3,000-token completion (`_plain_completion_fits`)."""
 
 LOGPROB_SLACK = 1e-3
 """A sampled token's log-prob is <= 0; this much above 0 is float rounding."""
@@ -88,8 +91,6 @@ def _plain_completion_fits(msg: Generated, max_new_tokens: int, version: int,
     if ids.dtype.kind not in "iu" or versions.dtype.kind not in "iu" \
             or logprobs.dtype.kind != "f":
         return False
-    # The reductions are called as ufuncs: `a.max()` goes through a Python wrapper
-    # (numpy's _methods) that cost as much as the pass over 3,000 tokens.
     if vocab_size is not None:  # one pass for both bounds: a negative id read unsigned is
         if _MAX(ids.view(_UNSIGNED[ids.dtype.itemsize])) >= vocab_size:  # above any vocabulary
             return False
@@ -101,8 +102,6 @@ def _plain_completion_fits(msg: Generated, max_new_tokens: int, version: int,
         return False
     return bool(_MAX(logprobs) <= LOGPROB_SLACK and _MIN(logprobs) > -math.inf)
 
-
-_MIN, _MAX, _ALL = np.minimum.reduce, np.maximum.reduce, np.logical_and.reduce
 
 
 def _generated_problem(msg: Generated, *, max_new_tokens: int, version: int,
