@@ -424,16 +424,19 @@ def table_r(bench: Bench) -> str:
     for i in range(2 if bench.quick else ALONE_REPEATS):
         r = _simulate(config)
         bench.unshared += 1
-        rows.append(f"{i + 1:>5} {r.controller_cpu_s_per_step:>9.2f} {r.controller_share:>7.1%} "
+        rows.append(f"{i + 1:>5} {r.controller_cpu_s_per_step:>9.2f} "
+                    f"{r.controller_gc_s_per_step:>5.2f} {r.controller_share:>7.1%} "
                     f"{r.controller_alone_cpu_s_per_step:>9.2f} "
-                    f"{r.controller_alone_share:>7.1%} "
-                    f"{r.controller_alone_cpu_s_per_step / r.controller_cpu_s_per_step:>7.2f}")
-    return _lines(f"{'run':>5} {'in sim s':>9} {'share':>7} {'alone s':>9} {'share':>7} "
-                  f"{'alone/in':>7}", rows) + \
+                    f"{r.controller_alone_gc_s_per_step:>5.2f} {r.controller_alone_share:>7.1%} "
+                    f"{r.controller_alone_cpu_s_per_step / r.controller_cpu_s_per_step:>8.2f} "
+                    f"{r.reference_decode_us:>6.1f}")
+    return _lines(f"{'run':>5} {'in sim s':>9} {'gc s':>5} {'share':>7} {'alone s':>9} "
+                  f"{'gc s':>5} {'share':>7} {'alone/in':>8} {'ref us':>6}", rows) + \
         f"\n(1.5B async, eta 8, {n} accelerators, batch {bench.batch['num_prompts']} x " \
         f"{bench.batch['group_size']}, step {r.step_s:.1f} s " \
         "simulated; CPU seconds per step inside the controller's tasks: in the simulation " \
-        "(its messages recorded), and alone with the same messages replayed)"
+        f"(its messages recorded), and alone with the same messages replayed; {GC_NOTE}; " \
+        f"{REF_NOTE})"
 
 
 def table_f(bench: Bench) -> str:
@@ -444,12 +447,21 @@ def table_f(bench: Bench) -> str:
         r = run.result()
         top = max(r.controller_cpu_by_loop.items(), key=lambda kv: kv[1], default=("-", 0))
         rows.append(f"{n:>5} {mode:>6} {r.step_s:>9.1f} {r.controller_cpu_s_per_step:>9.2f} "
-                    f"{r.controller_share:>7.1%} {r.trajectories_per_cpu_s:>9.0f} "
-                    f"{r.peak_rss_mb / 1024:>6.1f} {top[0]}:{top[1]:.2f}")
-    return _lines(f"{'accel':>5} {'mode':>6} {'step s':>9} {'ctl cpu s':>9} {'share':>7} "
-                  f"{'traj/cpus':>9} {'rss GB':>6} largest loop (cpu s/step)", rows) + \
+                    f"{r.controller_gc_s_per_step:>5.2f} {r.controller_share:>7.1%} "
+                    f"{r.trajectories_per_cpu_s:>9.0f} {r.peak_rss_mb / 1024:>6.1f} "
+                    f"{r.reference_decode_us:>6.1f} {top[0]}:{top[1]:.2f}")
+    return _lines(f"{'accel':>5} {'mode':>6} {'step s':>9} {'ctl cpu s':>9} {'gc s':>5} "
+                  f"{'share':>7} {'traj/cpus':>9} {'rss GB':>6} {'ref us':>6} "
+                  "largest loop (cpu s/step)", rows) + \
         "\n(ctl cpu s: real CPU seconds inside the controller's tasks per simulated step, " \
-        "message decoding and encoding included; share: of the simulated step time)"
+        "message decoding and encoding included; share: of the simulated step time; " \
+        f"{GC_NOTE}; {REF_NOTE})"
+
+
+GC_NOTE = ("gc s: of the CPU seconds, garbage collections that ran in the controller's "
+           "steps (in a simulation they walk the simulated cluster's objects too)")
+REF_NOTE = ("ref us: this machine's speed when the run started, microseconds to decode a "
+            "3,000-token completion (sim/speed.py): CPU seconds of runs compare in its units")
 
 
 def _plot(out: Path, counts: list[int], tput: dict[str, list[float]],

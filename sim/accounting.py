@@ -8,6 +8,12 @@ task (the loop's own scheduling, timer callbacks) is neither and is reported apa
 
 So the controller's share is what its own coroutines cost, message decoding and encoding
 included (the in-process channel decodes inside the receiving task), as on a real socket.
+
+Garbage collections are the exception that the shared process makes: one runs inside
+whichever step's allocation triggered it and walks every tracked object of the process, the
+simulated cluster's included, which a real controller's process does not hold. Their pauses
+are timed apart as well (`gc_s`, by the owner of the step they ran in; still inside its CPU
+time), so that a step time inflated by collecting the simulation's objects shows as such.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import collections.abc
 import contextvars
+import gc
 import time
 from typing import Any, Callable, Coroutine
 
@@ -30,6 +37,11 @@ class CpuAccounts:
 
     def __init__(self) -> None:
         self.cpu_s = {CONTROLLER: 0.0, WORKERS: 0.0}
+        self.gc_s = {CONTROLLER: 0.0, WORKERS: 0.0}
+        """Of `cpu_s`, the garbage collector's pauses inside each owner's steps."""
+        self.running: str | None = None
+        """The owner of the step running now (None between steps)."""
+        self._gc_started = 0.0
         self.by_coroutine: dict[str, float] = {}
         self.controller_steps = 0
         """Steps the controller's tasks have taken: where in its own work a message arrived
@@ -38,7 +50,19 @@ class CpuAccounts:
         """Called after each of them, outside the time measured."""
 
     def install(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Account `loop`'s tasks and time the collector's pauses until `uninstall`."""
         loop.set_task_factory(self._factory)
+        gc.callbacks.append(self._on_collection)
+
+    def uninstall(self) -> None:
+        if self._on_collection in gc.callbacks:
+            gc.callbacks.remove(self._on_collection)
+
+    def _on_collection(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_started = time.process_time()
+        elif self.running is not None:
+            self.gc_s[self.running] += time.process_time() - self._gc_started
 
     def _factory(self, loop: asyncio.AbstractEventLoop, coro: Coroutine,
                  context: contextvars.Context | None = None) -> asyncio.Task:
@@ -64,6 +88,7 @@ class _Timed(collections.abc.Coroutine):
         self._coro, self._accounts, self._owner, self._name = coro, accounts, owner, name
 
     def _add(self, seconds: float) -> None:
+        self._accounts.running = None
         self._accounts.cpu_s[self._owner] += seconds
         if self._name is not None:  # the controller's
             accounts = self._accounts
@@ -74,6 +99,7 @@ class _Timed(collections.abc.Coroutine):
                 accounts.after_controller_step()
 
     def send(self, value: Any) -> Any:
+        self._accounts.running = self._owner
         start = time.process_time()
         try:
             return self._coro.send(value)
@@ -81,6 +107,7 @@ class _Timed(collections.abc.Coroutine):
             self._add(time.process_time() - start)
 
     def throw(self, *args: Any) -> Any:
+        self._accounts.running = self._owner
         start = time.process_time()
         try:
             return self._coro.throw(*args)

@@ -35,6 +35,7 @@ from areal.sim.config import SimConfig
 from areal.sim.cost import cost_model, load_costs
 from areal.sim.loop import SimulationStalled, run_virtual
 from areal.sim.runtime import SimRuntime
+from areal.sim.speed import reference_decode_us
 from areal.sim.workers import Host, SimEnv
 from areal.sim.workload import Workload
 
@@ -78,12 +79,20 @@ class SimResult:
     """Real CPU seconds the controller spent per simulated step (steady state)."""
     controller_cpu_by_loop: dict[str, float]
     """The controller's CPU seconds per step by coroutine (its loops and handlers' tasks)."""
+    controller_gc_s_per_step: float
+    """Of controller_cpu_s_per_step, garbage collections that ran in the controller's steps
+    (each walks the simulated cluster's objects too: sim/accounting.py)."""
     trajectories_per_cpu_s: float
     """Trajectories the controller handles per second of its own CPU time."""
     controller_alone_cpu_s_per_step: float | None
     """The same, measured on a controller alone, its messages replayed (sim/alone.py):
     what a controller on a core of its own spends (measure_alone; else None)."""
     controller_alone_by_loop: dict[str, float]
+    controller_alone_gc_s_per_step: float | None
+    """Of controller_alone_cpu_s_per_step, its garbage collections (of its own objects)."""
+    reference_decode_us: float | None
+    """This machine's speed at the start of the run (wire only, else None): microseconds to
+    decode a reference completion (sim/speed.py), the yardstick of the CPU times above."""
     worker_cpu_s: float
     """CPU seconds inside the simulated workers' tasks over the whole run."""
     process_cpu_s_per_step: float
@@ -107,9 +116,9 @@ class SimResult:
         return asdict(self)
 
 
-Mark = tuple[float, float, int, dict[str, float], int]
+Mark = tuple[float, float, int, dict[str, float], int, float]
 """(controller CPU s, process CPU s, generated tokens, CPU s by coroutine, sequences
-interrupted) at one moment of a run."""
+interrupted, controller garbage-collection s) at one moment of a run."""
 
 
 async def _drive(ctl: Controller, accounts: CpuAccounts, env: SimEnv
@@ -122,7 +131,7 @@ async def _drive(ctl: Controller, accounts: CpuAccounts, env: SimEnv
 
     def mark() -> Mark:
         return (accounts.cpu_s[CONTROLLER], time.process_time(), env.generated_tokens[0],
-                dict(accounts.by_coroutine), env.interrupted[0])
+                dict(accounts.by_coroutine), env.interrupted[0], accounts.gc_s[CONTROLLER])
 
     start = mark()
     watchdog = asyncio.create_task(_watchdog(ctl, records))
@@ -138,6 +147,7 @@ async def _drive(ctl: Controller, accounts: CpuAccounts, env: SimEnv
         return await run, records, [start, *marks]
     finally:
         watchdog.cancel()
+        accounts.uninstall()
 
 
 async def _watchdog(ctl: Controller, records: list[dict[str, Any]]) -> None:
@@ -165,6 +175,7 @@ def simulate(sim: SimConfig, console: io.TextIOBase | None = None,
     costs = load_costs(sim.costs)
     cost = cost_model(costs, sim.accelerator, sim.model)
     workload = workload or Workload.from_costs(costs, sim.seed)
+    reference_us = reference_decode_us() if sim.wire else None
     wall = time.perf_counter()
     _reset_peak_rss()
     with contextlib.ExitStack() as stack:
@@ -189,12 +200,13 @@ def simulate(sim: SimConfig, console: io.TextIOBase | None = None,
                            replay_dir)
     steps = [r for r in records if r["kind"] == "step"]
     return _result(sim, summary, steps, marks, ctl, env, accounts, time.perf_counter() - wall,
-                   alone)
+                   alone, reference_us)
 
 
 def _result(sim: SimConfig, summary: dict[str, Any], steps: list[dict[str, Any]],
             marks: list[Mark], ctl: Controller, env: SimEnv,
-            accounts: CpuAccounts, wall_s: float, alone: Alone | None) -> SimResult:
+            accounts: CpuAccounts, wall_s: float, alone: Alone | None,
+            reference_us: float | None) -> SimResult:
     if len(steps) != sim.steps:
         raise RuntimeError(f"the simulated run trained {len(steps)} of {sim.steps} steps")
     times = [0.0] + [r["perf/train_elapsed_s"] for r in steps]
@@ -206,6 +218,8 @@ def _result(sim: SimConfig, summary: dict[str, Any], steps: list[dict[str, Any]]
     process_cpu = marks[last][1] - marks[first][1]
     alone_cpu = None if alone is None else \
         (alone.marks[last][0] - alone.marks[first][0]) / (last - first)
+    alone_gc = None if alone is None else \
+        (alone.marks[last][5] - alone.marks[first][5]) / (last - first)
     staleness: collections.Counter = collections.Counter()
     for r in steps:
         staleness.update({k: int(v) for k, v in r["staleness/hist"].items()})
@@ -225,9 +239,12 @@ def _result(sim: SimConfig, summary: dict[str, Any], steps: list[dict[str, Any]]
         trained_group_ids=list(ctl.ledger.trained_group_ids),
         controller_cpu_s_per_step=cpu / (last - first),
         controller_cpu_by_loop=_by_loop(marks, first, last),
+        controller_gc_s_per_step=(marks[last][5] - marks[first][5]) / (last - first),
         trajectories_per_cpu_s=batch * (last - first) / cpu if cpu > 0 else float("inf"),
         controller_alone_cpu_s_per_step=alone_cpu,
         controller_alone_by_loop={} if alone is None else _by_loop(alone.marks, first, last),
+        controller_alone_gc_s_per_step=alone_gc,
+        reference_decode_us=reference_us,
         worker_cpu_s=accounts.cpu_s[WORKERS], process_cpu_s_per_step=process_cpu / (last - first),
         wall_s=wall_s,
         peak_rss_mb=_peak_rss_mb(),

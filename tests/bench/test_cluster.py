@@ -42,9 +42,12 @@ def test_quick_bench_prints_every_table_and_parallel_runs_match_serial(tmp_path,
     saved = (tmp_path / "table-quick.txt").read_text()
     assert saved.strip() in out
 
-    shares = re.findall(r"^\s+(16|32)\s+(sync|async)\s+[0-9.]+\s+[0-9.]+\s+([0-9.]+)%", out,
-                        re.MULTILINE)
-    assert len(shares) == 4, out  # (f): both modes at 16 and 32 accelerators
+    # (f): both modes at 16 and 32 accelerators: step s, cpu s, of which gc, share, ...,
+    # the machine's speed (ref us)
+    shares = re.findall(r"^\s+(16|32)\s+(sync|async)\s+[0-9.]+\s+([0-9.]+)\s+([0-9.]+)\s+"
+                        r"([0-9.]+)%\s+\d+\s+[0-9.]+\s+([0-9.]+) ", out, re.MULTILINE)
+    assert len(shares) == 4, out
+    assert all(float(gc) <= float(cpu) and float(ref) > 0 for _, _, cpu, gc, _, ref in shares)
 
     serial = cluster_bench.Bench(quick=True, seed=1, jobs=1)
     table_b, _ = cluster_bench.table_b(serial)
@@ -55,10 +58,12 @@ def test_quick_bench_prints_every_table_and_parallel_runs_match_serial(tmp_path,
 def test_table_r_measures_the_controller_in_the_simulation_and_alone(cluster_bench):
     bench = cluster_bench.Bench(quick=True, seed=1, jobs=1)
     text = cluster_bench.table_r(bench)
-    rows = re.findall(r"^\s+(\d)\s+([0-9.]+)\s+([0-9.]+)%\s+([0-9.]+)\s+([0-9.]+)%\s+([0-9.]+)$",
-                      text, re.MULTILINE)
+    # run, in sim s, gc s, share, alone s, gc s, share, alone/in, ref us
+    rows = re.findall(r"^\s+(\d)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)%\s+([0-9.]+)\s+([0-9.]+)"
+                      r"\s+([0-9.]+)%\s+([0-9.]+)\s+([0-9.]+)$", text, re.MULTILINE)
     assert [row[0] for row in rows] == ["1", "2"], text  # repeated: the machine's noise
-    assert all(float(row[2]) > 0 and float(row[4]) > 0 for row in rows), text
+    assert all(float(row[3]) > 0 and float(row[6]) > 0 and float(row[8]) > 0 for row in rows), text
+    assert all(float(row[2]) <= float(row[1]) and float(row[5]) <= float(row[4]) for row in rows)
     assert "32 accelerators" in text and bench.simulations == 2
 
 

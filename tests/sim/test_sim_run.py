@@ -58,6 +58,8 @@ def test_the_same_seed_gives_the_same_timeline(async_run):
     # encoding every message on the wire costs real time, never simulated time
     unwired = simulate(sim_config(mode="async", eta=2, wire=False, **SMALL))
     assert unwired.step_times == async_run.step_times
+    # the machine's speed is measured for the runs whose CPU time means something (wire)
+    assert async_run.reference_decode_us > 0 and unwired.reference_decode_us is None
 
 
 def test_another_seed_gives_another_timeline(async_run):

@@ -1,0 +1,44 @@
+"""Garbage-collection pauses are timed by the owner of the step they ran in."""
+
+import asyncio
+import gc
+
+from areal.sim.accounting import CONTROLLER, WORKERS, CpuAccounts, as_worker
+from areal.sim.loop import run_virtual
+
+
+def _collect_cycles() -> None:
+    for _ in range(2000):  # cycles: only the collector frees them
+        a: list = []
+        a.append(a)
+    gc.collect()
+
+
+def test_collections_are_charged_to_the_step_that_ran_them_until_uninstalled():
+    accounts = CpuAccounts()
+
+    async def worker():
+        _collect_cycles()
+
+    async def controller():
+        _collect_cycles()
+
+    async def main():
+        accounts.install(asyncio.get_running_loop())
+        await as_worker(asyncio.get_running_loop(), worker(), "w")
+        after_worker = dict(accounts.gc_s)
+        await asyncio.create_task(controller())
+        after_controller = dict(accounts.gc_s)
+        _collect_cycles()  # in no accounted step (main started before install): nobody's
+        outside = dict(accounts.gc_s)
+        accounts.uninstall()
+        return after_worker, after_controller, outside
+
+    after_worker, after_controller, outside = run_virtual(main)
+    assert after_worker[WORKERS] > 0 and after_worker[CONTROLLER] == 0
+    assert after_controller[CONTROLLER] > 0 and after_controller[WORKERS] == after_worker[WORKERS]
+    assert outside == after_controller
+    for owner in (CONTROLLER, WORKERS):  # the pauses are part of the step's CPU time
+        assert accounts.gc_s[owner] <= accounts.cpu_s[owner]
+    assert accounts._on_collection not in gc.callbacks
+    accounts.uninstall()  # twice: nothing to remove, no error
