@@ -76,11 +76,18 @@ class StepReport:
         now = self._last_step_at = clock.now()
         trajs = [t for g in groups for t in g.trajectories()]
         trained_version = version - 1  # the batch was trained at the version before publishing
-        staleness = [trained_version - t.oldest_version() for t in trajs]
-        out_lens = np.array([t.num_tokens - t.num_prompt_tokens for t in trajs])
-        rewards = np.array([t.reward for t in trajs])
+        # One pass over the batch's 8,192 trajectories at 512 accelerators (a pass per metric
+        # cost 40 ms a step there, 2026-12-03), columns: oldest version, tokens, prompt tokens,
+        # reward, truncated, interruptions.
+        columns = np.array([(t.oldest_version(), t.num_tokens, t.num_prompt_tokens, t.reward,
+                             t.finish_reason == "length", t.timings.get("interruptions", 0))
+                            for t in trajs], dtype=np.float64).reshape(-1, 6).T
+        oldest, num_tokens, num_prompt, rewards, truncated, interruptions = columns
+        staleness_values, staleness_counts = np.unique(trained_version - oldest.astype(np.int64),
+                                                       return_counts=True)
+        out_lens = (num_tokens - num_prompt).astype(np.int64)
         verdicts = [s.verdict for g in groups for s in g.samples]
-        batch_tokens = int(sum(t.num_tokens for t in trajs))
+        batch_tokens = int(num_tokens.sum())
         self._trained_tokens += batch_tokens
         window = max(now - self._window_start, 1e-9)
         record: dict[str, Any] = {
@@ -89,13 +96,14 @@ class StepReport:
             "rollout/accuracy": float(np.mean([v.value == "ok" for v in verdicts])),
             "rollout/completion_len_mean": float(out_lens.mean()),
             "rollout/completion_len_max": int(out_lens.max()),
-            "rollout/truncated_fraction": float(np.mean([t.finish_reason == "length" for t in trajs])),
-            "rollout/interruptions": int(sum(t.timings.get("interruptions", 0) for t in trajs)),
-            "rollout/in_flight": sum(1 for _ in ctl.ledger.in_flight()),
+            "rollout/truncated_fraction": float(truncated.mean()),
+            "rollout/interruptions": int(interruptions.sum()),
+            "rollout/in_flight": len(ctl.ledger.by_request),
             "rollout/weight_pause_s_mean": float(np.mean(self._pauses)) if self._pauses else 0.0,
-            "staleness/hist": {str(k): v for k, v in sorted(collections.Counter(staleness).items())},
-            "staleness/mean": float(np.mean(staleness)),
-            "staleness/max": int(max(staleness)),
+            "staleness/hist": {str(int(k)): int(n)
+                               for k, n in zip(staleness_values, staleness_counts)},
+            "staleness/mean": float(np.dot(staleness_values, staleness_counts) / len(trajs)),
+            "staleness/max": int(staleness_values[-1]),
             "reward/verdicts": dict(self._verdicts),
             "reward/queue": sum(len(b) for b in ctl._score_queue),
             "buffer/trajectories": ctl.ledger.num_buffered(),

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from areal import types as types_module
 from areal.types import PROMPT_VERSION, Trajectory, pack, pack_arrays
 
 
@@ -186,3 +187,24 @@ def test_pack_arrays_equals_concatenating_each_trajectorys_arrays(seed):
     for name, array in expected.items():
         assert got[name].dtype == array.dtype, name
         np.testing.assert_array_equal(got[name], array, err_msg=name)
+
+
+def test_a_received_completion_has_its_oldest_version_computed_on_arrival(monkeypatch):
+    """`from_generation` finds the oldest version while the completion is fresh; asking
+    later (the step record, strict staleness) reads no array again, and asking twice
+    computes once."""
+    versions = np.array([2, 2, 3, 5], np.int32)
+    kept = Trajectory.from_generation(
+        prompt_id="p", group_id=0, prompt_ids=np.array([7, 8], np.int32),
+        output_ids=np.array([1, 2, 3, 4], np.int32), output_logprobs=np.zeros(4, np.float32),
+        output_versions=versions)
+    built = Trajectory(prompt_id="p", group_id=0, token_ids=np.arange(3, dtype=np.int32),
+                       logprobs=np.zeros(3, np.float32),
+                       versions=np.array([PROMPT_VERSION, 4, 6], np.int32),
+                       loss_mask=np.array([False, True, True]), num_prompt_tokens=1)
+    calls = []
+    real = types_module._oldest_sampled
+    monkeypatch.setattr(types_module, "_oldest_sampled",
+                        lambda v: calls.append(len(v)) or real(v))
+    assert kept.oldest_version() == 2 and calls == []
+    assert built.oldest_version() == built.oldest_version() == 4 and len(calls) == 1
