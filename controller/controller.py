@@ -5,7 +5,8 @@
                        unblocked by: a training step (version + 1)
     ledger.pending --> [dispatch loop] --Generate--> least-loaded rollout worker
                        waits: a rollout worker below rollout.max_concurrent;
-                       unblocked by: Generated, Ready, a lost worker's re-queue
+                       unblocked by: Generated, Ready, a lost worker's re-queue (after a
+                       received message the receive loop dispatches itself)
     Generated --> (handler) --> the group's last one generated --Score(the whole group)-->
                        least-loaded reward worker (queued if none is ready)
     Scored    --> (handler) --> each outcome; whole group done --> ledger.buffer (replay buffer)
@@ -440,18 +441,29 @@ class Controller(MessageHandlers, TrainingSteps, FaultRepairs):
             self.changed.notify()
 
     async def _dispatch_loop(self) -> None:
+        """Dispatches when something other than a received message made work or room (an
+        admission, a re-queue, an evaluation). After a received message the receive loop
+        dispatches itself: waking this task for each of them (about 8,000 a step at 512
+        accelerators) cost a task switch each."""
         while True:
-            await self.changed.wait_for(lambda: (
-                self.ledger.pending and self._room[WorkerKind.ROLLOUT].peek())
-                or (self._score_queue and self._room[WorkerKind.REWARD].peek()))
-            while self._score_queue and self._room[WorkerKind.REWARD].peek():
-                await self._send_score(self._score_queue.pop(0))
-            while self.ledger.pending:
-                worker = self._room[WorkerKind.ROLLOUT].take()
-                if worker is None:
-                    break
-                await self._send_generate(self.ledger.pending.popleft(), worker)
-                self._room[WorkerKind.ROLLOUT].offer(worker)
+            await self.changed.wait_for(self._can_dispatch, at_notify=True)
+            await self._dispatch()
+
+    def _can_dispatch(self) -> bool:
+        return bool((self.ledger.pending and self._room[WorkerKind.ROLLOUT].peek())
+                    or (self._score_queue and self._room[WorkerKind.REWARD].peek()))
+
+    async def _dispatch(self) -> None:
+        """Send queued Scores, then pending Generates, while a worker has room. Safe to run
+        in two tasks at once: what is sent is taken from its queue before any await."""
+        while self._score_queue and self._room[WorkerKind.REWARD].peek():
+            await self._send_score(self._score_queue.pop(0))
+        while self.ledger.pending:
+            worker = self._room[WorkerKind.ROLLOUT].take()
+            if worker is None:
+                break
+            await self._send_generate(self.ledger.pending.popleft(), worker)
+            self._room[WorkerKind.ROLLOUT].offer(worker)
 
     async def _send_generate(self, sample: Sample, worker: WorkerHandle) -> None:
         group = self.ledger.groups[sample.group_id]
@@ -511,6 +523,8 @@ class Controller(MessageHandlers, TrainingSteps, FaultRepairs):
             await handler(identity, handle, msg)
             if handle is not None and handle.kind in self._room:
                 self._room[handle.kind].offer(handle)  # it may have finished work or be ready
+            if self._can_dispatch():
+                await self._dispatch()
             self.changed.notify()
 
     def _interrupt(self) -> bool:

@@ -34,8 +34,9 @@ class TrainingSteps:
         """Wait for `num_groups` complete training groups and take them; None if stopped.
         Strict bound: earliest deadline first, none past it (strict_staleness.py)."""
         while True:
+            # Checked by each notify, not by waking this task for it (most leave it false).
             await self.changed.wait_for(
-                lambda: len(self.ledger.buffer) >= num_groups or self._stopping)
+                lambda: len(self.ledger.buffer) >= num_groups or self._stopping, at_notify=True)
             if self._stopping:
                 return None
             if not self.cfg.staleness.strict:
@@ -128,6 +129,7 @@ class TrainingSteps:
         self.ledger.pending = type(self.ledger.pending)(
             s for s in self.ledger.pending
             if self.ledger.groups[s.group_id].purpose is Purpose.EVAL)
+        self.changed.notify()  # rooms changed: the dispatch loop checks at each notify
 
     async def _drop_group(self, group: Group, reason: str) -> None:
         """Never train on `group` (wherever it is): its generations are cancelled, its slots
