@@ -212,21 +212,21 @@ class Trajectory:
 
     def _write(self, start: int, token_ids: np.ndarray, logprobs: np.ndarray,
                versions: np.ndarray, loss_mask: np.ndarray, trained: bool) -> None:
-        """Copy this trajectory into [start, start + T) of packed arrays whose logprobs are
-        0, versions PROMPT_VERSION and loss_mask False beforehand (`pack_arrays`)."""
+        """Write this trajectory into [start, start + T) of packed arrays (`pack_arrays`),
+        each token of each array once. `trained` False: its loss mask is all False."""
         if self._parts is None:
             end = start + len(self._joined[0])
             token_ids[start:end], logprobs[start:end], versions[start:end] = self._joined[:3]
-            if trained:
-                loss_mask[start:end] = self._joined[3]
+            loss_mask[start:end] = self._joined[3] if trained else False
             return
         prompt, ids, out_logprobs, out_versions, mask = self._parts
         mid = start + len(prompt)
         end = mid + len(ids)
         token_ids[start:mid], token_ids[mid:end] = prompt, ids
-        logprobs[mid:end], versions[mid:end] = out_logprobs, out_versions
-        if trained:
-            loss_mask[mid:end] = True if mask is None else mask
+        logprobs[start:mid], logprobs[mid:end] = 0.0, out_logprobs
+        versions[start:mid], versions[mid:end] = PROMPT_VERSION, out_versions
+        loss_mask[start:mid] = False
+        loss_mask[mid:end] = (True if mask is None else mask) if trained else False
 
 
 def _oldest_sampled(versions: np.ndarray) -> int:
@@ -349,12 +349,11 @@ def pack_arrays(trajectories: Sequence[Trajectory],
     lengths = np.fromiter((t.num_tokens for t in trajectories), np.int32, len(trajectories))
     cu_seqlens = np.concatenate([np.zeros(1, np.int32), np.cumsum(lengths, dtype=np.int32)])
     total = int(cu_seqlens[-1])
-    # Each field written once per token: prompts' log-probs, versions and loss mask are the
-    # constants filled here, so a trajectory kept as its prompt and completion writes only
-    # the completion's (Trajectory._write).
-    arrays = {"token_ids": np.empty(total, np.int32), "logprobs": np.zeros(total, np.float32),
-              "versions": np.full(total, PROMPT_VERSION, np.int32),
-              "loss_mask": np.zeros(total, bool)}
+    # Each token of each field written once (Trajectory._write, prompts' constants
+    # included): filling the arrays beforehand was a pass over 490 MB a step at 512
+    # accelerators, for the 5% of tokens that are prompts.
+    arrays = {"token_ids": np.empty(total, np.int32), "logprobs": np.empty(total, np.float32),
+              "versions": np.empty(total, np.int32), "loss_mask": np.empty(total, bool)}
     for i, (t, start) in enumerate(zip(trajectories, cu_seqlens[:-1].tolist(), strict=True)):
         t._write(start, **arrays, trained=masked is None or not masked[i])
     return {**arrays, "cu_seqlens": cu_seqlens,

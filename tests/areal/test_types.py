@@ -165,9 +165,20 @@ def test_a_kept_completion_is_refused_as_the_copied_one(kwargs):
     assert str(kept.value) == str(copied.value)
 
 
+def _garbage_empty(shape, dtype=float) -> np.ndarray:
+    """`np.empty` as it may come: memory holding anything (0x5a bytes; bools all True)."""
+    dtype, size = np.dtype(dtype), int(np.prod(shape))
+    if dtype == np.bool_:
+        return np.ones(shape, bool)
+    return np.frombuffer(b"\x5a" * (size * dtype.itemsize), dtype).reshape(shape).copy()
+
+
 @pytest.mark.parametrize("seed", range(3))
-def test_pack_arrays_equals_concatenating_each_trajectorys_arrays(seed):
-    """Kept and copied trajectories, episodes among them, some masked out of the loss."""
+def test_pack_arrays_equals_concatenating_each_trajectorys_arrays(seed, monkeypatch):
+    """Kept and copied trajectories, episodes among them, some masked out of the loss.
+    The packed arrays start as garbage (they are not filled beforehand): every token of
+    every field must be written."""
+    monkeypatch.setattr(np, "empty", _garbage_empty)
     rng = np.random.default_rng(seed)
     trajs = [t for _ in range(12) for t in _both_forms(rng, episode=bool(rng.random() < 0.4))]
     for t in trajs:
