@@ -119,6 +119,8 @@ class SimResult:
 Mark = tuple[float, float, int, dict[str, float], int, float]
 """(controller CPU s, process CPU s, generated tokens, CPU s by coroutine, sequences
 interrupted, controller garbage-collection s) at one moment of a run."""
+_CPU, _GC = 0, 5
+"""Indices in a Mark of the controller's CPU and garbage-collection seconds."""
 
 
 async def _drive(ctl: Controller, accounts: CpuAccounts, env: SimEnv
@@ -216,10 +218,6 @@ def _result(sim: SimConfig, summary: dict[str, Any], steps: list[dict[str, Any]]
     step_s = window / (last - first)
     cpu = marks[last][0] - marks[first][0]
     process_cpu = marks[last][1] - marks[first][1]
-    alone_cpu = None if alone is None else \
-        (alone.marks[last][0] - alone.marks[first][0]) / (last - first)
-    alone_gc = None if alone is None else \
-        (alone.marks[last][5] - alone.marks[first][5]) / (last - first)
     staleness: collections.Counter = collections.Counter()
     for r in steps:
         staleness.update({k: int(v) for k, v in r["staleness/hist"].items()})
@@ -239,16 +237,23 @@ def _result(sim: SimConfig, summary: dict[str, Any], steps: list[dict[str, Any]]
         trained_group_ids=list(ctl.ledger.trained_group_ids),
         controller_cpu_s_per_step=cpu / (last - first),
         controller_cpu_by_loop=_by_loop(marks, first, last),
-        controller_gc_s_per_step=(marks[last][5] - marks[first][5]) / (last - first),
+        controller_gc_s_per_step=_per_step(marks, _GC, first, last),
         trajectories_per_cpu_s=batch * (last - first) / cpu if cpu > 0 else float("inf"),
-        controller_alone_cpu_s_per_step=alone_cpu,
+        controller_alone_cpu_s_per_step=None if alone is None else _per_step(
+            alone.marks, _CPU, first, last),
         controller_alone_by_loop={} if alone is None else _by_loop(alone.marks, first, last),
-        controller_alone_gc_s_per_step=alone_gc,
+        controller_alone_gc_s_per_step=None if alone is None else _per_step(
+            alone.marks, _GC, first, last),
         reference_decode_us=reference_us,
         worker_cpu_s=accounts.cpu_s[WORKERS], process_cpu_s_per_step=process_cpu / (last - first),
         wall_s=wall_s,
         peak_rss_mb=_peak_rss_mb(),
         summary=summary)
+
+
+def _per_step(marks: list[Mark], index: int, first: int, last: int) -> float:
+    """Mark field `index` gained per step from step `first` to step `last`."""
+    return (marks[last][index] - marks[first][index]) / (last - first)
 
 
 def _by_loop(marks: list[Mark], first: int, last: int) -> dict[str, float]:
