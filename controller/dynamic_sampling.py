@@ -3,9 +3,9 @@
 A prompt group whose samples all get advantage 0 (their rewards, after shaping, are equal:
 all solved or all failed) adds nothing to the policy gradient but still fills a slot of the
 batch. With `trainer.advantage.dynamic_sampling`, the controller checks every training group
-when its last sample is scored (`Controller.group_filters`) and drops such a group through
-the shared mechanism (`Controller._drop_group`): its staleness slots are freed, admission
-draws a replacement, and the step records count it under
+when its last sample is scored (`Controller.group_filters`, run by core.py) and drops such a
+group through the shared mechanism (`Core.drop_group`): its staleness slots are freed,
+admission draws a replacement, and the step records count it under
 `rollout/dropped_groups/zero_advantage`. Batches therefore stay full of groups with signal,
 and the staleness bound counts only what is trained or in flight.
 

@@ -138,6 +138,12 @@ class Ledger:
             self.pending.extend(group.samples)
         return group
 
+    def forget_pending(self, purpose: Purpose) -> None:
+        """Samples of `purpose` waiting to be generated are never sent (training is over);
+        they stay in their groups, which are never completed."""
+        self.pending = collections.deque(
+            s for s in self.pending if self.groups[s.group_id].purpose is not purpose)
+
     # -- generation -----------------------------------------------------------------------------
 
     def start_generation(self, sample: Sample, worker: bytes, now: float) -> None:

@@ -8,7 +8,7 @@ summary states held-out accuracy before and after training and the wall time.
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -19,10 +19,8 @@ from areal.messages import Generated, WeightsUpdated
 from areal.tasks.base import Verdict
 from areal.types import Trajectory
 from areal.controller.episodes import episode_metrics
+from areal.config import RunConfig
 from areal.controller.ledger import Dropped, Group
-
-if TYPE_CHECKING:
-    from areal.controller.controller import Controller
 
 
 class StepReport:
@@ -72,7 +70,11 @@ class StepReport:
         self._pauses.append(msg.pause_s)
 
     def step_record(self, step: int, version: int, groups: list[Group], stats: dict[str, float],
-                    train_s: float, waited_s: float, ctl: "Controller") -> dict[str, Any]:
+                    train_s: float, waited_s: float, *, cfg: RunConfig, in_flight: int,
+                    score_queue: int, buffered: int, started: float) -> dict[str, Any]:
+        """The record of training step `step`, which published `version`; `in_flight`,
+        `score_queue`, `buffered`: samples in the ledger, waiting for a reward worker, and
+        trajectories in the buffer now; `started`: when the run started."""
         now = self._last_step_at = clock.now()
         trajs = [t for g in groups for t in g.trajectories()]
         trained_version = version - 1  # the batch was trained at the version before publishing
@@ -98,21 +100,21 @@ class StepReport:
             "rollout/completion_len_max": int(out_lens.max()),
             "rollout/truncated_fraction": float(truncated.mean()),
             "rollout/interruptions": int(interruptions.sum()),
-            "rollout/in_flight": len(ctl.ledger.by_request),
+            "rollout/in_flight": in_flight,
             "rollout/weight_pause_s_mean": float(np.mean(self._pauses)) if self._pauses else 0.0,
             "staleness/hist": {str(int(k)): int(n)
                                for k, n in zip(staleness_values, staleness_counts)},
             "staleness/mean": float(np.dot(staleness_values, staleness_counts) / len(trajs)),
             "staleness/max": int(staleness_values[-1]),
             "reward/verdicts": dict(self._verdicts),
-            "reward/queue": sum(len(b) for b in ctl._score_queue),
-            "buffer/trajectories": ctl.ledger.num_buffered(),
+            "reward/queue": score_queue,
+            "buffer/trajectories": buffered,
             "perf/gen_tokens_per_s": self._generated_tokens / window,
             "perf/train_tokens_per_s": batch_tokens / max(train_s, 1e-9),
             "perf/trained_tokens_per_s": self._trained_tokens / max(now - self._train_start, 1e-9),
             "perf/train_s": train_s,
             "perf/train_wait_s": waited_s,
-            "perf/elapsed_s": now - ctl._started,
+            "perf/elapsed_s": now - started,
             "perf/train_elapsed_s": now - self._train_start,
             "perf/trained_tokens": self._trained_tokens,
         }
@@ -120,7 +122,7 @@ class StepReport:
         record.update({f"rollout/dropped_groups/{k}": v for k, v in self._dropped.items()})
         record["rollout/dropped_tokens"] = self._dropped_tokens
         record.update(episode_metrics(trajs, "episode/"))
-        record.update(shaping_metrics(trajs, ctl.cfg))
+        record.update(shaping_metrics(trajs, cfg))
         # Draw positions (RunSetup) of the prompt groups trained in this step and dropped
         # since the last one: every admitted group is accounted for by the records alone.
         record["rollout/trained_positions"] = [g.position for g in groups]
@@ -133,15 +135,17 @@ class StepReport:
         return record
 
     def summary(self, before: dict[str, Any], after: dict[str, Any], wall_s: float, steps: int,
-                ctl: "Controller") -> dict[str, Any]:
+                **run: Any) -> dict[str, Any]:
+        """The run's summary; `run`: what the controller adds of its own (run_dir, mode,
+        final_version, malformed_messages, num_drawn, untrained_positions)."""
         # Training time runs from the start of training to the end of the last step (the
         # final evaluation is not part of it).
         train_s = (self._last_step_at - self._train_start) if self._last_step_at else 0.0
         return {
-            "run_dir": str(ctl.run_dir),
-            "mode": ctl.cfg.mode,
+            "run_dir": str(run["run_dir"]),
+            "mode": run["mode"],
             "steps": steps,
-            "final_version": ctl.version,
+            "final_version": run["final_version"],
             "eval_pass@1_before": before["eval/pass@1"],
             "eval_pass@1_after": after["eval/pass@1"],
             "eval_pass@1_gain": after["eval/pass@1"] - before["eval/pass@1"],
@@ -150,11 +154,10 @@ class StepReport:
             "trained_tokens": self._trained_tokens,
             "trained_tokens_per_s": self._trained_tokens / train_s if train_s else 0.0,
             "interruptions_total": self.num_interruptions,
-            "malformed_messages": ctl.num_malformed,
+            "malformed_messages": run["malformed_messages"],
             "dropped_groups": dict(self.dropped_total),
-            "num_drawn": ctl._setup.num_drawn,
-            "untrained_positions": sorted(ctl.ledger.untrained_positions()
-                                          + ctl._setup.requeued_positions()),
+            "num_drawn": run["num_drawn"],
+            "untrained_positions": run["untrained_positions"],
             "rollout/dropped_positions": list(self._dropped_positions),  # after the last step
             "dropped_tokens": self.dropped_tokens_total,
         }

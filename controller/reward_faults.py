@@ -10,7 +10,7 @@ answer, no answer, a failing test, a program over its own time limit) is not one
                                                    (by the least loaded reward worker)
     failure after reward.retries retries        -> reward.on_error:
                                                      drop: the training group is dropped
-                                                           (Controller._drop_group, reason
+                                                           (Core.drop_group, reason
                                                            'reward_error'; admission
                                                            replaces it) - the default
                                                      zero: reward 0 with the failure's

@@ -15,6 +15,10 @@ their group formed before the first step, and every rank replaced when one is lo
     step_failed(rank, error)  one rank alone: RunFailed (it would fail again). Several: the
                               usual cause is a peer that died in a collective, which is lost
                               instead; else the reporting rank is
+
+Owns the step out on the ranks (their answers so far), the data-parallel group
+(trainer_group.py) and what a restarted trainer needs (recovery.py: the newest checkpoint
+and the steps trained since). What it sends goes through the shell's `send`.
 """
 
 from __future__ import annotations
@@ -25,12 +29,12 @@ from typing import Any, Awaitable, Callable
 
 from areal import clock
 from areal.config import RunConfig
-from areal.controller.groups import GroupError, Groups
+from areal.controller.outbox import Outbox
 from areal.controller.pool import WorkerHandle, WorkerPool, stop_process
 from areal.controller.recovery import TrainerRecovery
 from areal.controller.signal import Changed
+from areal.controller.trainer_group import GroupError, TrainerGroup
 from areal.messages import Shutdown, Train, Trained, WorkerKind
-from areal.transport import RouterChannel
 
 log = logging.getLogger(__name__)
 
@@ -49,20 +53,26 @@ class TrainerLost(RuntimeError):
 
 
 class Trainers:
-    def __init__(self, cfg: RunConfig, channel: RouterChannel, pool: WorkerPool, groups: Groups,
-                 changed: Changed, recovery: TrainerRecovery,
-                 record_event: Callable[..., None], console: Callable[[str], None],
-                 log_of: Callable[[str], str]) -> None:
+    def __init__(self, cfg: RunConfig, pool: WorkerPool, changed: Changed,
+                 send: Callable[[Outbox], Awaitable[None]],
+                 address: str, record_event: Callable[..., None],
+                 console: Callable[[str], None], log_of: Callable[[str], Any],
+                 all_lost: Callable[[], None]) -> None:
+        """`send`: the shell's, for what this component decides to send; `address`: where
+        remote ranks connect (for messages); `all_lost`: every rank is being restarted (the
+        collective weights group, whose sender is rank 0, must be re-formed)."""
         self.cfg = cfg
-        self.channel = channel
         self.pool = pool
-        self.groups = groups
+        self.group = TrainerGroup(cfg, pool, send)
         self.changed = changed
-        self.recovery = recovery
+        self.recovery = TrainerRecovery(cfg.trainer.checkpoint_every)
+        self.send = send
+        self.address = address
         self.record_event = record_event
         self.console = console
         self.log_of = log_of
         """Where a worker's log is, by worker id (for error messages)."""
+        self.all_lost = all_lost
         self.formed = False
         """The ranks are ready, in one group, and hold the run's current version."""
         self._pending: asyncio.Future | None = None
@@ -105,8 +115,10 @@ class Trainers:
             raise TrainerLost(f"{len(ranks)} of {len(messages)} trainer ranks ready")
         self._pending = asyncio.get_running_loop().create_future()
         self._answers = {}
+        out = Outbox()
         for handle, msg in zip(ranks, messages, strict=True):
-            await self.channel.send(handle.identity, msg)
+            out.send(handle.identity, msg)
+        await self.send(out)
         return await self._pending
 
     async def _ensure(self, step: int, stopping: Callable[[], bool]) -> bool:
@@ -118,7 +130,7 @@ class Trainers:
             return False
         if self.cfg.trainer.num_ranks > 1:
             try:
-                await self.groups.form_trainer_group()
+                await self.group.form()
             except GroupError as err:
                 if self.recovery.num_restores != restores:  # a rank was lost while forming
                     raise TrainerLost(str(err)) from err
@@ -177,14 +189,16 @@ class Trainers:
         others = [h for h in self.pool.trainers() if h is not handle]
         for other in others:
             if other.identity is not None and other.process is None:
-                await self.channel.send(other.identity, Shutdown(
+                out = Outbox()
+                out.send(other.identity, Shutdown(
                     reason="a trainer rank was lost: start this rank again to resume the run "
                            "from the checkpoint", rejoin=True))
-            self.groups.member_lost(other)
+                await self.send(out)
             self.pool.forget(other)
             await stop_process(other)
         await stop_process(handle)
-        self.groups.trainer_group_lost()
+        self.group.lost()
+        self.all_lost()
         self.formed = False
         self.recovery.num_restores += 1
         if self.busy:
@@ -201,4 +215,4 @@ class Trainers:
         self.console(
             f"{lost}: restarting the trainer from {self.recovery.checkpoint or 'the initial model'}"
             + (f"; waiting for remote trainer ranks {remote} to join again at "
-               f"{self.channel.address}" if remote else ""))
+               f"{self.address}" if remote else ""))

@@ -31,9 +31,9 @@ _OWNER: contextvars.ContextVar[str] = contextvars.ContextVar("areal_sim_owner",
 
 
 class CpuAccounts:
-    """CPU seconds spent inside tasks, by owner, and the controller's by coroutine (its
-    loops: `Controller._recv_loop`, `Controller._dispatch_loop`, ...). Install with
-    `install(loop)`."""
+    """CPU seconds spent inside tasks, by owner, and the controller's by task name (its
+    loops: `recv`, `dispatch`, `admission`, `liveness`, `train-driver`, `eval`; a task
+    without a name of its own by its coroutine). Install with `install(loop)`."""
 
     def __init__(self) -> None:
         self.cpu_s = {CONTROLLER: 0.0, WORKERS: 0.0}
@@ -42,7 +42,7 @@ class CpuAccounts:
         self.running: str | None = None
         """The owner of the step running now (None between steps)."""
         self._gc_started = 0.0
-        self.by_coroutine: dict[str, float] = {}
+        self.by_task: dict[str, float] = {}
         self.controller_steps = 0
         """Steps the controller's tasks have taken: where in its own work a message arrived
         (sim/alone.py replays messages at the same places)."""
@@ -67,8 +67,11 @@ class CpuAccounts:
     def _factory(self, loop: asyncio.AbstractEventLoop, coro: Coroutine,
                  context: contextvars.Context | None = None) -> asyncio.Task:
         owner = context[_OWNER] if context is not None and _OWNER in context else _OWNER.get()
-        name = getattr(coro, "__qualname__", "?") if owner == CONTROLLER else None
-        return asyncio.Task(_Timed(coro, self, owner, name), loop=loop, context=context)
+        timed = _Timed(coro, self, owner)
+        task = asyncio.Task(timed, loop=loop, context=context)
+        if owner == CONTROLLER:
+            timed.task = task  # its name is set after the factory returns
+        return task
 
 
 def as_worker(loop: asyncio.AbstractEventLoop, coro: Coroutine, name: str) -> asyncio.Task:
@@ -81,19 +84,28 @@ def as_worker(loop: asyncio.AbstractEventLoop, coro: Coroutine, name: str) -> as
 class _Timed(collections.abc.Coroutine):
     """A coroutine that adds the CPU time of each of its steps to an account."""
 
-    __slots__ = ("_coro", "_accounts", "_owner", "_name")
+    __slots__ = ("_coro", "_accounts", "_owner", "_name", "task")
 
-    def __init__(self, coro: Coroutine, accounts: CpuAccounts, owner: str,
-                 name: str | None) -> None:
-        self._coro, self._accounts, self._owner, self._name = coro, accounts, owner, name
+    def __init__(self, coro: Coroutine, accounts: CpuAccounts, owner: str) -> None:
+        self._coro, self._accounts, self._owner = coro, accounts, owner
+        self._name: str | None = None
+        self.task: asyncio.Task | None = None
+        """The controller's task running it (None for the workers')."""
+
+    def _account_name(self) -> str:
+        name = self.task.get_name()
+        if name.startswith("Task-"):  # asyncio's default: no name of its own
+            name = getattr(self._coro, "__qualname__", "?")
+        self._name = name
+        return name
 
     def _add(self, seconds: float) -> None:
         self._accounts.running = None
         self._accounts.cpu_s[self._owner] += seconds
-        if self._name is not None:  # the controller's
+        if self.task is not None:  # the controller's
+            name = self._name or self._account_name()
             accounts = self._accounts
-            accounts.by_coroutine[self._name] = accounts.by_coroutine.get(self._name, 0.0) \
-                + seconds
+            accounts.by_task[name] = accounts.by_task.get(name, 0.0) + seconds
             accounts.controller_steps += 1
             if accounts.after_controller_step is not None:
                 accounts.after_controller_step()

@@ -41,6 +41,7 @@ from typing import Any, Callable, Coroutine
 
 from areal.config import load_config
 from areal.controller import Controller
+from areal.controller.runtime import Connection
 from areal.codec import encode
 from areal.messages import MsgType
 
@@ -149,8 +150,8 @@ class _ReplayRuntime(SimRuntime):
 
     def connect(self, cfg, setup):
         self.router = self.replay_router
-        return self.router, _ReplayPool(cfg, setup.run_dir, self.router, self.env), \
-            self.router.close
+        return Connection(channel=self.router, close=self.router.close,
+                          pool=_ReplayPool(cfg, setup.run_dir, self.router, self.env))
 
 
 class _Feeder:

@@ -133,7 +133,7 @@ async def _drive(ctl: Controller, accounts: CpuAccounts, env: SimEnv
 
     def mark() -> Mark:
         return (accounts.cpu_s[CONTROLLER], time.process_time(), env.generated_tokens[0],
-                dict(accounts.by_coroutine), env.interrupted[0], accounts.gc_s[CONTROLLER])
+                dict(accounts.by_task), env.interrupted[0], accounts.gc_s[CONTROLLER])
 
     start = mark()
     watchdog = asyncio.create_task(_watchdog(ctl, records))
@@ -257,11 +257,10 @@ def _per_step(marks: list[Mark], index: int, first: int, last: int) -> float:
 
 
 def _by_loop(marks: list[Mark], first: int, last: int) -> dict[str, float]:
-    """The controller's CPU seconds per step by coroutine, largest first."""
+    """The controller's CPU seconds per step by task (its loops), largest first."""
     by_loop = {name: (seconds - marks[first][3].get(name, 0.0)) / (last - first)
                for name, seconds in marks[last][3].items()}
-    return {k.removeprefix("Controller."): v for k, v in sorted(
-        by_loop.items(), key=lambda kv: -kv[1]) if v > 0.0005}
+    return {k: v for k, v in sorted(by_loop.items(), key=lambda kv: -kv[1]) if v > 0.0005}
 
 
 def _reset_peak_rss() -> None:

@@ -14,10 +14,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Any, Callable, Coroutine
+from typing import Any, Coroutine
 
 from areal.config import RunConfig
 from areal.controller.pool import WorkerHandle, WorkerPool
+from areal.controller.runtime import Connection
 from areal.messages import WorkerKind
 
 from areal.sim.accounting import as_worker
@@ -100,7 +101,7 @@ class SimRuntime:
     def prepare_run(self, cfg: RunConfig) -> SimSetup:
         return prepare_sim_run(cfg, self.env.workload)
 
-    def connect(self, cfg: RunConfig, setup: SimSetup
-                ) -> tuple[SimRouter, SimPool, Callable[[], None]]:
+    def connect(self, cfg: RunConfig, setup: SimSetup) -> Connection:
         self.router = SimRouter(self.wire, self.recorder)
-        return self.router, SimPool(cfg, setup.run_dir, self.router, self.env), self.router.close
+        return Connection(channel=self.router, close=self.router.close,
+                          pool=SimPool(cfg, setup.run_dir, self.router, self.env))

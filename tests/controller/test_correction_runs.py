@@ -111,8 +111,8 @@ def _dynamic_sampling(ctl, steps, batches):
     assert sum(r.get("rollout/dropped_groups/zero_advantage", 0) for r in steps) > 0, steps
     # The staleness window freed every dropped sample's slot; every trained batch was full.
     dropped = ctl.ledger.dropped_group_ids
-    assert ctl.staleness.num_aborted + ctl.staleness.num_rejected == len(dropped) * GROUP
-    assert ctl.staleness.num_consumed == STEPS * BATCH
+    assert ctl.core.admission.staleness.num_aborted + ctl.core.admission.staleness.num_rejected == len(dropped) * GROUP
+    assert ctl.core.admission.staleness.num_consumed == STEPS * BATCH
     assert not set(dropped) & set(ctl.ledger.trained_group_ids)
     for batch in batches:  # every trained group has a reward spread
         for group in np.unique(batch["group_ids"]):

@@ -131,7 +131,7 @@ async def _drive(cfg, keys: Path, logs: Path) -> dict:
             if step == 2:
                 out["intruders"] = await _intrude(address, keys)
                 workers.start("rollout", "rollout-2", 2)  # a late joiner
-            late = [h for h in ctl.pool.ready(WorkerKind.ROLLOUT) if h.worker_id == "rollout-2"]
+            late = [h for h in ctl.core.pool.ready(WorkerKind.ROLLOUT) if h.worker_id == "rollout-2"]
             # It starts from the model directory (version 0): any later version reached it
             # by broadcast after it joined.
             if killed_at is None and late and late[0].version > 0:
@@ -210,8 +210,8 @@ def test_collective_weights_are_exact_and_survive_a_lost_and_a_late_rollout_work
     joined = _events(remote_run, "weights_group_joined")
     assert {e["worker_id"] for e in joined} >= {"trainer-0", "rollout-0", "rollout-1",
                                                 "rollout-2"}
-    assert ctl.groups.generation >= 2 and ctl.groups.num_reformed >= 1
-    rollouts = {h.worker_id: h for h in ctl.pool.by_identity.values()
+    assert ctl.core.weights.generation >= 2 and ctl.core.weights.num_reformed >= 1
+    rollouts = {h.worker_id: h for h in ctl.core.pool.by_identity.values()
                 if h.kind is WorkerKind.ROLLOUT}
     assert sorted(rollouts) == ["rollout-0", "rollout-2"]
     # Both, the late joiner included, served the final version (the last evaluation ran on it).
@@ -224,11 +224,11 @@ def test_peers_without_the_key_get_nothing_in_and_nothing_out(remote_run):
     ctl = remote_run["ctl"]
     intruders = remote_run["intruders"]
     assert intruders == {"plain": [], "unknown-key": []}, repr(intruders)  # received nothing
-    assert ctl.pool.refused == []  # their Register never reached the controller's logic
-    assert not [h for h in ctl.pool.by_identity.values() if "intruder" in h.worker_id]
-    assert ctl.num_malformed == 0
+    assert ctl.core.pool.refused == []  # their Register never reached the controller's logic
+    assert not [h for h in ctl.core.pool.by_identity.values() if "intruder" in h.worker_id]
+    assert ctl.core.num_malformed == 0
     # Refusals are logged by the controller: ZAP for the unknown key, the handshake monitor
     # for the plain-TCP peer.
-    assert [r["mechanism"] for r in ctl.zap.refused] == ["CURVE"]
-    assert ctl.handshake_failures, "the plain-TCP peer's refusal was not logged"
-    assert all(map(is_plain_peer_refusal, ctl.handshake_failures)), ctl.handshake_failures
+    assert [r["mechanism"] for r in ctl.runtime.zap.refused] == ["CURVE"]
+    assert ctl.runtime.handshake_failures, "the plain-TCP peer's refusal was not logged"
+    assert all(map(is_plain_peer_refusal, ctl.runtime.handshake_failures)), ctl.runtime.handshake_failures

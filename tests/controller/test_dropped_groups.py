@@ -1,6 +1,6 @@
 """Dropping training groups on purpose, in a real run: the shared mechanism behind dynamic
 sampling, the strict staleness bound and reward failures (Controller.group_filters and
-Controller._drop_group). A dropped group is never trained on, its running generations are
+Controller.drop_group). A dropped group is never trained on, its running generations are
 cancelled, its slots in the staleness window are freed so that admission replaces it, and
 every step record counts what was dropped and the tokens thrown away.
 """
@@ -54,7 +54,7 @@ async def _run(cfg) -> dict:
             group = running[0]
             cancelled = {"group_id": group.group_id, "request_ids": [
                 s.request_id for s in group.samples if s.stage is Stage.GENERATING]}
-            await ctl._drop_group(group, "by_test")
+            await ctl.drop_group(group, "by_test")
     summary = await run
     return {"ctl": ctl, "records": records, "summary": summary, "cancelled": cancelled}
 
@@ -78,7 +78,7 @@ def test_dropped_groups_are_never_trained_and_every_admitted_group_is_accounted_
     assert all(g % 3 != 0 for g in trained)
     unfinished = {g.group_id for g in ctl.ledger.buffer} | {
         gid for gid, g in ctl.ledger.groups.items() if g.purpose is Purpose.TRAIN}
-    admitted = {entry["group_id"] for entry in ctl.admission_log}
+    admitted = {entry["group_id"] for entry in ctl.core.admission.log}
     assert admitted == set(trained) | set(dropped) | unfinished
 
 
@@ -95,7 +95,7 @@ def test_every_drop_is_counted_once_in_the_step_records_and_the_summary(run):
 
 
 def test_the_staleness_window_frees_the_slots_of_dropped_groups(run):
-    staleness = run["ctl"].staleness
+    staleness = run["ctl"].core.admission.staleness
     dropped_samples = len(run["ctl"].ledger.dropped_group_ids) * GROUP
     assert staleness.num_aborted + staleness.num_rejected == dropped_samples
     assert staleness.num_consumed == STEPS * BATCH

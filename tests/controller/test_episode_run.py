@@ -171,9 +171,9 @@ def test_a_run_resumed_with_episodes_in_flight_continues_them_from_scratch(runs)
     first, second = runs["first"], runs["second"]
     assert [r["step"] for r in _steps(second)] == [FIRST + 1, TOTAL]
     assert all(r["episode/turns_mean"] >= 1 for r in _steps(second))
-    by_group = {e["group_id"]: e["position"] for e in first["ctl"].admission_log}
+    by_group = {e["group_id"]: e["position"] for e in first["ctl"].core.admission.log}
     first_trained = {by_group[g] for g in first["ctl"].ledger.trained_group_ids}
-    by_group = {e["group_id"]: e["position"] for e in second["ctl"].admission_log}
+    by_group = {e["group_id"]: e["position"] for e in second["ctl"].core.admission.log}
     second_trained = {by_group[g] for g in second["ctl"].ledger.trained_group_ids}
     assert len(second_trained) == (TOTAL - FIRST) * BATCH // GROUP
     assert not first_trained & second_trained  # no prompt trained twice

@@ -82,7 +82,7 @@ class LiveRun:
 
     @property
     def address(self) -> str:
-        return self.ctl.channel.address
+        return self.ctl.address
 
     def events(self, name: str) -> list[dict]:
         return [r for r in list(self.records) if r["kind"] == "event" and r["event"] == name]
@@ -256,7 +256,7 @@ def test_heartbeat_bombs_do_not_hold_the_loop(live):
         registered_s = probes.ping(live.address)
         # The ping comes from another peer: its answer does not wait for the bomber's last
         # frames, which the open socket still delivers.
-        totals = live.ctl.peer_log.totals
+        totals = live.ctl.core.peer_log.totals
         live.wait_for(lambda: totals["too large"] >= 16, f"16 refusals ({dict(totals)})")
     print(f"answered {unregistered_s:.2f} s / {registered_s:.2f} s after the bombs")
     assert totals["not accepted"] >= 16, dict(totals)
@@ -277,17 +277,17 @@ def test_three_100_mb_frames_leave_memory_bounded(live):
 def test_floods_write_bounded_warnings_and_records(live, warnings_seen):
     ctl = live.ctl
     warnings_before, records_before = len(warnings_seen.texts), len(live.records)
-    malformed, refused = ctl.num_malformed, ctl.peer_log.totals["registration refused"]
+    malformed, refused = ctl.core.num_malformed, ctl.core.peer_log.totals["registration refused"]
     # 20,000 garbage, 1,000 forged Registers from one peer, 100 from 50 (the per-reason cap).
     _attack(live.address, "flood", 20_000, 1000, 1, 100, 50)
     probes.ping(live.address)
-    live.wait_for(lambda: ctl.num_malformed - malformed >= 20_000
-                  and ctl.peer_log.totals["registration refused"] - refused >= 1101,
+    live.wait_for(lambda: ctl.core.num_malformed - malformed >= 20_000
+                  and ctl.core.peer_log.totals["registration refused"] - refused >= 1101,
                   "every flooded message handled")
     new_warnings = len(warnings_seen.texts) - warnings_before
     new_records = [r for r in live.records[records_before:] if r["kind"] == "event"]
     print(f"21,100 refused messages: {new_warnings} warnings, {len(new_records)} event records")
-    assert ctl.num_malformed - malformed == 20_000
+    assert ctl.core.num_malformed - malformed == 20_000
     assert new_warnings <= 80 and len(new_records) <= 80  # was 22,000 lines and 1,002 records
 
 

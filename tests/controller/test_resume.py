@@ -45,7 +45,7 @@ async def _run(cfg, resume: bool) -> dict:
 
 def _trained_positions(run: dict) -> list[int]:
     ctl = run["ctl"]
-    by_group = {e["group_id"]: e["position"] for e in ctl.admission_log}
+    by_group = {e["group_id"]: e["position"] for e in ctl.core.admission.log}
     return [by_group[g] for g in ctl.ledger.trained_group_ids]
 
 
@@ -115,7 +115,7 @@ def test_the_prompt_stream_continues_and_no_prompt_is_trained_twice(runs):
     assert not set(first_trained) & set(second_trained)
     assert state["untrained"] and not set(state["untrained"]) & set(first_trained)
     # The groups left untrained at the checkpoint are admitted again first, then new ones.
-    admitted = [e["position"] for e in second["ctl"].admission_log]
+    admitted = [e["position"] for e in second["ctl"].core.admission.log]
     assert admitted[:len(state["untrained"])] == state["untrained"]
     assert admitted[len(state["untrained"])] == state["drawn"]
 

@@ -106,4 +106,4 @@ def test_a_flaky_verifier_gives_no_false_zeros(tmp_path, tiny_model_dir):
     # scored before the previous record was written) has none.
     sums = [sum(v for k, v in r.items() if k.startswith("reward/verdict_rate/")) for r in steps]
     assert all(abs(total - 1) < 1e-9 or total == 0 for total in sums) and max(sums) > 0
-    assert ctl.reward_faults.num_failures > 0
+    assert ctl.core.scoring.faults.num_failures > 0

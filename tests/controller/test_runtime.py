@@ -69,8 +69,8 @@ async def _drive_faulty_run(cfg) -> dict:
     async for record in ctl.events():
         records.append(record)
         if record["kind"] == "step" and record["step"] == 2:
-            await _send_garbage(ctl.channel.address)
-            rollout = ctl.pool.expected["rollout-0"]
+            await _send_garbage(ctl.address)
+            rollout = ctl.core.pool.expected["rollout-0"]
             # Wait until the rollout worker holds generations, then kill it without warning.
             for _ in range(200):
                 if rollout.in_flight:
@@ -105,7 +105,7 @@ def test_killed_rollout_worker_loses_no_group_and_trains_none_twice(faulty_run):
     assert lost[0]["requeued"] > 0
     trained = ctl.ledger.trained_group_ids
     assert len(trained) == len(set(trained)) == STEPS * BATCH // GROUP
-    admitted = {entry["group_id"] for entry in ctl.admission_log}
+    admitted = {entry["group_id"] for entry in ctl.core.admission.log}
     unfinished = {g.group_id for g in ctl.ledger.buffer} | {
         gid for gid, g in ctl.ledger.groups.items() if g.purpose is Purpose.TRAIN}
     assert admitted == set(trained) | unfinished  # every admitted group is accounted for
@@ -114,13 +114,13 @@ def test_killed_rollout_worker_loses_no_group_and_trains_none_twice(faulty_run):
 
 def test_malformed_messages_and_intruders_are_dropped(faulty_run):
     ctl = faulty_run["ctl"]
-    assert ctl.num_malformed == 2
-    assert ctl.pool.refused == ["intruder"]
-    assert all(h.worker_id != "intruder" for h in ctl.pool.by_identity.values())
+    assert ctl.core.num_malformed == 2
+    assert ctl.core.pool.refused == ["intruder"]
+    assert all(h.worker_id != "intruder" for h in ctl.core.pool.by_identity.values())
 
 
 def test_admission_never_exceeds_the_staleness_bound(faulty_run):
-    log = faulty_run["ctl"].admission_log
+    log = faulty_run["ctl"].core.admission.log
     assert log, "nothing was admitted"
     for entry in log:
         bound = (entry["version"] + ETA + 1) * BATCH  # floor((N_r - 1) / B) <= i + eta

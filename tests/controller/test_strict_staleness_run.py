@@ -76,7 +76,7 @@ def test_with_strict_on_no_step_trains_a_token_more_than_eta_versions_old(runs):
 
 def test_the_straggler_is_dropped_as_stale_and_its_cost_counted(runs):
     ctl, summary, steps = runs[True]["ctl"], runs[True]["summary"], runs[True]["steps"]
-    straggler = next(e["group_id"] for e in ctl.admission_log if e["position"] == 1)
+    straggler = next(e["group_id"] for e in ctl.core.admission.log if e["position"] == 1)
     assert straggler in ctl.ledger.dropped_group_ids
     assert straggler not in ctl.ledger.trained_group_ids
     num_stale = summary["dropped_groups"]["stale"]
@@ -87,17 +87,17 @@ def test_the_straggler_is_dropped_as_stale_and_its_cost_counted(runs):
     # Admission replaced what was dropped: every admitted group is accounted for.
     live = {g.group_id for g in ctl.ledger.buffer} | {
         gid for gid, g in ctl.ledger.groups.items() if g.purpose is Purpose.TRAIN}
-    admitted = {e["group_id"] for e in ctl.admission_log}
+    admitted = {e["group_id"] for e in ctl.core.admission.log}
     assert admitted == set(ctl.ledger.trained_group_ids) | set(ctl.ledger.dropped_group_ids) | live
-    assert ctl.staleness.num_aborted + ctl.staleness.num_rejected == num_stale * GROUP
+    assert ctl.core.admission.staleness.num_aborted + ctl.core.admission.staleness.num_rejected == num_stale * GROUP
 
 
 def test_with_strict_off_the_straggler_is_trained_beyond_eta_as_before(runs):
     run = runs[False]
     ctl, summary = run["ctl"], run["summary"]
     assert summary["dropped_groups"] == {} and not ctl.ledger.dropped_group_ids
-    straggler = next(e["group_id"] for e in ctl.admission_log if e["position"] == 1)
+    straggler = next(e["group_id"] for e in ctl.core.admission.log if e["position"] == 1)
     assert straggler in ctl.ledger.trained_group_ids
     assert max(_staleness_max(run)) >= ETA + 2, _staleness_max(run)
     # Admission itself kept the bound: N_r <= (version + eta + 1) * B at every admission.
-    assert all(e["num_admitted"] <= (e["version"] + ETA + 1) * BATCH for e in ctl.admission_log)
+    assert all(e["num_admitted"] <= (e["version"] + ETA + 1) * BATCH for e in ctl.core.admission.log)

@@ -11,7 +11,7 @@ import pytest
 from areal.algorithms.shaping import training_batch
 from areal.algorithms.sharding import shard_batch
 from areal.config import load_config
-from areal.controller import Controller
+from areal.controller.train_driver import train_messages
 from areal.controller.ledger import Group, Purpose, Sample, Stage
 from areal.tasks.base import Prompt
 from areal.types import Trajectory, pack, pack_arrays
@@ -64,17 +64,16 @@ SHAPING = ["trainer.advantage.overlong_buffer=10", "trainer.advantage.mask_trunc
 
 @pytest.mark.parametrize("num_ranks,num_minibatches,shaping", [
     (1, 1, []), (3, 2, []), (8, 4, SHAPING), (40, 1, SHAPING)])
-async def test_train_messages_equal_the_pack_and_shard_path(num_ranks, num_minibatches,
-                                                            shaping):
+def test_train_messages_equal_the_pack_and_shard_path(num_ranks, num_minibatches, shaping):
     rng = np.random.default_rng(num_ranks)
     groups = _groups(rng, num_groups=6, group_size=4)  # 24 sequences: 40 ranks get some empty
     cfg = load_config(overrides=[f"trainer.num_ranks={num_ranks}",
                                  f"trainer.num_minibatches={num_minibatches}",
                                  "task.group_size=4", "trainer.batch_size=24", *shaping])
-    ctl = Controller(cfg)
-    messages = await ctl._train_messages(3, groups)
+    messages = train_messages(cfg, 3, 2, groups)
     reference = _reference(groups, cfg, num_ranks, num_minibatches)
     assert len(messages) == len(reference) == num_ranks
+    assert all(msg.step == 3 and msg.version == 2 for msg in messages)
     for msg, ref in zip(messages, reference, strict=True):
         for name, expected in ref.items():
             got = getattr(msg, name)

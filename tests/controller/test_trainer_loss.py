@@ -1,6 +1,5 @@
-"""How the controller ends the step in progress when a trainer rank is lost (unit level: the
-controller's own pool, groups, ledger and trainers.py, a recording channel in place of the
-socket).
+"""How the trainer ranks' step in progress ends when a rank is lost (trainers.py, with its
+own pool; what it sends is read from the outboxes it hands to `send`, no socket).
 
 The races here are too narrow to hit on purpose in a real run: rank 0 may already have
 published the step when its peer dies (the step is then done, and replayed later), or not
@@ -11,19 +10,17 @@ test_trainer_recovery.py.
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from offline import offline_controller
-
 from areal.config import load_config
-from areal.controller.controller import Controller
-from areal.controller.groups import Groups
-from areal.controller.pool import WorkerHandle
-from areal.controller.trainers import MAX_RESTARTS, RunFailed, TrainerLost, Trainers
+from areal.controller.outbox import Outbox
+from areal.controller.pool import WorkerHandle, WorkerPool
+from areal.controller.signal import Changed
+from areal.controller.trainers import MAX_RESTARTS, RunFailed, Trainers
 from areal.messages import Shutdown, Train, Trained, WorkerKind
 
 
@@ -35,54 +32,75 @@ def _train(step: int, rank: int) -> Train:
                  minibatch_sizes=[rank])
 
 
-def _controller(tmp_path: Path) -> tuple[Controller, list[WorkerHandle], list[str]]:
-    cfg = load_config(overrides=["trainer.num_ranks=2", "controller.remote_kinds=[trainer]",
-                                 f"run_dir={tmp_path}"])
-    ctl = offline_controller(cfg, tmp_path)
-    lines: list[str] = []
-    ctl._metrics = SimpleNamespace(console=lines.append, record=lambda *a, **k: None)
-    ctl.groups = Groups(cfg, ctl.channel, ctl.pool, ctl._record_event)
-    ctl.trainers = Trainers(cfg, ctl.channel, ctl.pool, ctl.groups, ctl.changed, ctl.recovery,
-                            ctl._record_event, lines.append, ctl._log_of)
-    ranks = []
-    for rank in range(2):  # remote ranks: registered, no local process
-        handle = WorkerHandle(worker_id=f"trainer-{rank}", kind=WorkerKind.TRAINER, rank=rank,
-                              identity=f"t{rank}".encode(), ready=True)
-        ctl.pool.by_identity[handle.identity] = handle
-        ranks.append(handle)
-    ctl.trainers.formed = True
-    return ctl, ranks, lines
+class _Trainers:
+    """Trainers over two remote ranks (registered, no local process), recording what it sends,
+    prints and asks of the weight sync."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        cfg = load_config(overrides=["trainer.num_ranks=2", "controller.remote_kinds=[trainer]",
+                                     f"run_dir={tmp_path}"])
+        self.pool = WorkerPool(cfg, tmp_path, "tcp://127.0.0.1:1", secret=None)
+        self.sent: list[tuple[bytes, object]] = []
+        self.lines: list[str] = []
+        self.weights_told: list[str] = []
+        self.trainers = Trainers(cfg, self.pool, Changed(), self._send, "tcp://127.0.0.1:1",
+                                 lambda *a, **k: None, self.lines.append,
+                                 lambda worker_id: tmp_path / f"{worker_id}.log",
+                                 lambda: self.weights_told.append("trainers lost"))
+        self.ranks = []
+        for rank in range(2):
+            handle = WorkerHandle(worker_id=f"trainer-{rank}", kind=WorkerKind.TRAINER, rank=rank,
+                                  identity=f"t{rank}".encode(), ready=True)
+            self.pool.by_identity[handle.identity] = handle
+            self.ranks.append(handle)
+        self.trainers.formed = True
+
+    async def _send(self, out: Outbox) -> None:
+        self.sent += out.messages
+
+    async def lose(self, handle: WorkerHandle, why: str) -> None:
+        """As the controller loses a rank: forgotten by the pool, then the trainers' part."""
+        self.pool.forget(handle)
+        await self.trainers.lost(handle, why)
 
 
 @pytest.mark.parametrize("rank0_published", [True, False])
-def test_the_step_in_progress_ends_as_far_as_rank_0_got(tmp_path, rank0_published):
-    ctl, (rank0, rank1), lines = _controller(tmp_path)
+def test_the_step_in_progress_ends_as_far_as_rank_0_got(tmp_path, caplog, rank0_published):
+    t = _Trainers(tmp_path)
+    rank0, rank1 = t.ranks
 
     async def scenario():
-        step = asyncio.create_task(ctl.trainers._send([_train(5, 0), _train(5, 1)]))
+        step = asyncio.create_task(t.trainers.run_step(5, [_train(5, 0), _train(5, 1)],
+                                                       lambda: False))
         await asyncio.sleep(0)  # sent to both ranks
         if rank0_published:
-            assert ctl.trainers.answer(Trained(step=5, version=5, stats={}, rank=0))
-        await ctl._lose(rank1, "silent")
-        await asyncio.wait([step])
-        return step
+            assert t.trainers.answer(Trained(step=5, version=5, stats={}, rank=0))
+        await t.lose(rank1, "silent")
+        if rank0_published:
+            return await step
+        await asyncio.sleep(0)
+        assert not step.done()  # it waits for the restarted ranks, to send the step again
+        step.cancel()
+        return t.trainers.recovery.steps
 
-    trained = asyncio.run(scenario())
+    result = asyncio.run(scenario())
     if rank0_published:  # done: the next step waits for the restart and replays this one
-        assert trained.result().version == 5
+        assert result.version == 5
     else:
-        with pytest.raises(TrainerLost, match=r"trainer rank 1 \(trainer-1 .*\) lost \(silent\)"):
-            trained.result()
+        assert [m.step for m in result[0]] == [5, 5]  # kept, to be sent again
+        assert re.search(r"step 5: trainer rank 1 \(trainer-1 .*\) lost \(silent\); it is sent "
+                         "again", caplog.text), caplog.text
     # Either way every rank is restarted: the survivor is told to stop and come back.
-    train, stop = [msg for identity, msg in ctl.channel.sent if identity == b"t0"]
-    assert isinstance(stop, Shutdown) and stop.rejoin
-    assert ctl.pool.ready(WorkerKind.TRAINER) == [] and not ctl.trainers.formed
-    assert ctl.recovery.num_restores == 1 and ctl.groups.store == ""
-    assert "waiting for remote trainer ranks [1, 0]" in lines[-1]
+    train, stop = [msg for identity, msg in t.sent if identity == b"t0"]
+    assert isinstance(train, Train) and isinstance(stop, Shutdown) and stop.rejoin
+    assert t.pool.ready(WorkerKind.TRAINER) == [] and not t.trainers.formed
+    assert t.trainers.recovery.num_restores == 1 and t.trainers.group.store == ""
+    assert t.weights_told == ["trainers lost"]
+    assert "waiting for remote trainer ranks [1, 0]" in t.lines[-1]
 
 
 def test_a_rank_lost_too_often_fails_the_run(tmp_path):
-    ctl, (_, rank1), _ = _controller(tmp_path)
-    rank1.num_restarts = MAX_RESTARTS
+    t = _Trainers(tmp_path)
+    t.ranks[1].num_restarts = MAX_RESTARTS
     with pytest.raises(RunFailed, match=rf"lost {MAX_RESTARTS + 1} times"):
-        asyncio.run(ctl._lose(rank1, "process exited"))
+        asyncio.run(t.lose(t.ranks[1], "process exited"))

@@ -47,10 +47,10 @@ async def _kill_trainer_mid_step(cfg, victim: str) -> dict:
         records.append(record)
         if killed is None and record["kind"] == "step" and record["step"] == KILL_AFTER:
             for _ in range(400):  # until the next step is on the trainer
-                if ctl.trainers.busy:
+                if ctl.core.trainers.busy:
                     break
                 await asyncio.sleep(0.02)
-            killed = ctl.pool.expected[victim].process.pid
+            killed = ctl.core.pool.expected[victim].process.pid
             os.kill(killed, signal.SIGKILL)
     return {"ctl": ctl, "records": records, "summary": await run, "killed": killed}
 
@@ -108,14 +108,14 @@ def test_replayed_weights_equal_those_the_killed_trainer_published(one_rank):
 
 def test_two_ranks_form_their_group_again_and_broadcast_from_the_new_rank_0(two_ranks):
     ctl = two_ranks["ctl"]
-    assert ctl.groups.trainer_generation == 2
+    assert ctl.core.trainers.group.generation == 2
     joined = [r for r in _events(two_ranks, "trainer_group_joined")]
     assert sorted((r["generation"], r["worker_id"]) for r in joined) == [
         (1, "trainer-0"), (1, "trainer-1"), (2, "trainer-0"), (2, "trainer-1")]
     # The weights group was formed again with the new sender, and every rollout worker
     # serves the final version.
-    assert ctl.groups.num_reformed >= 1
-    assert {h.version for h in ctl.pool.ready(WorkerKind.ROLLOUT)} == {STEPS}
+    assert ctl.core.weights.num_reformed >= 1
+    assert {h.version for h in ctl.core.pool.ready(WorkerKind.ROLLOUT)} == {STEPS}
 
 
 def test_without_checkpoints_a_lost_trainer_fails_the_run_and_says_why(tmp_path, tiny_model_dir):
@@ -126,7 +126,7 @@ def test_without_checkpoints_a_lost_trainer_fails_the_run_and_says_why(tmp_path,
         run = asyncio.create_task(ctl.run())
         async for record in ctl.events():
             if record["kind"] == "step":
-                os.kill(ctl.pool.expected["trainer-0"].process.pid, signal.SIGKILL)
+                os.kill(ctl.core.pool.expected["trainer-0"].process.pid, signal.SIGKILL)
                 break
         with pytest.raises(RunFailed, match=r"trainer rank 0 \(trainer-0 .*\) lost .*"
                            r"trainer.checkpoint_every=0: no checkpoint to restart from"):
@@ -135,4 +135,4 @@ def test_without_checkpoints_a_lost_trainer_fails_the_run_and_says_why(tmp_path,
 
     ctl = asyncio.run(scenario())
     assert not (tmp_path / "run" / "checkpoints").exists()
-    assert ctl.recovery.num_restores == 0
+    assert ctl.core.trainers.recovery.num_restores == 0

@@ -33,7 +33,7 @@ async def _freeze_and_delete(ctl: Controller) -> dict:
     version it does not serve yet, thaw it."""
     while ctl.ledger.num_buffered() < BATCH:
         await asyncio.sleep(0.01)
-    (rollout,) = [h for h in ctl.pool.expected.values() if h.kind is WorkerKind.ROLLOUT]
+    (rollout,) = [h for h in ctl.core.pool.expected.values() if h.kind is WorkerKind.ROLLOUT]
     served = rollout.version
     os.kill(rollout.process.pid, signal.SIGSTOP)
     try:
@@ -75,5 +75,5 @@ def test_a_failed_weight_load_is_retried_and_the_run_finishes(tmp_path, tiny_mod
     assert f"v{failed[0]['failed_version']:06d}" in run["fault"]["deleted"]
     assert not [r for r in run["records"] if r.get("event") == "worker_lost"]
     assert run["summary"]["steps"] == STEPS and run["summary"]["final_version"] == STEPS
-    assert not run["ctl"].weight_retries.failing
+    assert not run["ctl"].core.weights.retries.failing
     assert Path(run["summary"]["run_dir"], "final_model", "config.json").is_file()

@@ -1,0 +1,82 @@
+"""Generation requests: which rollout worker takes each pending sample, and cancelling them.
+
+    ledger.pending --dispatch--> Generate to the least-loaded ready rollout worker below
+                                 rollout.max_concurrent (room.py), while one has room
+    a dropped group's samples being generated --cancel--> Cancel to their workers
+    training ends --cancel_training--> Cancel of every training generation; training samples
+                                 not yet sent are forgotten (evaluations still run)
+
+Owns the rollout workers' room (who has capacity, least loaded first). Decisions only:
+every method writes what to send into an Outbox.
+"""
+
+from __future__ import annotations
+
+from areal import clock
+from areal.config import RunConfig
+from areal.controller.episodes import episode_fields
+from areal.controller.ledger import Ledger, Purpose, Sample, Stage
+from areal.controller.outbox import Outbox
+from areal.controller.pool import WorkerHandle, WorkerPool
+from areal.controller.room import WorkerRoom
+from areal.messages import Cancel, Generate
+
+
+class Generation:
+    def __init__(self, cfg: RunConfig, ledger: Ledger, pool: WorkerPool,
+                 stop_token_ids: list[int]) -> None:
+        self.cfg = cfg
+        self.ledger = ledger
+        self.pool = pool
+        self.stop_token_ids = stop_token_ids
+        self.room = WorkerRoom(cfg.rollout.max_concurrent)
+        """Rollout workers below rollout.max_concurrent, least loaded first."""
+
+    def can_dispatch(self) -> bool:
+        return bool(self.ledger.pending and self.room.peek())
+
+    def dispatch(self, out: Outbox) -> None:
+        """A Generate for each pending sample while a rollout worker has room."""
+        while self.ledger.pending:
+            worker = self.room.take()
+            if worker is None:
+                break
+            self._generate(self.ledger.pending.popleft(), worker, out)
+            self.room.offer(worker)
+
+    def _generate(self, sample: Sample, worker: WorkerHandle, out: Outbox) -> None:
+        group = self.ledger.groups[sample.group_id]
+        rollout = self.cfg.rollout
+        training = group.purpose is Purpose.TRAIN
+        self.ledger.start_generation(sample, worker.identity, clock.now())
+        worker.in_flight.add(sample.request_id)
+        out.send(worker.identity, Generate(
+            request_id=sample.request_id, prompt_ids=group.prompt_ids,
+            max_new_tokens=rollout.max_new_tokens,
+            temperature=rollout.temperature if training else self.cfg.eval.temperature,
+            top_p=rollout.top_p if training else 1.0, stop_token_ids=self.stop_token_ids,
+            **episode_fields(self.cfg, group.prompt)))
+
+    def cancel(self, generating: dict[bytes, list[str]], out: Outbox) -> None:
+        """Cancel these requests (by rollout worker identity); a cancelled request is never
+        answered, so its slot is freed here."""
+        for identity, request_ids in generating.items():
+            handle = self.pool.get(identity)
+            if handle is not None:
+                handle.in_flight.difference_update(request_ids)
+                out.send(identity, Cancel(request_ids=request_ids))
+
+    def cancel_training(self, out: Outbox) -> None:
+        """Training is over: cancel its generations and forget its samples not yet sent,
+        freeing the workers' slots at once for the final evaluation."""
+        by_worker: dict[bytes, list[str]] = {}
+        for sample in list(self.ledger.in_flight(Purpose.TRAIN)):
+            if sample.stage is Stage.GENERATING:
+                by_worker.setdefault(sample.worker, []).append(sample.request_id)
+        for identity, request_ids in by_worker.items():
+            out.send(identity, Cancel(request_ids=request_ids))
+            handle = self.pool.get(identity)
+            if handle is not None:
+                handle.in_flight.difference_update(request_ids)
+                self.room.offer(handle)
+        self.ledger.forget_pending(Purpose.TRAIN)

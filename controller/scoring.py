@@ -1,0 +1,172 @@
+"""Scoring: generated samples to reward workers, and what each outcome does to its sample.
+
+    a group's last sample generated --score--> one Score for the group's unscored samples
+                   to the least-loaded reward worker, or queued until one has room
+    Scored         --on_scored--> each outcome judged (reward_faults.py): accepted (the
+                   sample is done), scored again alone, or its group dropped
+    a reward worker's Score failed, or the worker was lost mid-check
+                   --> an infrastructure failure of each check it held, judged the same way
+    an episode     its environment's reward arrives with the Generated (episodes.py) and is
+                   judged the same way, never retried by a reward worker
+
+Owns the queue of Scores waiting for a reward worker, the reward workers' room and the
+reward-fault policy's counts. A sample accepted completes its group when it was the last:
+`on_complete` (the controller's) then sends the group on (buffer, evaluation round, or a
+group filter's drop); a group to drop goes to `drop`. Decisions only: what to send goes into
+an Outbox.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from areal.config import RunConfig
+from areal.controller.checks import reward_problem, scored_problem
+from areal.controller.episodes import episode_scored
+from areal.controller.ledger import Group, Ledger, Purpose, Sample
+from areal.controller.outbox import Outbox
+from areal.controller.pool import WorkerHandle
+from areal.controller.report import StepReport
+from areal.controller.reward_faults import REWARD_ERROR, Action, RewardFaults
+from areal.controller.room import WorkerRoom
+from areal.messages import Generated, Score, Scored, WorkerError
+from areal.tasks.base import RewardOutcome, Verdict
+
+Refuse = Callable[[bytes, str, str], None]
+
+
+class Scoring:
+    def __init__(self, cfg: RunConfig, ledger: Ledger, report: StepReport, refuse: Refuse,
+                 on_complete: Callable[[Group | None, Outbox], None],
+                 drop: Callable[[Group, str, Outbox], None]) -> None:
+        """`refuse(identity, reason, detail)`: log a message dropped for contradicting the
+        ledger; `on_complete(group or None, out)`: a sample was scored (its group, if that
+        completed it); `drop(group, reason, out)`: never train on `group`."""
+        self.ledger = ledger
+        self.report = report
+        self.refuse = refuse
+        self.on_complete = on_complete
+        self.drop = drop
+        self.room = WorkerRoom(None)
+        """Ready reward workers, least loaded first."""
+        self.queue: list[list[Sample]] = []
+        """Samples to score (each entry one Score: samples of one group), waiting for a
+        reward worker with room."""
+        self.faults = RewardFaults(cfg.reward)
+
+    @property
+    def num_queued(self) -> int:
+        return sum(len(samples) for samples in self.queue)
+
+    def can_dispatch(self) -> bool:
+        return bool(self.queue and self.room.peek())
+
+    def dispatch(self, out: Outbox) -> None:
+        """Send queued Scores while a reward worker has room."""
+        while self.queue and self.room.peek():
+            self.score(self.queue.pop(0), out)
+
+    def score(self, samples: list[Sample], out: Outbox) -> None:
+        """Score `samples` (generated, of one group) in one message to the least-loaded
+        reward worker, or queue them until one has room."""
+        worker = self.room.take()
+        if worker is None:
+            self.queue.append(samples)
+            return
+        group = self.ledger.groups[samples[0].group_id]
+        for sample in samples:
+            self.ledger.start_scoring(sample, worker.identity)
+            worker.in_flight.add(sample.request_id)
+        out.send(worker.identity, Score(
+            request_ids=[s.request_id for s in samples], prompt_id=group.prompt.prompt_id,
+            completion_ids=[s.trajectory.output_ids for s in samples],
+            reference=group.prompt.reference))
+        self.room.offer(worker)
+
+    def forget_group(self, group_id: int) -> None:
+        """A dropped group's queued Scores are never sent."""
+        self.queue = [samples for samples in self.queue if samples[0].group_id != group_id]
+
+    # -- outcomes -------------------------------------------------------------------------------
+
+    def on_scored(self, identity: bytes, handle: WorkerHandle, msg: Scored,
+                  out: Outbox) -> None:
+        for request_id in msg.request_ids:
+            handle.in_flight.discard(request_id)
+        problem = scored_problem(msg)
+        if problem:
+            self.refuse(identity, "contradicts the ledger",
+                        f"Scored {msg.request_ids[:1]!r}...: {problem}; scored again")
+            for request_id in msg.request_ids:
+                self.score_again(self.ledger.scoring(request_id, identity), out)
+            return
+        for request_id, reward, verdict, detail in zip(msg.request_ids, msg.rewards,
+                                                       msg.verdicts, msg.details):
+            problem = reward_problem(reward)
+            if problem:
+                self.refuse(identity, "contradicts the ledger",
+                            f"Scored {request_id[:60]!r}: {problem}; scored again")
+                self.score_again(self.ledger.scoring(request_id, identity), out)
+                continue
+            self.report.on_scored(verdict)
+            sample = self.ledger.scoring(request_id, identity)
+            if sample is not None:
+                handle.num_restarts = 0  # it delivers: a later death is not a crash loop
+                self.judge(sample, RewardOutcome(reward=reward, verdict=verdict,
+                                                 detail=detail), identity, out)
+
+    def on_failed(self, identity: bytes, handle: WorkerHandle, msg: WorkerError,
+                  out: Outbox) -> None:
+        """A reward worker's Score failed as a whole (anything but one completion's check,
+        which it answers itself): an infrastructure failure of each check it held, retried
+        elsewhere or settled by reward.on_error; left alone, the group would wait forever."""
+        outcome = RewardOutcome(reward=0.0, verdict=Verdict.ERROR,
+                                detail=f"the reward worker failed: {msg.error}"[:2000])
+        for request_id in msg.request_ids:
+            handle.in_flight.discard(request_id)
+            sample = self.ledger.scoring(request_id, identity)
+            if sample is not None:
+                self.judge(sample, outcome, identity, out)
+
+    def on_episode(self, sample: Sample, msg: Generated, identity: bytes, out: Outbox) -> None:
+        """An episode ended with its environment's reward: scored at once."""
+        self.ledger.start_scoring(sample, identity)
+        outcome = episode_scored(msg)
+        self.report.on_scored(outcome.verdict)
+        self.judge(sample, outcome, identity, out)
+
+    def worker_lost(self, rescore: list[Sample], out: Outbox) -> None:
+        """The checks a lost reward worker held: an infrastructure failure of each."""
+        for sample in rescore:
+            if self.ledger.scoring(sample.request_id, None) is sample:  # group not dropped
+                self.judge(sample, None, None, out)
+
+    def judge(self, sample: Sample, outcome: RewardOutcome | None, identity: bytes | None,
+              out: Outbox) -> None:
+        """A check of `sample` ended (outcome None: its reward worker was lost): accept its
+        reward, score it again, or drop its group (reward_faults.py)."""
+        group = self.ledger.groups[sample.group_id]
+        if outcome is None or outcome.verdict.is_error():
+            sample.num_score_failures += 1
+        # An episode's reward came from its environment, in the rollout worker: the reward
+        # workers cannot score it again, so its failure goes straight to reward.on_error.
+        action = self.faults.judge(outcome.verdict if outcome else None,
+                                   sample.num_score_failures, group.purpose is Purpose.TRAIN,
+                                   retryable=not sample.trajectory.episode)
+        if action is Action.RETRY:
+            self.score_again(sample, out)
+            return
+        if action is Action.DROP:
+            self.drop(group, REWARD_ERROR, out)
+            return
+        if outcome is None:
+            outcome = RewardOutcome(reward=0.0, verdict=Verdict.ERROR,
+                                    detail="the reward worker was lost while checking")
+        self.on_complete(self.ledger.finish_scoring(sample.request_id, outcome, identity), out)
+
+    def score_again(self, sample: Sample | None, out: Outbox) -> None:
+        """Check `sample` again, alone, on the least-loaded reward worker (None: nothing
+        held, a stale answer)."""
+        if sample is not None:
+            self.ledger.retry_scoring(sample)
+            self.score([sample], out)

@@ -1,0 +1,295 @@
+"""The train driver: buffered groups into training steps, each step's record, evaluations,
+resume state and the run's summary.
+
+    wait for every worker -> evaluate (version 0, or the resumed one) -> for each step:
+        take_batch    wait for B complete groups (staleness.strict: earliest deadline first,
+                      none past it; those past it dropped)
+        train step    each rank's shard packed straight into a Train (sharding, shaping),
+                      sent, answered through the loss of ranks (trainers.py); rank 0's
+                      Trained publishes the next version as it arrives (the controller's)
+        record        metrics.jsonl (report.py); the controller's part of a checkpoint
+                      (resume.py) once the step's record is written
+        every eval.every_steps steps: an evaluation, beside training
+    -> training over: admission closed, training generations cancelled -> the periodic
+       evaluations finish -> final evaluation -> summary
+
+Owns the step counter, the evaluation before training, the checkpoint whose resume state
+is owed, and the summary; writes the step records (report.py).
+Its sync decisions (`take_batch`, `train_messages`, `record_step`, `checkpointed`) are tested
+without a channel; `run` is its task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import numpy as np
+
+from areal import clock
+from areal.algorithms.shaping import training_batch, training_targets
+from areal.algorithms.sharding import plan_shard_sequences
+from areal.config import RunConfig
+from areal.controller import strict_staleness
+from areal.controller.admission import Admission
+from areal.controller.evaluations import Evaluations
+from areal.controller.generation import Generation
+from areal.controller.ledger import Group, Ledger
+from areal.controller.metrics import MetricsSink
+from areal.controller.outbox import Outbox
+from areal.controller.pool import WorkerPool
+from areal.controller.report import StepReport, eval_record, summary_lines
+from areal.controller.resume import ResumeState, write_state
+from areal.controller.peer_log import PeerLog
+from areal.controller.scoring import Scoring
+from areal.controller.setup import RunSetup
+from areal.controller.signal import Changed
+from areal.controller.trainers import Trainers
+from areal.messages import Train, Trained, WorkerKind
+from areal.types import pack, pack_arrays
+
+
+class TrainDriver:
+    def __init__(self, cfg: RunConfig, setup: RunSetup, ledger: Ledger, admission: Admission,
+                 generation: Generation, scoring: Scoring, evaluations: Evaluations,
+                 trainers: Trainers, pool: WorkerPool, metrics: MetricsSink, peer_log: PeerLog,
+                 changed: Changed, report: StepReport, *, version: Callable[[], int],
+                 stopping: Callable[[], bool], send: Callable[[Outbox], Awaitable[None]],
+                 drop: Callable[[Group, str, Outbox], None], malformed: Callable[[], int],
+                 record_event: Callable[..., None], started: float) -> None:
+        """`version`: the policy version in force; `stopping`: whether the run was asked to
+        stop; `send`: the shell's; `drop(group, reason, out)`: never train on `group`;
+        `malformed`: messages dropped undecoded so far (for the summary)."""
+        self.cfg = cfg
+        self.setup = setup
+        self.ledger = ledger
+        self.admission = admission
+        self.generation = generation
+        self.scoring = scoring
+        self.evaluations = evaluations
+        self.trainers = trainers
+        self.pool = pool
+        self.metrics = metrics
+        self.peer_log = peer_log
+        self.changed = changed
+        self.version = version
+        self.stopping = stopping
+        self.send = send
+        self.drop = drop
+        self.malformed = malformed
+        self.record_event = record_event
+        self.started = started
+        self.report = report
+        """What the step records count; fed by the decisions on messages too (core.py)."""
+        self.start_step = 0
+        """The last step trained before this run started (a resumed run's checkpoint)."""
+        self.eval_before: dict[str, Any] | None = None
+        """The run's evaluation before any training (a resumed run's: from its state)."""
+        self.resumed_after: int | None = None
+        self._checkpointed: Trained | None = None
+        """Rank 0's answer for the newest checkpointed step, until its resume state is
+        written (`save_resume_state`)."""
+        self.summary: dict[str, Any] | None = None
+        """Set once the run has finished: its summary."""
+
+    def resume(self, state: ResumeState) -> None:
+        """Continue after step `state.step`."""
+        self.start_step = self.resumed_after = state.step
+        self.eval_before = state.eval_before
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    async def run(self) -> dict[str, Any]:
+        await self._wait_ready()
+        before = await self.evaluate()
+        if self.eval_before is None:
+            self.eval_before = before
+        self.report.start_training()
+        async with asyncio.TaskGroup() as periodic:  # their records precede the summary
+            step = await self._train(periodic)
+            self.admission.close()
+            out = Outbox()
+            self.generation.cancel_training(out)
+            await self.send(out)
+            self.changed.notify()  # rooms changed: the dispatch loop checks at each notify
+        after = await self.evaluate()
+        return self._finish(before=self.eval_before, after=after, steps=step)
+
+    async def _train(self, periodic: asyncio.TaskGroup) -> int:
+        """Train until the last step or a stop; returns the last step trained."""
+        groups_per_step = self.cfg.trainer.batch_size // self.cfg.task.group_size
+        step = self.start_step
+        while step < self.cfg.trainer.total_steps and not self.stopping():
+            step += 1
+            waited = clock.now()
+            groups = await self._wait_for_batch(groups_per_step)
+            if groups is None:  # stopped while waiting: this step was not trained
+                return step - 1
+            waited = clock.now() - waited
+            self.admission.consumed(self.cfg.trainer.batch_size)
+            messages = self.train_messages(step, groups)
+            if self.cfg.logging.save_batches:
+                await asyncio.to_thread(self._save_batch, step, groups)
+            start = clock.now()
+            trained = await self.trainers.run_step(step, messages, self.stopping)
+            if trained is None:  # stopped while a lost trainer was being restored
+                return step - 1
+            self.record_step(step, groups, trained, clock.now() - start, waited)
+            if self._eval_due(step):
+                periodic.create_task(self.evaluate(), name="eval")
+        return step
+
+    async def _wait_ready(self) -> None:
+        kinds = {WorkerKind.ROLLOUT: self.cfg.rollout.num_workers,
+                 WorkerKind.REWARD: self.cfg.reward.num_workers,
+                 WorkerKind.TRAINER: self.cfg.trainer.num_ranks}
+        await self.changed.wait_for(
+            lambda: all(len(self.pool.ready(k)) >= n for k, n in kinds.items()))
+        self.metrics.console(f"workers ready after {clock.now() - self.started:.1f} s")
+
+    async def _wait_for_batch(self, num_groups: int) -> list[Group] | None:
+        """Wait for `num_groups` complete training groups and take them; None if stopped."""
+        while True:
+            # Checked by each notify, not by waking this task for it (most leave it false).
+            await self.changed.wait_for(
+                lambda: len(self.ledger.buffer) >= num_groups or self.stopping(), at_notify=True)
+            if self.stopping():
+                return None
+            out = Outbox()
+            groups = self.take_batch(num_groups, out)
+            await self.send(out)
+            if groups is not None:
+                return groups
+
+    def _eval_due(self, step: int) -> bool:
+        every = self.cfg.eval.every_steps
+        return every > 0 and step % every == 0 and step < self.cfg.trainer.total_steps
+
+    # -- decisions ------------------------------------------------------------------------------
+
+    def take_batch(self, num_groups: int, out: Outbox) -> list[Group] | None:
+        """`num_groups` complete training groups from the buffer, or None if it holds too
+        few. Strict bound: earliest deadline first, none past it; those past it are dropped
+        (their Cancels into `out`)."""
+        if not self.cfg.staleness.strict:
+            return self.ledger.take_batch(num_groups) \
+                if len(self.ledger.buffer) >= num_groups else None
+        self.drop_expired(list(self.ledger.buffer), out)
+        if len(self.ledger.buffer) < num_groups:
+            return None
+        return self.ledger.take_batch(
+            num_groups, lambda g: strict_staleness.deadline(g, self.cfg.eta))
+
+    def drop_expired(self, groups: list[Group], out: Outbox, version: int | None = None) -> None:
+        """Strict bound: drop the training groups among `groups` that `version` (default: the
+        one in force) can no longer train within eta versions of their oldest token."""
+        version = self.version() if version is None else version
+        for group in strict_staleness.expired_groups(groups, version, self.cfg.eta):
+            self.drop(group, strict_staleness.STALE, out)
+
+    def train_messages(self, step: int, groups: list[Group]) -> list[Train]:
+        return train_messages(self.cfg, step, self.version(), groups)
+
+    def _save_batch(self, step: int, groups: list[Group]) -> None:
+        """logging.save_batches: the batch as trained, packed (runs in a thread)."""
+        trajectories = [t for g in groups for t in g.trajectories()]
+        batch, _ = training_batch(trajectories, pack(trajectories), self.cfg)
+        self.setup.save_batch(step, self.version(), batch)
+
+    def record_step(self, step: int, groups: list[Group], trained: Trained, train_s: float,
+                    waited_s: float) -> dict[str, Any]:
+        """Write step `step`'s record (and the progress line), then the controller's part
+        of its checkpoint, if the trainer made one."""
+        record = self.report.step_record(
+            step, self.version(), groups, trained.stats, train_s, waited_s, cfg=self.cfg,
+            in_flight=len(self.ledger.by_request), score_queue=self.scoring.num_queued,
+            buffered=self.ledger.num_buffered(), started=self.started)
+        record.update(self.scoring.faults.window_metrics())
+        self.metrics.record("step", record, step=step)
+        self.save_resume_state(step)
+        self.metrics.progress(step, {k.split("/")[-1]: record[k] for k in (
+            "rollout/reward_mean", "train/loss") if k in record})
+        return record
+
+    def checkpointed(self, msg: Trained) -> None:
+        """Rank 0 answered a step with a checkpoint: its resume state is written with the
+        step's record (or at once for a replayed step, whose record exists)."""
+        self.trainers.recovery.checkpointed(msg.step, msg.checkpoint)
+        self._checkpointed = msg
+        if msg.replay:
+            self.save_resume_state(msg.step)
+
+    def save_resume_state(self, step: int) -> None:
+        """The controller's part of `step`'s checkpoint (resume.py), once the step's record is
+        written: a run killed between the two resumes from the checkpoint before and trains
+        the step again, instead of resuming after a step whose record never reached
+        metrics.jsonl."""
+        msg = self._checkpointed
+        if msg is None or msg.step != step:
+            return
+        self._checkpointed = None
+        write_state(ResumeState(
+            step=msg.step, version=msg.version, drawn=self.setup.num_drawn,
+            untrained=self.untrained_positions(), eval_before=self.eval_before,
+            path=msg.checkpoint))
+        self.record_event("checkpoint", step=msg.step, path=msg.checkpoint,
+                          seconds=msg.stats.get("checkpoint_s"))
+
+    def untrained_positions(self) -> list[int]:
+        """Draw positions of the prompt groups admitted and not trained, or queued again."""
+        return sorted(self.ledger.untrained_positions() + self.setup.requeued_positions())
+
+    # -- evaluations and the end ----------------------------------------------------------------
+
+    async def evaluate(self) -> dict[str, Any]:
+        """Generate and score the held-out prompts at the current version; record and return."""
+        round_ = self.evaluations.start(self.version())
+        self.changed.notify()
+        start = clock.now()
+        await round_.done.wait()
+        self.evaluations.finish(round_)  # its groups (every trajectory) are not kept
+        record = eval_record(round_.groups, round_.version, clock.now() - start)
+        record["perf/train_elapsed_s"] = self.report.train_elapsed()
+        self.metrics.record("eval", record, step=round_.version)
+        self.metrics.console(
+            f"eval @ version {round_.version}: pass@1 {record['eval/pass@1']:.3f} "
+            f"over {int(record['eval/num_problems'])} held-out problems")
+        return record
+
+    def _finish(self, before: dict[str, Any], after: dict[str, Any],
+                steps: int) -> dict[str, Any]:
+        summary = self.report.summary(
+            before, after, clock.now() - self.started, steps, run_dir=Path(self.setup.run_dir),
+            mode=self.cfg.mode, final_version=self.version(), num_drawn=self.setup.num_drawn,
+            untrained_positions=self.untrained_positions(), malformed_messages=self.malformed())
+        if self.resumed_after is not None:
+            summary["resumed_after_step"] = self.resumed_after
+        self.peer_log.flush()
+        summary["peer_refusals"] = dict(self.peer_log.totals)
+        self.metrics.record("summary", summary)
+        for line in summary_lines(summary):
+            self.metrics.console(line)
+        self.setup.write_summary(summary)
+        self.summary = summary
+        return summary
+
+
+def train_messages(cfg: RunConfig, step: int, version: int, groups: list[Group]) -> list[Train]:
+    """Each trainer rank's share of the batch `groups` (areal.algorithms.sharding), packed
+    straight from the trajectories into the message's arrays, with the rewards shaped, the
+    advantages and the loss mask to train on (areal.algorithms.shaping)."""
+    trajectories = [t for g in groups for t in g.trajectories()]
+    advantages, masked = training_targets(trajectories, cfg)
+    advantages, masked = advantages.numpy().astype(np.float32), masked.tolist()
+    plans = plan_shard_sequences(
+        [t.num_tokens for t in trajectories],
+        [0 if masked[i] else t.num_loss_tokens for i, t in enumerate(trajectories)],
+        cfg.trainer.num_ranks, cfg.trainer.num_minibatches)
+    return [Train(step=step, version=version, advantages=advantages[plan.seq_indices],
+                  minibatch_sizes=plan.minibatch_sizes,
+                  minibatch_loss_tokens=plan.minibatch_loss_tokens,
+                  minibatch_loss_seqs=plan.minibatch_loss_seqs,
+                  **pack_arrays([trajectories[i] for i in plan.seq_indices],
+                                [masked[i] for i in plan.seq_indices]))
+            for plan in plans]

@@ -1,0 +1,49 @@
+"""When training ends, the controller cancels the training generations still running; a
+cancelled request gets no answer, so its slot on the rollout worker must be freed at once.
+Otherwise a worker that was full (rollout.max_concurrent requests) looks full forever and
+the final evaluation is never dispatched: seen as a hang after the last step of a run with
+eta=4 (a decision of generation.py, read from its outbox)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from areal.config import load_config
+from areal.controller.generation import Generation
+from areal.controller.ledger import Ledger, Purpose
+from areal.controller.outbox import Outbox
+from areal.controller.pool import WorkerHandle, WorkerPool
+from areal.messages import Cancel, Generate, WorkerKind
+from areal.tasks.base import Prompt
+
+CAPACITY = 4
+
+
+def test_cancelled_training_requests_free_the_workers_slots_for_the_final_evaluation(tmp_path):
+    cfg = load_config(overrides=[f"rollout.max_concurrent={CAPACITY}", f"run_dir={tmp_path}",
+                                 "task.group_size=2", "trainer.batch_size=2"])
+    ledger = Ledger()
+    pool = WorkerPool(cfg, tmp_path, "tcp://127.0.0.1:1", secret=None)
+    generation = Generation(cfg, ledger, pool, stop_token_ids=[0])
+    worker = WorkerHandle(worker_id="rollout-0", kind=WorkerKind.ROLLOUT, identity=b"r0",
+                          ready=True)
+    pool.by_identity[worker.identity] = worker
+    prompt = Prompt(prompt_id="p", text="1+1=", reference="2")
+    for _ in range(3):  # 6 training samples: 4 dispatched (the worker is full), 2 pending
+        ledger.add_group(prompt, np.array([5], np.int32), 2, version=0)
+    generation.room.offer(worker)
+    dispatched = Outbox()
+    generation.dispatch(dispatched)
+    assert len(dispatched.sent(Generate)) == CAPACITY and len(ledger.pending) == 2
+    assert not generation.can_dispatch()  # full
+
+    out = Outbox()
+    generation.cancel_training(out)
+
+    ((identity, cancel),) = out.messages
+    assert identity == worker.identity and isinstance(cancel, Cancel)
+    assert len(cancel.request_ids) == CAPACITY and not worker.in_flight
+    assert generation.room.peek() is worker
+    assert not ledger.pending  # training samples not yet sent are gone too
+    ledger.add_group(prompt, np.array([5], np.int32), 1, 0, Purpose.EVAL, front=True)
+    assert generation.can_dispatch()  # the evaluation can now be dispatched

@@ -1,0 +1,82 @@
+"""The train driver's decisions (train_driver.py): which groups a step takes (strict bound:
+earliest deadline first, none past it), and the controller's part of a checkpoint written
+once the step's record is."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from decisions import Decisions, config, generated
+
+from areal.controller.outbox import Outbox
+from areal.controller.resume import STATE
+from areal.messages import Cancel, Scored, Trained, WorkerKind
+from areal.tasks.base import Verdict
+
+
+def _complete(run: Decisions, group_id: int, version: int, rollout, reward) -> None:
+    ids = [f"g{group_id}-s{i}-a0" for i in range(2)]
+    for request_id in ids:
+        run.on(rollout.identity, generated(request_id, version=version))
+    run.on(reward.identity, Scored(request_ids=ids, rewards=[1.0, 0.0],
+                                   verdicts=[Verdict.OK, Verdict.WRONG], details=["", ""],
+                                   check_s=[0.0, 0.0]))
+
+
+def test_without_strict_a_batch_is_taken_in_completion_order_once_there_are_enough(tmp_path):
+    run = Decisions(config(tmp_path, "trainer.batch_size=4"), tmp_path)
+    run.admit(3)
+    rollout, reward = run.join(WorkerKind.ROLLOUT), run.join(WorkerKind.REWARD)
+    _complete(run, 2, 0, rollout, reward)
+    assert run.core.driver.take_batch(2, Outbox()) is None
+    _complete(run, 0, 0, rollout, reward)
+    batch = run.core.driver.take_batch(2, Outbox())
+    assert [g.group_id for g in batch] == [2, 0]
+
+
+def test_strict_takes_the_earliest_deadline_first_and_drops_what_missed_it(tmp_path):
+    run = Decisions(config(tmp_path, "staleness.strict=true", "staleness.eta=1",
+                           "trainer.batch_size=4", "rollout.max_concurrent=64"), tmp_path)
+    run.admit(4)
+    rollout, reward = run.join(WorkerKind.ROLLOUT), run.join(WorkerKind.REWARD)
+    run.core.weights.version = 2  # published meanwhile (weight_sync.py owns it)
+    _complete(run, 0, 0, rollout, reward)  # oldest token v0: deadline 1 < 2, dropped on arrival
+    assert run.core.ledger.dropped_group_ids == [0]
+    _complete(run, 1, 2, rollout, reward)  # deadline 3
+    _complete(run, 2, 1, rollout, reward)  # deadline 2
+    _complete(run, 3, 2, rollout, reward)  # deadline 3
+    out = Outbox()
+    batch = run.core.driver.take_batch(2, out)
+    assert [g.group_id for g in batch] == [2, 1]  # earliest deadline first, then buffer order
+    run.core.weights.version = 4
+    out = Outbox()
+    assert run.core.driver.take_batch(1, out) is None  # group 3 (deadline 3) missed it
+    assert run.core.ledger.dropped_group_ids == [0, 3] and not out.sent(Cancel)
+    assert run.core.report.dropped_total == {"stale": 2}
+
+
+def test_the_resume_state_is_written_with_the_step_record_not_before(tmp_path):
+    run = Decisions(config(tmp_path), tmp_path)
+    run.admit(3)
+    rollout, reward = run.join(WorkerKind.ROLLOUT), run.join(WorkerKind.REWARD)
+    run.core.report.start_training()
+    for group_id in range(2):
+        _complete(run, group_id, 0, rollout, reward)
+    checkpoint = tmp_path / "checkpoints" / "step_1"
+    checkpoint.mkdir(parents=True)
+    driver = run.core.driver
+    trained = Trained(step=1, version=1, stats={"loss": 0.5}, checkpoint=str(checkpoint))
+    driver.checkpointed(trained)
+    assert not (checkpoint / STATE).exists()  # the step's record is not written yet
+    groups = driver.take_batch(2, Outbox())
+    record = driver.record_step(1, groups, trained, train_s=1.0, waited_s=0.5)
+    state = json.loads((checkpoint / STATE).read_text())
+    assert state["step"] == 1 and state["version"] == 1 and state["untrained"] == [2]
+    assert record["train/loss"] == 0.5 and record["rollout/trained_positions"] == [0, 1]
+    assert record["rollout/reward_mean"] == 0.5
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    kinds = [(json.loads(line)["kind"], json.loads(line).get("event")) for line in lines]
+    assert kinds[-2:] == [("step", None), ("event", "checkpoint")]
+    assert np.isclose(record["perf/train_wait_s"], 0.5)
