@@ -204,7 +204,7 @@ class ZapHandler:
         if len(request) < 6:
             return [b"1.0", request[1] if len(request) > 1 else b"", b"400", b"bad request",
                     b"", b""]
-        version, request_id, domain, address, identity, mechanism = request[:6]
+        version, request_id, domain, address, _identity, mechanism = request[:6]
         credentials = request[6:]
         key = z85.encode(credentials[0]) if mechanism == b"CURVE" and credentials else b""
         if domain == ZAP_DOMAIN and mechanism == b"CURVE" and key in self.authorized():

@@ -32,7 +32,8 @@ import operator
 import threading
 import types
 import typing
-from typing import Any, Collection, Sequence
+from typing import Any
+from collections.abc import Collection, Sequence
 
 import msgpack
 import numpy as np

@@ -29,7 +29,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from areal.config import ConfigError, RunConfig, load_config
 from areal.evaluation import pass_at_k, summarize

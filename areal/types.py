@@ -14,7 +14,8 @@ talks to processes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -93,7 +94,7 @@ class Trajectory:
         output_versions: Sequence[int] | np.ndarray,
         finish_reason: str = "length",
         output_loss_mask: Sequence[bool] | np.ndarray | None = None,
-    ) -> "Trajectory":
+    ) -> Trajectory:
         """Assemble prompt and completion; completion tokens are trained on, prompt tokens not.
 
         `output_loss_mask` [T]: False for observation tokens of an episode, which must carry
@@ -303,7 +304,7 @@ class PackedBatch:
         parts = [torch.arange(int(starts[i]), int(ends[i])) for i in seq_indices]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
-    def select(self, seq_indices: Sequence[int]) -> "PackedBatch":
+    def select(self, seq_indices: Sequence[int]) -> PackedBatch:
         """A new packed batch holding the given sequences, in the given order."""
         starts, ends = self.cu_seqlens[:-1], self.cu_seqlens[1:]
         idx = list(seq_indices)

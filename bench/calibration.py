@@ -51,20 +51,20 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import speedup  # noqa: E402
-from machine_timings import Plan, Timings, measure  # noqa: E402
+import speedup
+from machine_timings import Plan, Timings, measure
 
-from areal.config import load_config  # noqa: E402
-from areal.controller.setup import saved_batch_path  # noqa: E402
-from areal.records import read_records  # noqa: E402
-from areal.sim.calibrate import (  # noqa: E402
+from areal.config import load_config
+from areal.controller.setup import saved_batch_path
+from areal.records import read_records
+from areal.sim.calibrate import (
     GenerationFit, SlowdownFit, TrainFit, TrainSample, fit_generation, fit_train_slowdown,
     fit_training,
 )
-from areal.sim.config import sim_config  # noqa: E402
-from areal.sim.cost import accelerator, cost_model, load_costs, model_shape  # noqa: E402
-from areal.sim.replay import ReplayWorkload  # noqa: E402
-from areal.sim.run import simulate  # noqa: E402
+from areal.sim.config import sim_config
+from areal.sim.cost import accelerator, cost_model, load_costs, model_shape
+from areal.sim.replay import ReplayWorkload
+from areal.sim.run import simulate
 
 ACCELERATOR, MODEL = "cpu-2core", "tiny"
 COMMAND = "python bench/cluster.py --calibrate"
@@ -327,7 +327,7 @@ def fitted_lines(gen: GenerationFit, train: TrainFit, timings: Timings,
 
 def run(quick: bool, out: Path) -> str:
     out.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     steps = 4 if quick else 40  # quick: 3 compared steps
     extra = ["eval.max_prompts=16"] if quick else []
     model_dir = speedup._warm_model(argparse.Namespace(overrides=[]))

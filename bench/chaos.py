@@ -41,10 +41,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from chaos_faults import KINDS, Fault, Hang, RunUnderTest  # noqa: E402
+from chaos_faults import KINDS, Fault, Hang, RunUnderTest
 
-from areal.intervals import proportion_interval  # noqa: E402
-from areal.records import read_records  # noqa: E402
+from areal.intervals import proportion_interval
+from areal.records import read_records
 
 LABELS = {"kill_rollout": "kill -9 rollout", "kill_reward": "kill -9 reward",
           "kill_trainer": "kill -9 trainer", "stop_rollout": "SIGSTOP rollout",

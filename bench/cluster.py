@@ -55,7 +55,8 @@ from concurrent import futures
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import psutil
 
@@ -272,11 +273,11 @@ def table_a(bench: Bench) -> str:
     paper = PAPER[:1] if bench.quick else PAPER
     counts = [32 if bench.quick else p.accelerators for p in paper]
     runs = []  # all queued before the first is awaited
-    for p, n in zip(paper, counts):
+    for p, n in zip(paper, counts, strict=True):
         common = dict(model=p.model, num_accelerators=n, rollout_tp=p.rollout_tp)
         runs.append((_shared_start(bench, "sync", **common),
                      _shared_start(bench, "async", eta=p.eta, **common)))
-    for p, n, (sync_run, async_run) in zip(paper, counts, runs):
+    for p, n, (sync_run, async_run) in zip(paper, counts, runs, strict=True):
         sync, async_ = sync_run.result(), async_run.result()
         rows.append(f"{p.model:>5} {n:>5} {p.eta:>4} {sync.step_s / 60:>9.2f} "
                     f"{async_.step_s / 60:>9.2f} {sync.step_s / async_.step_s:>7.2f}x "
@@ -332,7 +333,7 @@ def table_c(bench: Bench) -> str:
     runs = [(bench.start("sync", ablation=True, num_accelerators=n, max_new_tokens=length),
              bench.start("async", ablation=True, num_accelerators=n, max_new_tokens=length,
                          eta=8)) for length in lengths]
-    for length, (sync_run, async_run) in zip(lengths, runs):
+    for length, (sync_run, async_run) in zip(lengths, runs, strict=True):
         sync, async_ = sync_run.result(), async_run.result()
         rows.append(f"{length:>7} {sync.step_s / 60:>9.2f} {async_.step_s / 60:>9.2f} "
                     f"{sync.trained_tokens_per_s:>11.0f} {async_.trained_tokens_per_s:>11.0f} "
@@ -374,7 +375,7 @@ def table_e(bench: Bench) -> tuple[str, list[float]]:
     runs = [bench.start("async", ablation=True, num_accelerators=n, eta=eta) for eta in etas]
     sync = sync_run.result()
     rows, tput = [], []
-    for eta, run in zip(etas, runs):
+    for eta, run in zip(etas, runs, strict=True):
         r = run.result()
         tput.append(r.trained_tokens_per_s)
         rows.append(f"{'inf' if eta is None else eta:>5} {r.step_s / 60:>9.2f} "
@@ -544,7 +545,8 @@ def main() -> int:
     made: dict[str, Future[Any]] = {}
     for measured in (False, True):  # measured runs alone, after the others
         letters = [letter for letter in TABLES if letter in only and TABLES[letter][3] is measured]
-        made.update(zip(letters, bench.tables([TABLES[letter][1] for letter in letters])))
+        made.update(zip(letters, bench.tables([TABLES[letter][1] for letter in letters]),
+                           strict=True))
         futures.wait(made.values())
     for letter, future in sorted(made.items()):
         title, _, has_data, _ = TABLES[letter]

@@ -187,7 +187,7 @@ def print_table(rows: dict[str, dict[str, float]]) -> None:
     for name, r in rows.items():
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
 
-        def s(key: str) -> str:
+        def s(key: str, r: dict = r) -> str:
             return f"{r[key]:.3f}" if key in r else "n/a"
 
         print(f"{name:<8}{r['start_s']:>9.1f}{r['tokens_per_s']:>9.0f}{ratio:>10}"

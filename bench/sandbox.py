@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from collections.abc import Callable
 
 from areal.sandbox import PYTHON, PYTHON_EXEC, ExecStatus, Limits, Sandbox, SandboxConfig
 
@@ -85,7 +85,7 @@ def measure(runners: dict[str, Callable], source: str, stdin: bytes, runs: int, 
     for name, run in runners.items():
         start = time.perf_counter()
         with ThreadPoolExecutor(concurrency) as pool:
-            list(pool.map(lambda _: run(source, stdin), range(runs * concurrency)))
+            list(pool.map(lambda _: run(source, stdin), range(runs * concurrency)))  # noqa: B023
         parallel = runs * concurrency / (time.perf_counter() - start)
         mean = statistics.fmean(samples[name])
         stats[name] = {"mean_ms": 1000 * mean, "median_ms": 1000 * statistics.median(samples[name]),

@@ -154,7 +154,7 @@ def soak(args: argparse.Namespace, run_dir: Path) -> tuple[dict[str, Series], in
     """Run, sample, stop; returns the series, the controller's exit code, minutes sampled."""
     command = [sys.executable, "-m", "areal.controller", f"run_dir={run_dir}",
                "trainer.total_steps=1000000", "logging.progress=false", *args.overrides]
-    log = open(run_dir.parent / "controller.log", "w")
+    log = open(run_dir.parent / "controller.log", "w")  # noqa: SIM115 (the child's, for its life)
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     controller = psutil.Process(proc.pid)
     series: dict[str, Series] = {}

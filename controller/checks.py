@@ -96,7 +96,7 @@ def _plain_completion_fits(msg: Generated, max_new_tokens: int, version: int,
             return False
     elif _MIN(ids) < 0:
         return False
-    if not (0 <= versions[0] and versions[-1] <= version):
+    if not (versions[0] >= 0 and versions[-1] <= version):
         return False
     if n > 1 and not _ALL(versions[1:] >= versions[:-1]):
         return False

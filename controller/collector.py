@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 
 @contextlib.contextmanager

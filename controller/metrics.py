@@ -33,7 +33,7 @@ class MetricsSink:
         """subscribers: the owner's list of queues; every record is put into each queue
         in it, including queues appended later."""
         self.run_dir = run_dir
-        self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 (closed in close())
         self._subscribers = subscribers
         self._tb = self._open_tensorboard(cfg, run_dir)
         self._wandb = self._open_wandb(cfg, run_dir)

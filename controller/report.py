@@ -72,7 +72,7 @@ class StepReport:
         self._pauses.append(msg.pause_s)
 
     def step_record(self, step: int, version: int, groups: list[Group], stats: dict[str, float],
-                    train_s: float, waited_s: float, ctl: "Controller") -> dict[str, Any]:
+                    train_s: float, waited_s: float, ctl: Controller) -> dict[str, Any]:
         now = self._last_step_at = clock.now()
         trajs = [t for g in groups for t in g.trajectories()]
         trained_version = version - 1  # the batch was trained at the version before publishing
@@ -101,7 +101,7 @@ class StepReport:
             "rollout/in_flight": len(ctl.ledger.by_request),
             "rollout/weight_pause_s_mean": float(np.mean(self._pauses)) if self._pauses else 0.0,
             "staleness/hist": {str(int(k)): int(n)
-                               for k, n in zip(staleness_values, staleness_counts)},
+                               for k, n in zip(staleness_values, staleness_counts, strict=True)},
             "staleness/mean": float(np.dot(staleness_values, staleness_counts) / len(trajs)),
             "staleness/max": int(staleness_values[-1]),
             "reward/verdicts": dict(self._verdicts),
@@ -133,7 +133,7 @@ class StepReport:
         return record
 
     def summary(self, before: dict[str, Any], after: dict[str, Any], wall_s: float, steps: int,
-                ctl: "Controller") -> dict[str, Any]:
+                ctl: Controller) -> dict[str, Any]:
         # Training time runs from the start of training to the end of the last step (the
         # final evaluation is not part of it).
         train_s = (self._last_step_at - self._train_start) if self._last_step_at else 0.0

@@ -14,7 +14,8 @@ what stands for a worker process.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable
 
 if TYPE_CHECKING:
     from areal.config import RunConfig
@@ -23,10 +24,10 @@ if TYPE_CHECKING:
 
 
 class Runtime(Protocol):
-    def prepare_run(self, cfg: "RunConfig") -> "RunSetup":
+    def prepare_run(self, cfg: RunConfig) -> RunSetup:
         """Everything before the first message (called in a thread, like `prepare_run`)."""
 
-    def connect(self, cfg: "RunConfig",
-                setup: "RunSetup") -> tuple[Any, "WorkerPool", Callable[[], None]]:
+    def connect(self, cfg: RunConfig,
+                setup: RunSetup) -> tuple[Any, WorkerPool, Callable[[], None]]:
         """(channel, pool, close): the controller's end of the transport, its workers, and
         what releases them after the run."""

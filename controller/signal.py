@@ -17,7 +17,7 @@ whose every change is followed by a `notify` (the contract above).
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from collections.abc import Callable
 
 
 class Changed:
@@ -51,7 +51,7 @@ class Changed:
                 continue
             try:
                 await asyncio.wait_for(fut, remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return predicate()
         return True
 

@@ -37,7 +37,8 @@ import gc
 import io
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Coroutine
+from typing import Any
+from collections.abc import Callable, Coroutine
 
 from areal.config import load_config
 from areal.controller import Controller

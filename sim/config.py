@@ -13,7 +13,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import yaml
 from omegaconf import OmegaConf
@@ -102,7 +103,7 @@ class SimConfig:
     def num_gen_accelerators(self) -> int:
         if self.placement == "colocated":
             return self.num_accelerators
-        return int(round(self.num_accelerators * self.gen_fraction))
+        return round(self.num_accelerators * self.gen_fraction)
 
     @property
     def num_rollout_workers(self) -> int:

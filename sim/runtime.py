@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Any, Callable, Coroutine
+from typing import Any
+from collections.abc import Callable, Coroutine
 
 from areal.config import RunConfig
 from areal.controller.pool import WorkerHandle, WorkerPool

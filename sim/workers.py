@@ -21,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 
@@ -92,7 +93,7 @@ class Host:
                 changed.clear()
                 try:
                     await asyncio.wait_for(changed.wait(), left / rate)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     return
                 left -= (loop.time() - start) * rate
         finally:

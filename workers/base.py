@@ -22,7 +22,8 @@ import sys
 import time
 import uuid
 from abc import ABC, abstractmethod
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import zmq
 import zmq.asyncio
@@ -142,7 +143,7 @@ class Worker(ABC):
             try:
                 await asyncio.wait_for(self.send(WorkerError(
                     error=f"{type(err).__name__}: {err}", fatal=True)), 5)
-            except (asyncio.TimeoutError, zmq.ZMQError):
+            except (TimeoutError, zmq.ZMQError):
                 pass
             return 2
         finally:
@@ -160,7 +161,7 @@ class Worker(ABC):
                                  host=socket.gethostname(), secret=self.secret, rank=self.rank))
         try:
             reply = await asyncio.wait_for(self.channel.recv(), REGISTER_TIMEOUT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.error("no answer from the controller at %s within %.0f s%s",
                       self.address, REGISTER_TIMEOUT_S,
                       "" if self.keys else " (a controller using CurveZMQ answers only peers "

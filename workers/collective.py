@@ -38,7 +38,8 @@ import queue
 import socket
 import threading
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
+from collections.abc import Awaitable, Callable
 from urllib.parse import urlparse
 
 import torch

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -114,7 +114,7 @@ class PPOStats:
     def _sum_fields(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls) if f.name not in cls._MAX_FIELDS]
 
-    def merge(self, other: "PPOStats") -> "PPOStats":
+    def merge(self, other: PPOStats) -> PPOStats:
         """Statistics of both pieces together: sums and counts add, maxima take the max."""
         values = {name: getattr(self, name) + getattr(other, name) for name in self._sum_fields()}
         values.update({name: max(getattr(self, name), getattr(other, name))
@@ -122,7 +122,7 @@ class PPOStats:
         return PPOStats(**values)
 
     @classmethod
-    def reduce(cls, pieces: Iterable["PPOStats"]) -> "PPOStats":
+    def reduce(cls, pieces: Iterable[PPOStats]) -> PPOStats:
         total = cls()
         for piece in pieces:
             total = total.merge(piece)
@@ -138,11 +138,11 @@ class PPOStats:
         return sums, maxes
 
     @classmethod
-    def from_tensors(cls, sums: torch.Tensor, maxes: torch.Tensor) -> "PPOStats":
+    def from_tensors(cls, sums: torch.Tensor, maxes: torch.Tensor) -> PPOStats:
         """Inverse of `to_tensors` (after the all-reduces)."""
         values: dict[str, float | int] = {}
         for field, value in zip(cls._sum_fields(), sums.tolist(), strict=True):
-            values[field] = int(round(value)) if field.startswith("num_") else value
+            values[field] = round(value) if field.startswith("num_") else value
         values.update(zip(cls._MAX_FIELDS, maxes.tolist(), strict=True))
         return cls(**values)
 

@@ -130,7 +130,7 @@ class StalenessController:
         return state
 
     @classmethod
-    def from_state_dict(cls, state: dict[str, Any]) -> "StalenessController":
+    def from_state_dict(cls, state: dict[str, Any]) -> StalenessController:
         controller = cls(int(state["batch_size"]), int(state["eta"]))
         for name in _COUNTERS:
             setattr(controller, name, int(state[name]))

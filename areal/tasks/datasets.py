@@ -27,7 +27,8 @@ import dataclasses
 import logging
 import random
 import threading
-from typing import Any, Iterator, Sequence
+from typing import Any
+from collections.abc import Iterator, Sequence
 
 from areal.tasks.base import Prompt, RewardOutcome, Task
 from areal.tasks.data_files import BadRows, Row, RowError, as_paths, read_rows, split_by_seed

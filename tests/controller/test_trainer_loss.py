@@ -56,7 +56,7 @@ def _controller(tmp_path: Path) -> tuple[Controller, list[WorkerHandle], list[st
 
 @pytest.mark.parametrize("rank0_published", [True, False])
 def test_the_step_in_progress_ends_as_far_as_rank_0_got(tmp_path, rank0_published):
-    ctl, (rank0, rank1), lines = _controller(tmp_path)
+    ctl, (_rank0, rank1), lines = _controller(tmp_path)
 
     async def scenario():
         step = asyncio.create_task(ctl.trainers._send([_train(5, 0), _train(5, 1)]))
@@ -74,7 +74,7 @@ def test_the_step_in_progress_ends_as_far_as_rank_0_got(tmp_path, rank0_publishe
         with pytest.raises(TrainerLost, match=r"trainer rank 1 \(trainer-1 .*\) lost \(silent\)"):
             trained.result()
     # Either way every rank is restarted: the survivor is told to stop and come back.
-    train, stop = [msg for identity, msg in ctl.channel.sent if identity == b"t0"]
+    _train, stop = [msg for identity, msg in ctl.channel.sent if identity == b"t0"]
     assert isinstance(stop, Shutdown) and stop.rejoin
     assert ctl.pool.ready(WorkerKind.TRAINER) == [] and not ctl.trainers.formed
     assert ctl.recovery.num_restores == 1 and ctl.groups.store == ""

@@ -41,7 +41,7 @@ import asyncio
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

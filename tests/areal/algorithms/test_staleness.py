@@ -59,7 +59,7 @@ def test_the_last_admissible_trajectory_is_the_formula_boundary(batch_size, eta,
 @pytest.mark.parametrize(("batch_size", "eta"), B_ETA_PAIRS)
 def test_capacity_is_the_largest_count_the_formula_admits(batch_size, eta):
     for version in range(4):
-        for num_live in range(0, (version + eta + 3) * batch_size):
+        for num_live in range((version + eta + 3) * batch_size):
             ctl = StalenessController(batch_size, eta)
             ctl.num_admitted = num_live  # state as if that many were generated or in flight
             brute = 0

@@ -41,7 +41,7 @@ async def test_logprobs_equal_full_forward_recomputation(make_engine, reference_
     seqs = [p + o.token_ids for p, o in zip(prompts, outs, strict=True)]
     cu = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0)
     with torch.no_grad():
-        packed = packed_logprobs(model, torch.tensor(sum(seqs, [])), cu, temperature=temperature)
+        packed = packed_logprobs(model, torch.tensor([t for s in seqs for t in s]), cu, temperature=temperature)
     for start, prompt, out in zip(cu[:-1].tolist(), prompts, outs, strict=True):
         trainer_lp += packed[start + len(prompt):start + len(prompt) + len(out.token_ids)].tolist()
     assert_close(engine_lp, forward_lp, atol=ATOL, what=f"engine vs forward, T={temperature}")

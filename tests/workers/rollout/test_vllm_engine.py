@@ -64,7 +64,7 @@ def trainer_logprobs(model: torch.nn.Module, sequences: list[list[int]]) -> list
     """Per-sequence log-probs from the trainer's packed forward (one pack, fp32)."""
     cu = torch.tensor([0] + [len(s) for s in sequences]).cumsum(0)
     with torch.no_grad():
-        packed = packed_logprobs(model, torch.tensor(sum(sequences, [])), cu)
+        packed = packed_logprobs(model, torch.tensor([t for s in sequences for t in s]), cu)
     return [packed[a:b].tolist() for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)]
 
 
