@@ -554,8 +554,8 @@ class RunConfig:
     def check(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if dataclasses.is_dataclass(value):
-                value.check(f.name)
+            if dataclasses.is_dataclass(value) and not isinstance(value, type):
+                value.check(f.name)  # type: ignore[attr-defined]  # every section has check()
         if self.trainer.advantage.overlong_buffer > self.rollout.max_new_tokens:
             raise ConfigError(
                 f"trainer.advantage.overlong_buffer={self.trainer.advantage.overlong_buffer} "

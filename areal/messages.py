@@ -124,7 +124,7 @@ def message(kind: MsgType):
     def register(cls: type) -> type:
         if kind in _SCHEMAS:
             raise TypeError(f"message kind {kind.name} registered twice")
-        cls.KIND = kind
+        cls.KIND = kind  # type: ignore[attr-defined]  # what makes it a schema
         _SCHEMAS[kind] = cls
         return cls
 

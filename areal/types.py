@@ -56,8 +56,10 @@ class Trajectory:
         _check_num_prompt(prompt_id, num_prompt_tokens, len(token_ids))
         self._init(prompt_id, group_id, num_prompt_tokens, reward, finish_reason, timings,
                    episode)
-        self._joined: tuple[np.ndarray, ...] | None = (token_ids, logprobs, versions, loss_mask)
-        self._parts: tuple[Any, ...] | None = None
+        # Exactly one of the two forms is set (None the other), which mypy cannot follow:
+        # typed Any rather than checked on every read of the controller's hot path.
+        self._joined: Any = (token_ids, logprobs, versions, loss_mask)
+        self._parts: Any = None
 
     def _init(self, prompt_id: str, group_id: int, num_prompt_tokens: int, reward: float,
               finish_reason: str, timings: dict[str, float] | None,
@@ -105,7 +107,7 @@ class Trajectory:
                 f"trajectory {prompt_id!r}: per-token arrays differ in length (output_ids="
                 f"{num_out}, logprobs={len(output_logprobs)}, versions={len(output_versions)})")
         # A single completion (no mask) is all sampled tokens: nothing to check or build.
-        out_mask = True if output_loss_mask is None else np.asarray(output_loss_mask, bool)
+        out_mask: Any = True if output_loss_mask is None else np.asarray(output_loss_mask, bool)
         if out_mask is not True and len(out_mask) == num_out and not out_mask.all():
             observed = np.asarray(output_versions)[~out_mask]
             if (observed != PROMPT_VERSION).any():
@@ -119,7 +121,7 @@ class Trajectory:
             kept._joined = None
             kept._parts = (prompt_ids, output_ids, output_logprobs, output_versions,
                            None if out_mask is True else out_mask)
-            kept._oldest = _oldest_sampled(output_versions)  # now, while it is in the cache
+            kept._oldest = _oldest_sampled(output_versions)  # type: ignore[arg-type]  # now, while it is in the cache
             return kept
         # Anything else (lists, other dtypes, a mask of another length) is converted as
         # numpy assignment converts it, into arrays written once each.

@@ -103,7 +103,8 @@ class Group:
         return all(s.stage is Stage.DONE for s in self.samples)
 
     def trajectories(self) -> list[Trajectory]:
-        return [s.trajectory for s in self.samples]
+        # called on a done group, whose samples all hold their trajectory
+        return [s.trajectory for s in self.samples]  # type: ignore[misc]
 
 
 class Ledger:
@@ -198,6 +199,7 @@ class Ledger:
         sample = self.scoring(request_id, worker)
         if sample is None:
             return None
+        assert sample.trajectory is not None  # scored samples were generated
         sample.trajectory.reward = outcome.reward
         sample.verdict = outcome.verdict
         sample.stage, sample.worker = Stage.DONE, None
@@ -283,11 +285,13 @@ class Ledger:
         for sample in group.samples:
             self.by_request.pop(sample.request_id, None)
             if sample.stage is Stage.GENERATING:
+                assert sample.worker is not None  # set with the stage
                 generating.setdefault(sample.worker, []).append(sample.request_id)
             if sample.stage in (Stage.PENDING, Stage.GENERATING):
                 unfinished += 1
             else:
                 finished += 1
+                assert sample.trajectory is not None  # generated
                 tokens += sample.trajectory.num_tokens - sample.trajectory.num_prompt_tokens
         if unfinished:
             self.pending = collections.deque(s for s in self.pending

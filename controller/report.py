@@ -88,6 +88,7 @@ class StepReport:
         out_lens = (num_tokens - num_prompt).astype(np.int64)
         verdicts = [s.verdict for g in groups for s in g.samples]
         batch_tokens = int(num_tokens.sum())
+        assert self._train_start is not None, "a step record before start_training()"
         self._trained_tokens += batch_tokens
         window = max(now - self._window_start, 1e-9)
         record: dict[str, Any] = {
@@ -136,7 +137,8 @@ class StepReport:
                 ctl: Controller) -> dict[str, Any]:
         # Training time runs from the start of training to the end of the last step (the
         # final evaluation is not part of it).
-        train_s = (self._last_step_at - self._train_start) if self._last_step_at else 0.0
+        train_s = (self._last_step_at - self._train_start) \
+            if self._last_step_at and self._train_start is not None else 0.0
         return {
             "run_dir": str(ctl.run_dir),
             "mode": ctl.cfg.mode,

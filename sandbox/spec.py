@@ -213,4 +213,5 @@ def limits_from_json(data: dict[str, Any]) -> Limits:
 
 
 def language_from_json(data: dict[str, Any]) -> Language:
-    return Language(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+    fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+    return Language(**fields)

@@ -169,7 +169,7 @@ def load_sim_config(path: str | Path | None = None, overrides: Sequence[str] = (
                 raise ConfigError(f"override {item!r} is not of the form key=value "
                                   "(e.g. num_accelerators=256)")
             node = OmegaConf.merge(node, OmegaConf.from_dotlist([item]))
-        cfg = OmegaConf.to_object(node)
+        cfg: Any = OmegaConf.to_object(node)  # a SimConfig: the schema it was made from
     except (OSError, yaml.YAMLError) as err:
         raise ConfigError(f"cannot read config file {str(path)!r}: {err}") from None
     except OmegaConfBaseException as err:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import selectors
 from typing import Any, TypeVar
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 
 T = TypeVar("T")
 
@@ -44,6 +44,7 @@ class _VirtualSelector(selectors.DefaultSelector):
 
     def select(self, timeout: float | None = None) -> list[Any]:
         loop = self.loop
+        assert loop is not None, "VirtualTimeLoop sets itself as its selector's loop"
         events = super().select(0)
         if events or timeout == 0:
             return events
@@ -88,7 +89,8 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     def advance(self, seconds: float) -> None:
         self._now += seconds
 
-    def run_in_executor(self, executor: Any, func: Callable[..., T], *args: Any) -> asyncio.Future:
+    def run_in_executor(  # type: ignore[override]  # same call, a narrower annotation
+            self, executor: Any, func: Callable[..., T], *args: Any) -> asyncio.Future:
         future = super().run_in_executor(executor, func, *args)
         self.num_threads += 1
         future.add_done_callback(self._thread_done)
@@ -98,7 +100,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         self.num_threads -= 1
 
 
-def run_virtual(main: Callable[[], Awaitable[T]], limit_s: float = float("inf")) -> T:
+def run_virtual(main: Callable[[], Coroutine[Any, Any, T]], limit_s: float = float("inf")) -> T:
     """Run `main()` to completion on a fresh `VirtualTimeLoop`; returns its result."""
     with asyncio.Runner(loop_factory=lambda: VirtualTimeLoop(limit_s)) as runner:
         return runner.run(main())

@@ -174,8 +174,8 @@ class SimWorker:
 
     def _done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            raise task.exception()  # a simulator bug: surfaces through the loop's handler
+        if not task.cancelled() and (error := task.exception()) is not None:
+            raise error  # a simulator bug: surfaces through the loop's handler
 
     async def _heartbeat(self) -> None:
         interval = self.env.cfg.controller.heartbeat_interval_s

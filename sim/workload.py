@@ -122,6 +122,7 @@ class SimSetup(RunSetup):
 
 def prepare_sim_run(cfg: RunConfig, workload: Workload) -> SimSetup:
     """The simulation's `prepare_run`: a run directory and the synthetic task."""
+    assert cfg.run_dir is not None  # the simulation always names its run directory
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     task = SimTask(cfg.eval.max_prompts or 1)

@@ -90,6 +90,7 @@ def aggregation_factors(segments: Segments | None, mode: str, num_tokens: int,
     assert segments is not None
     if mode == "seq-mean-token-mean":
         return 1.0 / segments.sizes()[segments.index].to(dtype)
+    assert norm_tokens is not None  # check_aggregation refused it at config time
     return torch.full((num_tokens,), 1.0 / float(norm_tokens), dtype=dtype,
                       device=segments.index.device)
 

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 from collections.abc import Iterable
 
 import torch
@@ -140,7 +141,7 @@ class PPOStats:
     @classmethod
     def from_tensors(cls, sums: torch.Tensor, maxes: torch.Tensor) -> PPOStats:
         """Inverse of `to_tensors` (after the all-reduces)."""
-        values: dict[str, float | int] = {}
+        values: dict[str, Any] = {}
         for field, value in zip(cls._sum_fields(), sums.tolist(), strict=True):
             values[field] = round(value) if field.startswith("num_") else value
         values.update(zip(cls._MAX_FIELDS, maxes.tolist(), strict=True))
@@ -256,6 +257,7 @@ def _drop_undefined(weight: corrections.BehavWeight, prox: torch.Tensor,
     its sequence's, so there a pi_prox of 0 drops every token of the sequence."""
     no_prox = ~prox.isfinite()
     if kind == "gspo" and bool(no_prox.any()):
+        assert segments is not None  # GSPO's ratio is per sequence
         no_prox = torch.isin(segments.index, segments.index[no_prox])
     undefined = weight.keep & (no_prox | ~weight.used.isfinite())
     return dataclasses.replace(weight, keep=weight.keep & ~undefined), undefined
@@ -297,7 +299,7 @@ def _stats(log_ratio: torch.Tensor, weight: corrections.BehavWeight, undefined: 
 
 
 def _drift(log_w: torch.Tensor, fresh: torch.Tensor, weight: corrections.BehavWeight,
-           clip_active: torch.Tensor, mode: str) -> dict[str, float | int]:
+           clip_active: torch.Tensor, mode: str) -> dict[str, Any]:
     """The drift decomposition's fields over [L] loss tokens ([U] `clip_active`)."""
     clipped = torch.zeros_like(weight.keep)
     clipped[weight.keep] = clip_active
