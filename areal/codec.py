@@ -139,8 +139,8 @@ _PACKERS = threading.local()
 
 def _packer() -> msgpack.Packer:
     """This thread's reusable Packer: `msgpack.packb` builds a new one (and its buffer) per
-    call, which cost the replayed controller at 512 accelerators 7% of its time for the
-    small array references alone (py-spy, 2026-12-02); `pack` resets it after each use."""
+    call, a large share of the controller's encoding time when it packs the many small array
+    references of a step; `pack` resets it after each use."""
     packer = getattr(_PACKERS, "packer", None)
     if packer is None:
         packer = _PACKERS.packer = msgpack.Packer()
@@ -350,7 +350,7 @@ def _field_check(annotation: Any) -> FieldCheck:
     for an optional field) takes a short path; anything else (a conversion, an error) goes
     through `_check` itself. So both accept, convert and refuse exactly the same values,
     with the same errors (tests/areal/test_codec_fast_path.py). The controller decodes
-    every Generated and Scored (about 16,000 messages per step at 512 accelerators)."""
+    every Generated and Scored (tens of thousands of messages per step at cluster scale)."""
 
     def general(value: Any, frames: Sequence[Any], where: str, used: set) -> Any:
         return _check(value, annotation, frames, where, used)

@@ -149,7 +149,7 @@ class TaskConfig:
 @dataclass(kw_only=True)
 class EpisodeConfig:
     """Multi-turn episodes: the model's turns alternate with an environment's observations
-    (tool results) in one trajectory (areal.tasks.environment, DESIGN.md section 10)."""
+    (tool results) in one trajectory (areal.tasks.environment, docs/design.md section 10)."""
 
     environment: str | None = opt(
         None, "null: one completion per sample; a built-in environment ('tools': the "
@@ -227,7 +227,7 @@ class RolloutConfig:
 
 @dataclass(kw_only=True)
 class PPOConfig:
-    """The decoupled PPO objective (DESIGN.md section 6)."""
+    """The decoupled PPO objective (docs/design.md section 6)."""
 
     eps_clip: float = opt(0.2, "clip range of r = pi_theta/pi_prox (low side, and high side "
                           "unless eps_clip_high is set)")
@@ -240,7 +240,8 @@ class PPOConfig:
                          "'loglinear' (interpolated from per-token versions), or 'behav': "
                          "naive PPO, the behaviour policy is the anchor (w = 1; for ablations)",
                          ["recompute", "loglinear", "behav"])
-    # Off-policy corrections beyond the paper's (areal.algorithms.corrections; README recipes).
+    # Off-policy corrections beyond the paper's (areal.algorithms.corrections; recipes in
+    # docs/concepts/decoupled-ppo.md).
     behav_imp_floor: float | None = opt(
         None, "lower bound on w, handled like the cap by behav_cap_mode (with 'mask' and a cap: "
         "IcePop's two-sided mask); null: none")
@@ -479,8 +480,8 @@ class ControllerConfig:
                                   "trainer.num_ranks of them to join with --connect")
     gc_thresholds: list[int] = opt([50000, 20, 100], "the controller process's cyclic "
                                    "garbage-collector thresholds while a run goes (Python's "
-                                   "gc.set_threshold; its default 700, 10, 10 cost 0.19 CPU s "
-                                   "per step at 512 accelerators, these 0.08: "
+                                   "gc.set_threshold; with its default 700, 10, 10 full "
+                                   "collections walk every live sample often: "
                                    "areal.controller.collector); []: leave them as they are")
 
     def check(self, key: str) -> None:

@@ -3,7 +3,7 @@
 A `Trajectory` is one sampled completion with everything the decoupled PPO objective
 needs per token: the token, the behaviour log-prob recorded when it was sampled, and the
 policy version that sampled it (-1 for prompt tokens). An episode (several model turns with
-observations between them, DESIGN.md section 10) is one trajectory too: its observation
+observations between them, docs/design.md section 10) is one trajectory too: its observation
 tokens are stored like prompt tokens (version -1, log-prob 0, loss mask False), so nothing
 downstream (packing, staleness, the loss) needs to know about turns. Arrays are numpy so
 that they travel as raw ZeroMQ frames; `pack` turns a batch into flat torch tensors with
@@ -38,8 +38,8 @@ class Trajectory:
     joins them: each token is copied once, into the Train message. A trajectory's arrays are
     never changed once it is built, so `oldest_version` is computed once; `from_generation`
     computes it at once, while the completion just received is in the CPU's cache (read at
-    the step record, after thousands of other completions, it cost 5 us a trajectory at 512
-    accelerators, 2026-12-03)."""
+    the step record, after thousands of other completions, it would be a cache miss per
+    trajectory)."""
 
     def __init__(self, *, prompt_id: str, group_id: int, token_ids: np.ndarray,
                  logprobs: np.ndarray, versions: np.ndarray, loss_mask: np.ndarray,
@@ -353,8 +353,8 @@ def pack_arrays(trajectories: Sequence[Trajectory],
     cu_seqlens = np.concatenate([np.zeros(1, np.int32), np.cumsum(lengths, dtype=np.int32)])
     total = int(cu_seqlens[-1])
     # Each token of each field written once (Trajectory._write, prompts' constants
-    # included): filling the arrays beforehand was a pass over 490 MB a step at 512
-    # accelerators, for the 5% of tokens that are prompts.
+    # included): filling the arrays beforehand would be a second pass over every token of
+    # the batch, for the few that are prompts.
     arrays = {"token_ids": np.empty(total, np.int32), "logprobs": np.empty(total, np.float32),
               "versions": np.empty(total, np.int32), "loss_mask": np.empty(total, bool)}
     for i, (t, start) in enumerate(zip(trajectories, cu_seqlens[:-1].tolist(), strict=True)):

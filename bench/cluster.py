@@ -97,9 +97,9 @@ QUICK_BATCH = dict(num_prompts=32, group_size=8, max_new_tokens=8192, num_miniba
 SYNC_STEPS = dict(steps=2, measure_from=1)
 """A synchronous step does not depend on the one before: one measured step."""
 ASYNC_STEPS = dict(steps=7, measure_from=4)
-"""The asynchronous pipeline fills over the first steps: three measured steps, 5-7. Steps 3-4
-of 4, measured until 2 December, were not its steady state: at 512 accelerators steps 5-10
-took 25.5-30.1 s, steps 2-4 31.1-37.4 s (README, "The measured window")."""
+"""The asynchronous pipeline fills over the first steps (generation runs ahead while the
+buffer grows toward the eta bound, and the first batches hold the completions that finished
+first): three measured steps, 5-7, after it (docs/history.md, "The measured window")."""
 ABLATION_ASYNC_STEPS = dict(steps=12, measure_from=4)
 """(c)-(e)'s quarter batch: a step holds 2,048 trajectories, so a few long completions move
 it more; eight measured steps (5-12)."""
@@ -259,9 +259,8 @@ def default_jobs() -> int:
 
 
 SIM_MEMORY_GB = 6
-"""A simulation's peak memory, with margin: the largest (512 prompts x 16 answers, async, 512
-accelerators) peaked at 4.8 GB in table (f), 2.4 GB since trajectories keep the messages'
-arrays (README, table f)."""
+"""A simulation's peak memory, with margin over the largest (512 prompts x 16 answers, async,
+512 accelerators; table (f)'s `rss GB` column reports each one's)."""
 
 
 def _lines(head: str, rows: list[str]) -> str:

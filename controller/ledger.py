@@ -57,7 +57,7 @@ class Sample:
     """Checks of it that ended without a verdict (controller/reward_faults.py)."""
     request_id: str = field(init=False)
     """'g<group>-s<index>-a<attempt>': written once per attempt, read for every message
-    about the sample (about 8,000 Generates and Generateds per step at 512 accelerators)."""
+    about the sample (thousands of Generates and Generateds per step at cluster scale)."""
 
     def __post_init__(self) -> None:
         self.request_id = f"g{self.group_id}-s{self.index}-a{self.attempt}"

@@ -76,9 +76,9 @@ class StepReport:
         now = self._last_step_at = clock.now()
         trajs = [t for g in groups for t in g.trajectories()]
         trained_version = version - 1  # the batch was trained at the version before publishing
-        # One pass over the batch's 8,192 trajectories at 512 accelerators (a pass per metric
-        # cost 40 ms a step there, 2026-12-03), columns: oldest version, tokens, prompt tokens,
-        # reward, truncated, interruptions.
+        # One pass over the batch's trajectories (thousands at cluster scale), not one per
+        # metric; columns: oldest version, tokens, prompt tokens, reward, truncated,
+        # interruptions.
         columns = np.array([(t.oldest_version(), t.num_tokens, t.num_prompt_tokens, t.reward,
                              t.finish_reason == "length", t.timings.get("interruptions", 0))
                             for t in trajs], dtype=np.float64).reshape(-1, 6).T

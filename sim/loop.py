@@ -1,6 +1,6 @@
 """An asyncio event loop on a virtual clock: idle waits jump to the next timer at once.
 
-Route (a) of DESIGN.md section 9. `VirtualTimeLoop.time()` is a number this loop owns.
+Route (a) of docs/design.md section 9. `VirtualTimeLoop.time()` is a number this loop owns.
 When nothing is ready to run, a real loop would sleep until its next timer; this one moves
 its clock to that timer instead and goes on, so a simulated 40-hour run takes as long as its
 callbacks take to execute. Everything that happens inside the loop is therefore

@@ -130,7 +130,7 @@ class Worker(ABC):
             self.config = config_from_dict(welcome.config)
             heartbeat = asyncio.create_task(self._heartbeat_loop())
             version = await self.setup(welcome)
-            self._last_heard = time.monotonic()  # nothing is read during setup (vLLM: ~30 s)
+            self._last_heard = time.monotonic()  # nothing is read during setup (vLLM's: tens of seconds)
             self._ready = True
             await self.send(self.ready_message(version))
             log.info("%s ready at version %d", self.worker_id, version)

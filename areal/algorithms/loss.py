@@ -1,4 +1,4 @@
-"""The decoupled PPO objective (DESIGN.md section 6) and its exactly-aggregable statistics.
+"""The decoupled PPO objective (docs/design.md section 6) and its exactly-aggregable statistics.
 
 Role: given per-token log-probs of the sampled tokens under three policies, return the
 loss to back-propagate and a `PPOStats` of sums, counts and maxima. N is the number of

@@ -1,4 +1,4 @@
-"""Staleness-bounded admission of generation requests (DESIGN.md section 5).
+"""Staleness-bounded admission of generation requests (docs/design.md section 5).
 
 Role: the controller asks this object how many new trajectories it may start generating.
 With batch size B (trajectories per training step), current policy version i (training

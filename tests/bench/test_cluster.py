@@ -80,7 +80,7 @@ def test_one_job_runs_each_configuration_once(cluster_bench, monkeypatch):
 
 
 def test_async_runs_are_measured_after_the_pipeline_fills(cluster_bench):
-    """Steps 3-4 of 4 were not an async run's steady state (README, "The measured window"):
+    """Steps 3-4 of 4 were not an async run's steady state (docs/history.md, "The measured window"):
     the paper's batch is measured over steps 5-7, the quarter batch over 5-12."""
     full, quick = cluster_bench.Bench(quick=False, seed=1), cluster_bench.Bench(quick=True, seed=1)
     assert (full.config("async").steps, full.config("async").measure_from) == (7, 4)

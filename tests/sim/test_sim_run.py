@@ -37,7 +37,7 @@ def test_interrupts_sequences_keeps_the_bound_and_trains_every_group_once(async_
     assert r.interruptions > 0
     assert r.interrupted_in_window > 0  # counted when they happen, finished or not
     assert r.multi_version_trajectories > 0  # tokens of one trajectory from several versions
-    # The bound holds at admission (DESIGN.md section 5): N_r <= (i + eta + 1) * B. Token
+    # The bound holds at admission (docs/design.md section 5): N_r <= (i + eta + 1) * B. Token
     # staleness may exceed eta (batches are taken in finishing order, not admission order).
     batch = SMALL["num_prompts"] * SMALL["group_size"]
     assert r.admissions and all(live <= (version + 2 + 1) * batch

@@ -315,8 +315,8 @@ class VllmEngine(SerialControlEngine):
         """Variables the vLLM processes are started with (they inherit this process's)."""
         if on_cpu:
             # With enforce_eager nothing is compiled but vLLM's sampler still calls one
-            # torch.compile'd helper (the rank of sampled tokens): a C++ build of ~25 s on
-            # the first request (measured here; ~4 s once cached), for nothing.
+            # torch.compile'd helper (the rank of sampled tokens): a C++ build of tens of
+            # seconds on the first request, for nothing.
             return {"TORCHDYNAMO_DISABLE": "1"} if self._args["enforce_eager"] else {}
         index = int(self._device.partition(":")[2] or 0)
         num = int(self._args["tensor_parallel_size"])
