@@ -444,7 +444,10 @@ class EvalConfig:
 
 @dataclass(kw_only=True)
 class LoggingConfig:
-    progress: bool = opt(True, "live progress bar on the console")
+    progress: bool = opt(True, "progress on the console: a live bar on a terminal, a plain "
+                         "line every progress_every steps otherwise (a log file)")
+    progress_every: int = opt(10, "steps between progress lines when the console is not a "
+                              "terminal")
     tensorboard: bool = opt(True, "TensorBoard event files in the run directory")
     wandb_project: str | None = opt(None, "Weights & Biases project (needs wandb installed)")
     level: str = opt("INFO", "log level", ["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -452,7 +455,7 @@ class LoggingConfig:
                              "versions, rewards) to <run_dir>/batches/step_<n>.npz")
 
     def check(self, key: str) -> None:
-        pass
+        _positive(self.progress_every, f"{key}.progress_every")
 
 
 @dataclass(kw_only=True)
