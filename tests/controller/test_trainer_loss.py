@@ -74,7 +74,7 @@ def test_the_step_in_progress_ends_as_far_as_rank_0_got(tmp_path, rank0_publishe
         with pytest.raises(TrainerLost, match=r"trainer rank 1 \(trainer-1 .*\) lost \(silent\)"):
             trained.result()
     # Either way every rank is restarted: the survivor is told to stop and come back.
-    _train, stop = [msg for identity, msg in ctl.channel.sent if identity == b"t0"]
+    _, stop = [msg for identity, msg in ctl.channel.sent if identity == b"t0"]
     assert isinstance(stop, Shutdown) and stop.rejoin
     assert ctl.pool.ready(WorkerKind.TRAINER) == [] and not ctl.trainers.formed
     assert ctl.recovery.num_restores == 1 and ctl.groups.store == ""

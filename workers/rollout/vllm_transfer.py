@@ -88,7 +88,7 @@ def safetensors_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {}
     for file in files:
         with safe_open(file, framework="pt") as f:
-            for name in f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 shapes[name] = tuple(f.get_slice(name).get_shape())
     return shapes
 
