@@ -67,6 +67,7 @@ def test_another_seed_gives_another_timeline(async_run):
     assert other.step_times != async_run.step_times
 
 
+@pytest.mark.slow
 def test_raising_eta_raises_throughput_up_to_the_trainers_pace():
     # A 7B model on 4 trainer ranks and 28 rollout servers: training is the slower side.
     base = dict(SMALL, model="7b", num_accelerators=32, gen_fraction=0.875,
@@ -101,6 +102,7 @@ def test_strict_staleness_holds_the_bound_on_trained_tokens_by_dropping_groups()
         == SMALL["steps"] * SMALL["num_prompts"]
 
 
+@pytest.mark.slow
 def test_interruptions_count_sequences_that_never_finished():
     """A short run with long completions: updates interrupt sequences that are still
     running when it ends, so no completion received reports them (bench/cluster.py's quick

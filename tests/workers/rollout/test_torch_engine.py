@@ -72,6 +72,7 @@ def _hf_greedy(model: torch.nn.Module, prompt: list[int], num_tokens: int) -> li
     return ids[0, len(prompt):].tolist()
 
 
+@pytest.mark.slow
 async def test_outputs_follow_new_weights_after_update(make_engine, weights_dirs,
                                                        reference_models):
     """No stale KV or prefix cache: prompts longer than a cache page (64) are cached as
