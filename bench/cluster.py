@@ -63,6 +63,9 @@ import psutil
 from areal.sim.config import SimConfig, sim_config
 from areal.sim.run import SimResult, simulate
 
+sys.path.insert(0, str(Path(__file__).parent))
+from results_page import publish, write_results
+
 
 @dataclass(frozen=True)
 class PaperRow:
@@ -526,9 +529,12 @@ def main() -> int:
     only = "g" if args.calibrate else args.only or default
     if set(only) - set("abcdefgsr"):
         parser.error(f"--only={only!r}: letters among a-g, s and r, e.g. --only f")
+    page = publish(args.quick, args.out)
     if only == "g":
         text = calibrate(args.quick, args.out or Path("bench/results/calibration"))
         print(f"{CALIBRATION_TITLE}\n{text}")
+        if page:
+            _results_page("g", CALIBRATION_TITLE, text, None)
         return 0
     args.out = args.out or Path("bench/results/cluster")
     bench = Bench(args.quick, args.seed, args.jobs or default_jobs())
@@ -551,6 +557,8 @@ def main() -> int:
         title, _, has_data, _ = TABLES[letter]
         text, plotted[letter] = future.result() if has_data else (future.result(), None)
         show(f"{letter}. {title}", text)
+        if page:
+            _results_page(letter, title, text, plotted[letter])
     print(f"\n{bench.simulations} simulations in {time.perf_counter() - start:.0f} s "
           f"({bench.jobs} at once)", file=sys.stderr)
     bench.close()  # the simulations' memory, before the real runs of (g)
@@ -559,13 +567,27 @@ def main() -> int:
         _plot(args.out, scale_counts(bench), plotted["b"], ETAS, plotted["e"])
         print(f"plot: {args.out / 'cluster.png'}")
     if "g" in only:
-        show(f"g. {CALIBRATION_TITLE}", calibrate(args.quick, args.out / "calibration"))
+        text = calibrate(args.quick, args.out / "calibration")
+        show(f"g. {CALIBRATION_TITLE}", text)
+        if page:
+            _results_page("g", CALIBRATION_TITLE, text, None)
     name = "table" + ("" if only == default else f"-{only}") + ("-quick" if args.quick else "")
     (args.out / f"{name}.txt").write_text("\n\n".join(sections) + "\n")
     return 0
 
 
 CALIBRATION_TITLE = "calibration against this machine (bench/speedup.py's runs)"
+
+
+def _results_page(letter: str, title: str, text: str, values: Any) -> None:
+    """docs/results/cluster-<letter>.md: one table of a full run, as printed."""
+    page = write_results(
+        f"cluster-{letter}", title=f"Cluster simulation, table ({letter}): {title}",
+        command=" ".join(["python", *sys.argv]), table=text,
+        data={"table": letter, "values": json.loads(json.dumps(values, default=str))},
+        notes="The real controller drives simulated workers on a virtual clock, priced by "
+              "the cost model of sim/costs.yaml (docs/guides/simulation.md says how to read it).")
+    print(f"results page: {page}", file=sys.stderr)
 
 
 def calibrate(quick: bool, out: Path) -> str:
