@@ -30,7 +30,8 @@ from areal.workers.rollout.engine import (
 )
 from areal.workers.rollout.interruptible import InterruptibleGenerator
 
-pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
+# slow as well: the module's engine takes half a minute to start (out of the fast tier)
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 ATOL = 1e-4
 """fp32 engine vs fp32 trainer: measured max |diff| ~1e-5 (different kernels, same math)."""
