@@ -18,8 +18,8 @@ accuracy and reward against wall time. Extra key=value overrides apply to every 
 Held-out accuracy is measured after each run, on the weight versions it published
 (every `--eval-every` steps, greedy, `areal.eval`), not during it: evaluation requests
 would share the rollout worker with training generation and slow the two modes unequally
-(measured here: with 256 held-out prompts every 5 steps, async lost 59% of its training
-throughput and sync 26%), so the timed runs carry training traffic only.
+(with 256 held-out prompts every 5 steps, async loses far more of its training throughput
+than sync), so the timed runs carry training traffic only.
 """
 
 from __future__ import annotations
