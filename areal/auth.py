@@ -119,6 +119,7 @@ def load_server_keys(directory: str | Path) -> ServerKeys:
     if not authorized_dir.is_dir():
         raise KeyFileError(f"{authorized_dir} does not exist: no client could be admitted; run "
                         f"`python -m areal.auth init {directory}`")
+    assert secret is not None  # _load refuses a file without one
     return ServerKeys(public=public, secret=secret, authorized_dir=authorized_dir)
 
 
@@ -128,6 +129,7 @@ def load_client_keys(directory: str | Path) -> ClientKeys:
     server_public, _ = _load(directory / f"{SERVER}.key", "the controller's public key",
                              secret=False)
     public, secret = _load(directory / f"{CLIENT}.key_secret", "this worker's client key pair")
+    assert secret is not None  # _load refuses a file without one
     return ClientKeys(server_public=server_public, public=public, secret=secret)
 
 
@@ -204,7 +206,7 @@ class ZapHandler:
         if len(request) < 6:
             return [b"1.0", request[1] if len(request) > 1 else b"", b"400", b"bad request",
                     b"", b""]
-        version, request_id, domain, address, identity, mechanism = request[:6]
+        version, request_id, domain, address, _identity, mechanism = request[:6]
         credentials = request[6:]
         key = z85.encode(credentials[0]) if mechanism == b"CURVE" and credentials else b""
         if domain == ZAP_DOMAIN and mechanism == b"CURVE" and key in self.authorized():
@@ -233,7 +235,8 @@ async def watch_handshakes(socket: zmq.Socket, failures: list[str]) -> None:
     monitor = socket.get_monitor_socket(events)
     try:
         while True:
-            event = parse_monitor_message(await monitor.recv_multipart())
+            # an asyncio socket's monitor is an asyncio socket (pyzmq's stubs say otherwise)
+            event = parse_monitor_message(await monitor.recv_multipart())  # type: ignore[misc]
             if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 continue  # ZapHandler logged it with the peer's key
             if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # value: an errno

@@ -32,7 +32,8 @@ import operator
 import threading
 import types
 import typing
-from typing import Any, Collection, Sequence
+from typing import Any
+from collections.abc import Collection, Sequence
 
 import msgpack
 import numpy as np
@@ -60,7 +61,7 @@ def _array_bytes(value: Any) -> tuple[str, tuple[int, ...], memoryview]:
         name = _DTYPE_NAMES.get(arr.dtype)  # dtype.name is slow: it showed in profiles
         if name is None:
             raise MessageError(f"array dtype {arr.dtype} cannot travel; allowed: {_NUMPY_DTYPES}")
-        return name, arr.shape, memoryview(arr).cast("B")
+        return name, arr.shape, memoryview(arr).cast("B")  # type: ignore[arg-type]  # a buffer
     if type(value).__module__.startswith("torch"):
         tensor = value.detach()
         if tensor.device.type != "cpu":
@@ -117,7 +118,8 @@ def encode(msg: Any) -> list[Any]:
         raise MessageError(f"{type(msg).__name__} is not a registered message schema")
     buffers: list[memoryview] = []
     header = {}
-    for name, default in _field_defaults(type(msg)):
+    schema: Any = type(msg)
+    for name, default in _field_defaults(schema):
         value = getattr(msg, name)
         # A field at its default is left out (the decoder fills it in): a Generated of one
         # completion carries 5-7 of its 17 fields. Same type only: 0 is not taken for False.
@@ -137,8 +139,8 @@ _PACKERS = threading.local()
 
 def _packer() -> msgpack.Packer:
     """This thread's reusable Packer: `msgpack.packb` builds a new one (and its buffer) per
-    call, which cost the replayed controller at 512 accelerators 7% of its time for the
-    small array references alone (py-spy, 2026-12-02); `pack` resets it after each use."""
+    call, a large share of the controller's encoding time when it packs the many small array
+    references of a step; `pack` resets it after each use."""
     packer = getattr(_PACKERS, "packer", None)
     if packer is None:
         packer = _PACKERS.packer = msgpack.Packer()
@@ -193,7 +195,7 @@ def _pack_value(value: Any, buffers: list[memoryview]) -> Any:
 class _ArrayRef(typing.NamedTuple):  # a tuple: built for every array of every message
     dtype: str
     shape: tuple[int, ...]
-    index: int
+    index: int  # type: ignore[assignment]  # shadows tuple.index, which is never called
 
 
 _ALLOWED_DTYPES = frozenset(_NUMPY_DTYPES + _TORCH_ONLY_DTYPES)
@@ -348,7 +350,7 @@ def _field_check(annotation: Any) -> FieldCheck:
     for an optional field) takes a short path; anything else (a conversion, an error) goes
     through `_check` itself. So both accept, convert and refuse exactly the same values,
     with the same errors (tests/areal/test_codec_fast_path.py). The controller decodes
-    every Generated and Scored (about 16,000 messages per step at 512 accelerators)."""
+    every Generated and Scored (tens of thousands of messages per step at cluster scale)."""
 
     def general(value: Any, frames: Sequence[Any], where: str, used: set) -> Any:
         return _check(value, annotation, frames, where, used)
@@ -458,7 +460,7 @@ _NBYTES = operator.attrgetter("nbytes")
 
 
 @functools.cache
-def _schema_fields(schema: type) -> tuple[list[tuple[str, FieldCheck, bool, str, frozenset]],
+def _schema_fields(schema: Any) -> tuple[list[tuple[str, FieldCheck, bool, str, frozenset]],
                                           frozenset[str]]:
     """([(field, its check, required, where, types taken as they are)], names) of a schema,
     resolved once: `get_type_hints` alone cost about two thirds of decoding a small message."""
@@ -494,7 +496,8 @@ def _build(schema: type, header: dict[str, Any], frames: Sequence[memoryview]) -
     raises the error (tests/areal/test_codec_fast_path.py holds the two to each other)."""
     by_name, required = _schema_lookup(schema)
     if required <= header.keys():
-        values, used = {}, set()
+        values: dict[str, Any] = {}
+        used: set[str] = set()
         try:
             for fname, value in header.items():
                 check, where, as_is = by_name[fname]
@@ -517,12 +520,13 @@ def _schema_lookup(schema: type) -> tuple[dict[str, tuple[FieldCheck, str, froze
             frozenset(name for name, _, required, _, _ in fields if required))
 
 
-def _build_checked(schema: type, header: dict[str, Any], frames: Sequence[memoryview]) -> Any:
+def _build_checked(schema: Any, header: dict[str, Any], frames: Sequence[memoryview]) -> Any:
     name = schema.KIND.name
     fields, names = _schema_fields(schema)
     if not names.issuperset(header):
         raise MessageError(f"{name}: unknown field(s) {sorted(set(header) - names)}")
-    values, used = {}, set()
+    values: dict[str, Any] = {}
+    used: set[str] = set()
     for fname, check, required, where, as_is in fields:
         if fname not in header:
             if required:

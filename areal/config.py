@@ -16,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
+from collections.abc import Iterator, Sequence
 
 import yaml
 from omegaconf import OmegaConf
@@ -148,7 +149,7 @@ class TaskConfig:
 @dataclass(kw_only=True)
 class EpisodeConfig:
     """Multi-turn episodes: the model's turns alternate with an environment's observations
-    (tool results) in one trajectory (areal.tasks.environment, DESIGN.md section 10)."""
+    (tool results) in one trajectory (areal.tasks.environment, docs/design.md section 10)."""
 
     environment: str | None = opt(
         None, "null: one completion per sample; a built-in environment ('tools': the "
@@ -226,7 +227,7 @@ class RolloutConfig:
 
 @dataclass(kw_only=True)
 class PPOConfig:
-    """The decoupled PPO objective (DESIGN.md section 6)."""
+    """The decoupled PPO objective (docs/design.md section 6)."""
 
     eps_clip: float = opt(0.2, "clip range of r = pi_theta/pi_prox (low side, and high side "
                           "unless eps_clip_high is set)")
@@ -239,7 +240,8 @@ class PPOConfig:
                          "'loglinear' (interpolated from per-token versions), or 'behav': "
                          "naive PPO, the behaviour policy is the anchor (w = 1; for ablations)",
                          ["recompute", "loglinear", "behav"])
-    # Off-policy corrections beyond the paper's (areal.algorithms.corrections; README recipes).
+    # Off-policy corrections beyond the paper's (areal.algorithms.corrections; recipes in
+    # docs/concepts/decoupled-ppo.md).
     behav_imp_floor: float | None = opt(
         None, "lower bound on w, handled like the cap by behav_cap_mode (with 'mask' and a cap: "
         "IcePop's two-sided mask); null: none")
@@ -442,7 +444,10 @@ class EvalConfig:
 
 @dataclass(kw_only=True)
 class LoggingConfig:
-    progress: bool = opt(True, "live progress bar on the console")
+    progress: bool = opt(True, "progress on the console: a live bar on a terminal, a plain "
+                         "line every progress_every steps otherwise (a log file)")
+    progress_every: int = opt(10, "steps between progress lines when the console is not a "
+                              "terminal")
     tensorboard: bool = opt(True, "TensorBoard event files in the run directory")
     wandb_project: str | None = opt(None, "Weights & Biases project (needs wandb installed)")
     level: str = opt("INFO", "log level", ["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -450,7 +455,7 @@ class LoggingConfig:
                              "versions, rewards) to <run_dir>/batches/step_<n>.npz")
 
     def check(self, key: str) -> None:
-        pass
+        _positive(self.progress_every, f"{key}.progress_every")
 
 
 @dataclass(kw_only=True)
@@ -478,8 +483,8 @@ class ControllerConfig:
                                   "trainer.num_ranks of them to join with --connect")
     gc_thresholds: list[int] = opt([50000, 20, 100], "the controller process's cyclic "
                                    "garbage-collector thresholds while a run goes (Python's "
-                                   "gc.set_threshold; its default 700, 10, 10 cost 0.19 CPU s "
-                                   "per step at 512 accelerators, these 0.08: "
+                                   "gc.set_threshold; with its default 700, 10, 10 full "
+                                   "collections walk every live sample often: "
                                    "areal.controller.collector); []: leave them as they are")
 
     def check(self, key: str) -> None:
@@ -553,8 +558,8 @@ class RunConfig:
     def check(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if dataclasses.is_dataclass(value):
-                value.check(f.name)
+            if dataclasses.is_dataclass(value) and not isinstance(value, type):
+                value.check(f.name)  # type: ignore[attr-defined]  # every section has check()
         if self.trainer.advantage.overlong_buffer > self.rollout.max_new_tokens:
             raise ConfigError(
                 f"trainer.advantage.overlong_buffer={self.trainer.advantage.overlong_buffer} "

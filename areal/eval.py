@@ -29,7 +29,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from areal.config import ConfigError, RunConfig, load_config
 from areal.evaluation import pass_at_k, summarize
@@ -114,6 +115,7 @@ def load_prompts(cfg: RunConfig) -> tuple[Any, Any, list[tuple[Any, list[int]]],
     from areal.tasks import load_task
 
     task = load_task(cfg.task.name, cfg.task.params)
+    assert cfg.model.path is not None, "evaluation needs a model directory (--model)"
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path,
                                trust_remote_code=cfg.model.trust_remote_code,
                                cache_dir=cfg.cache_dir)

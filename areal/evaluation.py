@@ -9,7 +9,7 @@ OK. This module computes; running the samples is the controller's or `areal.eval
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from areal.tasks.base import Verdict
 

@@ -164,7 +164,7 @@ def plot_runs(run_dirs: list[Path], out_dir: Path, x_axis: str = "step") -> list
     cols = 2
     rows = math.ceil(len(names) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(12, 3.6 * rows), squeeze=False)
-    for ax, name in zip(axes.flat, names):
+    for ax, name in zip(axes.flat, names, strict=False):
         draw_panel(ax, name, runs, x_axis)
     for ax in list(axes.flat)[len(names):]:
         ax.set_visible(False)

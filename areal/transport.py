@@ -24,7 +24,8 @@ import asyncio
 import hashlib
 import hmac
 import logging
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import zmq
 import zmq.asyncio

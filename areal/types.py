@@ -3,7 +3,7 @@
 A `Trajectory` is one sampled completion with everything the decoupled PPO objective
 needs per token: the token, the behaviour log-prob recorded when it was sampled, and the
 policy version that sampled it (-1 for prompt tokens). An episode (several model turns with
-observations between them, DESIGN.md section 10) is one trajectory too: its observation
+observations between them, docs/design.md section 10) is one trajectory too: its observation
 tokens are stored like prompt tokens (version -1, log-prob 0, loss mask False), so nothing
 downstream (packing, staleness, the loss) needs to know about turns. Arrays are numpy so
 that they travel as raw ZeroMQ frames; `pack` turns a batch into flat torch tensors with
@@ -14,7 +14,8 @@ talks to processes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, TypedDict
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -37,8 +38,8 @@ class Trajectory:
     joins them: each token is copied once, into the Train message. A trajectory's arrays are
     never changed once it is built, so `oldest_version` is computed once; `from_generation`
     computes it at once, while the completion just received is in the CPU's cache (read at
-    the step record, after thousands of other completions, it cost 5 us a trajectory at 512
-    accelerators, 2026-12-03)."""
+    the step record, after thousands of other completions, it would be a cache miss per
+    trajectory)."""
 
     def __init__(self, *, prompt_id: str, group_id: int, token_ids: np.ndarray,
                  logprobs: np.ndarray, versions: np.ndarray, loss_mask: np.ndarray,
@@ -55,8 +56,10 @@ class Trajectory:
         _check_num_prompt(prompt_id, num_prompt_tokens, len(token_ids))
         self._init(prompt_id, group_id, num_prompt_tokens, reward, finish_reason, timings,
                    episode)
-        self._joined: tuple[np.ndarray, ...] | None = (token_ids, logprobs, versions, loss_mask)
-        self._parts: tuple[Any, ...] | None = None
+        # Exactly one of the two forms is set (None the other), which mypy cannot follow:
+        # typed Any rather than checked on every read of the controller's hot path.
+        self._joined: Any = (token_ids, logprobs, versions, loss_mask)
+        self._parts: Any = None
 
     def _init(self, prompt_id: str, group_id: int, num_prompt_tokens: int, reward: float,
               finish_reason: str, timings: dict[str, float] | None,
@@ -93,7 +96,7 @@ class Trajectory:
         output_versions: Sequence[int] | np.ndarray,
         finish_reason: str = "length",
         output_loss_mask: Sequence[bool] | np.ndarray | None = None,
-    ) -> "Trajectory":
+    ) -> Trajectory:
         """Assemble prompt and completion; completion tokens are trained on, prompt tokens not.
 
         `output_loss_mask` [T]: False for observation tokens of an episode, which must carry
@@ -104,7 +107,7 @@ class Trajectory:
                 f"trajectory {prompt_id!r}: per-token arrays differ in length (output_ids="
                 f"{num_out}, logprobs={len(output_logprobs)}, versions={len(output_versions)})")
         # A single completion (no mask) is all sampled tokens: nothing to check or build.
-        out_mask = True if output_loss_mask is None else np.asarray(output_loss_mask, bool)
+        out_mask: Any = True if output_loss_mask is None else np.asarray(output_loss_mask, bool)
         if out_mask is not True and len(out_mask) == num_out and not out_mask.all():
             observed = np.asarray(output_versions)[~out_mask]
             if (observed != PROMPT_VERSION).any():
@@ -118,7 +121,7 @@ class Trajectory:
             kept._joined = None
             kept._parts = (prompt_ids, output_ids, output_logprobs, output_versions,
                            None if out_mask is True else out_mask)
-            kept._oldest = _oldest_sampled(output_versions)  # now, while it is in the cache
+            kept._oldest = _oldest_sampled(output_versions)  # type: ignore[arg-type]  # now, while it is in the cache
             return kept
         # Anything else (lists, other dtypes, a mask of another length) is converted as
         # numpy assignment converts it, into arrays written once each.
@@ -303,7 +306,7 @@ class PackedBatch:
         parts = [torch.arange(int(starts[i]), int(ends[i])) for i in seq_indices]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
-    def select(self, seq_indices: Sequence[int]) -> "PackedBatch":
+    def select(self, seq_indices: Sequence[int]) -> PackedBatch:
         """A new packed batch holding the given sequences, in the given order."""
         starts, ends = self.cu_seqlens[:-1], self.cu_seqlens[1:]
         idx = list(seq_indices)
@@ -338,8 +341,20 @@ def pack(trajectories: Sequence[Trajectory]) -> PackedBatch:
     )
 
 
+class PackedArrays(TypedDict):
+    """The packed arrays of a Train message (areal.messages.Train), by field name."""
+
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    loss_mask: np.ndarray
+    cu_seqlens: np.ndarray
+    rewards: np.ndarray
+    group_ids: np.ndarray
+
+
 def pack_arrays(trajectories: Sequence[Trajectory],
-                masked: Sequence[bool] | None = None) -> dict[str, np.ndarray]:
+                masked: Sequence[bool] | None = None) -> PackedArrays:
     """`pack` as the numpy arrays of a Train message (areal.messages.Train): token_ids,
     versions and cu_seqlens int32, logprobs and rewards float32, loss_mask bool, group_ids
     int64. One copy of each trajectory's arrays, none of the whole batch in int64: the
@@ -350,12 +365,14 @@ def pack_arrays(trajectories: Sequence[Trajectory],
     cu_seqlens = np.concatenate([np.zeros(1, np.int32), np.cumsum(lengths, dtype=np.int32)])
     total = int(cu_seqlens[-1])
     # Each token of each field written once (Trajectory._write, prompts' constants
-    # included): filling the arrays beforehand was a pass over 490 MB a step at 512
-    # accelerators, for the 5% of tokens that are prompts.
+    # included): filling the arrays beforehand would be a second pass over every token of
+    # the batch, for the few that are prompts.
     arrays = {"token_ids": np.empty(total, np.int32), "logprobs": np.empty(total, np.float32),
               "versions": np.empty(total, np.int32), "loss_mask": np.empty(total, bool)}
     for i, (t, start) in enumerate(zip(trajectories, cu_seqlens[:-1].tolist(), strict=True)):
         t._write(start, **arrays, trained=masked is None or not masked[i])
-    return {**arrays, "cu_seqlens": cu_seqlens,
-            "rewards": np.array([t.reward for t in trajectories], dtype=np.float32),
-            "group_ids": np.array([t.group_id for t in trajectories], dtype=np.int64)}
+    return PackedArrays(
+        token_ids=arrays["token_ids"], logprobs=arrays["logprobs"], versions=arrays["versions"],
+        loss_mask=arrays["loss_mask"], cu_seqlens=cu_seqlens,
+        rewards=np.array([t.reward for t in trajectories], dtype=np.float32),
+        group_ids=np.array([t.group_id for t in trajectories], dtype=np.int64))

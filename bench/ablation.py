@@ -41,6 +41,11 @@ from areal.controller import Controller
 from areal.intervals import MeanInterval, t_interval
 from areal.models.warmstart import ensure_warm_model
 
+sys.path.insert(0, str(Path(__file__).parent))
+from results_page import publish, write_results
+
+DEFAULT_OUT = Path("bench/results/ablation")
+
 COLUMNS = {"naive": "naive PPO", "recompute": "decoupled, recomputed prox",
            "loglinear": "decoupled, log-linear prox"}
 PROX_LOGP = {"naive": "behav", "recompute": "recompute", "loglinear": "loglinear"}
@@ -212,9 +217,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="cells run at once (their training times then share the CPU)")
     parser.add_argument("--resume", action="store_true",
                         help="keep the results already in --out/cells.json, run the rest")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/ablation"))
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"results folder (default {DEFAULT_OUT}; only a full run there "
+                        "writes the docs' results page, docs/results/ablation.md)")
     parser.add_argument("overrides", nargs="*", help="key=value applied to every run")
     args = parser.parse_args(argv)
+    args.publish = publish(args.quick, args.out) and not args.overrides
+    args.out = args.out or DEFAULT_OUT
     args.setting = list(SETTING)
     args.cells = [(eta, column) for eta in args.etas for column in args.columns]
     if args.quick:
@@ -235,6 +244,17 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "table.txt").write_text(text + "\n")
     plot(cells, args.columns, args.out / "ablation.png")
     print(f"plot: {args.out / 'ablation.png'}")
+    if args.publish:
+        page = write_results(
+            "ablation", title="Staleness ablation: naive PPO against decoupled PPO "
+            "(bench/ablation.py)", command=" ".join(["python", *(sys.argv if argv is None else ["bench/ablation.py", *argv])]), table=text,
+            data={"setting": args.setting, "seeds": args.seeds, "steps": args.steps,
+                  "cells": cells},
+            notes="Rows: staleness.eta (admission bound); columns: the PPO anchor "
+                  "(trainer.ppo.prox_logp). Each cell: held-out pass@1 after training, mean "
+                  "and 95% t-interval over seeds. The setting and why: the SETTING docstring "
+                  "of bench/ablation.py.")
+        print(f"results page: {page}")
     return 0
 
 

@@ -11,9 +11,10 @@
    prices training as it costs inside a run: the fitted training price times the probe's
    trainer steps (as its controller timed them, less the publication) over what the fit
    prices for the same batches, the median step (areal.sim.calibrate.fit_train_slowdown).
-   A fit to step 1's timings priced later runs' batches 7-16% off (either way), though a
-   trainer trains them alone as fast as in the run and as fast as synthetic batches of
-   their size: this machine's speed drifts over minutes (README: calibration). The
+   A fit to step 1's timings alone priced later runs' batches off by more than the target
+   (either way), though a trainer trains them alone as fast as in the run and as fast as
+   synthetic batches of their size: a shared machine's speed drifts over minutes
+   (docs/history.md, calibration). The
    probe's steps are real batches, in a real run, a minute before the runs being
    predicted, and none of them is a step of those runs;
 3. runs bench/speedup.py's sync and async runs (its config: 40 steps of 8 prompts x 8
@@ -51,20 +52,20 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import speedup  # noqa: E402
-from machine_timings import Plan, Timings, measure  # noqa: E402
+import speedup
+from machine_timings import Plan, Timings, measure
 
-from areal.config import load_config  # noqa: E402
-from areal.controller.setup import saved_batch_path  # noqa: E402
-from areal.records import read_records  # noqa: E402
-from areal.sim.calibrate import (  # noqa: E402
+from areal.config import load_config
+from areal.controller.setup import saved_batch_path
+from areal.records import read_records
+from areal.sim.calibrate import (
     GenerationFit, SlowdownFit, TrainFit, TrainSample, fit_generation, fit_train_slowdown,
     fit_training,
 )
-from areal.sim.config import sim_config  # noqa: E402
-from areal.sim.cost import accelerator, cost_model, load_costs, model_shape  # noqa: E402
-from areal.sim.replay import ReplayWorkload  # noqa: E402
-from areal.sim.run import simulate  # noqa: E402
+from areal.sim.config import sim_config
+from areal.sim.cost import accelerator, cost_model, load_costs, model_shape
+from areal.sim.replay import ReplayWorkload
+from areal.sim.run import simulate
 
 ACCELERATOR, MODEL = "cpu-2core", "tiny"
 COMMAND = "python bench/cluster.py --calibrate"
@@ -237,7 +238,7 @@ def probe_training(costs: dict[str, Any], model_dir: Path, out: Path, steps: int
     efficiency["train_contention"] = {"value": 1.0, "source": (
         "the training price above is the one of a run whose trainer shares the machine with "
         "generation (the probe); a trainer training a run's batches again alone was not faster "
-        "than the run's (bench/trainer_replay.py; README: calibration, 2026-12-01)")}
+        "than the run's (bench/trainer_replay.py; docs/history.md, calibration)")}
     return fit
 
 
@@ -260,8 +261,8 @@ def after_first(times: list[float], tokens: list[int]) -> tuple[float, int]:
     before training starts, and its first batch is generated meanwhile (outside the
     training clock). The simulated run evaluates as many (`first_eval_problems`): an async
     run's next batches are generated meanwhile too, and with a 4-step run's 3 compared
-    steps, which groups they hold depends on it (predicted trained tokens 37-53% short
-    without it in three quick runs of 1-2 December, equal or within 2% with it)."""
+    steps, which groups they hold depends on it (without it the quick runs' trained tokens
+    were predicted far short; docs/history.md, "The opening evaluation")."""
     return times[-1] - times[0], tokens[-1] - tokens[0]
 
 
@@ -327,7 +328,7 @@ def fitted_lines(gen: GenerationFit, train: TrainFit, timings: Timings,
 
 def run(quick: bool, out: Path) -> str:
     out.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     steps = 4 if quick else 40  # quick: 3 compared steps
     extra = ["eval.max_prompts=16"] if quick else []
     model_dir = speedup._warm_model(argparse.Namespace(overrides=[]))

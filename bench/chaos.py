@@ -41,10 +41,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from chaos_faults import KINDS, Fault, Hang, RunUnderTest  # noqa: E402
+from chaos_faults import KINDS, Fault, Hang, RunUnderTest
+from results_page import publish, write_results
 
-from areal.intervals import proportion_interval  # noqa: E402
-from areal.records import read_records  # noqa: E402
+from areal.intervals import proportion_interval
+from areal.records import read_records
 
 LABELS = {"kill_rollout": "kill -9 rollout", "kill_reward": "kill -9 reward",
           "kill_trainer": "kill -9 trainer", "stop_rollout": "SIGSTOP rollout",
@@ -179,9 +180,13 @@ def main() -> int:
     parser.add_argument("--deadline", type=float, default=600.0,
                         help="seconds without progress after a fault that count as a hang")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/chaos"))
+    parser.add_argument("--out", type=Path, default=None,
+                        help="results folder (default bench/results/chaos; only a full run "
+                        "there writes the docs' results page, docs/results/chaos.md)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args()
+    page = publish(args.quick, args.out) and not args.overrides
+    args.out = args.out or Path("bench/results/chaos")
     if args.quick:
         args.faults, args.final_steps = len(QUICK_KINDS), 2
     with tempfile.TemporaryDirectory(prefix="chaos-") as tmp:
@@ -195,13 +200,22 @@ def main() -> int:
                     "after": 0.0, "num_problems": 0, "superseded_steps": 0}
         else:
             done = check_records(run_dir)
-    print(table(faults, done, code, args.seed))
+    text = table(faults, done, code, args.seed)
+    print(text)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / ("quick.json" if args.quick else "chaos.json")).write_text(json.dumps(
-        {"seed": args.seed, "overrides": args.overrides, "exit_code": code, "records": done,
-         "faults": [vars(f) for f in faults]}, indent=1))
+    data = {"seed": args.seed, "overrides": args.overrides, "exit_code": code, "records": done,
+            "faults": [vars(f) for f in faults]}
+    (args.out / ("quick.json" if args.quick else "chaos.json")).write_text(
+        json.dumps(data, indent=1))
     ok = passed(faults, done, code, args.quick)
     print("chaos check: " + ("PASSED" if ok else "FAILED"))
+    if page:
+        print("results page: " + str(write_results(
+            "chaos", title="Faults injected into one run (bench/chaos.py)",
+            command=" ".join(["python", *sys.argv]), table=text, data=data,
+            notes=f"Check: {'PASSED' if ok else 'FAILED'}. Recovery is the time from the fault "
+                  "to the first step trained after the repair; every prompt group drawn must "
+                  "be trained exactly once, dropped with a reason, or in flight at the end.")))
     return 0 if ok else 1
 
 

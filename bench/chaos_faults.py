@@ -25,7 +25,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import psutil
 
@@ -173,11 +174,12 @@ class RunUnderTest:
 
     def _weight(self, fault: Fault, mark: int) -> int:
         for _ in range(5):  # the trainer may not publish while the worker is frozen: again
+            # the lambdas are called within this iteration (wait_for), so `mark` is current
             self.wait_for(lambda: any(r["kind"] == "step" and r["buffer/trajectories"]
-                                      >= self.batch_size for r in self.records[mark:]),
+                                      >= self.batch_size for r in self.records[mark:]),  # noqa: B023
                           "a full batch buffered")
             if self._delete_while_frozen(fault):
-                return self.wait_for(lambda: self.find(mark, event="weights_load_failed"),
+                return self.wait_for(lambda: self.find(mark, event="weights_load_failed"),  # noqa: B023
                                      "weights_load_failed")
             mark = len(self.records)
         raise Hang("the trainer published no version while the rollout worker was frozen")

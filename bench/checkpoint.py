@@ -31,11 +31,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from weight_sync import MODELS  # noqa: E402  (the same model sizes)
+from weight_sync import MODELS
 
-from areal.config import load_config  # noqa: E402
-from areal.workers.trainer.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from areal.workers.trainer.publish import publish_to_disk  # noqa: E402
+from areal.config import load_config
+from areal.workers.trainer.checkpoint import load_checkpoint, save_checkpoint
+from areal.workers.trainer.publish import publish_to_disk
 
 
 def build(name: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -82,14 +82,14 @@ def measure(name: str, repeats: int, root: Path) -> dict[str, float]:
 
     row = {
         "params": params, "gb": nbytes / 1e9,
-        "memcpy": _best(lambda: [c.copy_(t) for c, t in zip(copies, tensors)], repeats),
+        "memcpy": _best(lambda: [c.copy_(t) for c, t in zip(copies, tensors, strict=True)], repeats),
         "publish": _best(lambda: publish_to_disk(named, cfg, 1), repeats),
         "save": _best(save, repeats),
     }
     latest = sorted((root / "checkpoints").iterdir())[-1]
     fresh, fresh_optimizer = build(name)
     row["load"] = _best(lambda: load_checkpoint(fresh, fresh_optimizer, latest), repeats)
-    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters(), strict=True))
     if not same:
         raise AssertionError("the loaded weights differ from the saved ones")
     return row

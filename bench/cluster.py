@@ -55,12 +55,16 @@ from concurrent import futures
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import psutil
 
 from areal.sim.config import SimConfig, sim_config
 from areal.sim.run import SimResult, simulate
+
+sys.path.insert(0, str(Path(__file__).parent))
+from results_page import publish, write_results
 
 
 @dataclass(frozen=True)
@@ -96,9 +100,9 @@ QUICK_BATCH = dict(num_prompts=32, group_size=8, max_new_tokens=8192, num_miniba
 SYNC_STEPS = dict(steps=2, measure_from=1)
 """A synchronous step does not depend on the one before: one measured step."""
 ASYNC_STEPS = dict(steps=7, measure_from=4)
-"""The asynchronous pipeline fills over the first steps: three measured steps, 5-7. Steps 3-4
-of 4, measured until 2 December, were not its steady state: at 512 accelerators steps 5-10
-took 25.5-30.1 s, steps 2-4 31.1-37.4 s (README, "The measured window")."""
+"""The asynchronous pipeline fills over the first steps (generation runs ahead while the
+buffer grows toward the eta bound, and the first batches hold the completions that finished
+first): three measured steps, 5-7, after it (docs/history.md, "The measured window")."""
 ABLATION_ASYNC_STEPS = dict(steps=12, measure_from=4)
 """(c)-(e)'s quarter batch: a step holds 2,048 trajectories, so a few long completions move
 it more; eight measured steps (5-12)."""
@@ -258,9 +262,8 @@ def default_jobs() -> int:
 
 
 SIM_MEMORY_GB = 6
-"""A simulation's peak memory, with margin: the largest (512 prompts x 16 answers, async, 512
-accelerators) peaked at 4.8 GB in table (f), 2.4 GB since trajectories keep the messages'
-arrays (README, table f)."""
+"""A simulation's peak memory, with margin over the largest (512 prompts x 16 answers, async,
+512 accelerators; table (f)'s `rss GB` column reports each one's)."""
 
 
 def _lines(head: str, rows: list[str]) -> str:
@@ -272,11 +275,11 @@ def table_a(bench: Bench) -> str:
     paper = PAPER[:1] if bench.quick else PAPER
     counts = [32 if bench.quick else p.accelerators for p in paper]
     runs = []  # all queued before the first is awaited
-    for p, n in zip(paper, counts):
+    for p, n in zip(paper, counts, strict=True):
         common = dict(model=p.model, num_accelerators=n, rollout_tp=p.rollout_tp)
         runs.append((_shared_start(bench, "sync", **common),
                      _shared_start(bench, "async", eta=p.eta, **common)))
-    for p, n, (sync_run, async_run) in zip(paper, counts, runs):
+    for p, n, (sync_run, async_run) in zip(paper, counts, runs, strict=True):
         sync, async_ = sync_run.result(), async_run.result()
         rows.append(f"{p.model:>5} {n:>5} {p.eta:>4} {sync.step_s / 60:>9.2f} "
                     f"{async_.step_s / 60:>9.2f} {sync.step_s / async_.step_s:>7.2f}x "
@@ -332,7 +335,7 @@ def table_c(bench: Bench) -> str:
     runs = [(bench.start("sync", ablation=True, num_accelerators=n, max_new_tokens=length),
              bench.start("async", ablation=True, num_accelerators=n, max_new_tokens=length,
                          eta=8)) for length in lengths]
-    for length, (sync_run, async_run) in zip(lengths, runs):
+    for length, (sync_run, async_run) in zip(lengths, runs, strict=True):
         sync, async_ = sync_run.result(), async_run.result()
         rows.append(f"{length:>7} {sync.step_s / 60:>9.2f} {async_.step_s / 60:>9.2f} "
                     f"{sync.trained_tokens_per_s:>11.0f} {async_.trained_tokens_per_s:>11.0f} "
@@ -374,7 +377,7 @@ def table_e(bench: Bench) -> tuple[str, list[float]]:
     runs = [bench.start("async", ablation=True, num_accelerators=n, eta=eta) for eta in etas]
     sync = sync_run.result()
     rows, tput = [], []
-    for eta, run in zip(etas, runs):
+    for eta, run in zip(etas, runs, strict=True):
         r = run.result()
         tput.append(r.trained_tokens_per_s)
         rows.append(f"{'inf' if eta is None else eta:>5} {r.step_s / 60:>9.2f} "
@@ -526,9 +529,12 @@ def main() -> int:
     only = "g" if args.calibrate else args.only or default
     if set(only) - set("abcdefgsr"):
         parser.error(f"--only={only!r}: letters among a-g, s and r, e.g. --only f")
+    page = publish(args.quick, args.out)
     if only == "g":
         text = calibrate(args.quick, args.out or Path("bench/results/calibration"))
         print(f"{CALIBRATION_TITLE}\n{text}")
+        if page:
+            _results_page("g", CALIBRATION_TITLE, text, None)
         return 0
     args.out = args.out or Path("bench/results/cluster")
     bench = Bench(args.quick, args.seed, args.jobs or default_jobs())
@@ -544,12 +550,15 @@ def main() -> int:
     made: dict[str, Future[Any]] = {}
     for measured in (False, True):  # measured runs alone, after the others
         letters = [letter for letter in TABLES if letter in only and TABLES[letter][3] is measured]
-        made.update(zip(letters, bench.tables([TABLES[letter][1] for letter in letters])))
+        made.update(zip(letters, bench.tables([TABLES[letter][1] for letter in letters]),
+                           strict=True))
         futures.wait(made.values())
     for letter, future in sorted(made.items()):
         title, _, has_data, _ = TABLES[letter]
         text, plotted[letter] = future.result() if has_data else (future.result(), None)
         show(f"{letter}. {title}", text)
+        if page:
+            _results_page(letter, title, text, plotted[letter])
     print(f"\n{bench.simulations} simulations in {time.perf_counter() - start:.0f} s "
           f"({bench.jobs} at once)", file=sys.stderr)
     bench.close()  # the simulations' memory, before the real runs of (g)
@@ -558,13 +567,27 @@ def main() -> int:
         _plot(args.out, scale_counts(bench), plotted["b"], ETAS, plotted["e"])
         print(f"plot: {args.out / 'cluster.png'}")
     if "g" in only:
-        show(f"g. {CALIBRATION_TITLE}", calibrate(args.quick, args.out / "calibration"))
+        text = calibrate(args.quick, args.out / "calibration")
+        show(f"g. {CALIBRATION_TITLE}", text)
+        if page:
+            _results_page("g", CALIBRATION_TITLE, text, None)
     name = "table" + ("" if only == default else f"-{only}") + ("-quick" if args.quick else "")
     (args.out / f"{name}.txt").write_text("\n\n".join(sections) + "\n")
     return 0
 
 
 CALIBRATION_TITLE = "calibration against this machine (bench/speedup.py's runs)"
+
+
+def _results_page(letter: str, title: str, text: str, values: Any) -> None:
+    """docs/results/cluster-<letter>.md: one table of a full run, as printed."""
+    page = write_results(
+        f"cluster-{letter}", title=f"Cluster simulation, table ({letter}): {title}",
+        command=" ".join(["python", *sys.argv]), table=text,
+        data={"table": letter, "values": json.loads(json.dumps(values, default=str))},
+        notes="The real controller drives simulated workers on a virtual clock, priced by "
+              "the cost model of sim/costs.yaml (docs/guides/simulation.md says how to read it).")
+    print(f"results page: {page}", file=sys.stderr)
 
 
 def calibrate(quick: bool, out: Path) -> str:

@@ -26,10 +26,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import io
 import importlib.util
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -42,6 +45,9 @@ from areal.models.tiny import save_tiny_model
 from areal.models.weights import load_tensors
 from areal.workers.rollout.engine import DiskWeights, Engine, SamplingParams, TensorWeights
 from areal.workers.rollout.interruptible import InterruptibleGenerator
+
+sys.path.insert(0, str(Path(__file__).parent))
+from results_page import publish, write_results
 
 
 def make_prompts(num: int, seed: int = 0) -> list[list[int]]:
@@ -187,7 +193,7 @@ def print_table(rows: dict[str, dict[str, float]]) -> None:
     for name, r in rows.items():
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
 
-        def s(key: str) -> str:
+        def s(key: str, r: dict = r) -> str:
             return f"{r[key]:.3f}" if key in r else "n/a"
 
         print(f"{name:<8}{r['start_s']:>9.1f}{r['tokens_per_s']:>9.0f}{ratio:>10}"
@@ -236,14 +242,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-len", type=int, default=512, help="model positions")
     parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
                         help="vLLM: no CUDA graphs / compilation (faster start)")
-    parser.add_argument("--out", default="bench/results/engines")
+    parser.add_argument("--out", default=None,
+                        help="results folder (default bench/results/engines; only a run there "
+                        "writes the docs' results page, docs/results/engines.md, or "
+                        "engines-gpu.md on a GPU)")
     return parser.parse_args()
 
 
 async def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
-    out = Path(args.out)
+    page = publish(quick=False, out=args.out)
+    out = Path(args.out or "bench/results/engines")
     out.mkdir(parents=True, exist_ok=True)
     shape = TinyModelConfig(hidden_size=args.hidden_size, num_layers=args.layers,
                             num_heads=args.hidden_size // 32,
@@ -262,15 +272,27 @@ async def main() -> None:
             print(f"running {name} ...", flush=True)
             rows[name] = (bench_generate(args, weights, prompts) if name == "hf" else
                           await bench_engine(name, args, weights, prompts))
-    print(f"\n{args.requests} requests x {args.new_tokens} tokens, {args.device}, {args.dtype}, "
-          f"model hidden {args.hidden_size} x {args.layers} layers; load average "
-          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    print_table(rows)
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        print(f"{args.requests} requests x {args.new_tokens} tokens, {args.device}, "
+              f"{args.dtype}, model hidden {args.hidden_size} x {args.layers} layers; load "
+              f"average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+        print_table(rows)
+    table = printed.getvalue()
+    print("\n" + table, end="")
     (out / "engines.json").write_text(json.dumps({"args": vars(args), "results": rows},
                                                  indent=2))
     if rows:
         save_plot(rows, out / "engines.png")
     print(f"results in {out}/engines.json, engines.png")
+    if page and rows:
+        name = "engines" if args.device == "cpu" else "engines-gpu"
+        print("results page: " + str(write_results(
+            name, title=f"Inference engines on {args.device} (bench/engines.py)",
+            command=" ".join(["python", *sys.argv]), table=table,
+            data={"args": vars(args), "results": rows},
+            notes="The same requests through each engine: throughput and latency, and the "
+                  "cost of one interruption (pause with every request in flight, load new "
+                  "weights, resume).")))
 
 
 if __name__ == "__main__":  # a guard vLLM needs: its CPU workers are started with spawn

@@ -69,7 +69,7 @@ class Plan:
     repeats: int = 3
 
     @classmethod
-    def quick(cls) -> "Plan":
+    def quick(cls) -> Plan:
         return cls(decode_grid=((1, 16), (32, 16), (32, 192), (128, 16)),
                    decode_tokens=(8, 72), train_grid=((16, 32), (64, 24), (64, 64)),
                    repeats=1)
@@ -123,12 +123,12 @@ async def _generation(cfg: RunConfig, plan: Plan, timings: Timings) -> None:
     try:
         await _generate_s(engine, 8, 16, 8)  # warm-up: first calls pay one-off costs
         n1, n2 = plan.decode_tokens
-        for batch, prompt in plan.decode_grid:
-            first = await _median_async(lambda: _generate_s(engine, batch, prompt, 1),
+        for batch, prompt in plan.decode_grid:  # each lambda is awaited in its own iteration
+            first = await _median_async(lambda: _generate_s(engine, batch, prompt, 1),  # noqa: B023
                                         plan.repeats)
-            short = await _median_async(lambda: _generate_s(engine, batch, prompt, n1),
+            short = await _median_async(lambda: _generate_s(engine, batch, prompt, n1),  # noqa: B023
                                         plan.repeats)
-            long = await _median_async(lambda: _generate_s(engine, batch, prompt, n2),
+            long = await _median_async(lambda: _generate_s(engine, batch, prompt, n2),  # noqa: B023
                                        plan.repeats)
             timings.prefill.append(PrefillSample(lengths=(prompt,) * batch, seconds=first))
             timings.decode.append(DecodeSample(batch=batch, context=batch * (prompt + n1),
@@ -211,7 +211,7 @@ def _training(cfg: RunConfig, plan: Plan, timings: Timings) -> None:
     trainer.step_s(packed_batch(16, 32))  # warm-up
     for num_seqs, length in plan.train_grid:
         batch = packed_batch(num_seqs, length)
-        seconds = _median(lambda: trainer.step_s(batch), plan.repeats)
+        seconds = _median(lambda: trainer.step_s(batch), plan.repeats)  # noqa: B023 (called here)
         timings.train.append(TrainSample(lengths=(length,) * num_seqs, seconds=seconds))
         print(f"  train {num_seqs:>3} x {length:>3} tokens: {seconds * 1e3:.0f} ms",
               file=sys.stderr, flush=True)
@@ -233,7 +233,7 @@ class _background:
         self.command = [sys.executable, __file__, "--background", kind, str(cfg.model.path),
                         *cfg_overrides(cfg)]
 
-    def __enter__(self) -> "_background":
+    def __enter__(self) -> _background:
         self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, text=True)
         if self.process.stdout.readline().strip() != "ready":
             self.process.kill()

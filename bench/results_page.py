@@ -70,7 +70,7 @@ def write_results(name: str, *, title: str, command: str, table: str, data: Any,
     `table`: the bench's table as it printed it; `data`: the same numbers as JSON values."""
     results_dir.mkdir(parents=True, exist_ok=True)
     meta = {"bench": name, "title": title, "command": command,
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "commit": _commit(), "machine": machine()}
     (results_dir / f"{name}.json").write_text(json.dumps({**meta, "data": data}, indent=1) + "\n")
     where = meta["machine"]

@@ -24,16 +24,22 @@ No thresholds: this prints numbers, it does not judge them.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from pathlib import Path
 
 from areal.sandbox import PYTHON, PYTHON_EXEC, ExecStatus, Limits, Sandbox, SandboxConfig
+
+sys.path.insert(0, str(Path(__file__).parent))
+from results_page import write_results
 
 PROGRAMS = {
     "hello": ("print('hello')", b""),
@@ -85,7 +91,7 @@ def measure(runners: dict[str, Callable], source: str, stdin: bytes, runs: int, 
     for name, run in runners.items():
         start = time.perf_counter()
         with ThreadPoolExecutor(concurrency) as pool:
-            list(pool.map(lambda _: run(source, stdin), range(runs * concurrency)))
+            list(pool.map(lambda _: run(source, stdin), range(runs * concurrency)))  # noqa: B023
         parallel = runs * concurrency / (time.perf_counter() - start)
         mean = statistics.fmean(samples[name])
         stats[name] = {"mean_ms": 1000 * mean, "median_ms": 1000 * statistics.median(samples[name]),
@@ -112,7 +118,7 @@ def measure_startup(repeats: int) -> dict[str, dict[str, float]]:
             for name, by_key in samples.items()}
 
 
-def print_startup(repeats: int) -> None:
+def print_startup(repeats: int) -> dict:
     stats = measure_startup(repeats)
     header = f"{'root':10s} {'start ms (median)':>18s} {'first run ms':>13s}"
     print(f"launcher start-up, median of {repeats} each, alternating\n{header}\n{'-' * len(header)}")
@@ -120,6 +126,15 @@ def print_startup(repeats: int) -> None:
         print(f"{name:10s} {s['start']:18.1f} {s['first_run']:13.1f}")
     ratio = stats["minimal"]["start"] / stats["hostroot"]["start"]
     print(f"minimal / hostroot start-up: {ratio:.2f}x\n")
+    return stats
+
+
+class _Tee(io.StringIO):
+    """Console output kept as well: the table the results page shows is the one printed."""
+
+    def write(self, text: str) -> int:
+        sys.__stdout__.write(text)
+        return super().write(text)
 
 
 def main() -> None:
@@ -128,13 +143,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating blocks the runs are split into")
     parser.add_argument("--concurrency", type=int, default=2, help="callers in the parallel measurement")
     parser.add_argument("--startups", type=int, default=5, help="launcher starts per root mode")
+    parser.add_argument("--no-page", action="store_true",
+                        help="do not write the docs' results page (docs/results/sandbox.md)")
     args = parser.parse_args()
-    with Sandbox() as sb, Sandbox(SandboxConfig(minimal_root=False)) as host, \
+    printed, data = _Tee(), {"args": vars(args), "programs": {}}
+    with contextlib.redirect_stdout(printed), Sandbox() as sb, \
+            Sandbox(SandboxConfig(minimal_root=False)) as host, \
             tempfile.TemporaryDirectory() as folder:
         print(sb.isolation.describe())
         print(f"python {sys.version.split()[0]}, {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}, "
               f"runs={args.runs} in {args.rounds} rounds, concurrency={args.concurrency}\n")
-        print_startup(args.startups)
+        data["startup"] = print_startup(args.startups)
         runners = {"bare": bare_runner(folder), "sandbox": sandbox_runner(sb, PYTHON),
                    "sandbox-hostroot": sandbox_runner(host, PYTHON),
                    "sandbox-exec": sandbox_runner(sb, PYTHON_EXEC),
@@ -145,12 +164,19 @@ def main() -> None:
         print("-" * len(header))
         for program, (source, stdin) in PROGRAMS.items():
             stats = measure(runners, source, stdin, args.runs, args.rounds, args.concurrency)
+            data["programs"][program] = stats
             bare = stats["bare"]
             for name, s in stats.items():
                 print(f"{program:16s} {name:21s} {s['mean_ms']:8.1f} {s['median_ms']:9.1f} {s['per_s']:7.1f} "
                       f"{s['parallel_per_s']:10.1f} {s['mean_ms'] / bare['mean_ms']:11.2f}x "
                       f"{s['mean_ms'] - bare['mean_ms']:+11.1f}")
         print("\noverhead ms = mean ms minus bare mean ms (negative: faster than a bare subprocess)")
+    if not args.no_page:
+        print("results page: " + str(write_results(
+            "sandbox", title="Sandbox against a bare subprocess (bench/sandbox.py)",
+            command=" ".join(["python", *sys.argv]), table=printed.getvalue(), data=data,
+            notes="Each program runs alternately under every runner; `bare` is a plain "
+                  "subprocess without isolation, the baseline of the ratios.")))
 
 
 if __name__ == "__main__":

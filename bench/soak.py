@@ -33,6 +33,9 @@ from pathlib import Path
 import numpy as np
 import psutil
 
+sys.path.insert(0, str(Path(__file__).parent))
+from results_page import publish, write_results
+
 MB = 1 << 20
 
 
@@ -154,7 +157,7 @@ def soak(args: argparse.Namespace, run_dir: Path) -> tuple[dict[str, Series], in
     """Run, sample, stop; returns the series, the controller's exit code, minutes sampled."""
     command = [sys.executable, "-m", "areal.controller", f"run_dir={run_dir}",
                "trainer.total_steps=1000000", "logging.progress=false", *args.overrides]
-    log = open(run_dir.parent / "controller.log", "w")
+    log = open(run_dir.parent / "controller.log", "w")  # noqa: SIM115 (the child's, for its life)
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     controller = psutil.Process(proc.pid)
     series: dict[str, Series] = {}
@@ -190,9 +193,13 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=60.0)
     parser.add_argument("--interval", type=float, default=10.0, help="seconds between samples")
     parser.add_argument("--quick", action="store_true", help="2 minutes, a sample every 5 s")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/soak"))
+    parser.add_argument("--out", type=Path, default=None,
+                        help="results folder (default bench/results/soak; only a full run "
+                        "there writes the docs' results page, docs/results/soak.md)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args()
+    page = publish(args.quick, args.out) and not args.overrides
+    args.out = args.out or Path("bench/results/soak")
     if args.quick:
         args.minutes, args.interval = 2.0, 5.0
     args.out.mkdir(parents=True, exist_ok=True)
@@ -201,14 +208,24 @@ def main() -> None:
         summary = Path(tmp) / "run" / "summary.json"
         steps = json.loads(summary.read_text())["steps"] if summary.is_file() else None
     rows = summarize(series)
-    print(table(rows, minutes))
-    print(f"controller stopped by SIGTERM: exit code {code}, summary.json "
-          + (f"written after {steps} training steps" if steps is not None else "MISSING"))
+    text = table(rows, minutes)
+    ending = (f"controller stopped by SIGTERM: exit code {code}, summary.json "
+              + (f"written after {steps} training steps" if steps is not None else "MISSING"))
+    print(text)
+    print(ending)
     (args.out / "samples.json").write_text(json.dumps(
         {"minutes": minutes, "steps": steps, "overrides": args.overrides, "rows": rows,
          "series": {k: vars(v) for k, v in series.items()}}, indent=1))
     plot(series, args.out / "soak.png")
     print(f"saved {args.out / 'samples.json'} and {args.out / 'soak.png'}")
+    if page:
+        print("results page: " + str(write_results(
+            "soak", title="Memory and open files over a long run (bench/soak.py)",
+            command=" ".join(["python", *sys.argv]), table=text + "\n" + ending,
+            data={"minutes": minutes, "steps": steps, "rows": rows},
+            notes="Resident memory and open descriptors of every process of the default job, "
+                  "sampled through the run; the slopes are fitted over its second half, after "
+                  "start-up, the first steps and the first checkpoint.")))
 
 
 if __name__ == "__main__":

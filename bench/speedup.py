@@ -18,8 +18,8 @@ accuracy and reward against wall time. Extra key=value overrides apply to every 
 Held-out accuracy is measured after each run, on the weight versions it published
 (every `--eval-every` steps, greedy, `areal.eval`), not during it: evaluation requests
 would share the rollout worker with training generation and slow the two modes unequally
-(measured here: with 256 held-out prompts every 5 steps, async lost 59% of its training
-throughput and sync 26%), so the timed runs carry training traffic only.
+(with 256 held-out prompts every 5 steps, async loses far more of its training throughput
+than sync), so the timed runs carry training traffic only.
 """
 
 from __future__ import annotations
@@ -39,6 +39,11 @@ from areal.controller import Controller
 from areal.intervals import t_interval
 from areal.models.warmstart import ensure_warm_model
 from areal.tasks.arithmetic import ArithmeticTask
+
+sys.path.insert(0, str(Path(__file__).parent))
+from results_page import publish, write_results
+
+DEFAULT_OUT = Path("bench/results/speedup")
 
 LONG_TAIL = {key: ArithmeticTask.long_tail().params()[key] for key in ("min_k", "max_k", "k_alpha")}
 LONG_TAIL_TASK = [*(f"task.params.{key}={value}" for key, value in LONG_TAIL.items()),
@@ -196,11 +201,15 @@ def main() -> int:
                         help="held-out eval interval (after the runs, for the time to the "
                         "target); 0: none, the table then has only the final accuracy")
     parser.add_argument("--target", type=float, default=0.6, help="held-out pass@1 target")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/speedup"))
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"results folder (default {DEFAULT_OUT}; only a run there writes "
+                        "the docs' results page, docs/results/speedup.md)")
     parser.add_argument("overrides", nargs="*", help="key=value applied to both runs")
     args = parser.parse_args()
     if args.seeds < 1 or args.eval_every < 0:
         parser.error("--seeds must be >= 1 and --eval-every >= 0")
+    page = publish(quick=False, out=args.out) and not args.overrides
+    args.out = args.out or DEFAULT_OUT
     args.out.mkdir(parents=True, exist_ok=True)
     model_dir = _warm_model(args)
     results: Runs = {mode: [] for mode in args.modes}
@@ -210,8 +219,16 @@ def main() -> int:
     table = _table(results, args.target)
     print(table)
     (args.out / "table.txt").write_text(table + "\n")
-    (args.out / "summaries.json").write_text(json.dumps(
-        {m: [summary for summary, _ in runs] for m, runs in results.items()}, indent=2))
+    summaries = {m: [summary for summary, _ in runs] for m, runs in results.items()}
+    (args.out / "summaries.json").write_text(json.dumps(summaries, indent=2))
+    if page:
+        written = write_results(
+            "speedup", title="Synchronous vs asynchronous training (bench/speedup.py)",
+            command=" ".join(["python", *sys.argv]), table=table,
+            data={"args": {k: str(v) for k, v in vars(args).items()}, "summaries": summaries},
+            notes="Both modes run the same task and model on the same machine; the ratio is "
+                  "of effective training throughput (trained tokens per second).")
+        print(f"results page: {written}")
     _plot(results, args.out / "speedup.png")
     print(f"plot: {args.out / 'speedup.png'}")
     return 0

@@ -24,12 +24,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from machine_timings import TimedTrainer  # noqa: E402
+from machine_timings import TimedTrainer
 
-from areal.config import load_config  # noqa: E402
-from areal.controller.setup import load_saved_batch  # noqa: E402
-from areal.records import read_records  # noqa: E402
-from areal.sim.cost import cost_model, load_costs  # noqa: E402
+from areal.config import load_config
+from areal.controller.setup import load_saved_batch
+from areal.records import read_records
+from areal.sim.cost import cost_model, load_costs
 
 
 def main() -> int:

@@ -77,6 +77,7 @@ async def _run_until_signalled(controller, signals: list[int]) -> None:
     """Run; the first SIGTERM/SIGINT stops the run gracefully, a second cancels it."""
     loop = asyncio.get_running_loop()
     main = asyncio.current_task()
+    assert main is not None  # called from the CLI's main task
 
     def on_signal(signum: int) -> None:
         signals.append(signum)

@@ -14,7 +14,7 @@ sample generated, a batch consumed, a dropped group's samples released.
 from __future__ import annotations
 
 import collections
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 

@@ -75,8 +75,8 @@ def generated_problem(msg: Generated, *, max_new_tokens: int, version: int,
 def _plain_completion_fits(msg: Generated, max_new_tokens: int, version: int,
                            vocab_size: int | None) -> bool:
     """True only when `_generated_problem` finds nothing in a single completion (no loss
-    mask), with fewer numpy calls: every Generated a rollout worker sends passes here (about
-    8,000 per step at 512 accelerators). Versions that never decrease have their least and
+    mask), with fewer numpy calls: every Generated a rollout worker sends passes here
+    (thousands per step at cluster scale). Versions that never decrease have their least and
     greatest at the ends; a log-prob maximum that is NaN or +inf fails `<=`, and a minimum
     of -inf fails `>`. Anything it does not accept is judged (and worded) by
     `_generated_problem`."""
@@ -96,7 +96,7 @@ def _plain_completion_fits(msg: Generated, max_new_tokens: int, version: int,
             return False
     elif _MIN(ids) < 0:
         return False
-    if not (0 <= versions[0] and versions[-1] <= version):
+    if not (versions[0] >= 0 and versions[-1] <= version):
         return False
     if n > 1 and not _ALL(versions[1:] >= versions[:-1]):
         return False

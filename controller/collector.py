@@ -1,21 +1,20 @@
 """The controller's garbage-collection policy: rare cyclic collections while a run goes.
 
 The controller allocates a few objects per message (tens of thousands of messages per step
-at 512 accelerators) and keeps many of them alive for a step or more (samples, their
+at cluster scale) and keeps many of them alive for a step or more (samples, their
 trajectories, the buffer), so with Python's default thresholds (700, 10, 10) the cyclic
-collector runs often and its full collections walk all of them. Measured with
-`gc.callbacks` on the replayed controller of bench/cluster.py's table (r) (512 accelerators
-async, the recording frozen out of the heap, 2026-12-02): 844 collections per run, 0.19 CPU
-s per step (of 2.2-2.4 s); with (50000, 20, 100), 11 collections and no full one, 0.08 s.
-Its data structures seldom form reference cycles (reference counting frees them), so
-collecting rarely costs little memory; `controller.gc_thresholds` sets how rarely.
+collector runs hundreds of times per run and its full collections walk all of them; with
+(50000, 20, 100) it runs a few times and seldom fully (bench/cluster.py's tables (f) and (r)
+report the collector's share of the controller's CPU time, `gc s`). Its data structures
+seldom form reference cycles (reference counting frees them), so collecting rarely costs
+little memory; `controller.gc_thresholds` sets how rarely.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 
 @contextlib.contextmanager

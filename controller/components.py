@@ -9,7 +9,8 @@ scored completes its group, a reward failure drops its group).
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable
+from typing import Any
+from collections.abc import Awaitable, Callable
 
 from areal import clock
 from areal.config import RunConfig

@@ -48,7 +48,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Coroutine
+from typing import Any
+from collections.abc import AsyncIterator, Callable, Coroutine
 
 from areal import clock
 from areal.config import RunConfig
@@ -126,9 +127,7 @@ class Controller:
     @property
     def ledger(self) -> Ledger:
         """Every sample and group of the run (controller/ledger.py)."""
-        if self.core is None:
-            raise RuntimeError("the run is not set up yet")
-        return self.core.ledger
+        return self._running().ledger
 
     @property
     def address(self) -> str | None:
@@ -138,10 +137,8 @@ class Controller:
     async def drop_group(self, group: Group, reason: str) -> None:
         """Never train on `group`, wherever it is (its generations cancelled, its staleness
         slots freed, counted under rollout/dropped_groups/<reason>)."""
-        if self.core is None:
-            raise RuntimeError("the run is not set up yet")
         out = Outbox()
-        self.core.drop_group(group, reason, out)
+        self._running().drop_group(group, reason, out)
         await self._send(out)
 
     @property
@@ -338,7 +335,8 @@ class Controller:
         for handle, why in out.restarts:
             await self._restart(handle, why)
         for handle, error in out.step_failures:
-            await self.core.trainers.step_failed(handle, error, self.core.losing, self._lose)
+            core = self._running()
+            await core.trainers.step_failed(handle, error, core.losing, self._lose)
 
     async def _reachable(self, handles: list[WorkerHandle]) -> list[bytes]:
         """The identities among `handles` still connected: a Heartbeat to a peer whose
@@ -347,13 +345,18 @@ class Controller:
 
     async def _lose(self, handle: WorkerHandle, why: str) -> None:
         out = Outbox()
-        self.core.lose(handle, why, out)
+        self._running().lose(handle, why, out)
         await self._send(out)
+
+    def _running(self) -> Core:
+        if self.core is None:
+            raise RuntimeError("the run is not set up yet")
+        return self.core
 
     async def _restart(self, handle: WorkerHandle, why: str) -> None:
         """Stop a lost worker's process and start it again (a trainer rank: every rank, from
         the newest checkpoint); a worker that keeps dying fails the run."""
-        core = self.core
+        core = self._running()
         try:
             if handle.kind is WorkerKind.TRAINER:
                 await core.trainers.lost(handle, why)

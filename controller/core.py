@@ -32,7 +32,8 @@ whose loss is being handled.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from areal.config import RunConfig
 from areal.controller import strict_staleness
@@ -122,9 +123,9 @@ class Core:
         if handle is not None:
             handle.last_seen = now
         handler = self._handlers.get(type(msg))
-        problem = sender_problem(msg, handle) if handler else f"{type(msg).__name__} is not " \
-            "a message to the controller"
-        if problem:
+        problem = sender_problem(msg, handle) if handler is not None else \
+            f"{type(msg).__name__} is not a message to the controller"
+        if handler is None or problem:
             self.refuse(identity, "unexpected message", problem)
             return out
         handler(identity, handle, msg, members or [], out)

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 

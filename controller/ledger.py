@@ -21,7 +21,7 @@ from __future__ import annotations
 import collections
 import enum
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -57,7 +57,7 @@ class Sample:
     """Checks of it that ended without a verdict (controller/reward_faults.py)."""
     request_id: str = field(init=False)
     """'g<group>-s<index>-a<attempt>': written once per attempt, read for every message
-    about the sample (about 8,000 Generates and Generateds per step at 512 accelerators)."""
+    about the sample (thousands of Generates and Generateds per step at cluster scale)."""
 
     def __post_init__(self) -> None:
         self.request_id = f"g{self.group_id}-s{self.index}-a{self.attempt}"
@@ -103,7 +103,8 @@ class Group:
         return all(s.stage is Stage.DONE for s in self.samples)
 
     def trajectories(self) -> list[Trajectory]:
-        return [s.trajectory for s in self.samples]
+        # called on a done group, whose samples all hold their trajectory
+        return [s.trajectory for s in self.samples]  # type: ignore[misc]
 
 
 class Ledger:
@@ -204,6 +205,7 @@ class Ledger:
         sample = self.scoring(request_id, worker)
         if sample is None:
             return None
+        assert sample.trajectory is not None  # scored samples were generated
         sample.trajectory.reward = outcome.reward
         sample.verdict = outcome.verdict
         sample.stage, sample.worker = Stage.DONE, None
@@ -289,11 +291,13 @@ class Ledger:
         for sample in group.samples:
             self.by_request.pop(sample.request_id, None)
             if sample.stage is Stage.GENERATING:
+                assert sample.worker is not None  # set with the stage
                 generating.setdefault(sample.worker, []).append(sample.request_id)
             if sample.stage in (Stage.PENDING, Stage.GENERATING):
                 unfinished += 1
             else:
                 finished += 1
+                assert sample.trajectory is not None  # generated
                 tokens += sample.trajectory.num_tokens - sample.trajectory.num_prompt_tokens
         if unfinished:
             self.pending = collections.deque(s for s in self.pending

@@ -7,6 +7,10 @@ TensorBoard when `logging.tensorboard`; W&B when `logging.wandb_project` is set 
 installed. Embedding applications receive the same records through `Controller.events()`,
 whose queues the sink is given.
 Writes are a line of text or a queue put; TensorBoard and W&B write from their own threads.
+
+Progress goes to the console as a live tqdm bar when stdout and stderr are terminals, and
+otherwise (a log file, a pipe, a batch job) as a plain line every `logging.progress_every`
+steps and at the last one: a bar redrawn into a file repeats itself before every line.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import asyncio
 import json
 import logging
 import math
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +39,12 @@ class MetricsSink:
         """subscribers: the owner's list of queues; every record is put into each queue
         in it, including queues appended later."""
         self.run_dir = run_dir
-        self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 (closed in close())
         self._subscribers = subscribers
         self._tb = self._open_tensorboard(cfg, run_dir)
         self._wandb = self._open_wandb(cfg, run_dir)
-        self._bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True,
-                         disable=not cfg.logging.progress)
+        self._progress = ConsoleProgress(total_steps, enabled=cfg.logging.progress,
+                                         every=cfg.logging.progress_every)
 
     @staticmethod
     def _open_tensorboard(cfg: RunConfig, run_dir: Path) -> Any:
@@ -79,16 +85,14 @@ class MetricsSink:
             self._wandb.log(scalars, step=step)
 
     def progress(self, step: int, postfix: dict[str, float]) -> None:
-        self._bar.n = step
-        self._bar.set_postfix({k: f"{v:.3g}" for k, v in postfix.items()}, refresh=False)
-        self._bar.refresh()
+        self._progress.update(step, postfix)
 
     def console(self, text: str) -> None:
         """A line on the console that does not tear the progress bar."""
-        self._bar.write(text)
+        self._progress.write(text)
 
     def close(self) -> None:
-        self._bar.close()
+        self._progress.close()
         for queue in self._subscribers:
             queue.put_nowait(_CLOSED)
         if self._tb is not None:
@@ -96,6 +100,45 @@ class MetricsSink:
         if self._wandb is not None:
             self._wandb.finish()
         self._jsonl.close()
+
+
+class ConsoleProgress:
+    """Training progress on the console: a tqdm bar on a terminal, plain lines elsewhere.
+
+    `interactive` None: a terminal when both stdout (lines) and stderr (the bar) are one."""
+
+    def __init__(self, total_steps: int, *, enabled: bool, every: int,
+                 interactive: bool | None = None) -> None:
+        if interactive is None:
+            interactive = sys.stdout.isatty() and sys.stderr.isatty()
+        self.total_steps = total_steps
+        self.enabled = enabled
+        self.every = every
+        self._bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True,
+                         disable=not (enabled and interactive))
+        self._plain = enabled and not interactive
+        self._started = time.monotonic()
+
+    def update(self, step: int, postfix: dict[str, float]) -> None:
+        shown = {k: f"{v:.3g}" for k, v in postfix.items()}
+        if self._plain:
+            if step % self.every == 0 or step == self.total_steps:
+                values = "".join(f"  {k} {v}" for k, v in shown.items())
+                print(f"train step {step}/{self.total_steps}{values}  "
+                      f"({time.monotonic() - self._started:.0f} s)", flush=True)
+            return
+        self._bar.n = step
+        self._bar.set_postfix(shown, refresh=False)
+        self._bar.refresh()
+
+    def write(self, text: str) -> None:
+        if self._bar.disable:
+            print(text, flush=True)
+        else:
+            self._bar.write(text)
+
+    def close(self) -> None:
+        self._bar.close()
 
 
 def closed_marker() -> Any:

@@ -15,7 +15,8 @@ woken before a message is sent runs before the worker that receives it.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from areal.controller.pool import WorkerHandle
 

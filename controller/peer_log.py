@@ -20,7 +20,8 @@ import collections
 import hashlib
 import logging
 import time
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 log = logging.getLogger("areal.controller")
 

@@ -26,7 +26,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 from areal import clock
 from areal.config import RunConfig
@@ -151,7 +151,7 @@ class WorkerPool:
         log.info("%s registered (%r, pid %d)", handle.worker_id, msg.host, msg.pid)
         return handle
 
-    def _refuse(self, identity: bytes, msg: Register, why: str) -> None:
+    def _refuse(self, identity: bytes, msg: Register, why: str) -> WorkerHandle | None:
         if len(self.refused) < MAX_REFUSED:
             self.refused.append(msg.worker_id)
         self.on_refused(identity, msg, why)

@@ -78,9 +78,9 @@ class StepReport:
         now = self._last_step_at = clock.now()
         trajs = [t for g in groups for t in g.trajectories()]
         trained_version = version - 1  # the batch was trained at the version before publishing
-        # One pass over the batch's 8,192 trajectories at 512 accelerators (a pass per metric
-        # cost 40 ms a step there, 2026-12-03), columns: oldest version, tokens, prompt tokens,
-        # reward, truncated, interruptions.
+        # One pass over the batch's trajectories (thousands at cluster scale), not one per
+        # metric; columns: oldest version, tokens, prompt tokens, reward, truncated,
+        # interruptions.
         columns = np.array([(t.oldest_version(), t.num_tokens, t.num_prompt_tokens, t.reward,
                              t.finish_reason == "length", t.timings.get("interruptions", 0))
                             for t in trajs], dtype=np.float64).reshape(-1, 6).T
@@ -90,6 +90,7 @@ class StepReport:
         out_lens = (num_tokens - num_prompt).astype(np.int64)
         verdicts = [s.verdict for g in groups for s in g.samples]
         batch_tokens = int(num_tokens.sum())
+        assert self._train_start is not None, "a step record before start_training()"
         self._trained_tokens += batch_tokens
         window = max(now - self._window_start, 1e-9)
         record: dict[str, Any] = {
@@ -103,7 +104,7 @@ class StepReport:
             "rollout/in_flight": in_flight,
             "rollout/weight_pause_s_mean": float(np.mean(self._pauses)) if self._pauses else 0.0,
             "staleness/hist": {str(int(k)): int(n)
-                               for k, n in zip(staleness_values, staleness_counts)},
+                               for k, n in zip(staleness_values, staleness_counts, strict=True)},
             "staleness/mean": float(np.dot(staleness_values, staleness_counts) / len(trajs)),
             "staleness/max": int(staleness_values[-1]),
             "reward/verdicts": dict(self._verdicts),
@@ -140,7 +141,8 @@ class StepReport:
         final_version, malformed_messages, num_drawn, untrained_positions)."""
         # Training time runs from the start of training to the end of the last step (the
         # final evaluation is not part of it).
-        train_s = (self._last_step_at - self._train_start) if self._last_step_at else 0.0
+        train_s = (self._last_step_at - self._train_start) \
+            if self._last_step_at and self._train_start is not None else 0.0
         return {
             "run_dir": str(run["run_dir"]),
             "mode": run["mode"],

@@ -1,14 +1,13 @@
 """Which worker takes the next request: the least loaded one of a kind, below capacity.
 
 The dispatch loop asks after almost every message it handles, and a cluster has hundreds of
-workers: scanning them all each time (what `WorkerPool.least_loaded` did) made dispatch the
-controller's largest cost at 512 accelerators (bench/cluster.py, table f). `WorkerRoom`
-keeps a heap of (requests in flight, first-offer order, worker) entries instead. Whoever
+workers: scanning them all each time would make dispatch the controller's largest cost at
+cluster scale. `WorkerRoom` keeps a heap of (requests in flight, first-offer order, worker) entries instead. Whoever
 sees a worker's load change or its state change offers it again (a result came back, it
 became ready, requests of it were cancelled, a request was sent to it); entries are checked
 lazily when they reach the top: one whose load is no longer the worker's, or whose worker
-is gone, full or not ready, is dropped. So `take` returns what the scan did (ties: the
-worker offered first), in O(log workers).
+is gone, full or not ready, is dropped. So `take` returns what a scan of every worker
+would (ties: the worker offered first), in O(log workers).
 """
 
 from __future__ import annotations

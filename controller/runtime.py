@@ -24,7 +24,8 @@ import logging
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Coroutine, Protocol
+from typing import Any, Protocol
+from collections.abc import Callable, Coroutine
 
 import zmq
 import zmq.asyncio

@@ -18,7 +18,7 @@ an Outbox.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from areal.config import RunConfig
 from areal.controller.checks import reward_problem, scored_problem
@@ -101,7 +101,7 @@ class Scoring:
                 self.score_again(self.ledger.scoring(request_id, identity), out)
             return
         for request_id, reward, verdict, detail in zip(msg.request_ids, msg.rewards,
-                                                       msg.verdicts, msg.details):
+                                                       msg.verdicts, msg.details, strict=True):
             problem = reward_problem(reward)
             if problem:
                 self.refuse(identity, "contradicts the ledger",

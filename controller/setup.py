@@ -18,7 +18,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -69,6 +70,7 @@ class RunSetup:
         return np.asarray(ids, dtype=np.int32)
 
     def _draw(self) -> tuple[Prompt, np.ndarray]:
+        assert self._train_iter is not None, "prepare_run sets the prompt stream"
         prompt = next(self._train_iter)
         return prompt, self.tokenize(prompt)
 
@@ -105,6 +107,7 @@ class RunSetup:
         """Resume the prompt stream where a checkpoint left it: the same prompts, those at
         `untrained` positions first (their groups were not trained), then from `drawn` on."""
         wanted = set(untrained)
+        assert self._train_iter is not None, "prepare_run sets the prompt stream"
         for position in range(drawn):
             prompt = next(self._train_iter)
             if position in wanted:
@@ -163,6 +166,7 @@ def prepare_run(cfg: RunConfig) -> RunSetup:
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
     (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
     task = load_task(cfg.task.name, cfg.task.params)
+    assert cfg.model.path is not None  # the warm model's directory, if none was given
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path,
                                trust_remote_code=cfg.model.trust_remote_code,
                                cache_dir=cfg.cache_dir)

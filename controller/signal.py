@@ -8,7 +8,7 @@ by another loop: the failure mode of sharing one `asyncio.Event` between loops.
 A waiter may ask for its predicate to be checked by `notify` itself (`at_notify=True`): it
 is woken only when the predicate holds there (or raises: the error surfaces in the waiter).
 For a loop that waits on a condition most notifications leave false (admission, on the
-staleness bound, while about 25,000 messages a step at 512 accelerators each notify; the
+staleness bound, while every message notifies, tens of thousands a step at scale; the
 train driver, on a full batch; dispatch, whose work the receive loop does itself after
 each message), that saves waking a task to find nothing to do. The predicate must then read only state
 whose every change is followed by a `notify` (the contract above).
@@ -17,7 +17,7 @@ whose every change is followed by a `notify` (the contract above).
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from collections.abc import Callable
 
 
 class Changed:
@@ -51,7 +51,7 @@ class Changed:
                 continue
             try:
                 await asyncio.wait_for(fut, remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return predicate()
         return True
 

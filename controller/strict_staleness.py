@@ -27,7 +27,7 @@ Pure functions of ledger groups; the controller decides when to call them.
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 from areal.types import PROMPT_VERSION
 from areal.controller.ledger import Group

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 
@@ -280,8 +281,9 @@ def train_messages(cfg: RunConfig, step: int, version: int, groups: list[Group])
     straight from the trajectories into the message's arrays, with the rewards shaped, the
     advantages and the loss mask to train on (areal.algorithms.shaping)."""
     trajectories = [t for g in groups for t in g.trajectories()]
-    advantages, masked = training_targets(trajectories, cfg)
-    advantages, masked = advantages.numpy().astype(np.float32), masked.tolist()
+    advantage_tensor, masked_tensor = training_targets(trajectories, cfg)
+    advantages = advantage_tensor.numpy().astype(np.float32)
+    masked: list[bool] = masked_tensor.tolist()
     plans = plan_shard_sequences(
         [t.num_tokens for t in trajectories],
         [0 if masked[i] else t.num_loss_tokens for i, t in enumerate(trajectories)],

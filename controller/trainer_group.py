@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from areal.config import RunConfig
 from areal.controller.outbox import Outbox
@@ -79,7 +79,7 @@ class TrainerGroup:
         await self.send(out)
         try:
             await asyncio.wait_for(self._done.wait(), timeout + 30)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             missing = sorted(set(range(num_ranks)) - set(self._status))
             raise GroupError(
                 f"trainer ranks {missing} did not join the data-parallel group at {self.store} "

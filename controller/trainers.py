@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Awaitable, Callable
+from typing import Any
+from collections.abc import Awaitable, Callable
 
 from areal import clock
 from areal.config import RunConfig
@@ -81,7 +82,12 @@ class Trainers:
     @property
     def busy(self) -> bool:
         """A step (or replay) is out on the ranks."""
-        return self._pending is not None and not self._pending.done()
+        return self._in_progress() is not None
+
+    def _in_progress(self) -> asyncio.Future | None:
+        """The answer awaited for the step out on the ranks, if one is."""
+        pending = self._pending
+        return pending if pending is not None and not pending.done() else None
 
     # -- steps ----------------------------------------------------------------------------------
 
@@ -106,20 +112,21 @@ class Trainers:
         return True
 
     def finish_if_complete(self) -> None:
-        if self.busy and len(self._answers) == self.cfg.trainer.num_ranks:
-            self._pending.set_result(self._answers[0])
+        pending = self._in_progress()
+        if pending is not None and len(self._answers) == self.cfg.trainer.num_ranks:
+            pending.set_result(self._answers[0])
 
     async def _send(self, messages: list[Train]) -> Trained:
         ranks = sorted(self.pool.ready(WorkerKind.TRAINER), key=lambda h: h.rank)
         if len(ranks) != len(messages):
             raise TrainerLost(f"{len(ranks)} of {len(messages)} trainer ranks ready")
-        self._pending = asyncio.get_running_loop().create_future()
+        pending = self._pending = asyncio.get_running_loop().create_future()
         self._answers = {}
         out = Outbox()
         for handle, msg in zip(ranks, messages, strict=True):
             out.send(handle.identity, msg)
         await self.send(out)
-        return await self._pending
+        return await pending
 
     async def _ensure(self, step: int, stopping: Callable[[], bool]) -> bool:
         restores = self.recovery.num_restores
@@ -157,7 +164,9 @@ class Trainers:
         """A rank reported that the step failed; `losing`: worker ids whose loss is being
         handled; `lose`: the controller's handling of a lost worker."""
         if self.cfg.trainer.num_ranks == 1 or not self.recovery.enabled:
-            self._pending.set_exception(RunFailed(f"trainer failed: {error}"))
+            pending = self._in_progress()
+            if pending is not None:
+                pending.set_exception(RunFailed(f"trainer failed: {error}"))
             return
         for _ in range(20):
             if any(h.worker_id in losing for h in self.pool.trainers()):
@@ -181,8 +190,9 @@ class Trainers:
                 + ("(trainer.checkpoint_every=0: no checkpoint to restart from)"
                    if not self.recovery.enabled else f"(lost {handle.num_restarts + 1} times)")
                 + f"; see {where}")
-            if self.busy:
-                self._pending.set_exception(failure)
+            pending = self._in_progress()
+            if pending is not None:
+                pending.set_exception(failure)
             await stop_process(handle)
             raise failure
         handle.num_restarts += 1
@@ -201,14 +211,15 @@ class Trainers:
         self.all_lost()
         self.formed = False
         self.recovery.num_restores += 1
-        if self.busy:
+        pending = self._in_progress()
+        if pending is not None:
             published = self._answers.get(0)
             if published is not None and not published.replay:
                 # Rank 0 finished the step and published it: the step is done, and the
                 # restarted ranks replay it (it is kept) before the next one.
-                self._pending.set_result(published)
+                pending.set_result(published)
             else:
-                self._pending.set_exception(TrainerLost(lost))
+                pending.set_exception(TrainerLost(lost))
         remote = [h.rank for h in [handle, *others] if h.process is None]
         for local in [h for h in [handle, *others] if h.process is not None]:
             self.pool.spawn(WorkerKind.TRAINER, local.rank, local.rank)

@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from areal.config import RunConfig
 from areal.controller.outbox import Outbox

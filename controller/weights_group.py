@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from areal.config import RunConfig
 from areal.controller.outbox import Outbox
@@ -119,12 +120,12 @@ class CollectiveSync(WeightSync):
             self.num_reformed += 1
         log.info("weights group generation %d: trainer rank 0 + %d rollout workers",
                  self.generation, len(members))
-        common = dict(group=GroupName.WEIGHTS, generation=self.generation,
-                      world_size=len(members) + 1, backend=self.backend, store=self.store(),
-                      timeout_s=self.timeout_s)
-        out.send(sender.identity, JoinGroup(rank=0, **common))
-        for rank, identity in enumerate(members, start=1):
-            out.send(identity, JoinGroup(rank=rank, **common))
+        store = self.store()
+        for rank, identity in enumerate([sender.identity, *members]):
+            out.send(identity, JoinGroup(group=GroupName.WEIGHTS, generation=self.generation,
+                                         rank=rank, world_size=len(members) + 1,
+                                         backend=self.backend, store=store,
+                                         timeout_s=self.timeout_s))
 
     def on_group_status(self, handle: WorkerHandle, msg: GroupStatus) -> None:
         if msg.state is GroupState.FAILED and msg.generation == self.generation:

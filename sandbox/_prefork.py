@@ -126,6 +126,7 @@ def _wait_for_a_run(listener: socket.socket, busy_w: int, setup: RunSetup, slot:
         pass  # the launcher is gone; the run goes on
     os.close(busy_w)
     serve_connection(conn, setup, slot)
+    os._exit(1)  # not reached: serve_connection exits (mypy sees areal.sandbox as untyped)
 
 
 def _drain(fd: int) -> bytes:

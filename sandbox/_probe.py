@@ -59,8 +59,8 @@ print(json.dumps(report))
 INTERPRETER_PROBE = "import encodings.idna, sys\nprint(sys.prefix)"
 """Run by a fresh interpreter: it starts, finds its prefix and imports from its stdlib."""
 _EXEC_PROBE = dataclasses.replace(PYTHON_EXEC, name="python-probe", run=("{python}", "-S", "{source}"))
-"""PYTHON_EXEC without the site module (~12 ms instead of ~58 ms here, DESIGN.md section 7):
-the in-process probe already found the import path; this one checks the executable, its
+"""PYTHON_EXEC without the site module (start-up several times cheaper, docs/design.md
+section 7): the in-process probe already found the import path; this one checks the executable, its
 libraries and its standard library."""
 
 

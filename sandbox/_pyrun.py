@@ -30,8 +30,8 @@ def run_main(path: str, argv: list[str]) -> NoReturn:
         sys.modules["random"].seed()
     main = types.ModuleType("__main__")
     main.__file__ = path
-    main.__builtins__ = builtins
-    main.__cached__ = None
+    main.__builtins__ = builtins  # type: ignore[attr-defined]  # as the interpreter sets them
+    main.__cached__ = None  # type: ignore[attr-defined]
     sys.modules["__main__"] = main
     try:
         with open(path, "rb") as f:
@@ -54,9 +54,9 @@ def _reopen_std_streams() -> None:
                               errors="strict", newline="\n")
     stderr = io.TextIOWrapper(io.BufferedWriter(io.FileIO(2, "w")), encoding="utf-8",
                               errors="backslashreplace", newline="\n", line_buffering=True)
-    sys.stdin = sys.__stdin__ = stdin
-    sys.stdout = sys.__stdout__ = stdout
-    sys.stderr = sys.__stderr__ = stderr
+    sys.stdin = sys.__stdin__ = stdin  # type: ignore[misc]  # the program's own streams
+    sys.stdout = sys.__stdout__ = stdout  # type: ignore[misc]  # the program's own streams
+    sys.stderr = sys.__stderr__ = stderr  # type: ignore[misc]  # the program's own streams
 
 
 def _exit_status(exc: SystemExit) -> int:

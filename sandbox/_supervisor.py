@@ -134,7 +134,11 @@ def supervise(*, language: Language, limits: Limits, files: dict[str, bytes], st
         child_main(plan)
     for fd in (stdin_fd, out_w, err_w, st_w):
         os.close(fd)
-    signal.signal(signal.SIGTERM, lambda *_: (os.kill(pid, signal.SIGKILL), os._exit(1)))
+    def kill_run_and_exit(*_: object) -> None:
+        os.kill(pid, signal.SIGKILL)
+        os._exit(1)
+
+    signal.signal(signal.SIGTERM, kill_run_and_exit)
     try:
         return _watch(pid, out_r, err_r, st_r, language, limits, setup, cgroup)
     finally:

@@ -79,6 +79,7 @@ class Sandbox:
             self._closed = True
         if proc is None:
             return
+        assert proc.stdin is not None
         proc.stdin.close()  # EOF tells the launcher to terminate its runs and exit
         try:
             proc.wait(timeout=10)

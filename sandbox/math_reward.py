@@ -181,6 +181,7 @@ class _Worker:
         # math-verify's own SIGALRM timeout is only a backstop (3x): the caller's deadline
         # acts first, so a slow check is reported as a timeout, not as a wrong answer.
         request = {"answer": answer, "reference": reference, "timeout": int(3 * timeout_s) + 1}
+        assert self.proc.stdin is not None and self.proc.stdout is not None  # both PIPE
         self.proc.stdin.write((json.dumps(request) + "\n").encode())
         self.proc.stdin.flush()
         reply = self._read_line(timeout_s)
@@ -190,6 +191,7 @@ class _Worker:
         return reply["status"], reply.get("reason", "")
 
     def _read_line(self, timeout_s: float) -> dict | None:
+        assert self.proc.stdout is not None
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
         if not ready:
             return None

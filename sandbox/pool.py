@@ -26,7 +26,8 @@ import inspect
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from areal.tasks.base import RewardOutcome, Verdict
 

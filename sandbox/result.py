@@ -162,7 +162,9 @@ class IsolationReport:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> IsolationReport:
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+        fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
+                                  for k, v in data.items()}
+        return cls(**fields)
 
 
 _FAULT_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGABRT,

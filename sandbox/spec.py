@@ -38,7 +38,7 @@ class Language:
     """Extra wall-clock seconds granted for the compile step."""
     in_process: bool = False
     """Python only: execute the source inside the warm, pre-forked launcher interpreter
-    instead of exec'ing `run` (saves the interpreter start-up, ~12-58 ms here)."""
+    instead of exec'ing `run` (saves the interpreter's start-up, tens of milliseconds)."""
     memory_error_markers: tuple[str, ...] = ()
     """Substrings of stderr that mean the program ran out of memory (allocation failed
     under the address-space limit)."""
@@ -213,4 +213,5 @@ def limits_from_json(data: dict[str, Any]) -> Limits:
 
 
 def language_from_json(data: dict[str, Any]) -> Language:
-    return Language(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+    fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+    return Language(**fields)

@@ -44,7 +44,7 @@ from areal.sandbox._child import reset_all_signals
 from areal.sandbox._prefork import SupervisorPool
 from areal.sandbox._supervisor import RunSetup
 from areal.sandbox.result import IsolationReport
-from areal.sandbox.spec import Limits, SandboxConfig, limits_from_json
+from areal.sandbox.spec import SandboxConfig, limits_from_json
 
 
 def main() -> None:

@@ -23,7 +23,8 @@ import collections.abc
 import contextvars
 import gc
 import time
-from typing import Any, Callable, Coroutine
+from typing import Any
+from collections.abc import Callable, Coroutine
 
 CONTROLLER, WORKERS = "controller", "workers"
 _OWNER: contextvars.ContextVar[str] = contextvars.ContextVar("areal_sim_owner",
@@ -51,7 +52,8 @@ class CpuAccounts:
 
     def install(self, loop: asyncio.AbstractEventLoop) -> None:
         """Account `loop`'s tasks and time the collector's pauses until `uninstall`."""
-        loop.set_task_factory(self._factory)
+        # typeshed's _TaskFactory has no `context` parameter; asyncio passes one when given.
+        loop.set_task_factory(self._factory)  # type: ignore[arg-type]
         gc.callbacks.append(self._on_collection)
 
     def uninstall(self) -> None:
@@ -84,7 +86,7 @@ def as_worker(loop: asyncio.AbstractEventLoop, coro: Coroutine, name: str) -> as
 class _Timed(collections.abc.Coroutine):
     """A coroutine that adds the CPU time of each of its steps to an account."""
 
-    __slots__ = ("_coro", "_accounts", "_owner", "_name", "task")
+    __slots__ = ("_accounts", "_coro", "_name", "_owner", "task")
 
     def __init__(self, coro: Coroutine, accounts: CpuAccounts, owner: str) -> None:
         self._coro, self._accounts, self._owner = coro, accounts, owner
@@ -92,8 +94,8 @@ class _Timed(collections.abc.Coroutine):
         self.task: asyncio.Task | None = None
         """The controller's task running it (None for the workers')."""
 
-    def _account_name(self) -> str:
-        name = self.task.get_name()
+    def _account_name(self, task: asyncio.Task) -> str:
+        name = task.get_name()
         if name.startswith("Task-"):  # asyncio's default: no name of its own
             name = getattr(self._coro, "__qualname__", "?")
         self._name = name
@@ -103,7 +105,7 @@ class _Timed(collections.abc.Coroutine):
         self._accounts.running = None
         self._accounts.cpu_s[self._owner] += seconds
         if self.task is not None:  # the controller's
-            name = self._name or self._account_name()
+            name = self._name or self._account_name(self.task)
             accounts = self._accounts
             accounts.by_task[name] = accounts.by_task.get(name, 0.0) + seconds
             accounts.controller_steps += 1

@@ -3,10 +3,8 @@
 In a simulation the controller shares one thread, and so one core and its caches, with the
 whole simulated cluster: between two of its messages, the tasks of hundreds of simulated
 servers run and push its data out of the CPU's caches, so each message costs it more than
-it would cost a controller on a core of its own, which a real deployment gives it. Measured
-on this machine (2026-12-01): decoding one Generated of 3,000 tokens took 15 us in a loop,
-48 us when 16 MB had been touched between calls, and 56 us on average inside the simulation
-at 512 accelerators.
+it would cost a controller on a core of its own, which a real deployment gives it (decoding
+a message whose data has left the caches takes several times as long as in a tight loop).
 
 So the controller can also be measured alone (`measure_alone`; bench/cluster.py's table
 (r)). The simulation records what its controller
@@ -23,8 +21,8 @@ destination only: its header carries the run directory, which is another one.
 
 Recording keeps the received frames themselves (a reference each, nothing copied or
 compressed, so as to disturb the simulation whose cost is measured as little as it can):
-the arrays of every completion stay in memory until the replay (peak 2.9 GB against 2.4 at
-512 accelerators async). The garbage collector would have their objects to walk in every
+the arrays of every completion stay in memory until the replay (a recorded simulation's
+peak memory is somewhat higher than an unrecorded one's). The garbage collector would have their objects to walk in every
 full collection the replayed controller triggers, a cost a real controller does not have:
 `replay` freezes them (and everything else alive before it, `gc.freeze`) first.
 """
@@ -37,7 +35,8 @@ import gc
 import io
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Coroutine
+from typing import Any
+from collections.abc import Callable, Coroutine
 
 from areal.config import load_config
 from areal.controller import Controller

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from scipy.optimize import nnls
@@ -109,9 +109,9 @@ def _generation_system(acc: Accelerator, model: ModelShape, mfu: float, hbm: flo
     for s in decode:
         rows.append((s.steps, s.steps * s.batch))
         targets.append(s.seconds - bare.decode_s(s.batch, s.context, s.steps, tp=1))
-    for s in prefill:
-        rows.append((1.0, 0.0))
-        targets.append(s.seconds - bare.prefill_s(s.lengths, tp=1))
+    for p in prefill:
+        rows.append((1, 0))
+        targets.append(p.seconds - bare.prefill_s(p.lengths, tp=1))
     seconds = np.array([s.seconds for s in decode] + [s.seconds for s in prefill])
     return np.array(rows, dtype=np.float64) / seconds[:, None], np.array(targets) / seconds
 

@@ -37,7 +37,7 @@ class SimRouter:
         self._inbox: asyncio.Queue[tuple[bytes, Any]] = asyncio.Queue()
         self._peers: dict[bytes, SimDealer] = {}
 
-    def connect(self, identity: bytes) -> "SimDealer":
+    def connect(self, identity: bytes) -> SimDealer:
         """A new worker connection under `identity` (replacing a closed one)."""
         dealer = SimDealer(self, identity)
         self._peers[identity] = dealer

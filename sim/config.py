@@ -13,7 +13,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import yaml
 from omegaconf import OmegaConf
@@ -102,7 +103,7 @@ class SimConfig:
     def num_gen_accelerators(self) -> int:
         if self.placement == "colocated":
             return self.num_accelerators
-        return int(round(self.num_accelerators * self.gen_fraction))
+        return round(self.num_accelerators * self.gen_fraction)
 
     @property
     def num_rollout_workers(self) -> int:
@@ -168,7 +169,7 @@ def load_sim_config(path: str | Path | None = None, overrides: Sequence[str] = (
                 raise ConfigError(f"override {item!r} is not of the form key=value "
                                   "(e.g. num_accelerators=256)")
             node = OmegaConf.merge(node, OmegaConf.from_dotlist([item]))
-        cfg = OmegaConf.to_object(node)
+        cfg: Any = OmegaConf.to_object(node)  # a SimConfig: the schema it was made from
     except (OSError, yaml.YAMLError) as err:
         raise ConfigError(f"cannot read config file {str(path)!r}: {err}") from None
     except OmegaConfBaseException as err:

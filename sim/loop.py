@@ -1,6 +1,6 @@
 """An asyncio event loop on a virtual clock: idle waits jump to the next timer at once.
 
-Route (a) of DESIGN.md section 9. `VirtualTimeLoop.time()` is a number this loop owns.
+Route (a) of docs/design.md section 9. `VirtualTimeLoop.time()` is a number this loop owns.
 When nothing is ready to run, a real loop would sleep until its next timer; this one moves
 its clock to that timer instead and goes on, so a simulated 40-hour run takes as long as its
 callbacks take to execute. Everything that happens inside the loop is therefore
@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import selectors
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, TypeVar
+from collections.abc import Callable, Coroutine
 
 T = TypeVar("T")
 
@@ -43,6 +44,7 @@ class _VirtualSelector(selectors.DefaultSelector):
 
     def select(self, timeout: float | None = None) -> list[Any]:
         loop = self.loop
+        assert loop is not None, "VirtualTimeLoop sets itself as its selector's loop"
         events = super().select(0)
         if events or timeout == 0:
             return events
@@ -87,7 +89,8 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     def advance(self, seconds: float) -> None:
         self._now += seconds
 
-    def run_in_executor(self, executor: Any, func: Callable[..., T], *args: Any) -> asyncio.Future:
+    def run_in_executor(  # type: ignore[override]  # same call, a narrower annotation
+            self, executor: Any, func: Callable[..., T], *args: Any) -> asyncio.Future:
         future = super().run_in_executor(executor, func, *args)
         self.num_threads += 1
         future.add_done_callback(self._thread_done)
@@ -97,7 +100,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         self.num_threads -= 1
 
 
-def run_virtual(main: Callable[[], Awaitable[T]], limit_s: float = float("inf")) -> T:
+def run_virtual(main: Callable[[], Coroutine[Any, Any, T]], limit_s: float = float("inf")) -> T:
     """Run `main()` to completion on a fresh `VirtualTimeLoop`; returns its result."""
     with asyncio.Runner(loop_factory=lambda: VirtualTimeLoop(limit_s)) as runner:
         return runner.run(main())

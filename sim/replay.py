@@ -61,7 +61,7 @@ class ReplayWorkload(Workload):
 
     @classmethod
     def from_run(cls, run_dir: str | Path, reward_latency_s: float, seed: int = 1
-                 ) -> "ReplayWorkload":
+                 ) -> ReplayWorkload:
         """The lengths of a real run's trained batches (it ran with logging.save_batches)."""
         run_dir = Path(run_dir)
         # The run's history: a resumed run's superseded steps were trained again (their

@@ -24,6 +24,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 from areal.config import load_config
@@ -129,7 +130,8 @@ async def _drive(ctl: Controller, accounts: CpuAccounts, env: SimEnv
     appeared, a Mark."""
     accounts.install(asyncio.get_running_loop())
     run = asyncio.create_task(ctl.run())
-    records, marks = [], []
+    records: list[dict[str, Any]] = []
+    marks: list[Mark] = []
 
     def mark() -> Mark:
         return (accounts.cpu_s[CONTROLLER], time.process_time(), env.generated_tokens[0],
@@ -251,7 +253,7 @@ def _result(sim: SimConfig, summary: dict[str, Any], steps: list[dict[str, Any]]
         summary=summary)
 
 
-def _per_step(marks: list[Mark], index: int, first: int, last: int) -> float:
+def _per_step(marks: Sequence[tuple[Any, ...]], index: int, first: int, last: int) -> float:
     """Mark field `index` gained per step from step `first` to step `last`."""
     return (marks[last][index] - marks[first][index]) / (last - first)
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Any, Coroutine
+from typing import Any
+from collections.abc import Coroutine
 
 from areal.config import RunConfig
 from areal.controller.pool import WorkerHandle, WorkerPool

@@ -1,8 +1,8 @@
 """How fast this machine runs the controller's kind of work, now: a yardstick for its CPU cost.
 
 The controller's CPU seconds per simulated step (bench/cluster.py, tables f and r) are real
-seconds on whatever core the simulation got, and on this shared machine the same code has
-measured 1.7 times slower one day than another (README, table f). A share of the step time
+seconds on whatever core the simulation got, and on a shared machine the same code measures
+slower one hour than another. A share of the step time
 alone cannot tell a slower controller from a slower machine. So each measured simulation
 first times a fixed piece of the controller's own hot path, the decoding of one completion
 of 3,000 tokens as a rollout worker sends it (`reference_decode_us`), and reports it beside

@@ -21,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 
@@ -92,7 +93,7 @@ class Host:
                 changed.clear()
                 try:
                     await asyncio.wait_for(changed.wait(), left / rate)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     return
                 left -= (loop.time() - start) * rate
         finally:
@@ -173,8 +174,8 @@ class SimWorker:
 
     def _done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            raise task.exception()  # a simulator bug: surfaces through the loop's handler
+        if not task.cancelled() and (error := task.exception()) is not None:
+            raise error  # a simulator bug: surfaces through the loop's handler
 
     async def _heartbeat(self) -> None:
         interval = self.env.cfg.controller.heartbeat_interval_s

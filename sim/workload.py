@@ -23,7 +23,8 @@ import hashlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -47,7 +48,7 @@ class Workload:
     seed: int = 1
 
     @classmethod
-    def from_costs(cls, costs: dict[str, Any], seed: int) -> "Workload":
+    def from_costs(cls, costs: dict[str, Any], seed: int) -> Workload:
         values = {k: v["value"] for k, v in costs["workload"].items()}
         return cls(seed=seed, **values)
 
@@ -61,14 +62,14 @@ class Workload:
     def prompt_tokens(self, prompt_key: int) -> int:
         z = self._normal("prompt", prompt_key)
         length = self.prompt_median_tokens * math.exp(self.prompt_sigma * z)
-        return max(1, min(self.prompt_max_tokens, int(round(length))))
+        return max(1, min(self.prompt_max_tokens, round(length)))
 
     def completion_tokens(self, prompt_key: int, sample: str, max_new_tokens: int) -> int:
         """Tokens the completion `sample` of prompt `prompt_key` runs for (<= the cap)."""
         z = self.completion_sigma_prompt * self._normal("difficulty", prompt_key) \
             + self.completion_sigma_sample * self._normal("sample", prompt_key, sample)
         length = self.completion_median_tokens * math.exp(z)
-        return max(1, min(max_new_tokens, int(round(length))))
+        return max(1, min(max_new_tokens, round(length)))
 
     def correct(self, prompt_key: int, sample: str) -> bool:
         """Whether a completion is judged right (half of them; rewards only shape the
@@ -121,6 +122,7 @@ class SimSetup(RunSetup):
 
 def prepare_sim_run(cfg: RunConfig, workload: Workload) -> SimSetup:
     """The simulation's `prepare_run`: a run directory and the synthetic task."""
+    assert cfg.run_dir is not None  # the simulation always names its run directory
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     task = SimTask(cfg.eval.max_prompts or 1)

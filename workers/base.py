@@ -22,7 +22,8 @@ import sys
 import time
 import uuid
 from abc import ABC, abstractmethod
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import zmq
 import zmq.asyncio
@@ -129,7 +130,7 @@ class Worker(ABC):
             self.config = config_from_dict(welcome.config)
             heartbeat = asyncio.create_task(self._heartbeat_loop())
             version = await self.setup(welcome)
-            self._last_heard = time.monotonic()  # nothing is read during setup (vLLM: ~30 s)
+            self._last_heard = time.monotonic()  # nothing is read during setup (vLLM's: tens of seconds)
             self._ready = True
             await self.send(self.ready_message(version))
             log.info("%s ready at version %d", self.worker_id, version)
@@ -142,7 +143,7 @@ class Worker(ABC):
             try:
                 await asyncio.wait_for(self.send(WorkerError(
                     error=f"{type(err).__name__}: {err}", fatal=True)), 5)
-            except (asyncio.TimeoutError, zmq.ZMQError):
+            except (TimeoutError, zmq.ZMQError):
                 pass
             return 2
         finally:
@@ -160,7 +161,7 @@ class Worker(ABC):
                                  host=socket.gethostname(), secret=self.secret, rank=self.rank))
         try:
             reply = await asyncio.wait_for(self.channel.recv(), REGISTER_TIMEOUT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.error("no answer from the controller at %s within %.0f s%s",
                       self.address, REGISTER_TIMEOUT_S,
                       "" if self.keys else " (a controller using CurveZMQ answers only peers "

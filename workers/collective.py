@@ -14,7 +14,7 @@ the weights group under a new generation whenever its membership changes (a roll
 lost, restarted, or joining late) or a broadcast failed, and then broadcasts the current
 version again; members that already serve it receive and drop it. Operations of an older
 generation still queued when a newer one is announced are skipped (`Superseded`). One that
-is already blocked is aborted, which unblocks NCCL; gloo ignores the abort (measured: a
+is already blocked is aborted, which unblocks NCCL; gloo ignores the abort (a
 broadcast to a stopped peer still waits), so there it ends at `timeout_s`. A dead peer
 (closed connection) makes gloo fail at once.
 
@@ -38,7 +38,8 @@ import queue
 import socket
 import threading
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
+from collections.abc import Awaitable, Callable
 from urllib.parse import urlparse
 
 import torch

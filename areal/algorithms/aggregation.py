@@ -47,7 +47,7 @@ class Segments:
     """S: sequences of the packed batch, including those without loss tokens."""
 
     @classmethod
-    def of_loss_tokens(cls, cu_seqlens: torch.Tensor, loss_mask: torch.Tensor) -> "Segments":
+    def of_loss_tokens(cls, cu_seqlens: torch.Tensor, loss_mask: torch.Tensor) -> Segments:
         """From [S+1] packed offsets and the [N] bool loss mask."""
         if cu_seqlens.dim() != 1 or len(cu_seqlens) < 1 or int(cu_seqlens[0]) != 0 \
                 or int(cu_seqlens[-1]) != len(loss_mask):
@@ -90,6 +90,7 @@ def aggregation_factors(segments: Segments | None, mode: str, num_tokens: int,
     assert segments is not None
     if mode == "seq-mean-token-mean":
         return 1.0 / segments.sizes()[segments.index].to(dtype)
+    assert norm_tokens is not None  # check_aggregation refused it at config time
     return torch.full((num_tokens,), 1.0 / float(norm_tokens), dtype=dtype,
                       device=segments.index.device)
 

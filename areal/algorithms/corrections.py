@@ -82,6 +82,7 @@ def behav_weight(log_w: torch.Tensor, segments: Segments | None, *, level: str,
                  floor: float | None, cap: float | None, mode: str) -> BehavWeight:
     """Weights of [L] loss tokens from their token-level `log_w` (see the module docstring)."""
     if level == "sequence":
+        assert segments is not None, "sequence-level weights need the sequences' segments"
         seq_log_w = segments.mean(log_w)
         # +inf and -inf in one sequence: the mean is NaN. Treat it as unbounded above, so
         # that a cap masks or clamps it and it never enters the loss as NaN.
@@ -111,6 +112,7 @@ def surrogate(theta: torch.Tensor, prox: torch.Tensor, adv: torch.Tensor, keep: 
     low, high = 1.0 - eps_low, 1.0 + eps_high
     adv = adv[keep]
     if kind == "gspo":
+        assert segments is not None, "GSPO's ratio is per sequence"
         ratio = torch.exp(segments.mean(theta - prox))[keep]
     else:
         # Select before the exponential: masked tokens never reach the graph.

@@ -1,4 +1,4 @@
-"""The decoupled PPO objective (DESIGN.md section 6) and its exactly-aggregable statistics.
+"""The decoupled PPO objective (docs/design.md section 6) and its exactly-aggregable statistics.
 
 Role: given per-token log-probs of the sampled tokens under three policies, return the
 loss to back-propagate and a `PPOStats` of sums, counts and maxima. N is the number of
@@ -54,7 +54,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any
+from collections.abc import Iterable
 
 import torch
 
@@ -114,7 +115,7 @@ class PPOStats:
     def _sum_fields(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls) if f.name not in cls._MAX_FIELDS]
 
-    def merge(self, other: "PPOStats") -> "PPOStats":
+    def merge(self, other: PPOStats) -> PPOStats:
         """Statistics of both pieces together: sums and counts add, maxima take the max."""
         values = {name: getattr(self, name) + getattr(other, name) for name in self._sum_fields()}
         values.update({name: max(getattr(self, name), getattr(other, name))
@@ -122,7 +123,7 @@ class PPOStats:
         return PPOStats(**values)
 
     @classmethod
-    def reduce(cls, pieces: Iterable["PPOStats"]) -> "PPOStats":
+    def reduce(cls, pieces: Iterable[PPOStats]) -> PPOStats:
         total = cls()
         for piece in pieces:
             total = total.merge(piece)
@@ -138,11 +139,11 @@ class PPOStats:
         return sums, maxes
 
     @classmethod
-    def from_tensors(cls, sums: torch.Tensor, maxes: torch.Tensor) -> "PPOStats":
+    def from_tensors(cls, sums: torch.Tensor, maxes: torch.Tensor) -> PPOStats:
         """Inverse of `to_tensors` (after the all-reduces)."""
-        values: dict[str, float | int] = {}
+        values: dict[str, Any] = {}
         for field, value in zip(cls._sum_fields(), sums.tolist(), strict=True):
-            values[field] = int(round(value)) if field.startswith("num_") else value
+            values[field] = round(value) if field.startswith("num_") else value
         values.update(zip(cls._MAX_FIELDS, maxes.tolist(), strict=True))
         return cls(**values)
 
@@ -256,6 +257,7 @@ def _drop_undefined(weight: corrections.BehavWeight, prox: torch.Tensor,
     its sequence's, so there a pi_prox of 0 drops every token of the sequence."""
     no_prox = ~prox.isfinite()
     if kind == "gspo" and bool(no_prox.any()):
+        assert segments is not None  # GSPO's ratio is per sequence
         no_prox = torch.isin(segments.index, segments.index[no_prox])
     undefined = weight.keep & (no_prox | ~weight.used.isfinite())
     return dataclasses.replace(weight, keep=weight.keep & ~undefined), undefined
@@ -297,7 +299,7 @@ def _stats(log_ratio: torch.Tensor, weight: corrections.BehavWeight, undefined: 
 
 
 def _drift(log_w: torch.Tensor, fresh: torch.Tensor, weight: corrections.BehavWeight,
-           clip_active: torch.Tensor, mode: str) -> dict[str, float | int]:
+           clip_active: torch.Tensor, mode: str) -> dict[str, Any]:
     """The drift decomposition's fields over [L] loss tokens ([U] `clip_active`)."""
     clipped = torch.zeros_like(weight.keep)
     clipped[weight.keep] = clip_active

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import heapq
 import operator
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def first_fit_decreasing(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:

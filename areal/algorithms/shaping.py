@@ -32,7 +32,7 @@ Pure: no processes; trajectories in, tensors out.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -1,4 +1,4 @@
-"""Staleness-bounded admission of generation requests (DESIGN.md section 5).
+"""Staleness-bounded admission of generation requests (docs/design.md section 5).
 
 Role: the controller asks this object how many new trajectories it may start generating.
 With batch size B (trajectories per training step), current policy version i (training
@@ -130,7 +130,7 @@ class StalenessController:
         return state
 
     @classmethod
-    def from_state_dict(cls, state: dict[str, Any]) -> "StalenessController":
+    def from_state_dict(cls, state: dict[str, Any]) -> StalenessController:
         controller = cls(int(state["batch_size"]), int(state["eta"]))
         for name in _COUNTERS:
             setattr(controller, name, int(state[name]))

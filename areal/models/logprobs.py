@@ -32,7 +32,7 @@ Not here: losses, loss masks, padding-based batching, sampling.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint

@@ -31,7 +31,8 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -70,7 +71,9 @@ def task_source_digest(name: str) -> str:
     task, or ours) must not reuse a warm model built from the old data."""
     module_name = BUILTIN_TASKS.get(name, name).partition(":")[0]
     try:
-        source = Path(inspect.getsourcefile(importlib.import_module(module_name))).read_bytes()
+        # a module without a source file gives Path(None): the TypeError caught below
+        source = Path(inspect.getsourcefile(
+            importlib.import_module(module_name))).read_bytes()
     except (ImportError, OSError, TypeError):  # load_task reports a bad name with context
         return ""
     return hashlib.sha256(source).hexdigest()[:16]
@@ -164,6 +167,7 @@ def build_warm_model(cfg: RunConfig, directory: Path) -> dict[str, Any]:
                              tokenizer.pad_token_id, seed=cfg.seed)
     losses: list[float] = []
     if ws.steps:
+        assert sft_examples is not None  # refused above
         examples = sft_examples(cfg.seed, ws.steps * ws.batch_size)
         prompts = [ex.prompt.text for ex in examples]
         # An episode (areal.tasks.environment.SFTEpisode) comes as (text, trained) segments.

@@ -39,4 +39,4 @@ def load_task(name: str, params: dict[str, Any] | None = None) -> Task:
         raise ValueError(f"task.params for {name!r} do not fit {cls.__name__}: {err}") from err
 
 
-__all__ = ["Prompt", "RewardOutcome", "Task", "Verdict", "load_task", "BUILTIN_TASKS"]
+__all__ = ["BUILTIN_TASKS", "Prompt", "RewardOutcome", "Task", "Verdict", "load_task"]

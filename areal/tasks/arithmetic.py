@@ -33,7 +33,8 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
+from collections.abc import Callable, Iterator
 
 from areal.tasks.base import Prompt, RewardOutcome, Task, Verdict
 
@@ -162,7 +163,7 @@ class ArithmeticTask(Task):
         self._eval_texts: frozenset[str] = frozenset()
 
     @classmethod
-    def long_tail(cls, **overrides: Any) -> "ArithmeticTask":
+    def long_tail(cls, **overrides: Any) -> ArithmeticTask:
         """Long-tailed completion lengths: k from 2 to 40, power law (median ~20 tokens,
         longest ~340)."""
         params: dict[str, Any] = dict(min_k=2, max_k=40, k_alpha=1.2)

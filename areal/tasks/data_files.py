@@ -22,7 +22,8 @@ import logging
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ def _read_file(path: str, cache_dir: str | None) -> list[dict[str, Any]]:
 def _read_jsonl_plainly(path: str, arrow_error: Exception) -> list[dict[str, Any]]:
     """Arrow refused the file: find the bad line, or read it without Arrow's typing (a field
     holding different types in different rows, as code test cases often do, is fine)."""
-    records = []
+    records: list[Any] = []
     with open(path, encoding="utf-8") as f:
         if f.read(4096).lstrip().startswith("["):  # a .json file holding one array
             f.seek(0)

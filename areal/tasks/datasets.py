@@ -27,7 +27,8 @@ import dataclasses
 import logging
 import random
 import threading
-from typing import Any, Iterator, Sequence
+from typing import Any
+from collections.abc import Iterator, Sequence
 
 from areal.tasks.base import Prompt, RewardOutcome, Task
 from areal.tasks.data_files import BadRows, Row, RowError, as_paths, read_rows, split_by_seed
@@ -171,6 +172,7 @@ class DatasetTask(Task):
             eval_rows = read_rows(self.eval_paths, cache_dir=self.cache_dir)
             held = self._examples(eval_rows, f"{self.name} {', '.join(self.eval_paths)}")
         else:
+            assert self.eval_fraction is not None  # set in __init__ when there is no eval_path
             train, held = split_by_seed(train, self.eval_fraction, self.data_seed)
         num_dropped = 0
         if self.drop_eval_overlap and held:
@@ -204,6 +206,7 @@ class DatasetTask(Task):
         """One epoch of the training rows, shuffled by (data_seed, seed) unless shuffle=false."""
         with self._lock:
             self._load()
+            assert self._train is not None  # _load sets it
             train = list(self._train)
         if not self.paths:
             raise ValueError(f"task {self.name!r} has no training file: set task.params.path")

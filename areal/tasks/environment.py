@@ -1,6 +1,6 @@
 """Environments: what answers the model between the turns of a multi-turn episode.
 
-An episode is one trajectory in which model turns and observations alternate (DESIGN.md
+An episode is one trajectory in which model turns and observations alternate (docs/design.md
 section 10):
 
     prompt | model turn 1 | observation 1 | model turn 2 | ... | model turn n

@@ -90,6 +90,7 @@ def render(style: PromptStyle, example: Example, default_instruction: str,
     """The prompt text for `example` (see the module docstring)."""
     convo = messages(style, example, default_instruction)
     if uses_chat_template(style, tokenizer):
+        assert tokenizer is not None  # a chat template needs one
         text = tokenizer.apply_chat_template(convo, tokenize=False, add_generation_prompt=True,
                                              **style.chat_template_kwargs)
         if not isinstance(text, str):

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 from areal.tasks.arithmetic import (
     ANSWER_MARK, ArithmeticTask, distinct_problems, problems_outside,

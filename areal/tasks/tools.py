@@ -25,7 +25,8 @@ import operator
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,7 +104,8 @@ def evaluate_expression(text: str) -> int | float:
 
 
 def _evaluate(node: ast.AST) -> int | float:
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) \
+            and type(node.value) is not bool:
         return node.value
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_evaluate(node.operand))

@@ -32,6 +32,7 @@ def _get(cfg, key: str):
     return cfg
 
 
+@pytest.mark.slow
 def test_every_option_appears_in_the_cli_help_with_its_choices():
     help_text = subprocess.run([sys.executable, "-m", "areal.controller", "--help"],
                                capture_output=True, text=True, check=True).stdout

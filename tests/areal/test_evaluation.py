@@ -48,7 +48,7 @@ def test_pass_at_k_equals_brute_force_enumeration_for_every_small_case():
 
 
 def test_pass_at_k_grows_with_k_and_with_correct_samples():
-    for c in range(0, 9):
+    for c in range(9):
         values = [pass_at_k(8, c, k) for k in range(1, 9)]
         assert values == sorted(values)
     assert [pass_at_k(8, c, 3) for c in range(9)] == sorted(pass_at_k(8, c, 3) for c in range(9))

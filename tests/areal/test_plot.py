@@ -62,6 +62,7 @@ def test_series_skips_non_finite_values_and_evals_without_step(tmp_path):
     assert series(run, "eval", "eval/pass@1", "time") == ([0.0, 12.0], [0.1, 0.4])
 
 
+@pytest.mark.slow
 def test_one_run_gives_an_overview_and_a_png_per_panel(tmp_path):
     run_dir = _write_run(tmp_path / "r", with_loss=False)
     assert main([str(run_dir)]) == 0
@@ -71,6 +72,7 @@ def test_one_run_gives_an_overview_and_a_png_per_panel(tmp_path):
         _not_blank(path)
 
 
+@pytest.mark.slow
 def test_single_completion_runs_draw_no_episode_panels(tmp_path):
     run_dir = _write_run(tmp_path / "r", episodes=False)
     paths = plot_runs([run_dir], tmp_path / "out")
@@ -78,6 +80,7 @@ def test_single_completion_runs_draw_no_episode_panels(tmp_path):
         "tool_use", "turns", "episode_tokens", "tool_time"}
 
 
+@pytest.mark.slow
 def test_several_runs_are_overlaid_against_time(tmp_path):
     runs = [_write_run(tmp_path / "sync", 4, episodes=False), _write_run(tmp_path / "async", 8)]
     paths = plot_runs(runs, tmp_path / "cmp", x_axis="time")

@@ -55,6 +55,7 @@ def test_quick_bench_prints_every_table_and_parallel_runs_match_serial(tmp_path,
     assert serial.simulations == 4
 
 
+@pytest.mark.slow
 def test_table_r_measures_the_controller_in_the_simulation_and_alone(cluster_bench):
     bench = cluster_bench.Bench(quick=True, seed=1, jobs=1)
     text = cluster_bench.table_r(bench)
@@ -80,7 +81,7 @@ def test_one_job_runs_each_configuration_once(cluster_bench, monkeypatch):
 
 
 def test_async_runs_are_measured_after_the_pipeline_fills(cluster_bench):
-    """Steps 3-4 of 4 were not an async run's steady state (README, "The measured window"):
+    """Steps 3-4 of 4 were not an async run's steady state (docs/history.md, "The measured window"):
     the paper's batch is measured over steps 5-7, the quarter batch over 5-12."""
     full, quick = cluster_bench.Bench(quick=False, seed=1), cluster_bench.Bench(quick=True, seed=1)
     assert (full.config("async").steps, full.config("async").measure_from) == (7, 4)
@@ -121,6 +122,7 @@ def test_default_jobs_are_bounded_by_cores_and_memory(cluster_bench, monkeypatch
     assert cluster_bench.default_jobs() == 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wire, most_at_once", [(True, 1), (False, 2)])
 def test_measured_simulations_run_one_at_a_time(cluster_bench, monkeypatch, wire, most_at_once):
     bench = cluster_bench.Bench(quick=True, seed=1, jobs=2)
@@ -184,6 +186,7 @@ def test_no_tables_is_no_work(cluster_bench, jobs):
     bench.close()
 
 
+@pytest.mark.slow
 def test_strict_table_compares_the_same_runs_with_and_without_strict(cluster_bench, monkeypatch):
     calls = []
     real = cluster_bench.simulate

@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from results_page import publish, write_results  # noqa: E402
+from results_page import publish, write_results
 
 
 def test_the_page_and_its_json_carry_the_table_and_where_it_was_measured(tmp_path):

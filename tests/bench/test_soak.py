@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from soak import Series, slope_per_hour, summarize, table  # noqa: E402
+from soak import Series, slope_per_hour, summarize, table
 
 
 def test_a_warm_up_followed_by_a_plateau_has_no_second_half_slope():

@@ -60,7 +60,7 @@ def test_replay_prints_each_step_in_run_alone_and_priced(tmp_path):
                       re.MULTILINE)
     assert [int(r[0]) for r in rows] == [2, 3]  # the first step is left out
     assert [int(r[1]) for r in rows] == [16 * 32, 8 * 40]
-    for row, (step_s, publish_s) in zip(rows, times[1:]):
+    for row, (step_s, publish_s) in zip(rows, times[1:], strict=True):
         assert float(row[2]) == pytest.approx(step_s + publish_s, abs=1e-3)
         assert float(row[3]) > 0 and float(row[4]) > 0
     total = re.search(rf"steps 2-3: in run {NUMBER} s, alone {NUMBER} s, model {NUMBER} s; "

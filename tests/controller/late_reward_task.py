@@ -13,7 +13,8 @@ Importable by workers as `late_reward_task:LateRewardTask` with this folder on P
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 from areal.tasks.base import Prompt, RewardOutcome
 from letter_task import LetterTask

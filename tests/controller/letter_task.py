@@ -9,7 +9,8 @@ Importable by workers as `letter_task:LetterTask` with this folder on PYTHONPATH
 from __future__ import annotations
 
 import random
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 from areal.tasks.base import Prompt, RewardOutcome, Task, Verdict
 

@@ -81,6 +81,7 @@ async def _answer_everyone(channel: RouterChannel, seen: list) -> None:
         await channel.send(identity, Heartbeat())
 
 
+@pytest.mark.slow
 def test_only_authorised_keys_get_through_and_refusals_are_logged(tmp_path, caplog):
     keys = init_keys(tmp_path / "keys")
     client = load_client_keys(keys)

@@ -165,6 +165,7 @@ def _completion(draw, n: int, version: int) -> dict[str, np.ndarray]:
 @settings(max_examples=500, deadline=None)
 @given(data=st.data(), n=st.integers(0, 9), version=st.integers(0, 3),
        vocab_size=st.sampled_from([None, 100]))
+@pytest.mark.slow
 def test_the_short_path_accepts_only_what_the_full_check_accepts(data, n, version, vocab_size):
     msg = Generated(request_id="g0-s0-a0", finish_reason=FinishReason.LENGTH,
                     **data.draw(_completion(n, version)))

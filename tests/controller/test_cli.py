@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -15,6 +17,7 @@ def _controller(*args: str, cwd: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_a_wrong_option_is_named(tmp_path):
     done = _controller("trainer.batch_size=60", cwd=tmp_path)
     assert done.returncode == 2
@@ -22,6 +25,7 @@ def test_a_wrong_option_is_named(tmp_path):
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.slow
 def test_a_task_the_embedded_model_cannot_warm_start_on_is_refused(tmp_path):
     done = _controller("task.name=gsm8k", f"task.params.path={REPO}/examples/data/gsm8k_train.jsonl",
                        f"run_dir={tmp_path / 'run'}", f"cache_dir={tmp_path / 'cache'}",
@@ -31,6 +35,7 @@ def test_a_task_the_embedded_model_cannot_warm_start_on_is_refused(tmp_path):
     assert "model.warmstart.steps=0" in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.slow
 def test_resume_needs_a_run_directory_with_a_checkpoint(tmp_path):
     done = _controller("--resume", str(tmp_path / "nowhere"), cwd=tmp_path)
     assert done.returncode == 2

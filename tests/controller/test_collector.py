@@ -18,9 +18,8 @@ def test_thresholds_hold_inside_the_block_and_are_restored_after_it_even_on_erro
     with collection_thresholds([12345, 7, 9]):
         assert gc.get_threshold() == (12345, 7, 9)
     assert gc.get_threshold() == before
-    with pytest.raises(RuntimeError, match="boom"):
-        with collection_thresholds([12345, 7, 9]):
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), collection_thresholds([12345, 7, 9]):
+        raise RuntimeError("boom")
     assert gc.get_threshold() == before
 
 

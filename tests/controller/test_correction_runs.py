@@ -1,4 +1,4 @@
-"""Short real runs with every off-policy correction option (README "Off-policy corrections"):
+"""Short real runs with every off-policy correction option (docs/concepts/decoupled-ppo.md):
 real processes and sockets, the tiny model, the letter task, 2 steps of 4 samples. Each run
 must complete, record its options in config.yaml, train on finite losses, and show the
 options at work in its metrics or saved batches.

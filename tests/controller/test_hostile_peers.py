@@ -222,7 +222,7 @@ def live(tmp_path_factory, tiny_model_dir, warnings_seen):
         f"controller.port={port}", f"controller.secret={SECRET}",
         "controller.heartbeat_interval_s=0.5", "controller.heartbeat_timeout_s=15",
         "trainer.checkpoint_every=0"])
-    ctx, squatters, monitors = _squatters(port)
+    ctx, _, monitors = _squatters(port)
     run = LiveRun(cfg)
     run.thread.start()
     for monitor in monitors:  # each squatter's identity is taken on the controller's socket

@@ -144,7 +144,7 @@ def test_untrained_positions_cover_running_and_buffered_groups_not_trained_ones(
     ledger = Ledger()
     groups = [ledger.add_group(_prompt(i), np.array([5], np.int32), size=1, version=0,
                                position=10 + i) for i in range(4)]
-    for group in groups[:3]:
+    for _ in groups[:3]:
         _run_sample(ledger, ledger.pending.popleft())
     ledger.take_batch(1)  # position 10 trained; 11, 12 buffered; 13 still pending
     assert ledger.untrained_positions() == [11, 12, 13]

@@ -125,7 +125,7 @@ def test_admission_never_exceeds_the_staleness_bound(faulty_run):
     for entry in log:
         bound = (entry["version"] + ETA + 1) * BATCH  # floor((N_r - 1) / B) <= i + eta
         assert entry["num_admitted"] <= bound, entry
-    # The bound holds at admission (DESIGN.md section 5); a group that finishes late can be
+    # The bound holds at admission (docs/design.md section 5); a group that finishes late can be
     # trained later than groups admitted after it, so trained staleness is only reported.
     steps = [r for r in faulty_run["records"] if r["kind"] == "step"]
     assert any(r["staleness/max"] > 0 for r in steps)  # the run really was asynchronous

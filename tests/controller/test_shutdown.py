@@ -53,6 +53,7 @@ def _immutable(path: Path) -> bool:
     return done.returncode == 0
 
 
+@pytest.mark.slow
 def test_a_run_directory_that_cannot_be_written_is_one_line(tmp_path):
     locked = tmp_path / "locked"
     if _immutable(locked):

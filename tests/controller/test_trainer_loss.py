@@ -67,7 +67,7 @@ class _Trainers:
 @pytest.mark.parametrize("rank0_published", [True, False])
 def test_the_step_in_progress_ends_as_far_as_rank_0_got(tmp_path, caplog, rank0_published):
     t = _Trainers(tmp_path)
-    rank0, rank1 = t.ranks
+    _, rank1 = t.ranks
 
     async def scenario():
         step = asyncio.create_task(t.trainers.run_step(5, [_train(5, 0), _train(5, 1)],

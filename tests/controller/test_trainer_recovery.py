@@ -109,7 +109,7 @@ def test_replayed_weights_equal_those_the_killed_trainer_published(one_rank):
 def test_two_ranks_form_their_group_again_and_broadcast_from_the_new_rank_0(two_ranks):
     ctl = two_ranks["ctl"]
     assert ctl.core.trainers.group.generation == 2
-    joined = [r for r in _events(two_ranks, "trainer_group_joined")]
+    joined = list(_events(two_ranks, "trainer_group_joined"))
     assert sorted((r["generation"], r["worker_id"]) for r in joined) == [
         (1, "trainer-0"), (1, "trainer-1"), (2, "trainer-0"), (2, "trainer-1")]
     # The weights group was formed again with the new sender, and every rollout worker

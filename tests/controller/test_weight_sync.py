@@ -68,7 +68,7 @@ def test_a_failed_load_is_retried_with_the_newest_loadable_version_then_the_work
     assert run.core.weights.retry(out) == []
     assert not out.messages  # it serves v1, the newest loadable: nothing newer to send
     assert not run.core.weights.retries.failing
-    for attempt in range(MAX_FAILURES):
+    for _ in range(MAX_FAILURES):
         run.on(worker.identity, WeightsUpdated(version=2, error="corrupt"))
     lost = run.core.weights.retry(Outbox())
     assert [(h.worker_id, why.split(" (")[0]) for h, why in lost] == \

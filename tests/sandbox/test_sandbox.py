@@ -154,6 +154,7 @@ def test_running_without_isolation_is_refused_unless_allowed():
         SandboxConfig(mode="jail")
 
 
+@pytest.mark.slow
 def test_launcher_death_is_survived(sandbox_factory):
     sb = sandbox_factory()
     old = sb.launcher_pid

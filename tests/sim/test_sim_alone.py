@@ -21,6 +21,7 @@ from areal.sim.run import simulate
 from tests.sim.test_sim_run import SMALL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_the_replayed_controller_sends_every_message_the_simulated_one_sent(mode):
     settings = dict(mode=mode, **SMALL) if mode == "async" else \

@@ -37,7 +37,7 @@ def test_interrupts_sequences_keeps_the_bound_and_trains_every_group_once(async_
     assert r.interruptions > 0
     assert r.interrupted_in_window > 0  # counted when they happen, finished or not
     assert r.multi_version_trajectories > 0  # tokens of one trajectory from several versions
-    # The bound holds at admission (DESIGN.md section 5): N_r <= (i + eta + 1) * B. Token
+    # The bound holds at admission (docs/design.md section 5): N_r <= (i + eta + 1) * B. Token
     # staleness may exceed eta (batches are taken in finishing order, not admission order).
     batch = SMALL["num_prompts"] * SMALL["group_size"]
     assert r.admissions and all(live <= (version + 2 + 1) * batch
@@ -67,6 +67,7 @@ def test_another_seed_gives_another_timeline(async_run):
     assert other.step_times != async_run.step_times
 
 
+@pytest.mark.slow
 def test_raising_eta_raises_throughput_up_to_the_trainers_pace():
     # A 7B model on 4 trainer ranks and 28 rollout servers: training is the slower side.
     base = dict(SMALL, model="7b", num_accelerators=32, gen_fraction=0.875,
@@ -101,6 +102,7 @@ def test_strict_staleness_holds_the_bound_on_trained_tokens_by_dropping_groups()
         == SMALL["steps"] * SMALL["num_prompts"]
 
 
+@pytest.mark.slow
 def test_interruptions_count_sequences_that_never_finished():
     """A short run with long completions: updates interrupt sequences that are still
     running when it ends, so no completion received reports them (bench/cluster.py's quick

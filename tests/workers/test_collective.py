@@ -46,7 +46,7 @@ def _process(index: int, port: int, out: str) -> None:
         store = connect_store(f"127.0.0.1:{port}", timeout_s=60)
     common = dict(store=store, backend="gloo", timeout_s=60)
     if role in ("sender", "A", "B"):  # generation 1: sender, A, B
-        group.join(generation=1, rank="sender A B".split().index(role), world_size=3, **common)
+        group.join(generation=1, rank=["sender", "A", "B"].index(role), world_size=3, **common)
         snapshot = snapshot_weights(_weights(1), 1, BUCKET_BYTES)
         if role == "sender":
             assert len(snapshot.buffers) >= 3
@@ -56,7 +56,7 @@ def _process(index: int, port: int, out: str) -> None:
     if role == "B":
         return  # gone: generation 2 is formed without it
     group.announce(2)
-    group.join(generation=2, rank="sender A C".split().index(role), world_size=3, **common)
+    group.join(generation=2, rank=["sender", "A", "C"].index(role), world_size=3, **common)
     snapshot = snapshot_weights(_weights(2), 2, BUCKET_BYTES)
     if role == "sender":
         group.send(snapshot, 2)

@@ -11,6 +11,7 @@ import sys
 import textwrap
 
 import psutil
+import pytest
 
 from areal.workers.parent import PARENT_ENV, die_with_parent
 
@@ -31,6 +32,7 @@ PARENT = textwrap.dedent(f"""
 """)
 
 
+@pytest.mark.slow
 def test_the_child_dies_with_its_parent_and_ignores_signals_meant_for_the_parent():
     parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE)
     try:

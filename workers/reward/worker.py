@@ -68,7 +68,7 @@ class RewardWorker(Worker):
         start = time.monotonic()
         try:
             text = self.tokenizer.decode(completion_ids.tolist(), skip_special_tokens=True)
-        except Exception as err:  # noqa: BLE001 - any tokenizer failure: reported per sample
+        except Exception as err:
             return RewardOutcome(reward=0.0, verdict=Verdict.ERROR,
                                  detail=f"could not decode the completion: {err!r}"), 0.0
         outcome: RewardOutcome = await self.pool.check(self.task.reward, text, reference)

@@ -18,7 +18,7 @@ A method called in the wrong state raises `EngineStateError` naming the state an
 calls (start, pause, update_weights, resume, close) are atomic: cancelling the caller does
 not cancel the operation, which completes in the background; the next one waits for it.
 
-Behaviour log-probs (DESIGN.md section 4). `logprobs[i]` is the natural log of the
+Behaviour log-probs (docs/design.md section 4). `logprobs[i]` is the natural log of the
 probability with which `token_ids[i]` was drawn, under the distribution actually sampled
 from, computed in float32:
 
@@ -44,7 +44,7 @@ from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 

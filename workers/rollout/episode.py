@@ -32,7 +32,8 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -67,7 +68,7 @@ class EpisodeResult:
     versions: list[int] = field(default_factory=list)
     loss_mask: list[bool] = field(default_factory=list)
     end: EpisodeEnd = EpisodeEnd.ENVIRONMENT
-    outcome: RewardOutcome = RewardOutcome(reward=0.0, verdict=Verdict.NO_ANSWER)
+    outcome: RewardOutcome = RewardOutcome(reward=0.0, verdict=Verdict.NO_ANSWER)  # noqa: RUF009 (frozen)
     finish_reason: FinishReason = FinishReason.STOP
     num_turns: int = 0
     num_tool_calls: int = 0

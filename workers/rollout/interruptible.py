@@ -7,7 +7,7 @@ remaining budget; if the engine aborts it because new weights are being loaded, 
 sequence waits for the new weights and is resubmitted (the new weights recompute the
 prefix; nothing of the old KV cache is reused). Every token is tagged with the version of
 the weights that sampled it, captured when its segment was submitted; earlier tokens keep
-their version and behaviour log-prob (DESIGN.md section 4).
+their version and behaviour log-prob (docs/design.md section 4).
 
 State machine. The generator is the only one that pauses and resumes the engine.
 
@@ -41,7 +41,7 @@ import asyncio
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -44,7 +44,8 @@ import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import torch
 from transformers import GenerationConfig
@@ -116,7 +117,7 @@ class TorchEngine(SerialControlEngine):
         self._model: Any = None
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, index: int = 0) -> "TorchEngine":
+    def from_config(cls, cfg: RunConfig, index: int = 0) -> TorchEngine:
         """The engine of rollout worker `index` (model.path must be resolved by then)."""
         if cfg.model.path is None:
             raise ValueError("model.path is null: the controller resolves the embedded model to "

@@ -32,7 +32,8 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
+from collections.abc import Iterator, Sequence
 
 from areal.config import RunConfig
 from areal.models.hf import check_model_dir
@@ -99,7 +100,7 @@ class VllmEngine(SerialControlEngine):
         self._submitted.set()
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, index: int = 0) -> "VllmEngine":
+    def from_config(cls, cfg: RunConfig, index: int = 0) -> VllmEngine:
         """The engine of rollout worker `index` (model.path must be resolved by then)."""
         if cfg.model.path is None:
             raise ValueError("model.path is null: the controller resolves the embedded model to "
@@ -183,7 +184,7 @@ class VllmEngine(SerialControlEngine):
                     await self._abort_all(llm)
                     try:  # the aborted calls get their tokens so far
                         await asyncio.wait_for(self._idle.wait(), _CLOSE_WAIT_S)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         log.warning("%d vLLM requests did not return after the abort",
                                     len(self._running))
                 # No output comes after the shutdown: whoever still waits gets ABORT.
@@ -256,7 +257,7 @@ class VllmEngine(SerialControlEngine):
         params = VllmSamplingParams(max_tokens=1, prompt_logprobs=0, flat_logprobs=True,
                                     detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
         self._num_requests += 1
-        async for out in self._llm.generate(_tokens_input(sequence), params,
+        async for out in self._llm.generate(_tokens_input(sequence), params,  # noqa: B007 (the last is read)
                                             f"score@{self._num_requests}"):
             pass
         return [0.0] + _sampled_logprobs(out.prompt_logprobs[1:], sequence[1:])
@@ -314,8 +315,8 @@ class VllmEngine(SerialControlEngine):
         """Variables the vLLM processes are started with (they inherit this process's)."""
         if on_cpu:
             # With enforce_eager nothing is compiled but vLLM's sampler still calls one
-            # torch.compile'd helper (the rank of sampled tokens): a C++ build of ~25 s on
-            # the first request (measured here; ~4 s once cached), for nothing.
+            # torch.compile'd helper (the rank of sampled tokens): a C++ build of tens of
+            # seconds on the first request, for nothing.
             return {"TORCHDYNAMO_DISABLE": "1"} if self._args["enforce_eager"] else {}
         index = int(self._device.partition(":")[2] or 0)
         num = int(self._args["tensor_parallel_size"])

@@ -27,7 +27,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 from safetensors import safe_open
@@ -50,7 +50,7 @@ class CheckpointLayout:
     """Names that may be given or left out (a tied `lm_head.weight`)."""
 
     @classmethod
-    def of_directory(cls, path: str | Path, *, tied_lm_head: bool) -> "CheckpointLayout":
+    def of_directory(cls, path: str | Path, *, tied_lm_head: bool) -> CheckpointLayout:
         """Read from the safetensors headers of `path` (no tensor data is read)."""
         return cls(safetensors_shapes(path),
                    frozenset({"lm_head.weight"}) if tied_lm_head else frozenset())
@@ -88,7 +88,7 @@ def safetensors_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {}
     for file in files:
         with safe_open(file, framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 shapes[name] = tuple(f.get_slice(name).get_shape())
     return shapes
 

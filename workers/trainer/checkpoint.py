@@ -10,7 +10,7 @@
 
 Why DCP: one format for a single process, the CPU all-reduce replicas and FSDP2 shards,
 loadable at another world size; `get_state_dict` also creates AdamW's state before a load.
-A checkpoint is what makes a trainer rank replaceable (DESIGN.md section 3): the controller
+A checkpoint is what makes a trainer rank replaceable (docs/design.md section 3): the controller
 keeps the batches trained since the newest one and replays them, so the restarted trainer
 reaches the weights and optimiser state of the lost one (see controller.py, "trainer lost").
 """
@@ -23,7 +23,7 @@ import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import datetime
 import logging
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -62,13 +62,13 @@ class DataParallel:
         self.bucket_bytes = bucket_bytes
 
     @classmethod
-    def single(cls) -> "DataParallel":
+    def single(cls) -> DataParallel:
         return cls(0, 1, "allreduce")
 
     @classmethod
     def join(cls, store: dist.Store, *, rank: int, world_size: int, backend: str, mode: str,
              timeout_s: float, generation: int = 1, bucket_bytes: int = 64 << 20
-             ) -> "DataParallel":
+             ) -> DataParallel:
         """Join the default process group through `store` (blocks until all ranks are in)."""
         device_id = torch.device("cuda", torch.cuda.current_device()) \
             if backend == "nccl" else None

@@ -1,4 +1,4 @@
-"""One training step of the decoupled PPO objective over a packed batch (DESIGN.md section 6).
+"""One training step of the decoupled PPO objective over a packed batch (docs/design.md section 6).
 
     advantages (per sequence, broadcast to tokens; given when the batch is one rank's
         shard, since group baselines need the global batch)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -118,7 +118,7 @@ def _reference(inp, *, eps_clip=0.2, eps_clip_high=None, behav_imp_cap=None,
 def _check_stats(stats: PPOStats, expected: dict) -> None:
     for name, want in expected.items():
         got = getattr(stats, name)
-        if name.startswith("num_") or name.startswith("max_"):
+        if name.startswith(("num_", "max_")):
             assert got == pytest.approx(want, abs=0 if name.startswith("num_") else 1e-15), (
                 f"{name}: got {got!r}, want {want!r}")
         else:
@@ -262,7 +262,7 @@ def test_pieces_with_the_global_normalizer_sum_to_the_whole_batch(agg, kind, ass
     assert_close(lp.grad, full_grad, atol=1e-15, what="accumulated gradient")
     assert abs(sum(means) / len(means) - full_loss.item()) > 1e-6, "pieces must differ"
     merged = PPOStats.reduce(pieces)
-    _check_stats(merged, {k: v for k, v in vars(full_stats).items()})
+    _check_stats(merged, dict(vars(full_stats).items()))
     assert merged.metrics() == pytest.approx(full_stats.metrics(), rel=1e-12, abs=1e-15)
 
 

@@ -72,7 +72,7 @@ def _reference(inp, *, eps_clip, eps_clip_high=None, behav_imp_cap=None, behav_c
 def _assert_stats_equal(stats: PPOStats, expected: dict, *, rtol: float = 1e-12) -> None:
     for name, want in expected.items():
         got = getattr(stats, name)
-        if name.startswith("num_") or name.startswith("max_"):
+        if name.startswith(("num_", "max_")):
             assert got == want, f"{name}: got {got!r}, want {want!r} (diff {got - want:.3e})"
         else:
             assert abs(got - want) <= rtol * max(1.0, abs(want)), (

@@ -1,4 +1,4 @@
-"""Staleness admission: the DESIGN.md section 5 bound at its boundaries, slot accounting, and a
+"""Staleness admission: the docs/design.md section 5 bound at its boundaries, slot accounting, and a
 random simulation of the controller's life checking the bound at every admission."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ B_ETA_PAIRS = [(1, 0), (1, 3), (4, 0), (4, 1), (8, 2), (3, 5)]
 
 
 def _bound_holds(num_live_after: int, batch_size: int, version: int, eta: int) -> bool:
-    """The literal DESIGN.md rule for the last admitted trajectory (N_r includes it)."""
+    """The literal docs/design.md rule for the last admitted trajectory (N_r includes it)."""
     return (num_live_after - 1) // batch_size <= version + eta
 
 
@@ -59,7 +59,7 @@ def test_the_last_admissible_trajectory_is_the_formula_boundary(batch_size, eta,
 @pytest.mark.parametrize(("batch_size", "eta"), B_ETA_PAIRS)
 def test_capacity_is_the_largest_count_the_formula_admits(batch_size, eta):
     for version in range(4):
-        for num_live in range(0, (version + eta + 3) * batch_size):
+        for num_live in range((version + eta + 3) * batch_size):
             ctl = StalenessController(batch_size, eta)
             ctl.num_admitted = num_live  # state as if that many were generated or in flight
             brute = 0

@@ -7,7 +7,7 @@ tests load their own copy with `load_model`, so a test that changes weights affe
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch

@@ -102,6 +102,7 @@ def test_an_unwritable_cache_only_costs_time(tiny_dir, tmp_path):
         transformers.AutoTokenizer.from_pretrained(tiny_dir))
 
 
+@pytest.mark.slow
 def test_a_remembered_load_imports_neither_torch_nor_the_auto_classes(tiny_dir, tmp_path):
     """Why the class is remembered: the reward worker's start-up (module docstring)."""
     cache = tmp_path / "cache"

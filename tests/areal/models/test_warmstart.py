@@ -135,6 +135,7 @@ def _build_in_child(cache_dir: str) -> tuple[str, int]:
     return str(path), warmstart.num_builds
 
 
+@pytest.mark.slow
 def test_concurrent_processes_build_once_and_never_see_half_a_model(tmp_path):
     with multiprocessing.get_context("spawn").Pool(2) as pool:
         results = pool.map(_build_in_child, [str(tmp_path)] * 2)
@@ -160,6 +161,7 @@ def _greedy_accuracy(path: Path, task) -> float:
     return sum(rewards) / len(rewards)
 
 
+@pytest.mark.slow
 def test_warm_start_lowers_the_loss_and_beats_the_random_model(tmp_path):
     trained_cfg = _cfg(tmp_path, "model.warmstart.steps=300", "model.warmstart.batch_size=32")
     random_cfg = _cfg(tmp_path, "model.warmstart.steps=0")

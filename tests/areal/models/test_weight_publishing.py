@@ -156,7 +156,7 @@ def test_copy_into_model_matches_a_model_built_from_the_weights(tmp_path, assert
     target, source = _tiny(seed=0), _tiny(seed=1)
     source.save_pretrained(tmp_path)
     reference = load_model(tmp_path)
-    params_before = {name: p for name, p in target.named_parameters(remove_duplicate=False)}
+    params_before = dict(target.named_parameters(remove_duplicate=False))
     optimizer = torch.optim.AdamW(target.parameters())
     ids = torch.tensor([[5, 17, 30, 42, 8]])
     with torch.no_grad():
@@ -247,7 +247,7 @@ def test_buckets_respect_the_limit_and_reassemble(sizes: list[int], max_bytes: i
         )
     flat = [name for bucket in buckets for name, _ in bucket]
     assert flat == [name for name, _ in tensors], "order changed or tensors lost"
-    for first, second in zip(buckets, buckets[1:]):  # greedy: the next tensor did not fit
+    for first, second in zip(buckets, buckets[1:], strict=False):  # greedy: the next tensor did not fit
         size = second[0][1].numel() * second[0][1].element_size()
         assert sum(t.numel() * t.element_size() for _, t in first) + size > max_bytes
     merged = merge_buckets(buckets)

@@ -98,6 +98,7 @@ def test_shipped_code_solutions_pass_their_tests_and_wrong_programs_fail():
     assert task.reward("no code here", reference).verdict is Verdict.NO_ANSWER
 
 
+@pytest.mark.slow
 def test_math_reward_checks_the_final_answer_with_math_verify():
     task = MathTask(path=str(MATH_FILE))
     outcome = task.reward("so the answer is \\boxed{\\dfrac{6}{8}}", "\\frac{3}{4}")

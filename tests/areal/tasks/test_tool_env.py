@@ -182,13 +182,13 @@ async def test_a_chat_turn_that_did_not_end_at_eos_is_the_answer():
     assert isinstance(cut, RewardOutcome) and cut.verdict is Verdict.NO_ANSWER
 
 
-async def test_the_readme_environment_example_runs():
-    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+async def test_the_episodes_guide_environment_example_runs():
+    readme = (Path(__file__).resolve().parents[3] / "docs/guides/episodes.md").read_text()
     source = readme.split("class GuessTheNumber(Environment):")[0].rsplit("```python", 1)[1] + \
         "class GuessTheNumber(Environment):" + \
         readme.split("class GuessTheNumber(Environment):")[1].split("```")[0]
     namespace: dict = {}
-    exec(compile(source, "README.md", "exec"), namespace)
+    exec(compile(source, "docs/guides/episodes.md", "exec"), namespace)
     tokenizer = build_char_tokenizer()
     env = namespace["GuessTheNumber"](task=None, tokenizer=tokenizer, hint="higher")
     assert env.stop_strings() == ["\n"]

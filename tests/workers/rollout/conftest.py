@@ -7,7 +7,7 @@ Nothing here mocks the engine: every test runs transformers' continuous batching
 from __future__ import annotations
 
 from pathlib import Path
-from typing import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import pytest
 import pytest_asyncio

@@ -86,7 +86,7 @@ async def check_update_in_turn_two(runner: EpisodeRunner, env: ScriptedEnvironme
     assert result.token_ids[60:60 + len(obs_one)] == obs_one
     assert result.versions[turn1] == [0] * 60 and result.versions[turn3] == [1] * 60
     switch = result.versions[turn2].index(1)
-    assert 0 < switch and result.versions[turn2] == [0] * switch + [1] * (60 - switch)
+    assert switch > 0 and result.versions[turn2] == [0] * switch + [1] * (60 - switch)
     observed = [i for i, sampled in enumerate(result.loss_mask) if not sampled]
     assert {result.versions[i] for i in observed} == {PROMPT_VERSION}
     assert {result.logprobs[i] for i in observed} == {OBSERVATION_LOGPROB}

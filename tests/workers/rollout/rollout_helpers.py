@@ -4,7 +4,7 @@ and the engine-contract checks both engines' tests run."""
 from __future__ import annotations
 
 import asyncio
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -41,7 +41,7 @@ async def test_logprobs_equal_full_forward_recomputation(make_engine, reference_
     seqs = [p + o.token_ids for p, o in zip(prompts, outs, strict=True)]
     cu = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0)
     with torch.no_grad():
-        packed = packed_logprobs(model, torch.tensor(sum(seqs, [])), cu, temperature=temperature)
+        packed = packed_logprobs(model, torch.tensor([t for s in seqs for t in s]), cu, temperature=temperature)
     for start, prompt, out in zip(cu[:-1].tolist(), prompts, outs, strict=True):
         trainer_lp += packed[start + len(prompt):start + len(prompt) + len(out.token_ids)].tolist()
     assert_close(engine_lp, forward_lp, atol=ATOL, what=f"engine vs forward, T={temperature}")
@@ -72,6 +72,7 @@ def _hf_greedy(model: torch.nn.Module, prompt: list[int], num_tokens: int) -> li
     return ids[0, len(prompt):].tolist()
 
 
+@pytest.mark.slow
 async def test_outputs_follow_new_weights_after_update(make_engine, weights_dirs,
                                                        reference_models):
     """No stale KV or prefix cache: prompts longer than a cache page (64) are cached as

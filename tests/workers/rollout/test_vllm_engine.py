@@ -30,7 +30,8 @@ from areal.workers.rollout.engine import (
 )
 from areal.workers.rollout.interruptible import InterruptibleGenerator
 
-pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
+# slow as well: the module's engine takes half a minute to start (out of the fast tier)
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 ATOL = 1e-4
 """fp32 engine vs fp32 trainer: measured max |diff| ~1e-5 (different kernels, same math)."""
@@ -64,7 +65,7 @@ def trainer_logprobs(model: torch.nn.Module, sequences: list[list[int]]) -> list
     """Per-sequence log-probs from the trainer's packed forward (one pack, fp32)."""
     cu = torch.tensor([0] + [len(s) for s in sequences]).cumsum(0)
     with torch.no_grad():
-        packed = packed_logprobs(model, torch.tensor(sum(sequences, [])), cu)
+        packed = packed_logprobs(model, torch.tensor([t for s in sequences for t in s]), cu)
     return [packed[a:b].tolist() for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)]
 
 

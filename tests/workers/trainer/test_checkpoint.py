@@ -63,11 +63,12 @@ def test_resume_and_replay_reaches_the_same_weights_and_optimiser_state(tmp_path
     for version, batch in enumerate(batches[2:], start=2):  # the replay
         resumed.step(batch, version)
 
-    for (name, a), b in zip(original.model.named_parameters(), resumed.model.parameters()):
+    for (name, a), b in zip(original.model.named_parameters(), resumed.model.parameters(),
+                            strict=True):
         assert torch.equal(a, b), name
     theirs, ours = _optimizer_tensors(original), _optimizer_tensors(resumed)
     assert len(theirs) == len(ours) > 0
-    assert all(torch.equal(a, b) for a, b in zip(theirs, ours))
+    assert all(torch.equal(a, b) for a, b in zip(theirs, ours, strict=True))
 
 
 def test_only_the_newest_complete_checkpoints_are_kept(tmp_path, tiny_model_dir):

@@ -120,7 +120,7 @@ def _diffs(a: dict, b: dict) -> torch.Tensor:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_two_ranks_take_the_single_rank_step(mode, reference, two_ranks, tiny_model_dir):
-    batch, before, after, ref_stats, ref_grads = reference
+    _, before, after, ref_stats, ref_grads = reference
     shards, out = two_ranks
     lengths = [s.batch.seqlens.tolist() for s in shards]
     assert lengths[0] != lengths[1] and all(len(set(x)) > 1 for x in lengths)
