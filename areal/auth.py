@@ -54,6 +54,9 @@ MAX_REFUSED = 100
 """Distinct refused peers logged at WARNING (and kept); the rest only counted."""
 KEYS_ENV = "AREAL_KEYS"
 """Environment variable naming a worker's key directory (like --keys)."""
+KEYS_TEXT_ENV = "AREAL_CURVE_KEYS"
+"""Environment variable holding a worker's keys themselves (`client_keys_text`): for
+launchers that start workers on nodes that do not share the controller's file system."""
 
 
 class KeyFileError(ValueError):
@@ -128,6 +131,28 @@ def load_client_keys(directory: str | Path) -> ClientKeys:
     server_public, _ = _load(directory / f"{SERVER}.key", "the controller's public key",
                              secret=False)
     public, secret = _load(directory / f"{CLIENT}.key_secret", "this worker's client key pair")
+    return ClientKeys(server_public=server_public, public=public, secret=secret)
+
+
+def client_keys_text(directory: str | Path) -> str:
+    """A worker's keys (DIR/server.key, DIR/client.key_secret) as one line of z85 text:
+    server public, client public, client secret. Secret: give it only through a process's
+    environment, never a command line or a log."""
+    keys = load_client_keys(directory)
+    return " ".join(z85.encode(key).decode() for key in (keys.server_public, keys.public,
+                                                          keys.secret))
+
+
+def client_keys_from_text(text: str) -> ClientKeys:
+    """The inverse of `client_keys_text`."""
+    parts = text.split()
+    if len(parts) != 3 or not all(len(part) == 40 for part in parts):
+        raise KeyFileError(f"${KEYS_TEXT_ENV} must hold three 40-character z85 keys (server "
+                           "public, client public, client secret), as the launcher writes them")
+    try:
+        server_public, public, secret = (z85.decode(part.encode()) for part in parts)
+    except ValueError as err:
+        raise KeyFileError(f"${KEYS_TEXT_ENV} is not z85 text: {err}") from None
     return ClientKeys(server_public=server_public, public=public, secret=secret)
 
 

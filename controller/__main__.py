@@ -1,5 +1,6 @@
 """`python -m areal.controller [--config FILE | --resume RUN_DIR] [key=value ...]`: run one
-training job, or continue one from its newest checkpoint.
+training job, or continue one from its newest checkpoint. Its workers are started by the
+launcher the config names (`launcher=local|ray`, areal.controller.launch).
 
 SIGTERM or SIGINT (Ctrl-C) stop the run as `Controller.stop()` does: the current step
 finishes, the final evaluation runs, the summary is written, the workers are shut down; the
@@ -60,10 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     import uvloop
 
     from areal.controller.controller import Controller, RunFailed
+    from areal.controller.launch import make_runtime
 
     signals: list[int] = []
+    controller = Controller(cfg, resume=bool(args.resume), runtime=make_runtime(cfg))
     try:
-        uvloop.run(_run_until_signalled(Controller(cfg, resume=bool(args.resume)), signals))
+        uvloop.run(_run_until_signalled(controller, signals))
     except RunFailed as err:
         print(f"error: the run failed: {err}", file=sys.stderr)
         return 1
