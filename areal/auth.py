@@ -138,9 +138,8 @@ def client_keys_text(directory: str | Path) -> str:
     """A worker's keys (DIR/server.key, DIR/client.key_secret) as one line of z85 text:
     server public, client public, client secret. Secret: give it only through a process's
     environment, never a command line or a log."""
-    keys = load_client_keys(directory)
-    return " ".join(z85.encode(key).decode() for key in (keys.server_public, keys.public,
-                                                          keys.secret))
+    keys = load_client_keys(directory)  # z85 already, as the certificate files hold them
+    return " ".join(key.decode() for key in (keys.server_public, keys.public, keys.secret))
 
 
 def client_keys_from_text(text: str) -> ClientKeys:
@@ -150,9 +149,11 @@ def client_keys_from_text(text: str) -> ClientKeys:
         raise KeyFileError(f"${KEYS_TEXT_ENV} must hold three 40-character z85 keys (server "
                            "public, client public, client secret), as the launcher writes them")
     try:
-        server_public, public, secret = (z85.decode(part.encode()) for part in parts)
+        for part in parts:
+            z85.decode(part.encode())
     except ValueError as err:
         raise KeyFileError(f"${KEYS_TEXT_ENV} is not z85 text: {err}") from None
+    server_public, public, secret = (part.encode() for part in parts)
     return ClientKeys(server_public=server_public, public=public, secret=secret)
 
 

@@ -199,3 +199,48 @@ def shortfall(groups: list[Group], waiting: list[Group], nodes: list[dict[str, A
                     f"{len(usable)} usable")
     return (f"waiting for {what}; the cluster has the resources ({cluster}) but they are in "
             f"use: free now {_fmt(available)}")
+
+
+def first_fit(groups: list[Group], nodes: list[dict[str, float]]) -> list[list[int]]:
+    """Where `groups` could go on nodes with these total resources, bundle by bundle (node
+    indices), placing each group as its strategy says, first fit; PlacementError with the
+    shortfall when one does not fit. A check of a config against a cluster's shape (Ray's
+    own scheduler decides for real, and may find placements first fit misses)."""
+    free = [dict(node) for node in nodes]
+    plan: list[list[int]] = []
+
+    def fits(node: dict[str, float], bundle: dict[str, float]) -> bool:
+        return all(node.get(k, 0) >= v - 1e-9 for k, v in bundle.items())
+
+    def take(index: int, bundle: dict[str, float]) -> None:
+        for k, v in bundle.items():
+            free[index][k] = free[index].get(k, 0) - v
+
+    for group in groups:
+        spots: list[int] = []
+        if group.strategy == "STRICT_PACK":
+            total: Counter[str] = Counter()
+            for bundle in group.bundles:
+                total.update(bundle)
+            node = next((i for i, n in enumerate(free) if fits(n, total)), None)
+            if node is not None:
+                take(node, total)
+                spots = [node] * len(group.bundles)
+        else:
+            for bundle in group.bundles:
+                avoid = set(spots) if group.strategy in ("SPREAD", "STRICT_SPREAD") else set()
+                order = [i for i in range(len(free)) if i not in avoid] + \
+                    ([i for i in range(len(free)) if i in avoid]
+                     if group.strategy == "SPREAD" else [])
+                node = next((i for i in order if fits(free[i], bundle)), None)
+                if node is None:
+                    spots = []
+                    break
+                take(node, bundle)
+                spots.append(node)
+        if len(spots) != len(group.bundles):
+            described = [{"node_id": str(i), "address": "-", "resources": n}
+                         for i, n in enumerate(nodes)]
+            raise PlacementError(shortfall(groups, [group], described, {}))
+        plan.append(spots)
+    return plan

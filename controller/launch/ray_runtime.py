@@ -23,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
+import os
 import secrets
 from pathlib import Path
 from typing import Callable
@@ -32,7 +34,7 @@ import zmq.asyncio
 
 from areal.auth import ZapHandler, client_keys_text, run_keys, watch_handshakes
 from areal.config import RunConfig, is_loopback
-from areal.controller.launch.placement import Placement, alive_nodes
+from areal.controller.launch.placement import Placement, alive_nodes, requested_groups
 from areal.controller.launch.ray_pool import RayPool
 from areal.controller.setup import RunSetup, prepare_run, resolve_run_dir
 from areal.transport import RouterChannel
@@ -73,9 +75,19 @@ class RayRuntime:
             raise ValueError("launcher=ray needs Ray: pip install -e '.[ray]'") from None
         if ray.is_initialized():  # an application embedding the controller joined already
             return
-        ray.init(address=cfg.ray.address, namespace=cfg.ray.namespace,
-                 include_dashboard=False if cfg.ray.address is None else None,
-                 log_to_driver=False, configure_logging=False)
+        common = dict(namespace=cfg.ray.namespace, log_to_driver=False, configure_logging=False)
+        if cfg.ray.address is None:
+            # A Ray instance of this machine only, on loopback, with logical CPUs enough for
+            # the run's bundles (the local launcher reserves no cores either).
+            from areal.controller.launch.local_cluster import keep_ray_on_loopback
+
+            keep_ray_on_loopback()
+            needed = sum(bundle.get("CPU", 0) for group in requested_groups(cfg).values()
+                         for bundle in group.bundles)
+            ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(needed)),
+                     include_dashboard=False, **common)
+        else:
+            ray.init(address=cfg.ray.address, **common)
         self.started_ray = True
         nodes = alive_nodes()
         log.info("joined Ray (%d nodes: %s)", len(nodes),
