@@ -151,8 +151,8 @@ def client_keys_from_text(text: str) -> ClientKeys:
     try:
         for part in parts:
             z85.decode(part.encode())
-    except ValueError as err:
-        raise KeyFileError(f"${KEYS_TEXT_ENV} is not z85 text: {err}") from None
+    except (ValueError, KeyError) as err:  # KeyError: a character z85 does not use
+        raise KeyFileError(f"${KEYS_TEXT_ENV} is not z85 text: {err!r}") from None
     server_public, public, secret = (part.encode() for part in parts)
     return ClientKeys(server_public=server_public, public=public, secret=secret)
 
