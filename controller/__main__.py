@@ -69,11 +69,26 @@ def main(argv: list[str] | None = None) -> int:
         uvloop.run(_run_until_signalled(controller, signals))
     except RunFailed as err:
         print(f"error: the run failed: {err}", file=sys.stderr)
-        return 1
+        return _exit(cfg, 1)
     except (KeyboardInterrupt, asyncio.CancelledError):
         print("interrupted", file=sys.stderr)
-        return 130
-    return 128 + signals[0] if signals else 0
+        return _exit(cfg, 130)
+    return _exit(cfg, 128 + signals[0] if signals else 0)
+
+
+def _exit(cfg, code: int) -> int:
+    """`code`; with launcher=ray, the process ends here. Ray's core worker, once it has
+    seen a SIGTERM, aborts while the interpreter finalizes (exit -6 instead of 143 after a
+    graceful stop); the run is over and its files are closed by then, so finalization is
+    skipped."""
+    if cfg.launcher != "ray":
+        return code
+    import os
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 async def _run_until_signalled(controller, signals: list[int]) -> None:
