@@ -54,6 +54,9 @@ MAX_REFUSED = 100
 """Distinct refused peers logged at WARNING (and kept); the rest only counted."""
 KEYS_ENV = "AREAL_KEYS"
 """Environment variable naming a worker's key directory (like --keys)."""
+KEYS_TEXT_ENV = "AREAL_CURVE_KEYS"
+"""Environment variable holding a worker's keys themselves (`client_keys_text`): for
+launchers that start workers on nodes that do not share the controller's file system."""
 
 
 class KeyFileError(ValueError):
@@ -130,6 +133,29 @@ def load_client_keys(directory: str | Path) -> ClientKeys:
                              secret=False)
     public, secret = _load(directory / f"{CLIENT}.key_secret", "this worker's client key pair")
     assert secret is not None  # _load refuses a file without one
+    return ClientKeys(server_public=server_public, public=public, secret=secret)
+
+
+def client_keys_text(directory: str | Path) -> str:
+    """A worker's keys (DIR/server.key, DIR/client.key_secret) as one line of z85 text:
+    server public, client public, client secret. Secret: give it only through a process's
+    environment, never a command line or a log."""
+    keys = load_client_keys(directory)  # z85 already, as the certificate files hold them
+    return " ".join(key.decode() for key in (keys.server_public, keys.public, keys.secret))
+
+
+def client_keys_from_text(text: str) -> ClientKeys:
+    """The inverse of `client_keys_text`."""
+    parts = text.split()
+    if len(parts) != 3 or not all(len(part) == 40 for part in parts):
+        raise KeyFileError(f"${KEYS_TEXT_ENV} must hold three 40-character z85 keys (server "
+                           "public, client public, client secret), as the launcher writes them")
+    try:
+        for part in parts:
+            z85.decode(part.encode())
+    except (ValueError, KeyError) as err:  # KeyError: a character z85 does not use
+        raise KeyFileError(f"${KEYS_TEXT_ENV} is not z85 text: {err!r}") from None
+    server_public, public, secret = (part.encode() for part in parts)
     return ClientKeys(server_public=server_public, public=public, secret=secret)
 
 

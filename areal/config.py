@@ -521,6 +521,76 @@ class ControllerConfig:
         return bool(self.remote_kinds) or not is_loopback(self.host)
 
 
+@dataclass(kw_only=True)
+class RayResources:
+    """What Ray reserves for one worker of a kind: one placement-group bundle, on one node."""
+
+    num_cpus: float = opt(1.0, "logical CPUs reserved per worker")
+    num_gpus: float = opt(0.0, "GPUs per worker; a rollout server's GPUs are one bundle, so "
+                          "they are always on one node (vLLM: rollout.vllm.tensor_parallel_size)")
+    memory_gb: float = opt(0.0, "memory reserved per worker (GiB); 0: none reserved")
+    resources: dict[str, float] = opt({}, "custom Ray resources per worker, e.g. {gpu_node: 1}")
+
+    def check(self, key: str) -> None:
+        _non_negative(self.num_cpus, f"{key}.num_cpus")
+        _non_negative(self.num_gpus, f"{key}.num_gpus")
+        _non_negative(self.memory_gb, f"{key}.memory_gb")
+        for name, amount in self.resources.items():
+            _non_negative(amount, f"{key}.resources.{name}")
+        if not self.bundle():
+            raise ConfigError(f"{key} reserves nothing (num_cpus, num_gpus, memory_gb and "
+                              "resources all 0): Ray places only bundles that hold something")
+
+    def bundle(self) -> dict[str, float]:
+        """The placement-group bundle of one worker (Ray's resource names)."""
+        bundle = {"CPU": self.num_cpus, "GPU": self.num_gpus,
+                  "memory": self.memory_gb * 2**30, **self.resources}
+        return {name: amount for name, amount in bundle.items() if amount > 0}
+
+
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+@dataclass(kw_only=True)
+class RayConfig:
+    """launcher=ray: every worker is a Ray actor in a placement group (controller/launch)."""
+
+    address: str | None = opt(None, "Ray cluster to join: 'auto' (the one `ray start` made "
+                              "on this node, or $RAY_ADDRESS), 'HOST:PORT', or null to start "
+                              "a Ray instance on this machine")
+    namespace: str = opt("areal", "Ray namespace of the run's actors")
+    rollout: RayResources = opt(RayResources(), "per rollout worker")
+    reward: RayResources = opt(RayResources(), "per reward worker")
+    trainer: RayResources = opt(RayResources(), "per trainer rank")
+    trainer_strategy: str = opt("PACK", "placement of the trainer ranks' bundles (one placement "
+                                "group, reserved all at once): PACK on as few nodes as "
+                                "possible, SPREAD over nodes, STRICT_*: must", PLACEMENT_STRATEGIES)
+    placement_timeout_s: float = opt(120.0, "how long a placement may wait for resources; then "
+                                     "the run fails naming the resources missing (at the "
+                                     "start), or the worker counts as failed (a replacement)")
+    max_failures_per_node: int = opt(2, "a worker that failed this many times on one node is "
+                                     "started elsewhere from then on (a node lost is not a "
+                                     "failure of the worker)")
+    network_interface: str | None = opt(None, "interface of the network the nodes share, "
+                                        "e.g. eth0: the controller binds its address, and "
+                                        "workers' gloo/NCCL use it (GLOO_/NCCL_SOCKET_IFNAME); "
+                                        "null: Ray's node address, and gloo/NCCL pick the "
+                                        "interface that routes to the controller")
+    env_vars: dict[str, str] = opt({}, "environment of every worker (Ray runtime environment), "
+                                   "e.g. {PYTHONPATH: /shared/tasks}; never credentials: the "
+                                   "runtime environment is shown on Ray's dashboard")
+
+    def check(self, key: str) -> None:
+        for kind in ("rollout", "reward", "trainer"):
+            getattr(self, kind).check(f"{key}.{kind}")
+        _positive(self.placement_timeout_s, f"{key}.placement_timeout_s")
+        _positive(self.max_failures_per_node, f"{key}.max_failures_per_node")
+        for name in self.env_vars:
+            if name.startswith("AREAL_"):
+                raise ConfigError(f"{key}.env_vars.{name}: AREAL_* variables are set by the "
+                                  "launcher (credentials, parent, log level); remove it")
+
+
 def is_loopback(host: str) -> bool:
     """True for addresses only this machine can reach (127.0.0.0/8, ::1, localhost)."""
     import ipaddress
@@ -537,6 +607,9 @@ def is_loopback(host: str) -> bool:
 class RunConfig:
     """Everything a run needs; the controller sends it to every worker that joins."""
 
+    launcher: str = opt("local", "where the controller starts its workers: 'local' child "
+                        "processes, or 'ray' actors on a Ray cluster (the ray.* options; "
+                        "pip install -e '.[ray]')", ["local", "ray"])
     mode: str = opt("async", "async: generation and training overlap (bounded by "
                     "staleness.eta); sync: generate a whole batch, then train", ["async", "sync"])
     seed: int = opt(1, "seed of data order, sampling and initialisation")
@@ -554,6 +627,7 @@ class RunConfig:
     eval: EvalConfig = opt(EvalConfig(), "held-out evaluation")
     logging: LoggingConfig = opt(LoggingConfig(), "console, JSONL, TensorBoard, W&B")
     controller: ControllerConfig = opt(ControllerConfig(), "controller socket and liveness")
+    ray: RayConfig = opt(RayConfig(), "Ray cluster, placement and resources (launcher=ray)")
 
     def check(self) -> None:
         for f in dataclasses.fields(self):
@@ -565,11 +639,32 @@ class RunConfig:
                 f"trainer.advantage.overlong_buffer={self.trainer.advantage.overlong_buffer} "
                 f"exceeds rollout.max_new_tokens={self.rollout.max_new_tokens}: the penalty "
                 "zone lies within the completion budget")
+        if self.launcher == "ray":
+            self._check_ray()
         if self.trainer.batch_size % self.task.group_size:
             raise ConfigError(
                 f"trainer.batch_size={self.trainer.batch_size} is not a multiple of "
                 f"task.group_size={self.task.group_size}: a batch holds whole prompt groups"
             )
+
+    def _check_ray(self) -> None:
+        tp = self.rollout.vllm.tensor_parallel_size
+        gpus = self.ray.rollout.num_gpus
+        if self.rollout.engine == "vllm" and gpus and gpus != tp:
+            raise ConfigError(
+                f"ray.rollout.num_gpus={gpus} but rollout.vllm.tensor_parallel_size={tp}: a "
+                "rollout server needs one GPU per tensor-parallel rank, all on one node; set "
+                f"ray.rollout.num_gpus={tp}")
+        for key in ("rollout", "trainer"):
+            if getattr(self, key).cpus:
+                raise ConfigError(f"{key}.cpus names this machine's cores; with launcher=ray, "
+                                  f"Ray assigns them (ray.{key}.num_cpus): remove it")
+            for device in getattr(self, key).devices:
+                if device not in ("cpu", "cuda:0"):
+                    raise ConfigError(
+                        f"{key}.devices: {device!r} with launcher=ray; a worker sees only the "
+                        f"GPUs Ray gave it (ray.{key}.num_gpus), the first as cuda:0: use "
+                        "cuda:0 or cpu, or leave it empty (filled from the resources)")
 
     @property
     def eta(self) -> int:

@@ -1,5 +1,6 @@
 """`python -m areal.controller [--config FILE | --resume RUN_DIR] [key=value ...]`: run one
-training job, or continue one from its newest checkpoint.
+training job, or continue one from its newest checkpoint. Its workers are started by the
+launcher the config names (`launcher=local|ray`, areal.controller.launch).
 
 SIGTERM or SIGINT (Ctrl-C) stop the run as `Controller.stop()` does: the current step
 finishes, the final evaluation runs, the summary is written, the workers are shut down; the
@@ -62,15 +63,31 @@ def main(argv: list[str] | None = None) -> int:
     from areal.controller.controller import Controller, RunFailed
 
     signals: list[int] = []
+    controller = Controller(cfg, resume=bool(args.resume))  # its runtime: cfg.launcher
     try:
-        uvloop.run(_run_until_signalled(Controller(cfg, resume=bool(args.resume)), signals))
+        uvloop.run(_run_until_signalled(controller, signals))
     except RunFailed as err:
         print(f"error: the run failed: {err}", file=sys.stderr)
-        return 1
+        return _exit(cfg, 1)
     except (KeyboardInterrupt, asyncio.CancelledError):
         print("interrupted", file=sys.stderr)
-        return 130
-    return 128 + signals[0] if signals else 0
+        return _exit(cfg, 130)
+    return _exit(cfg, 128 + signals[0] if signals else 0)
+
+
+def _exit(cfg, code: int) -> int:
+    """`code`; with launcher=ray, the process ends here. Ray's core worker, once it has
+    seen a SIGTERM, aborts while the interpreter finalizes (exit -6 instead of 143 after a
+    graceful stop); the run is over and its files are closed by then, so finalization is
+    skipped."""
+    if cfg.launcher != "ray":
+        return code
+    import os
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 async def _run_until_signalled(controller, signals: list[int]) -> None:

@@ -63,7 +63,8 @@ from areal.controller.metrics import MetricsSink, closed_marker, is_closed
 from areal.controller.outbox import Outbox
 from areal.controller.pool import WorkerHandle, WorkerPool, stop_process
 from areal.controller.resume import ResumeState, clear_after, find_state, kept_dropped_groups
-from areal.controller.runtime import LocalRuntime, Runtime
+from areal.controller.launch import make_runtime
+from areal.controller.runtime import Runtime
 from areal.controller.setup import RunSetup
 from areal.controller.signal import Changed
 from areal.controller.trainers import MAX_RESTARTS, RunFailed
@@ -83,10 +84,11 @@ class Controller:
                  runtime: Runtime | None = None) -> None:
         """`resume`: continue the run in cfg.run_dir from its newest checkpoint (resume.py).
         `runtime`: where the workers live and how they are reached (runtime.py); by default
-        local processes and remote peers over ZeroMQ (LocalRuntime)."""
+        the one of `cfg.launcher` (launch/: local processes and remote peers over ZeroMQ,
+        or Ray actors)."""
         self.cfg = cfg
         self.resume = resume
-        self.runtime: Runtime = runtime or LocalRuntime()
+        self.runtime: Runtime = runtime or make_runtime(cfg)
         self.changed = Changed()
         """The loops' wake-up signal: every change of state they wait on notifies it."""
         self.group_filters: list[Callable[[Group], str | None]] = \

@@ -95,9 +95,7 @@ class LocalRuntime:
 
         def close() -> None:
             channel.close()
-            if self.zap is not None:
-                self.zap.socket.close(0)
-            ctx.term()
+            ctx.destroy(linger=0)  # the ZAP and monitor sockets too, if their loops never ran
             self.closed()
 
         return Connection(channel=channel, close=close, loops=loops,

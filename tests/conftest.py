@@ -24,16 +24,23 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return str(save_tiny_model(tmp_path_factory.mktemp("tiny-model")))
 
 
-def pytest_collection_modifyitems(config, items):
-    """vLLM tests skip with a reason where vLLM is absent, but fail in CI (AREAL_REQUIRE_VLLM=1)."""
+def _importable(module: str) -> bool:
+    import importlib
+
     try:
-        import vllm  # noqa: F401
-        have_vllm = True
+        importlib.import_module(module)
     except ImportError:
-        have_vllm = False
-    if have_vllm or os.environ.get("AREAL_REQUIRE_VLLM") == "1":
-        return
-    skip = pytest.mark.skip(reason="vLLM is not installed (pip install -e '.[vllm]')")
-    for item in items:
-        if "vllm" in item.keywords:
-            item.add_marker(skip)
+        return False
+    return True
+
+
+def pytest_collection_modifyitems(config, items):
+    """vLLM and Ray tests skip with a reason where the package is absent, but fail in CI's
+    stage for it (AREAL_REQUIRE_VLLM=1, AREAL_REQUIRE_RAY=1)."""
+    for marker, module, extra in (("vllm", "vllm", "vllm"), ("ray", "ray", "ray")):
+        if _importable(module) or os.environ.get(f"AREAL_REQUIRE_{marker.upper()}") == "1":
+            continue
+        skip = pytest.mark.skip(reason=f"{module} is not installed (pip install -e '.[{extra}]')")
+        for item in items:
+            if marker in item.keywords:
+                item.add_marker(skip)

@@ -28,7 +28,9 @@ from collections.abc import Sequence
 import zmq
 import zmq.asyncio
 
-from areal.auth import KEYS_ENV, ClientKeys, KeyFileError, load_client_keys
+from areal.auth import (
+    KEYS_ENV, KEYS_TEXT_ENV, ClientKeys, KeyFileError, client_keys_from_text, load_client_keys,
+)
 from areal.config import RunConfig, config_from_dict, parse_cpu_list
 from areal.messages import (
     REJOIN_EXIT_CODE, Heartbeat, MessageError, Ready, Register, Shutdown, Welcome, WorkerError,
@@ -236,12 +238,14 @@ def worker_main(worker_cls: type[Worker], argv: list[str] | None = None) -> None
     die_with_parent()  # a local worker (AREAL_PARENT_PID set) never outlives its controller
     secret = os.environ.get(SECRET_ENV, "")
     keys = None
-    if args.keys:
-        try:
+    try:
+        if args.keys:
             keys = load_client_keys(args.keys)
-        except KeyFileError as err:
-            parser.error(str(err))
-    elif not secret:
+        elif os.environ.get(KEYS_TEXT_ENV):  # a launcher's (controller/launch)
+            keys = client_keys_from_text(os.environ[KEYS_TEXT_ENV])
+    except KeyFileError as err:
+        parser.error(str(err))
+    if keys is None and not secret:
         parser.error(f"no credentials: pass --keys DIR (CurveZMQ) or set ${SECRET_ENV} (the "
                      "run's shared secret)")
     if args.cpus:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -174,3 +175,17 @@ def test_a_worker_restarted_during_setup_replaces_its_earlier_registration(tmp_p
     second.ready = True
     assert _register(pool, b"t0", "trainer-0", 0) is None  # a ready one is never replaced
     assert pool.lost(timeout_s=0.0) == [second]  # silence counts once a worker is ready
+
+
+def test_client_keys_travel_as_one_line_of_text_and_bad_text_is_named(tmp_path):
+    """What a launcher puts in a worker's environment ($AREAL_CURVE_KEYS) on a node that
+    does not share the controller's files: the same keys as the directory holds."""
+    from areal.auth import KEYS_TEXT_ENV, client_keys_from_text, client_keys_text
+
+    keys_dir = init_keys(tmp_path / "keys")
+    text = client_keys_text(keys_dir)
+    assert len(text.split()) == 3 and "\n" not in text
+    assert client_keys_from_text(text) == load_client_keys(keys_dir)
+    for bad in ("", text.split()[0], text.replace(text[5], "\x7f", 1)):
+        with pytest.raises(KeyFileError, match=re.escape(f"${KEYS_TEXT_ENV}")):
+            client_keys_from_text(bad)

@@ -1,6 +1,6 @@
 """What a sandboxed program sees of the file system: the minimal root and nothing else, an
-interpreter wherever it lives (a virtualenv below /tmp included), and a loud start-up
-failure where the interpreter cannot run."""
+interpreter wherever it lives (a virtualenv in a 0700 folder below /tmp or the home
+directory included), and a loud start-up failure where the interpreter cannot run."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -97,10 +98,9 @@ def test_the_root_is_read_only_but_tmp_is_the_runs_own(sandbox):
     assert all(line.endswith("Read-only file system") for line in lines[:-1]), lines
 
 
-def _venv_below_tmp(folder: Path) -> Path:
-    """A virtualenv below /tmp that imports this checkout of areal, plus a module installed
+def _venv_in(folder: Path) -> Path:
+    """A virtualenv in `folder` that imports this checkout of areal, plus a module installed
     only there (`only_in_this_venv`)."""
-    assert str(folder).startswith("/tmp/"), folder
     venv = folder / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
                    check=True, timeout=120)
@@ -116,9 +116,23 @@ def _venv_below_tmp(folder: Path) -> Path:
     return venv / "bin" / "python"
 
 
+@pytest.fixture(params=["tmp", "home"])
+def private_folder(request):
+    """A folder only its owner may enter (0700, as `mktemp -d` makes), right below /tmp or
+    the home directory: where CI scripts and cluster runtime environments put virtualenvs.
+    The run uid (root mode) cannot traverse it; the sandbox must expose the interpreter
+    anyway."""
+    parent = "/tmp" if request.param == "tmp" else str(Path.home())
+    folder = Path(tempfile.mkdtemp(prefix="areal-venv-", dir=parent))
+    assert folder.stat().st_mode & 0o777 == 0o700
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.mark.parametrize("minimal_root", [True, False])
-def test_an_interpreter_below_tmp_runs_and_imports_its_packages(tmp_path, minimal_root):
-    python = _venv_below_tmp(tmp_path)
+def test_an_interpreter_in_a_private_folder_runs_and_imports_its_packages(private_folder,
+                                                                          minimal_root):
+    python = _venv_in(private_folder)
     with Sandbox(SandboxConfig(python=str(python), minimal_root=minimal_root)) as sb:
         report = sb.isolation
         assert report.interpreter == str(python) and report.minimal_root is minimal_root
@@ -127,7 +141,7 @@ def test_an_interpreter_below_tmp_runs_and_imports_its_packages(tmp_path, minima
             result = sb.run(source, language=language, limits=QUICK)
             assert result.status is ExecStatus.OK, (language.name, result.detail, result.stderr_text)
             assert result.stdout_text == f"{python.parent.parent} 42\n"
-        # Exposed read-only inside the run's own /tmp: the venv cannot be changed from there.
+        # Exposed read-only: the venv cannot be changed from inside.
         write = sb.run(f"open({str(python.parent / 'x')!r}, 'w')", limits=QUICK)
         assert "Read-only file system" in write.stderr_text
 
