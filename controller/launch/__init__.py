@@ -1,4 +1,4 @@
-"""Launchers: where a controller's workers run, chosen by `launcher` (DESIGN.md section 12).
+"""Launchers: where a controller's workers run, chosen by `launcher` (docs/design.md section 12).
 
     local  child processes of the controller (areal.controller.pool.WorkerPool), the default
     ray    Ray actors in placement groups on a Ray cluster (ray_runtime.py); each actor runs
