@@ -52,7 +52,9 @@ class StepReport:
     def on_generated(self, trajectory: Trajectory, msg: Generated) -> None:
         """Every completed generation (trained or not) counts toward throughput (sampled
         tokens only: not an episode's observations)."""
-        self._generated_tokens += trajectory.num_model_tokens
+        # An agent episode's earlier segments are not `trajectory`: count from the message.
+        self._generated_tokens += trajectory.num_model_tokens if not msg.segment_prompt_lens \
+            else int(msg.loss_mask.sum())
         self.num_interruptions += msg.num_interruptions
 
     def on_scored(self, verdict: Verdict) -> None:

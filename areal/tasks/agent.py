@@ -25,6 +25,7 @@ become the rewards of training sequences.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
 import math
@@ -32,7 +33,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
-from areal.tasks.base import RewardOutcome, Verdict
+from areal.tasks.base import RewardOutcome, Task, Verdict
 
 AgentFunction = Callable[[Any, "AgentSample"], Awaitable[Any]]
 
@@ -48,6 +49,15 @@ class AgentSample:
     """The task's reference for this prompt (plain data), for the agent's reward."""
     params: dict[str, Any] = field(default_factory=dict)
     """agent.params of the run."""
+    task: Task | None = None
+    """The run's task (task.name), for `score`."""
+
+    async def score(self, answer: str) -> RewardOutcome:
+        """The run's task's reward of `answer` against this sample's reference (in a thread:
+        checkers may block), e.g. `return await sample.score(final_message.content)`."""
+        if self.task is None:
+            raise RuntimeError("this sample has no task to score with")
+        return await asyncio.to_thread(self.task.reward, answer, self.reference)
 
 
 def load_agent(path: str, params: dict[str, Any] | None = None) -> AgentFunction:

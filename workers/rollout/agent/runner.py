@@ -38,7 +38,7 @@ from areal.config import RunConfig
 from areal.messages import EpisodeEnd, Generated
 from areal.tasks.agent import AgentFunction, AgentSample, episode_rewards, load_agent, \
     segment_rewards
-from areal.tasks.base import RewardOutcome, Verdict
+from areal.tasks.base import RewardOutcome, Task, Verdict
 from areal.tasks.chat_render import ChatFormat
 from areal.workers.rollout.agent.endpoint import Endpoint, EndpointServer, SessionRegistry
 from areal.workers.rollout.agent.session import AgentSession, Sampling, Segment, SessionLimits
@@ -90,8 +90,10 @@ class AgentRunner:
 
     def __init__(self, *, generator: InterruptibleGenerator, chat: ChatFormat,
                  agent: AgentFunction, cfg: RunConfig, server: EndpointServer,
-                 registry: SessionRegistry, context_len: int | None) -> None:
+                 registry: SessionRegistry, context_len: int | None,
+                 task: Task | None = None) -> None:
         self.generator = generator
+        self.task = task
         self.chat = chat
         self.agent = agent
         self.cfg = cfg
@@ -130,7 +132,7 @@ class AgentRunner:
         session = self.open_session(request_id, params)
         key = self.registry.open(session)
         sample = AgentSample(prompt_id=prompt_id, prompt=prompt_text, reference=reference,
-                             params=dict(self.cfg.agent.params))
+                             params=dict(self.cfg.agent.params), task=self.task)
         start = time.monotonic()
         returned: Any = None
         failure: tuple[Verdict, str] | None = None
@@ -227,17 +229,20 @@ async def start_agents(cfg: RunConfig, generator: InterruptibleGenerator, *, ran
     if cfg.agent.function is None:
         return None
     from areal.models.tokenizer import load_tokenizer
+    from areal.tasks import load_task
 
-    def build() -> tuple[ChatFormat, AgentFunction]:
+    def build() -> tuple[ChatFormat, AgentFunction, Task]:
         tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path,
                                    trust_remote_code=cfg.model.trust_remote_code,
                                    cache_dir=cfg.cache_dir)
         chat = ChatFormat(tokenizer, format=cfg.agent.tool_format,
                           observation_template=cfg.agent.observation_template,
                           template_kwargs=cfg.agent.chat_template_kwargs)
-        return chat, load_agent(cfg.agent.function, cfg.agent.params)
+        task = load_task(cfg.task.name, cfg.task.params)
+        task.use_tokenizer(tokenizer)
+        return chat, load_agent(cfg.agent.function, cfg.agent.params), task
 
-    chat, agent = await asyncio.to_thread(build)
+    chat, agent, task = await asyncio.to_thread(build)
     registry = SessionRegistry()
     endpoint = Endpoint(registry, model_name=cfg.agent.model_name,
                         max_request_bytes=cfg.agent.max_request_bytes,
@@ -246,4 +251,4 @@ async def start_agents(cfg: RunConfig, generator: InterruptibleGenerator, *, ran
                             cfg.agent.port + rank if cfg.agent.port else 0)
     await server.start()
     return AgentRunner(generator=generator, chat=chat, agent=agent, cfg=cfg, server=server,
-                       registry=registry, context_len=context_len)
+                       registry=registry, context_len=context_len, task=task)

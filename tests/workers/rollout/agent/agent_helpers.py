@@ -98,12 +98,28 @@ def char_ids(tokenizer: Any, text: str) -> list[int]:
     return [qwen_ids(tokenizer, ch)[0] for ch in text]
 
 
+class AgentCheckFailed(BaseException):
+    """An assertion inside a test's agent: a BaseException, so that it passes the runner's
+    fault boundary (which turns an agent's Exception into a failed episode) and fails the
+    test."""
+
+
+def checked(agent):
+    async def run(client, sample):
+        try:
+            return await agent(client, sample)
+        except AssertionError as err:
+            raise AgentCheckFailed(f"inside the agent: {err!r}") from err
+    return run
+
+
 async def make_runner(engine: Engine, agent, *, tokenizer: Any | None = None,
                       max_new_tokens: int = 400, context_len: int | None = 4096,
                       overrides: Sequence[str] = (), temperature: float = 1.0,
                       ) -> tuple[AgentRunner, Any]:
     """A started AgentRunner (real endpoint on a free loopback port) over `engine`, for
-    `agent` (an async function). Returns (runner, SamplingParams of its episodes)."""
+    `agent` (an async function; an assertion failing inside it fails the test). Returns
+    (runner, SamplingParams of its episodes)."""
     tokenizer = tokenizer or build_qwen_style_tokenizer()
     cfg = load_config(overrides=["agent.function=tests.placeholder:run", *overrides])
     await engine.start()
@@ -115,7 +131,8 @@ async def make_runner(engine: Engine, agent, *, tokenizer: Any | None = None,
                         max_request_tokens=cfg.agent.max_request_tokens)
     server = EndpointServer(endpoint, "127.0.0.1", 0)
     await server.start()
-    runner = AgentRunner(generator=InterruptibleGenerator(engine), chat=chat, agent=agent,
+    runner = AgentRunner(generator=InterruptibleGenerator(engine), chat=chat,
+                         agent=checked(agent),
                          cfg=cfg, server=server, registry=registry, context_len=context_len)
     eos = [tokenizer.eos_token_id]
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
