@@ -122,7 +122,8 @@ async def make_runner(engine: Engine, agent, *, tokenizer: Any | None = None,
     (runner, SamplingParams of its episodes)."""
     tokenizer = tokenizer or build_qwen_style_tokenizer()
     cfg = load_config(overrides=["agent.function=tests.placeholder:run", *overrides])
-    await engine.start()
+    if engine.state is EngineState.CREATED:
+        await engine.start()
     chat = ChatFormat(tokenizer, format=cfg.agent.tool_format,
                       observation_template=cfg.agent.observation_template)
     registry = SessionRegistry()
