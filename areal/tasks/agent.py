@@ -2,7 +2,8 @@
 
 An agent is `async def run(client, sample) -> reward`, named in the config as
 `agent.function: 'package.module:function'` (or a class with that method, built once per
-rollout worker with `agent.params`). For each sample the rollout worker calls it with an
+rollout worker with `agent.params`; its `async def close()`, if any, runs when the worker
+stops). For each sample the rollout worker calls it with an
 `openai.AsyncOpenAI` whose base URL and API key route every chat call of this episode to
 this episode (areal.workers.rollout.agent); `sample` is an `AgentSample`. It returns
 

@@ -190,6 +190,9 @@ class AgentRunner:
         await self.server.close()
         await self._pool.close_pool()
         self._tokenizer_thread.shutdown(wait=False)
+        owner_close = getattr(getattr(self.agent, "__self__", None), "close", None)
+        if owner_close is not None:  # a class agent's resources (a sandbox launcher)
+            await owner_close()
 
 
 def generated_agent_episode(request_id: str, episode: AgentEpisode,
