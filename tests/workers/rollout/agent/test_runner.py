@@ -113,3 +113,31 @@ async def test_run_sampling_wins_unless_requests_may_set_their_own():
     await episode_of(agent, engine=Recording([qwen_ids(TOK, "a") + [IM_END]]),
                      overrides=["agent.request_sampling=true"])
     assert seen == [1.0, 0.2]
+
+
+async def test_a_cancelled_episode_closes_its_key_and_cancels_its_running_call():
+    """What the worker does with the controller's Cancel: the episode's task is cancelled."""
+    engine = ScriptedEngine([qwen_ids(TOK, "never") + [IM_END]])
+    engine.hold()
+    keep: dict[str, object] = {}
+
+    async def agent(client, sample):
+        keep["client"] = client.with_options(max_retries=0)
+        await one_call(client)
+        return 1.0
+
+    runner, params = await make_runner(engine, agent, tokenizer=TOK)
+    try:
+        task = asyncio.create_task(runner.run("r", params, prompt_id="p", prompt_text="q",
+                                              reference=None))
+        async with asyncio.timeout(30):
+            while not engine.inside:  # the call is in the engine
+                await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert engine.inside == 0 and len(runner.registry) == 0  # call cancelled, key closed
+        with pytest.raises(openai.AuthenticationError, match="has ended"):
+            await keep["client"].chat.completions.create(model="m", messages=USER)
+    finally:
+        await runner.close()
