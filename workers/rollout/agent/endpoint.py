@@ -27,7 +27,7 @@ import logging
 import secrets
 import socket
 import time
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 import uvicorn
 from starlette.applications import Starlette

@@ -41,7 +41,8 @@ from typing import Any, Awaitable, Callable
 from areal.messages import EpisodeEnd
 from areal.tasks.chat_render import ChatError, ChatFormat, Reply, normalize_messages, \
     normalize_tools, same_message
-from areal.workers.rollout.agent.protocol import CallResult, ChatRequest, bad_request
+from areal.workers.rollout.agent.protocol import ApiError, CallResult, ChatRequest, \
+    bad_request
 from areal.workers.rollout.engine import FinishReason, SamplingParams
 from areal.workers.rollout.episode import EpisodeResult
 from areal.workers.rollout.interruptible import GenerationResult, InterruptibleGenerator
@@ -137,6 +138,9 @@ class AgentSession:
     async def chat(self, request: ChatRequest, *, body_digest: bytes, retry: bool,
                    arrived: float) -> CallResult:
         """Answer one request (ApiError for what cannot be served)."""
+        if self.closed:  # looked up just before its episode ended
+            raise ApiError(401, "The episode of this API key has ended; its key serves no "
+                                "more calls.", code="invalid_api_key")
         if retry:
             earlier = self._by_body.get(body_digest)
             if earlier is not None:

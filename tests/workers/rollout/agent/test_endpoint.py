@@ -149,7 +149,6 @@ async def test_streamed_replies_and_logprobs_parse_with_the_client():
 async def test_sdk_retries_of_a_call_are_answered_by_it_and_not_sampled_again():
     engine = ScriptedEngine([reply("slow answer")])
     engine.hold()
-    state: dict[str, object] = {}
 
     async def agent(client, sample):
         patient = client.with_options(timeout=0.3, max_retries=5)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pytest
 from agent_helpers import CALCULATOR, LOGPROB, ScriptedEngine, build_qwen_style_tokenizer, \
     char_ids, make_runner, qwen_ids
 
