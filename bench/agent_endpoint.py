@@ -1,7 +1,7 @@
 """What the agent endpoint costs: the calculator agent through HTTP and the `openai` client
 against the in-process episode loop, on the same engine, task and prompts, in one run.
 
-    python bench/agent_endpoint.py [--episodes 128] [--concurrency 1 32] [--repeats 2]
+    python bench/agent_endpoint.py [--episodes 256] [--concurrency 1 32] [--repeats 2]
                                    [--engine torch|vllm] [--quick] [--out DIR]
 
 Both sides run the tool-arithmetic task with the calculator on one engine of the warm-started
@@ -16,9 +16,12 @@ Decoding is greedy, so both sides sample the same tokens (checked: the model-tok
 must match) and the difference is the endpoint's own work: HTTP, JSON, rendering with the
 chat template, tokenizing, parsing, the agent's client. Each concurrency runs `--episodes`
 episodes at most `c` at a time, the two sides alternating `--repeats` times. Printed per
-side: episodes, calls, model tokens, wall seconds, model tokens/s, and per-call latency (mean,
-p50, p90: a `generate` call in-process, a chat call as the agent's client sees it); then the
-ratios endpoint / in-process. Full runs write docs/results/agent_endpoint.{json,md};
+side: episodes, calls, model tokens, wall seconds, model tokens/s, per-call latency (mean,
+p50, p90: a `generate` call in-process, a chat call as the agent's client sees it) and the
+process's CPU time per call (the engine's included: the difference between the sides is
+what the endpoint and the agent's `openai` client cost); then the ratios endpoint /
+in-process. The task's greedy episodes are short (one call of ~7 tokens when the model
+answers at once), so the fixed cost per call weighs more here than with long completions. Full runs write docs/results/agent_endpoint.{json,md};
 `--quick` (a random tiny model, 16 episodes, concurrency 4, one repeat) checks the
 pipeline and publishes nothing.
 """
@@ -167,11 +170,12 @@ async def timed(run, num: int, concurrency: int, calls: list[float]) -> dict[str
         async with gate:
             return await run(i)
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     tokens = sum(await asyncio.gather(*(one(i) for i in range(num))))
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     ordered = sorted(calls)
     return {"episodes": num, "calls": len(calls), "model_tokens": tokens, "wall_s": wall,
+            "cpu_ms_per_call": 1000 * cpu / len(calls),
             "tokens_per_s": tokens / wall, "call_ms_mean": 1000 * statistics.fmean(calls),
             "call_ms_p50": 1000 * ordered[len(ordered) // 2],
             "call_ms_p90": 1000 * ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]}
@@ -180,9 +184,10 @@ async def timed(run, num: int, concurrency: int, calls: list[float]) -> dict[str
 def summarize(data: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
     """The table: per concurrency and side, means over repeats; then the ratios."""
     keys = ("calls", "model_tokens", "wall_s", "tokens_per_s", "call_ms_mean", "call_ms_p50",
-            "call_ms_p90")
+            "call_ms_p90", "cpu_ms_per_call")
     head = (f"{'conc':>4} {'side':>10} {'episodes':>8} {'calls':>6} {'model tok':>9} "
-            f"{'wall s':>7} {'tok/s':>7} {'call ms mean':>12} {'p50':>7} {'p90':>7}")
+            f"{'wall s':>7} {'tok/s':>7} {'call ms mean':>12} {'p50':>7} {'p90':>7} "
+            f"{'CPU ms/call':>11}")
     lines, ratios = [head, "-" * len(head)], []
     for concurrency in sorted({r["concurrency"] for r in data["rows"]}):
         mean = {}
@@ -194,24 +199,27 @@ def summarize(data: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
             lines.append(f"{concurrency:>4} {side:>10} {data['episodes']:>8} {m['calls']:>6.0f} "
                          f"{m['model_tokens']:>9.0f} {m['wall_s']:>7.2f} "
                          f"{m['tokens_per_s']:>7.0f} {m['call_ms_mean']:>12.1f} "
-                         f"{m['call_ms_p50']:>7.1f} {m['call_ms_p90']:>7.1f}")
+                         f"{m['call_ms_p50']:>7.1f} {m['call_ms_p90']:>7.1f} "
+                         f"{m['cpu_ms_per_call']:>11.1f}")
         a, b = mean["endpoint"], mean["in-process"]
         ratio = {"concurrency": concurrency,
                  "tokens_per_s": a["tokens_per_s"] / b["tokens_per_s"],
                  "call_ms_mean": a["call_ms_mean"] / b["call_ms_mean"],
+                 "cpu_ms_per_call_added": a["cpu_ms_per_call"] - b["cpu_ms_per_call"],
                  "same_tokens": a["model_tokens"] == b["model_tokens"]}
         ratios.append(ratio)
     lines.append("")
     for r in ratios:
         lines.append(f"concurrency {r['concurrency']}: endpoint / in-process tokens/s "
-                     f"{r['tokens_per_s']:.2f}x, per-call latency {r['call_ms_mean']:.2f}x"
+                     f"{r['tokens_per_s']:.2f}x, per-call latency {r['call_ms_mean']:.2f}x; "
+                     f"+{r['cpu_ms_per_call_added']:.1f} ms of process CPU per call"
                      + ("" if r["same_tokens"] else "  (model tokens differ between sides!)"))
     return "\n".join(lines), ratios
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--episodes", type=int, default=128)
+    parser.add_argument("--episodes", type=int, default=256)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--engine", default="torch", choices=["torch", "vllm"])
