@@ -203,8 +203,9 @@ class AgentConfig:
                            "of the first tool; tokenizers without a chat template); auto: "
                            "chat when the tokenizer has a chat template",
                            ["auto", "chat", "bracket"])
-    observation_template: str = opt("={result}\n", "bracket format: how a tool message is "
-                                    "rendered, {result} its content")
+    observation_template: str | None = opt(
+        None, "bracket format: how a tool message is rendered, {result} its content; null: "
+        "'=' {result} and a newline (what the tool-arithmetic warm start reads)")
     chat_template_kwargs: dict[str, Any] = opt({}, "extra variables of the chat template "
                                                "(e.g. {enable_thinking: false})")
     request_sampling: bool = opt(False, "a request's temperature and top_p replace the run's "
@@ -227,7 +228,8 @@ class AgentConfig:
                               "per call at most)")
         _positive(self.max_request_bytes, f"{key}.max_request_bytes")
         _positive(self.max_request_tokens, f"{key}.max_request_tokens")
-        if "{result}" not in self.observation_template:
+        if self.observation_template is not None \
+                and "{result}" not in self.observation_template:
             raise ConfigError(f"{key}.observation_template={self.observation_template!r} has "
                               "no {result}")
         if not 0 <= self.port < 65536:

@@ -63,7 +63,7 @@ def episode_metrics(trajectories: Sequence[Trajectory], prefix: str) -> dict[str
     observed = np.array([t.episode.get("observation_tokens", t.num_tokens - t.num_prompt_tokens
                                        - t.num_model_tokens) for t in episodes])
     ends = collections.Counter(t.episode["end"] for t in episodes)
-    return {**_agent_metrics(episodes, prefix), 
+    return {**_agent_metrics(episodes, prefix),
         f"{prefix}turns_mean": float(turns.mean()),
         f"{prefix}turns_max": int(turns.max()),
         f"{prefix}tool_calls_mean": float(calls.mean()),

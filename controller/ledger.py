@@ -345,6 +345,7 @@ class Ledger:
 def _segments(msg: Generated, group: Group) -> list[Trajectory]:
     """The training segments of an agent episode (Generated.segment_*), in order, each with
     its own prompt; every one but the last has its reward already (the last is scored)."""
+    assert msg.prompt_ids is not None and msg.loss_mask is not None  # checks.generated_problem
     out, prompt_at, output_at = [], 0, 0
     lengths = zip(msg.segment_prompt_lens, msg.segment_output_lens, strict=True)
     for i, (num_prompt, num_output) in enumerate(lengths):

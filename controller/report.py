@@ -53,8 +53,10 @@ class StepReport:
         """Every completed generation (trained or not) counts toward throughput (sampled
         tokens only: not an episode's observations)."""
         # An agent episode's earlier segments are not `trajectory`: count from the message.
-        self._generated_tokens += trajectory.num_model_tokens if not msg.segment_prompt_lens \
-            else int(msg.loss_mask.sum())
+        if msg.segment_prompt_lens and msg.loss_mask is not None:
+            self._generated_tokens += int(msg.loss_mask.sum())
+        else:
+            self._generated_tokens += trajectory.num_model_tokens
         self.num_interruptions += msg.num_interruptions
 
     def on_scored(self, verdict: Verdict) -> None:

@@ -32,7 +32,8 @@ import inspect
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Mapping, Sequence
+from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 from areal.tasks.base import RewardOutcome, Task, Verdict
 
@@ -118,7 +119,7 @@ def episode_rewards(returned: Any, completion_ids: Sequence[str]) -> tuple[list[
                     "RewardOutcome or {completion id: reward}")
 
 
-def _finite(value: float, what: str) -> float:
+def _finite(value: numbers.Real | float, what: str) -> float:
     value = float(value)
     if not math.isfinite(value):
         raise ValueError(f"{what} {value!r} is not a finite number")

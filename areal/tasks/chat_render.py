@@ -28,7 +28,8 @@ import json
 import re
 import secrets
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from areal.tasks.tool_calls import (
     BRACKET_CLOSE, BRACKET_OPEN, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, parse_bracket_call,
@@ -36,6 +37,8 @@ from areal.tasks.tool_calls import (
 )
 
 FORMATS = ("auto", "chat", "bracket")
+DEFAULT_OBSERVATION_TEMPLATE = "={result}\n"
+"""The bracket format's tool message (areal.tasks.tool_arithmetic.OBSERVATION)."""
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _BLOCK_RE = re.compile(re.escape(TOOL_CALL_OPEN) + r".*?" + re.escape(TOOL_CALL_CLOSE), re.S)
 
@@ -189,7 +192,7 @@ class ChatFormat:
     """Renders conversations and parses replies for one tokenizer (see the module doc)."""
 
     def __init__(self, tokenizer: Any, *, format: str = "auto",
-                 observation_template: str = "={result}\n",
+                 observation_template: str | None = None,
                  template_kwargs: dict[str, Any] | None = None) -> None:
         if format not in FORMATS:
             raise ValueError(f"agent.tool_format={format!r} is not one of {', '.join(FORMATS)}")
@@ -197,6 +200,7 @@ class ChatFormat:
         if format == "chat" and not has_template:
             raise ValueError("agent.tool_format='chat' but the tokenizer has no chat template; "
                              "use agent.tool_format=bracket")
+        observation_template = observation_template or DEFAULT_OBSERVATION_TEMPLATE
         if "{result}" not in observation_template:
             raise ValueError(f"agent.observation_template={observation_template!r} has no "
                              "{result}")
@@ -286,9 +290,9 @@ class ChatFormat:
         if TOOL_CALL_OPEN in rest:
             errors += 1  # opened and never closed
         kept.append(rest)
-        content = "".join(kept)
-        if calls:  # the text around the calls, if any, is the message's content
-            content = content.strip() or None
+        text = "".join(kept)
+        # With calls, the text around them (if any) is the message's content.
+        content = (text.strip() or None) if calls else text
         return Reply(content=content, tool_calls=calls, num_tool_errors=errors)
 
     def _parse_bracket(self, text: str, stop_text: str, tools: list[dict[str, Any]]) -> Reply:

@@ -27,7 +27,7 @@ import logging
 import secrets
 import socket
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import uvicorn
 from starlette.applications import Starlette

@@ -67,7 +67,8 @@ class AgentEpisode:
     rewards: list[float] = field(default_factory=list)
     """One per segment."""
     end: EpisodeEnd = EpisodeEnd.AGENT
-    outcome: RewardOutcome = RewardOutcome(reward=0.0, verdict=Verdict.ERROR)
+    outcome: RewardOutcome = field(
+        default_factory=lambda: RewardOutcome(reward=0.0, verdict=Verdict.ERROR))
     finish_reason: FinishReason = FinishReason.STOP
     num_calls: int = 0
     num_tool_calls: int = 0
@@ -176,7 +177,7 @@ class AgentRunner:
                 outcome = RewardOutcome(reward=0.0, verdict=failure[0], detail=failure[1])
         # Segments ordered by their last call, so that the last holds the episode's last call.
         last_call = {segment: k for k, (_, segment) in enumerate(session.calls)}
-        order = sorted(last_call, key=last_call.get)
+        order = sorted(last_call, key=lambda segment: last_call[segment])
         position = {segment: i for i, segment in enumerate(order)}
         episode.segments = [session.segments[s] for s in order]
         episode.rewards = segment_rewards([position[s] for _, s in session.calls], per_call,
@@ -206,16 +207,15 @@ def generated_agent_episode(request_id: str, episode: AgentEpisode,
                                         ("logprobs", "logprobs", np.float32),
                                         ("versions", "versions", np.int32),
                                         ("loss_mask", "loss_mask", bool))}
-    fields: dict[str, Any] = {}
-    if segments:
-        fields = dict(
-            prompt_ids=np.concatenate([np.asarray(s.prompt_ids, np.int32) for s in segments]),
-            segment_prompt_lens=[len(s.prompt_ids) for s in segments],
-            segment_output_lens=[len(s.tokens.token_ids) for s in segments],
-            segment_rewards=[float(r) for r in episode.rewards])
+    prompts = np.concatenate([np.asarray(s.prompt_ids, np.int32) for s in segments]) \
+        if segments else None
     outcome = episode.outcome
     return Generated(
-        request_id=request_id, **arrays, **fields, finish_reason=episode.finish_reason,
+        request_id=request_id, **arrays, prompt_ids=prompts,
+        segment_prompt_lens=[len(s.prompt_ids) for s in segments],
+        segment_output_lens=[len(s.tokens.token_ids) for s in segments],
+        segment_rewards=[float(r) for r in episode.rewards] if segments else [],
+        finish_reason=episode.finish_reason,
         num_interruptions=episode.num_interruptions, generation_s=episode.seconds,
         episode_end=episode.end,
         reward=float(episode.rewards[-1]) if segments else float(outcome.reward),
@@ -234,8 +234,11 @@ async def start_agents(cfg: RunConfig, generator: InterruptibleGenerator, *, ran
     from areal.models.tokenizer import load_tokenizer
     from areal.tasks import load_task
 
+    function, model = cfg.agent.function, cfg.model.tokenizer_path or cfg.model.path
+    assert model is not None  # the controller resolves model.path before workers start
+
     def build() -> tuple[ChatFormat, AgentFunction, Task]:
-        tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path,
+        tokenizer = load_tokenizer(model,
                                    trust_remote_code=cfg.model.trust_remote_code,
                                    cache_dir=cfg.cache_dir)
         chat = ChatFormat(tokenizer, format=cfg.agent.tool_format,
@@ -243,7 +246,7 @@ async def start_agents(cfg: RunConfig, generator: InterruptibleGenerator, *, ran
                           template_kwargs=cfg.agent.chat_template_kwargs)
         task = load_task(cfg.task.name, cfg.task.params)
         task.use_tokenizer(tokenizer)
-        return chat, load_agent(cfg.agent.function, cfg.agent.params), task
+        return chat, load_agent(function, cfg.agent.params), task
 
     chat, agent, task = await asyncio.to_thread(build)
     registry = SessionRegistry()

@@ -36,7 +36,8 @@ import asyncio
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
+from collections.abc import Awaitable, Callable
 
 from areal.messages import EpisodeEnd
 from areal.tasks.chat_render import ChatError, ChatFormat, Reply, normalize_messages, \
@@ -195,7 +196,8 @@ class AgentSession:
             history = segment.history
             if segment.busy or segment.tools != tools or len(messages) < len(history):
                 continue
-            if all(same_message(a, b) for a, b in zip(history, messages)):
+            # `messages` may be longer: it extends `history` if they agree where both exist.
+            if all(same_message(a, b) for a, b in zip(history, messages, strict=False)):
                 return segment
         return None
 
@@ -206,25 +208,27 @@ class AgentSession:
         stop_ids = set(self.sampling.stop_token_ids)
         stop_ids.update(self.format.end_of_turn_ids(tools_active))
         longer = []
-        for text in stop_strings:
-            ids = self.format.encode(text)
+        for stop in stop_strings:
+            ids = self.format.encode(stop)
             if len(ids) == 1:
                 stop_ids.add(ids[0])
             else:
-                longer.append(text)
-        common = dict(stop_ids=tuple(sorted(stop_ids)), stop_strings=longer)
+                longer.append(stop)
+        stops = tuple(sorted(stop_ids))
         if candidate is not None:
             text = self.format.continuation(candidate.history,
                                             messages[len(candidate.history):], tools,
                                             candidate.stop_text)
             if text is not None:
                 return _Prepared(segment=candidate, fresh=False,
-                                 rendered=self.format.encode(text), **common)
+                                 rendered=self.format.encode(text), stop_ids=stops,
+                                 stop_strings=longer)
         prompt = self.format.encode(self.format.render(messages, tools,
                                                        add_generation_prompt=True))
         if not prompt:
             raise bad_request("the messages render to no tokens", "messages", "invalid_value")
-        return _Prepared(segment=Segment(prompt, tools), fresh=True, rendered=[], **common)
+        return _Prepared(segment=Segment(prompt, tools), fresh=True, rendered=[],
+                         stop_ids=stops, stop_strings=longer)
 
     def _budget(self, prep: _Prepared, request: ChatRequest) -> int:
         segment = prep.segment

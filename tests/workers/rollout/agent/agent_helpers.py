@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import sys
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 from areal.config import load_config
 from areal.tasks.chat_render import ChatFormat
@@ -24,7 +25,7 @@ from areal.workers.rollout.engine import Engine, EngineOutput, EngineState, Fini
 from areal.workers.rollout.interruptible import InterruptibleGenerator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "areal" / "tasks"))
-from qwen_style import build_qwen_style_tokenizer  # noqa: E402
+from qwen_style import build_qwen_style_tokenizer
 
 LOGPROB = -0.25
 

@@ -15,7 +15,7 @@ from areal.tasks.tool_arithmetic import ToolArithmeticTask
 
 pytest.importorskip("agents", reason="openai-agents is not installed (pip install -e '.[test]')")
 
-from areal.tasks.agents import calculator_sdk  # noqa: E402
+from areal.tasks.agents import calculator_sdk
 
 TOK = build_qwen_style_tokenizer()
 IM_END = TOK.convert_tokens_to_ids("<|im_end|>")
@@ -42,5 +42,5 @@ async def test_the_agents_sdk_calculator_agent_runs_through_the_endpoint_as_one_
     rendered = TOK.decode(second_prompt[len(first_prompt) + len(CALL):])
     assert rendered == ("\n<|im_start|>user\n<tool_response>\n17834\n</tool_response>"
                         "<|im_end|>\n<|im_start|>assistant\n")
-    sampled = [t for t, m in zip(segment.tokens.token_ids, segment.tokens.loss_mask) if m]
+    sampled = [t for t, m in zip(segment.tokens.token_ids, segment.tokens.loss_mask, strict=True) if m]
     assert sampled == CALL + ANSWER

@@ -66,7 +66,7 @@ async def test_an_update_inside_the_second_call_continues_it_under_the_new_weigh
     assert len(second) == lengths[1] and {tokens.versions[i] for i in first} == {0}
     second_versions = [tokens.versions[i] for i in second]
     switch = second_versions.index(1)
-    assert 0 < switch and second_versions == [0] * switch + [1] * (len(second) - switch)
+    assert switch > 0 and second_versions == [0] * switch + [1] * (len(second) - switch)
     assert {tokens.versions[i] for i, m in enumerate(tokens.loss_mask) if not m} == {
         PROMPT_VERSION}
     assert replies == [tokenizer.decode([tokens.token_ids[i] for i in second],

@@ -68,9 +68,9 @@ async def test_trained_ids_are_the_sampled_ones_where_retokenizing_would_differ(
     assert tokens.token_ids == SAMPLED_CALL + rendered + SAMPLED_ANSWER
     assert tokens.loss_mask == [True] * len(SAMPLED_CALL) + [False] * len(rendered) + \
         [True] * len(SAMPLED_ANSWER)
-    sampled = [lp for lp, m in zip(tokens.logprobs, tokens.loss_mask) if m]
+    sampled = [lp for lp, m in zip(tokens.logprobs, tokens.loss_mask, strict=True) if m]
     assert sampled == [LOGPROB] * (len(SAMPLED_CALL) + len(SAMPLED_ANSWER))
-    assert {v for v, m in zip(tokens.versions, tokens.loss_mask) if not m} == {PROMPT_VERSION}
+    assert {v for v, m in zip(tokens.versions, tokens.loss_mask, strict=True) if not m} == {PROMPT_VERSION}
     # Re-tokenizing the final conversation gives other ids: the trained ones are the sampled.
     conversation = CONVERSATIONS[-1]
     retokenized = qwen_ids(TOK, TOK.apply_chat_template(conversation, tools=[CALCULATOR],
