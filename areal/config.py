@@ -173,6 +173,69 @@ class EpisodeConfig:
         _positive(self.step_timeout_s, f"{key}.step_timeout_s")
 
 
+MAX_AGENT_CALLS = 4096
+"""Most chat calls an agent episode may make (its Generated lists one entry per segment)."""
+
+
+@dataclass(kw_only=True)
+class AgentConfig:
+    """Bring your own agent: each sample runs the user's agent against an OpenAI-compatible
+    endpoint in the rollout worker, token for token (areal.tasks.agent, DESIGN.md
+    section 11, docs/guides/agents.md)."""
+
+    function: str | None = opt(
+        None, "null: no agent; 'package.module:function' (async def run(client, sample)) or "
+        "'package.module:Class' (instances have that method; built with agent.params)")
+    params: dict[str, Any] = opt({}, "keyword arguments of an agent class; given to every "
+                                 "agent as sample.params")
+    discount: float = opt(1.0, "rewards propagate back through earlier calls: a call's "
+                          "return is its reward + discount x the next call's return")
+    timeout_s: float = opt(600.0, "time one episode's agent may take; over it the episode "
+                           "ends with verdict timeout (reward.on_error)")
+    max_calls: int = opt(32, "chat calls per episode; later calls are refused (400) and the "
+                         "episode ends at its turn limit unless the agent returns a reward")
+    max_request_bytes: int = opt(8 << 20, "larger request bodies are refused (400)")
+    max_request_tokens: int = opt(1 << 16, "largest max_tokens / max_completion_tokens a "
+                                  "request may ask for (400 above it); a request asking more "
+                                  "than its segment has left is cut to what is left")
+    tool_format: str = opt("auto", "how tool calls are written: 'chat' (the chat template's "
+                           "tools and Qwen2.5's <tool_call> JSON), 'bracket' ([argument] "
+                           "of the first tool; tokenizers without a chat template); auto: "
+                           "chat when the tokenizer has a chat template",
+                           ["auto", "chat", "bracket"])
+    observation_template: str | None = opt(
+        None, "bracket format: how a tool message is rendered, {result} its content; null: "
+        "'=' {result} and a newline (what the tool-arithmetic warm start reads)")
+    chat_template_kwargs: dict[str, Any] = opt({}, "extra variables of the chat template "
+                                               "(e.g. {enable_thinking: false})")
+    request_sampling: bool = opt(False, "a request's temperature and top_p replace the run's "
+                                 "(rollout.temperature / eval.temperature); off: the run's "
+                                 "always apply and the request's are ignored")
+    model_name: str = opt("policy", "the model id GET /v1/models lists (requests may name any)")
+    host: str = opt("127.0.0.1", "address each rollout worker's endpoint binds")
+    port: int = opt(0, "port of the endpoint (rollout worker i binds port + i); 0: a free one")
+
+    def check(self, key: str) -> None:
+        if self.function is not None and ":" not in self.function:
+            raise ConfigError(f"{key}.function={self.function!r} is not an import path "
+                              "'package.module:function'")
+        if not 0 <= self.discount <= 1:
+            raise ConfigError(f"{key}.discount={self.discount!r} must be in [0, 1]")
+        _positive(self.timeout_s, f"{key}.timeout_s")
+        if not 1 <= self.max_calls <= MAX_AGENT_CALLS:
+            raise ConfigError(f"{key}.max_calls={self.max_calls!r} must be in [1, "
+                              f"{MAX_AGENT_CALLS}] (a finished episode reports one segment "
+                              "per call at most)")
+        _positive(self.max_request_bytes, f"{key}.max_request_bytes")
+        _positive(self.max_request_tokens, f"{key}.max_request_tokens")
+        if self.observation_template is not None \
+                and "{result}" not in self.observation_template:
+            raise ConfigError(f"{key}.observation_template={self.observation_template!r} has "
+                              "no {result}")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"{key}.port={self.port!r} must be in [0, 65535]")
+
+
 @dataclass(kw_only=True)
 class VllmConfig:
     """Options passed through to vLLM's engine arguments (rollout.engine=vllm)."""
@@ -619,6 +682,8 @@ class RunConfig:
     model: ModelConfig = opt(ModelConfig(), "policy model")
     task: TaskConfig = opt(TaskConfig(), "prompts, references and reward")
     episode: EpisodeConfig = opt(EpisodeConfig(), "multi-turn episodes with tools")
+    agent: AgentConfig = opt(AgentConfig(), "your own agent through an OpenAI-compatible "
+                             "endpoint")
     rollout: RolloutConfig = opt(RolloutConfig(), "generation")
     trainer: TrainerConfig = opt(TrainerConfig(), "optimisation")
     reward: RewardConfig = opt(RewardConfig(), "reward workers")
@@ -641,6 +706,11 @@ class RunConfig:
                 "zone lies within the completion budget")
         if self.launcher == "ray":
             self._check_ray()
+        if self.agent.function is not None and self.episode.environment is not None:
+            raise ConfigError(
+                f"agent.function={self.agent.function!r} and episode.environment="
+                f"{self.episode.environment!r} are both set: an agent talks to its own tools "
+                "through the endpoint; set episode.environment=null")
         if self.trainer.batch_size % self.task.group_size:
             raise ConfigError(
                 f"trainer.batch_size={self.trainer.batch_size} is not a multiple of "

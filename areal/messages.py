@@ -106,8 +106,11 @@ class EpisodeEnd(str, enum.Enum):
     """The episode's token budget (rollout.max_new_tokens after the prompt) ran out, or the
     next observation did not fit in it: reward 0, verdict no_answer."""
     ERROR = "error"
-    """The environment failed (raised, or took longer than episode.step_timeout_s): reward
-    0, verdict error or timeout; the episode is kept, never lost."""
+    """The environment or agent failed (raised, took longer than episode.step_timeout_s or
+    agent.timeout_s, returned an unusable reward): reward 0, verdict error or timeout; the
+    episode is kept, never lost (reward.on_error decides)."""
+    AGENT = "agent"
+    """The user's agent (agent.function) returned its reward."""
 
 
 Tensor = typing.NewType("Tensor", object)
@@ -203,6 +206,9 @@ class Generate:
     """Episodes only (episode.environment set): the task's prompt id, for the environment."""
     reference: Any = None
     """Episodes only: the prompt's reference (plain data) the environment rewards against."""
+    prompt_text: str = ""
+    """Agent episodes only (agent.function set): the task's prompt text, the agent's
+    `sample.prompt` (an agent renders its own messages; `prompt_ids` are not used)."""
 
 
 @message(MsgType.GENERATED)
@@ -239,7 +245,27 @@ class Generated:
     """Tool calls that failed (bad call, unknown tool, error, timeout): each became an
     observation saying so."""
     tool_s: float = 0.0
-    """Seconds the environment took to answer, summed over turns."""
+    """Seconds the environment took to answer, summed over turns (agents: the agent's own
+    time between its chat calls)."""
+    # -- agent episodes (agent.function): one or more training segments ------------------
+    prompt_ids: np.ndarray | None = None
+    """[sum P_s] int32: the prompt of each segment, concatenated (an agent's conversation
+    is rendered on the worker); None: the Generate's prompt, one segment."""
+    segment_prompt_lens: list[int] = field(default_factory=list)
+    """P_s of each segment, in order; empty: one segment (not an agent episode). The
+    per-token arrays above hold the segments' completions concatenated, T_s each."""
+    segment_output_lens: list[int] = field(default_factory=list)
+    """T_s of each segment (sum = T)."""
+    segment_rewards: list[float] = field(default_factory=list)
+    """Each segment's reward (areal.tasks.agent.segment_rewards); the last equals `reward`."""
+    num_retries: int = 0
+    """Agent episodes: client retries of a call answered from that call (not sampled again)."""
+    queue_s: float = 0.0
+    """Agent episodes: seconds from each call's arrival to its first submission to the
+    engine (rendering, tokenizing, waiting for a weight update), summed over calls."""
+    decode_s: float = 0.0
+    """Agent episodes: seconds from each call's first submission to the engine to its
+    result (decoding, interruptions included), summed over calls."""
 
 
 @message(MsgType.CANCEL)
@@ -467,7 +493,8 @@ HEADER_LIMITS: dict[MsgType, HeaderLimit] = {
     MsgType.REGISTER: HeaderLimit(REGISTER_MAX_BYTES, 16),
     MsgType.HEARTBEAT: HeaderLimit(64 << 10, 1024),  # stats: a few dozen numbers
     MsgType.WELCOME: HeaderLimit(16 << 20, 1 << 16),  # the resolved run config
-    MsgType.GENERATE: HeaderLimit(1 << 20, 1 << 16),  # stop token ids
+    MsgType.GENERATE: HeaderLimit(1 << 20, 1 << 16),  # stop token ids, an agent's prompt text
+    MsgType.GENERATED: HeaderLimit(1 << 20, 1 << 12),  # an agent episode's segment lists
     MsgType.UPDATE_WEIGHTS: HeaderLimit(64 << 20, 1 << 20),  # collective: every tensor's spec
     MsgType.WEIGHTS_CHUNK: HeaderLimit(16 << 20, 1 << 20),  # a bucket's tensor names and refs
     MsgType.TRAIN: HeaderLimit(1 << 20, 1 << 16),  # minibatch lists

@@ -16,6 +16,10 @@ Panels (a panel is drawn when at least one run has one of its keys):
     turns          episode/turns_mean, episode/tool_calls_mean (multi-turn episodes)
     episode tokens episode/model_tokens_mean, episode/observation_tokens_mean
     tool time      episode/tool_s_mean
+    agent          episode/calls_mean, episode/segments_mean, episode/retries_coalesced
+                   (agent episodes, agent.function)
+    endpoint       episode/endpoint_queue_s_mean, episode/endpoint_decode_s_mean: seconds
+                   per chat call before and in the engine
     drift          train/logprob_diff_{fresh,stale}: mean |log pi_prox - log pi_behav| on
                    tokens sampled by the proximal version (engine numerics) and older ones
     drift_max      train/logprob_diff_{fresh,stale}_max
@@ -65,6 +69,13 @@ PANELS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
         ("step", "episode/model_tokens_mean", "model (trained)"),
         ("step", "episode/observation_tokens_mean", "observation (context only)")]),
     "tool_time": ("seconds per episode", [("step", "episode/tool_s_mean", "environment")]),
+    "agent": ("per agent episode", [("step", "episode/calls_mean", "chat calls"),
+                                    ("step", "episode/segments_mean", "training segments"),
+                                    ("step", "episode/retries_coalesced", "retries coalesced "
+                                                                          "(per step)")]),
+    "endpoint": ("seconds per chat call", [
+        ("step", "episode/endpoint_queue_s_mean", "queueing (render, tokenize, weights)"),
+        ("step", "episode/endpoint_decode_s_mean", "generation")]),
     "drift": ("|log pi_prox - log pi_behav|", [
         ("step", "train/logprob_diff_fresh", "fresh tokens (engine numerics)"),
         ("step", "train/logprob_diff_stale", "stale tokens (+ policy change)")]),

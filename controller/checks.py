@@ -5,7 +5,8 @@ checked its shape (areal.messages); these check its meaning, before it touches t
                        worker does not answer a training step)
     generated_problem  a completion is one token id, log-prob and version per token, within
                        its request's budget, from versions that exist, with log-probs <= 0;
-                       an episode's observation tokens carry PROMPT_VERSION and log-prob 0
+                       an episode's observation tokens carry PROMPT_VERSION and log-prob 0;
+                       an agent episode's segments add up, each checked as a completion
     scored_problem     a reward is a finite number
 
 Each returns the reason in words, or '' when the message fits. The controller drops what
@@ -65,11 +66,55 @@ def sender_problem(msg: Any, handle: WorkerHandle | None) -> str:
 
 def generated_problem(msg: Generated, *, max_new_tokens: int, version: int,
                       vocab_size: int | None) -> str:
+    if msg.segment_prompt_lens or msg.prompt_ids is not None:
+        return _segments_problem(msg, max_new_tokens=max_new_tokens, version=version,
+                                 vocab_size=vocab_size)
     if msg.loss_mask is None and _plain_completion_fits(msg, max_new_tokens, version,
                                                          vocab_size):
         return ""
     return _generated_problem(msg, max_new_tokens=max_new_tokens, version=version,
                               vocab_size=vocab_size)
+
+
+def _segments_problem(msg: Generated, *, max_new_tokens: int, version: int,
+                      vocab_size: int | None) -> str:
+    """An agent episode's segments: lists that pair up, lengths that add up, prompts in the
+    vocabulary, finite rewards, and each segment's tokens checked as one completion
+    (versions never decrease within a segment; segments may run side by side)."""
+    prompt_lens, output_lens = msg.segment_prompt_lens, msg.segment_output_lens
+    if msg.prompt_ids is None or msg.loss_mask is None:
+        return "a segmented episode without prompt_ids or loss_mask"
+    if not len(prompt_lens) == len(output_lens) == len(msg.segment_rewards) >= 1:
+        return (f"segment_prompt_lens, segment_output_lens, segment_rewards have lengths "
+                f"{[len(prompt_lens), len(output_lens), len(msg.segment_rewards)]}: one of "
+                "each per segment")
+    if min(prompt_lens) < 1 or min(output_lens) < 0:
+        return "a segment with an empty prompt or a negative length"
+    if msg.prompt_ids.ndim != 1 or sum(prompt_lens) != len(msg.prompt_ids):
+        return (f"segment prompts of {sum(prompt_lens)} tokens but prompt_ids holds "
+                f"{len(msg.prompt_ids)}")
+    if msg.prompt_ids.dtype.kind not in "iu" or msg.prompt_ids.min() < 0 or (
+            vocab_size is not None and msg.prompt_ids.max() >= vocab_size):
+        return "prompt_ids are not token ids of the vocabulary"
+    if not all(math.isfinite(r) for r in msg.segment_rewards) \
+            or msg.segment_rewards[-1] != msg.reward:
+        return "segment rewards must be finite, the last equal to the episode's reward"
+    arrays = (msg.output_ids, msg.logprobs, msg.versions, msg.loss_mask)
+    if any(a.ndim != 1 or len(a) != sum(output_lens) for a in arrays):
+        return (f"segments of {sum(output_lens)} tokens but per-token arrays of lengths "
+                f"{[len(a) for a in arrays]}")
+    start = 0
+    for i, length in enumerate(output_lens):
+        span = slice(start, start + length)
+        part = Generated(request_id=msg.request_id, output_ids=msg.output_ids[span],
+                         logprobs=msg.logprobs[span], versions=msg.versions[span],
+                         loss_mask=msg.loss_mask[span], finish_reason=msg.finish_reason)
+        problem = _generated_problem(part, max_new_tokens=max_new_tokens, version=version,
+                                     vocab_size=vocab_size)
+        if problem:
+            return f"segment {i}: {problem}"
+        start += length
+    return ""
 
 
 def _plain_completion_fits(msg: Generated, max_new_tokens: int, version: int,

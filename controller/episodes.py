@@ -6,7 +6,9 @@
   so it is recorded as scored at once instead of going to a reward worker;
 - `episode_metrics`: the `episode/` (step records) or `eval/` (evaluations) metrics of a
   set of trajectories: turns, tool calls, tool errors and time, model vs observation tokens,
-  how episodes ended. Empty when no trajectory is an episode.
+  how episodes ended; for agent episodes also calls and segments per episode, retries
+  coalesced, endpoint seconds per call queueing vs decoding. Empty when no trajectory is an
+  episode.
 
 Everything else treats an episode as one trajectory (admission, staleness, packing, resume).
 """
@@ -27,7 +29,11 @@ from areal.types import Trajectory
 
 
 def episode_fields(cfg: RunConfig, prompt: Prompt) -> dict[str, Any]:
-    """Extra Generate fields: the prompt id and reference when episodes run, else none."""
+    """Extra Generate fields: the prompt id and reference when episodes run (and the prompt
+    text for an agent, which renders its own messages), else none."""
+    if cfg.agent.function is not None:
+        return {"prompt_id": prompt.prompt_id, "reference": prompt.reference,
+                "prompt_text": prompt.text}
     if cfg.episode.environment is None:
         return {}
     return {"prompt_id": prompt.prompt_id, "reference": prompt.reference}
@@ -52,10 +58,12 @@ def episode_metrics(trajectories: Sequence[Trajectory], prefix: str) -> dict[str
     turns = np.array([t.episode["turns"] for t in episodes])
     calls = np.array([t.episode["tool_calls"] for t in episodes])
     errors = int(sum(t.episode["tool_errors"] for t in episodes))
-    model = np.array([t.num_model_tokens for t in episodes])
-    observed = np.array([t.num_tokens - t.num_prompt_tokens for t in episodes]) - model
+    # An agent episode's counts cover all its segments (its last carries them).
+    model = np.array([t.episode.get("model_tokens", t.num_model_tokens) for t in episodes])
+    observed = np.array([t.episode.get("observation_tokens", t.num_tokens - t.num_prompt_tokens
+                                       - t.num_model_tokens) for t in episodes])
     ends = collections.Counter(t.episode["end"] for t in episodes)
-    return {
+    return {**_agent_metrics(episodes, prefix),
         f"{prefix}turns_mean": float(turns.mean()),
         f"{prefix}turns_max": int(turns.max()),
         f"{prefix}tool_calls_mean": float(calls.mean()),
@@ -66,4 +74,23 @@ def episode_metrics(trajectories: Sequence[Trajectory], prefix: str) -> dict[str
         f"{prefix}model_tokens_mean": float(model.mean()),
         f"{prefix}observation_tokens_mean": float(observed.mean()),
         f"{prefix}ends": dict(sorted(ends.items())),
+    }
+
+
+def _agent_metrics(episodes: Sequence[Trajectory], prefix: str) -> dict[str, Any]:
+    """Agent episodes (agent.function): chat calls and training segments per episode, SDK
+    retries answered without sampling again, and the endpoint's seconds per call before
+    the engine (queue: rendering, tokenizing, waiting for new weights) and in it (decode)."""
+    agents = [t.episode for t in episodes if t.episode.get("agent")]
+    if not agents:
+        return {}
+    num_calls = sum(e["turns"] for e in agents)
+    return {
+        f"{prefix}calls_mean": num_calls / len(agents),
+        f"{prefix}segments_mean": float(np.mean([e["segments"] for e in agents])),
+        f"{prefix}split_fraction": float(np.mean([e["segments"] > 1 for e in agents])),
+        f"{prefix}retries_coalesced": int(sum(e["retries"] for e in agents)),
+        f"{prefix}endpoint_queue_s_mean": sum(e["queue_s"] for e in agents) / max(num_calls, 1),
+        f"{prefix}endpoint_decode_s_mean": sum(e["decode_s"] for e in agents)
+        / max(num_calls, 1),
     }

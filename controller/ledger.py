@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from areal.messages import Generated
+from areal.messages import EpisodeEnd, Generated
 from areal.tasks.base import Prompt, RewardOutcome, Verdict
 from areal.types import Trajectory
 
@@ -55,12 +55,21 @@ class Sample:
     submitted_at: float = 0.0
     num_score_failures: int = 0
     """Checks of it that ended without a verdict (controller/reward_faults.py)."""
+    segments: list[Trajectory] = field(default_factory=list)
+    """Agent episodes: the training segments before the last (`trajectory`), each with its
+    own prompt and reward (areal.tasks.agent); empty for everything else."""
     request_id: str = field(init=False)
     """'g<group>-s<index>-a<attempt>': written once per attempt, read for every message
     about the sample (thousands of Generates and Generateds per step at cluster scale)."""
 
     def __post_init__(self) -> None:
         self.request_id = f"g{self.group_id}-s{self.index}-a{self.attempt}"
+
+    def trajectories(self) -> list[Trajectory]:
+        """Its training sequences: the earlier segments of an agent episode, then the last
+        (a generated sample's)."""
+        assert self.trajectory is not None  # generated
+        return [*self.segments, self.trajectory]
 
     def next_attempt(self) -> None:
         """Under a new request id: a late answer to the old one is then stale."""
@@ -103,8 +112,9 @@ class Group:
         return all(s.stage is Stage.DONE for s in self.samples)
 
     def trajectories(self) -> list[Trajectory]:
-        # called on a done group, whose samples all hold their trajectory
-        return [s.trajectory for s in self.samples]  # type: ignore[misc]
+        """Every training sequence of the group (an agent episode may have several); called on
+        a done group, whose samples all hold their trajectory."""
+        return [t for s in self.samples for t in s.trajectories()]
 
 
 class Ledger:
@@ -157,11 +167,14 @@ class Ledger:
         if sample is None or sample.stage is not Stage.GENERATING or sample.worker != worker:
             return None
         group = self.groups[sample.group_id]
-        sample.trajectory = Trajectory.from_generation(
-            prompt_id=group.prompt.prompt_id, group_id=group.group_id,
-            prompt_ids=group.prompt_ids, output_ids=msg.output_ids,
-            output_logprobs=msg.logprobs, output_versions=msg.versions,
-            finish_reason=msg.finish_reason.value, output_loss_mask=msg.loss_mask)
+        if msg.segment_prompt_lens:
+            *sample.segments, sample.trajectory = _segments(msg, group)
+        else:
+            sample.trajectory = Trajectory.from_generation(
+                prompt_id=group.prompt.prompt_id, group_id=group.group_id,
+                prompt_ids=group.prompt_ids, output_ids=msg.output_ids,
+                output_logprobs=msg.logprobs, output_versions=msg.versions,
+                finish_reason=msg.finish_reason.value, output_loss_mask=msg.loss_mask)
         sample.trajectory.timings.update(submitted=sample.submitted_at,
                                          generation=msg.generation_s)
         if msg.episode_end is not None:
@@ -169,6 +182,14 @@ class Ledger:
                 "turns": msg.num_turns, "tool_calls": msg.num_tool_calls,
                 "tool_errors": msg.num_tool_errors, "tool_s": msg.tool_s,
                 "end": msg.episode_end.value}
+            if msg.episode_end is EpisodeEnd.AGENT or msg.segment_prompt_lens:
+                sample.trajectory.episode.update(
+                    agent=True, segments=max(1, len(msg.segment_prompt_lens)),
+                    retries=msg.num_retries, queue_s=msg.queue_s, decode_s=msg.decode_s,
+                    model_tokens=sum(t.num_model_tokens for t in sample.trajectories()),
+                    observation_tokens=sum(t.num_tokens - t.num_prompt_tokens
+                                           - t.num_model_tokens
+                                           for t in sample.trajectories()))
         sample.trajectory.timings["interruptions"] = float(msg.num_interruptions)
         sample.stage, sample.worker = Stage.SCORING, None
         group.num_generated += 1
@@ -207,6 +228,9 @@ class Ledger:
             return None
         assert sample.trajectory is not None  # scored samples were generated
         sample.trajectory.reward = outcome.reward
+        if outcome.verdict.is_error():  # a failed agent episode: no segment earns a reward
+            for segment in sample.segments:
+                segment.reward = 0.0
         sample.verdict = outcome.verdict
         sample.stage, sample.worker = Stage.DONE, None
         group = self.groups[sample.group_id]
@@ -297,8 +321,7 @@ class Ledger:
                 unfinished += 1
             else:
                 finished += 1
-                assert sample.trajectory is not None  # generated
-                tokens += sample.trajectory.num_tokens - sample.trajectory.num_prompt_tokens
+                tokens += sum(t.num_tokens - t.num_prompt_tokens for t in sample.trajectories())
         if unfinished:
             self.pending = collections.deque(s for s in self.pending
                                              if s.group_id != group.group_id)
@@ -317,3 +340,25 @@ class Ledger:
         for sample in self.by_request.values():
             if purpose is None or self.groups[sample.group_id].purpose is purpose:
                 yield sample
+
+
+def _segments(msg: Generated, group: Group) -> list[Trajectory]:
+    """The training segments of an agent episode (Generated.segment_*), in order, each with
+    its own prompt; every one but the last has its reward already (the last is scored)."""
+    assert msg.prompt_ids is not None and msg.loss_mask is not None  # checks.generated_problem
+    out, prompt_at, output_at = [], 0, 0
+    lengths = zip(msg.segment_prompt_lens, msg.segment_output_lens, strict=True)
+    for i, (num_prompt, num_output) in enumerate(lengths):
+        span = slice(output_at, output_at + num_output)
+        trajectory = Trajectory.from_generation(
+            prompt_id=group.prompt.prompt_id, group_id=group.group_id,
+            prompt_ids=msg.prompt_ids[prompt_at:prompt_at + num_prompt],
+            output_ids=msg.output_ids[span], output_logprobs=msg.logprobs[span],
+            output_versions=msg.versions[span],
+            finish_reason=msg.finish_reason.value if i == len(msg.segment_prompt_lens) - 1
+            else "stop", output_loss_mask=msg.loss_mask[span])
+        trajectory.reward = msg.segment_rewards[i]
+        out.append(trajectory)
+        prompt_at += num_prompt
+        output_at += num_output
+    return out

@@ -52,7 +52,11 @@ class StepReport:
     def on_generated(self, trajectory: Trajectory, msg: Generated) -> None:
         """Every completed generation (trained or not) counts toward throughput (sampled
         tokens only: not an episode's observations)."""
-        self._generated_tokens += trajectory.num_model_tokens
+        # An agent episode's earlier segments are not `trajectory`: count from the message.
+        if msg.segment_prompt_lens and msg.loss_mask is not None:
+            self._generated_tokens += int(msg.loss_mask.sum())
+        else:
+            self._generated_tokens += trajectory.num_model_tokens
         self.num_interruptions += msg.num_interruptions
 
     def on_scored(self, verdict: Verdict) -> None:

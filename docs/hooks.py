@@ -39,6 +39,8 @@ PAGES = [
     ("engines", "Inference engines on CPU", "python bench/engines.py"),
     ("engines-gpu", "Inference engines on a GPU", "python bench/engines.py --device cuda"),
     ("weight_sync", "Weight publication", "python bench/weight_sync.py"),
+    ("agent_endpoint", "Agent endpoint against the in-process episode loop",
+     "python bench/agent_endpoint.py"),
 ]
 """(page name, what it shows, the command that writes it)."""
 

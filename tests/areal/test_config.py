@@ -54,6 +54,10 @@ def test_round_trip_through_yaml_and_dict(tmp_path):
     ("episode.max_turn_tokens=0", "episode.max_turn_tokens=0 must be > 0"),
     ("episode.step_timeout_s=0", "episode.step_timeout_s=0.0 must be > 0"),
     ("episode.environment=' '", "episode.environment=' ' is empty"),
+    ("agent.function=calculator", "agent.function='calculator' is not an import path"),
+    ("agent.discount=1.5", r"agent.discount=1.5 must be in \[0, 1\]"),
+    ("agent.max_calls=0", r"agent.max_calls=0 must be in \[1, 4096\]"),
+    ("agent.observation_template=x", "has no {result}"),
     ("controller.gc_thresholds=[50000,20]", r"controller.gc_thresholds=\[50000, 20\]: three "
                                              "positive integers"),
     ("controller.gc_thresholds=[0,10,10]", r"controller.gc_thresholds=\[0, 10, 10\]"),
@@ -86,3 +90,8 @@ def test_every_option_is_documented():
     undocumented = [key for key, _, help_text in options if not help_text]
     assert not undocumented
     assert ("trainer.lr", "0.0001", "AdamW learning rate") in options
+
+
+def test_an_agent_and_an_environment_exclude_each_other():
+    with pytest.raises(ConfigError, match="set episode.environment=null"):
+        load_config(overrides=["agent.function=a.b:run", "episode.environment=tools"])

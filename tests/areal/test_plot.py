@@ -17,7 +17,9 @@ from areal.plot import PANELS, main, plot_runs, read_run, series
 EPISODE_KEYS = {"episode/tool_use_fraction": 0.5, "episode/tool_error_rate": 0.1,
                 "episode/turns_mean": 1.5, "episode/tool_calls_mean": 0.5,
                 "episode/model_tokens_mean": 12.0, "episode/observation_tokens_mean": 6.0,
-                "episode/tool_s_mean": 0.01}
+                "episode/tool_s_mean": 0.01, "episode/calls_mean": 2.0,
+                "episode/segments_mean": 1.0, "episode/retries_coalesced": 0,
+                "episode/endpoint_queue_s_mean": 0.001, "episode/endpoint_decode_s_mean": 0.1}
 
 
 def _write_run(run_dir: Path, num_steps: int = 6, *, with_loss: bool = True,
@@ -77,7 +79,7 @@ def test_single_completion_runs_draw_no_episode_panels(tmp_path):
     run_dir = _write_run(tmp_path / "r", episodes=False)
     paths = plot_runs([run_dir], tmp_path / "out")
     assert {p.stem for p in paths} == {"overview", *PANELS} - {
-        "tool_use", "turns", "episode_tokens", "tool_time"}
+        "tool_use", "turns", "episode_tokens", "tool_time", "agent", "endpoint"}
 
 
 @pytest.mark.slow

@@ -196,3 +196,47 @@ def test_each_boundary_value_at_each_end_is_judged_as_the_full_check_does(name, 
 
 def test_the_short_path_takes_a_well_formed_completion():
     assert checks._plain_completion_fits(_generated(), 8, 2, 100)
+
+
+def _segmented(**changes):
+    """An agent episode of two segments: prompts [7, 8] and [9]; outputs of 2 and 3 tokens
+    (the second segment's run of sampled, observation, sampled tokens)."""
+    fields = dict(
+        output_ids=[1, 2, 3, 4, 5], logprobs=[-0.1, -0.2, -0.3, 0.0, -0.5],
+        versions=[1, 2, 0, -1, 1], loss_mask=[True, True, True, False, True],
+        prompt_ids=[7, 8, 9], segment_prompt_lens=[2, 1], segment_output_lens=[2, 3],
+        segment_rewards=[0.5, 1.0], reward=1.0)
+    fields.update(changes)
+    arrays = {"output_ids": np.int32, "versions": np.int32, "prompt_ids": np.int32,
+              "logprobs": np.float32, "loss_mask": bool}
+    for name, dtype in arrays.items():
+        fields[name] = np.asarray(fields[name], dtype)
+    return Generated(request_id="g0-s0-a0", finish_reason=FinishReason.STOP, **fields)
+
+
+def test_an_agent_episodes_segments_are_checked_one_by_one():
+    # Versions drop from segment 1 to segment 2 (they ran side by side): fine.
+    assert _problem(_segmented()) == ""
+    # Each segment within the budget, not the episode as a whole.
+    assert generated_problem(_segmented(), max_new_tokens=3, version=2, vocab_size=100) == ""
+
+
+@pytest.mark.parametrize("changes, reason", [
+    ({"segment_rewards": [0.5]}, "one of each per segment"),
+    ({"segment_prompt_lens": [2, 2]}, "prompt_ids holds 3"),
+    ({"segment_output_lens": [2, 2]}, "per-token arrays of lengths"),
+    ({"segment_rewards": [float("nan"), 1.0]}, "must be finite"),
+    ({"reward": 0.0}, "the last equal to the episode's reward"),
+    ({"prompt_ids": [7, 8, 900]}, "vocabulary"),
+    ({"versions": [2, 1, 0, -1, 1]}, "segment 0: token versions decrease"),
+    ({"loss_mask": None}, "without prompt_ids or loss_mask"),
+    ({"segment_output_lens": [2, 3], "output_ids": [1, 2, 3, 4, 5],
+      "segment_prompt_lens": [3, 0], "prompt_ids": [7, 8, 9]}, "empty prompt"),
+])
+def test_an_inconsistent_agent_episode_is_named(changes, reason):
+    if changes.get("loss_mask", 0) is None:
+        msg = _segmented()
+        msg.loss_mask = None
+    else:
+        msg = _segmented(**changes)
+    assert reason in _problem(msg)

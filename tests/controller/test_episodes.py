@@ -36,3 +36,25 @@ def test_an_episode_whose_reward_is_not_finite_is_an_error(reward):
     outcome = episode_scored(_episode(reward, Verdict.OK))
     assert outcome.reward == 0.0 and outcome.verdict is Verdict.ERROR
     assert "not a finite number" in outcome.detail
+
+
+def test_agent_episodes_report_calls_segments_retries_and_endpoint_seconds():
+    from areal.controller.episodes import episode_metrics
+    from areal.types import Trajectory
+
+    def episode(turns, segments, retries):
+        t = Trajectory.from_generation(prompt_id="p", group_id=0, prompt_ids=[1],
+                                       output_ids=[2, 3], output_logprobs=[0.0, 0.0],
+                                       output_versions=[0, 0])
+        t.episode = {"turns": turns, "tool_calls": 1, "tool_errors": 0, "tool_s": 0.1,
+                     "end": "agent", "agent": True, "segments": segments, "retries": retries,
+                     "queue_s": 0.1 * turns, "decode_s": 0.5 * turns, "model_tokens": 2,
+                     "observation_tokens": 0}
+        return t
+
+    metrics = episode_metrics([episode(2, 1, 0), episode(4, 2, 3)], "episode/")
+    assert metrics["episode/calls_mean"] == 3.0 and metrics["episode/segments_mean"] == 1.5
+    assert metrics["episode/split_fraction"] == 0.5
+    assert metrics["episode/retries_coalesced"] == 3
+    assert metrics["episode/endpoint_queue_s_mean"] == pytest.approx(0.1)
+    assert metrics["episode/endpoint_decode_s_mean"] == pytest.approx(0.5)

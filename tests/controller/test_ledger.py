@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from areal.controller.ledger import Ledger, Purpose, Stage
-from areal.messages import FinishReason, Generated
+from areal.messages import EpisodeEnd, FinishReason, Generated
 from areal.tasks.base import Prompt, RewardOutcome, Verdict
 
 W1, W2, R1 = b"rollout-1", b"rollout-2", b"reward-1"
@@ -197,3 +197,34 @@ def test_evaluation_groups_are_never_dropped():
                              purpose=Purpose.EVAL)
     with pytest.raises(ValueError, match="evaluation group"):
         ledger.drop_group(group)
+
+
+def test_an_agent_episodes_segments_become_trajectories_of_its_group():
+    ledger = Ledger()
+    group = ledger.add_group(_prompt(), np.array([5], np.int32), size=1, version=0)
+    sample = ledger.pending.popleft()
+    ledger.start_generation(sample, W1, now=0.0)
+    msg = Generated(
+        request_id=sample.request_id, output_ids=np.arange(5, dtype=np.int32),
+        logprobs=np.full(5, -0.5, np.float32), versions=np.zeros(5, np.int32),
+        loss_mask=np.ones(5, bool), finish_reason=FinishReason.STOP,
+        prompt_ids=np.array([7, 8, 9], np.int32), segment_prompt_lens=[2, 1],
+        segment_output_lens=[2, 3], segment_rewards=[0.25, 1.0], reward=1.0,
+        episode_end=EpisodeEnd.AGENT, verdict=Verdict.OK, num_turns=3)
+    assert ledger.finish_generation(msg, W1) is sample
+    first, last = group.trajectories()
+    assert (first.token_ids.tolist(), first.num_prompt_tokens, first.reward) == (
+        [7, 8, 0, 1], 2, 0.25)
+    assert (last.token_ids.tolist(), last.num_prompt_tokens) == ([9, 2, 3, 4], 1)
+    assert last is sample.trajectory and first.episode == {} and last.episode["segments"] == 2
+    assert last.episode["model_tokens"] == 5
+    ledger.start_scoring(sample, W1)
+    done = ledger.finish_scoring(sample.request_id, _outcome(1.0), W1)
+    assert done is group and [t.reward for t in group.trajectories()] == [0.25, 1.0]
+    dropped = Ledger()
+    g = dropped.add_group(_prompt(), np.array([5], np.int32), size=1, version=0)
+    s = dropped.pending.popleft()
+    dropped.start_generation(s, W1, now=0.0)
+    msg.request_id = s.request_id
+    dropped.finish_generation(msg, W1)
+    assert dropped.drop_group(g).num_tokens == 5  # every segment's tokens are counted

@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 from collections.abc import Sequence
 
@@ -65,6 +66,8 @@ class GenerationResult:
     """STOP or LENGTH; never ABORT (interrupted sequences are continued)."""
     num_interruptions: int
     """How many times the sequence was aborted by a weight update and resubmitted."""
+    wait_s: float = 0.0
+    """Seconds it waited for weight updates to end before its segments were submitted."""
 
     def token_ids_array(self) -> np.ndarray:
         return np.asarray(self.token_ids, dtype=np.int32)
@@ -126,9 +129,13 @@ class InterruptibleGenerator:
         logprobs: list[float] = []
         versions: list[int] = []
         num_interruptions = 0
+        wait_s = 0.0
         while True:
-            while not self._open.is_set():
-                await self._open.wait()
+            if not self._open.is_set():
+                waited_from = time.monotonic()
+                while not self._open.is_set():
+                    await self._open.wait()
+                wait_s += time.monotonic() - waited_from
             # No await between the gate check and the submission (see the module doc).
             version, epoch = self._version, self._epoch
             segment = dataclasses.replace(params, max_new_tokens=params.max_new_tokens - len(tokens))
@@ -145,7 +152,7 @@ class InterruptibleGenerator:
             if reason is not FinishReason.ABORT:
                 return GenerationResult(token_ids=tokens, logprobs=logprobs, versions=versions,
                                         finish_reason=reason,
-                                        num_interruptions=num_interruptions)
+                                        num_interruptions=num_interruptions, wait_s=wait_s)
             if epoch == self._epoch:
                 if self._engine.state is EngineState.CLOSED:
                     raise EngineStateError(f"request {request_id!r}: the engine was closed")

@@ -9,6 +9,10 @@
     Generate with episode.environment set -> EpisodeRunner.run (episode.py): model turns
                  and the environment's observations in one trajectory -> Generated with
                  its loss mask and the environment's reward
+    Generate with agent.function set -> AgentRunner.run (agent/runner.py): the user's agent
+                 against this worker's OpenAI-compatible endpoint, every chat call a
+                 sequence on this worker's generator -> Generated with the episode's
+                 segments and rewards
 
 Updates are applied one at a time, in version order. In async mode they interrupt
 in-flight sequences, which continue under the new weights (tokens keep the version that
@@ -36,6 +40,7 @@ from areal.messages import (
 )
 from areal.workers.base import Worker
 from areal.workers.collective import WeightsMember, report_weights_op
+from areal.workers.rollout.agent.runner import generated_agent_episode, start_agents
 from areal.workers.rollout.engine import DiskWeights, SamplingParams, TensorWeights
 from areal.workers.rollout.episode import generated_episode, start_episodes
 from areal.workers.rollout.factory import make_engine
@@ -66,6 +71,8 @@ class RolloutWorker(Worker):
         self._announced = 0
         """The newest version an UpdateWeights(collective) announced."""
         self.episodes = await start_episodes(cfg, self.generator)
+        self.agents = await start_agents(cfg, self.generator, rank=self.rank,
+                                         context_len=getattr(self.engine, "max_seq_len", None))
         self.spawn(self._update_loop(), "weight-updates")
         # What it serves now (stream/collective: the current version arrives after Ready).
         return self.generator.version
@@ -216,6 +223,14 @@ class RolloutWorker(Worker):
         start = time.monotonic()
         params = SamplingParams(max_new_tokens=msg.max_new_tokens, temperature=msg.temperature,
                                 top_p=msg.top_p, stop_token_ids=list(msg.stop_token_ids))
+        if self.agents is not None:
+            agent_episode = await self.agents.run(
+                msg.request_id, params, prompt_id=msg.prompt_id, prompt_text=msg.prompt_text,
+                reference=msg.reference)
+            self._generated_tokens += agent_episode.num_model_tokens
+            await self.send(generated_agent_episode(msg.request_id, agent_episode,
+                                                    msg.prompt_ids))
+            return
         if self.episodes is not None:
             episode = await self.episodes.run(msg.request_id, msg.prompt_ids.tolist(), params,
                                               prompt_id=msg.prompt_id, reference=msg.reference)
@@ -231,6 +246,8 @@ class RolloutWorker(Worker):
             generation_s=time.monotonic() - start))
 
     async def close(self) -> None:
+        if getattr(self, "agents", None) is not None:
+            await self.agents.close()
         if getattr(self, "episodes", None) is not None:
             await self.episodes.close()
         engine = getattr(self, "engine", None)
