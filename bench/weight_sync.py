@@ -55,17 +55,35 @@ SHM_VERSIONS = 3
 """shm: versions published per measurement; the last is timed (the first for shm-first)."""
 
 
-def build_tensors(name: str, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+def build_model(name: str, dtype: torch.dtype) -> torch.nn.Module:
+    """The Qwen2 model of size `name` (a key of MODELS), randomly initialised."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from areal.models.weights import named_tensors
 
     hidden, layers, inter, vocab, heads, kv = MODELS[name]
     config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
                          num_hidden_layers=layers, num_attention_heads=heads,
                          num_key_value_heads=kv, tie_word_embeddings=True)
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(dtype)
+    return Qwen2ForCausalLM(config).to(dtype)
+
+
+def lora_rank(name: str) -> int:
+    """'500M+lora16' -> 16 (the adapters of that model are published); '500M' -> 0."""
+    return int(name.partition("+lora")[2] or 0)
+
+
+def build_tensors(name: str, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+    """What the trainer publishes for `name`: the model's weights, or for '<size>+lora<r>'
+    its LoRA adapters of rank r (areal.models.lora, the default target modules)."""
+    from areal.config import LoraConfig
+    from areal.models.lora import add_adapters, adapter_tensors
+    from areal.models.weights import named_tensors
+
+    model = build_model(name.partition("+lora")[0], dtype)
+    rank = lora_rank(name)
+    if rank:
+        model = add_adapters(model, LoraConfig(rank=rank), seed=0)
+        return [(n, t.contiguous()) for n, t in adapter_tensors(model)]
     return [(n, t.contiguous()) for n, t in named_tensors(model)]
 
 
@@ -75,13 +93,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _config(run_dir: str, mode: str = "disk"):
+def _config(run_dir: str, mode: str = "disk", model: str = ""):
     from areal.config import load_config
 
     shm = mode.startswith("shm")
     return load_config(overrides=[f"run_dir={run_dir}", "weight_sync.bucket_mb=64",
                                   f"weight_sync.keep_versions={2 if shm else 1}",
-                                  f"weight_sync.mode={'shm' if shm else 'disk'}"])
+                                  f"weight_sync.mode={'shm' if shm else 'disk'}",
+                                  f"trainer.lora.rank={lora_rank(model)}"])
 
 
 # -- the trainer side (one process per measurement) -----------------------------------------------
@@ -91,7 +110,7 @@ def _sender(_: int, mode: str, model: str, dtype: str, run_dir: str, address: st
             keys: str, start_queue) -> None:
     torch.set_num_threads(1)
     tensors = build_tensors(model, getattr(torch, dtype))
-    cfg = _config(run_dir)
+    cfg = _config(run_dir, mode, model)
     if mode == "disk":
         from areal.workers.trainer.publish import publish_to_disk
 
@@ -141,7 +160,7 @@ def _shm_sender(_: int, mode: str, model: str, dtype: str, run_dir: str, to_rece
 
     torch.set_num_threads(1)
     tensors = build_tensors(model, getattr(torch, dtype))
-    publisher = ShmPublisher(_config(run_dir, "shm"))
+    publisher = ShmPublisher(_config(run_dir, "shm", model))
     timed = 1 if mode == "shm-first" else SHM_VERSIONS
     for version in range(1, timed + 1):
         if version == timed:
