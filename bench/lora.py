@@ -32,12 +32,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from results_page import publish, write_results  # noqa: E402
-from weight_sync import MODELS, build_model, build_tensors, measure  # noqa: E402
+from results_page import publish, write_results
+from weight_sync import MODELS, build_model, build_tensors, measure
 
-from areal.config import load_config  # noqa: E402
-from areal.types import PackedBatch  # noqa: E402
-from areal.workers.trainer.ppo import PPOTrainer  # noqa: E402
+from areal.config import load_config
+from areal.types import PackedBatch
+from areal.workers.trainer.ppo import PPOTrainer
 
 MODES = ("disk", "stream", "shm")
 TRAIN_LENGTHS = [160, 96, 128, 128]

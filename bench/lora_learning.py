@@ -36,12 +36,12 @@ from typing import Any
 import uvloop
 
 sys.path.insert(0, str(Path(__file__).parent))
-from results_page import publish, write_results  # noqa: E402
+from results_page import publish, write_results
 
-from areal.config import load_config  # noqa: E402
-from areal.controller import Controller  # noqa: E402
-from areal.intervals import t_interval  # noqa: E402
-from areal.models.warmstart import ensure_warm_model  # noqa: E402
+from areal.config import load_config
+from areal.controller import Controller
+from areal.intervals import t_interval
+from areal.models.warmstart import ensure_warm_model
 
 LORA = ["trainer.lora.rank=16", "trainer.lora.alpha=32", "trainer.lr=1e-3"]
 """The LoRA arms: rank 16 on every projection of the embedded model (hidden 128, MLP 512:
@@ -145,7 +145,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="default: bench/results/lora_learning (quick: a temporary one)")
     parser.add_argument("overrides", nargs="*", help="key=value applied to every run")
     args = parser.parse_args(argv)
-    args.publish = publish(args.quick, args.out)
+    args.publish = publish(args.quick or bool(args.overrides), args.out)
     args.setting = []
     if args.quick:
         args.seeds, args.steps, args.arms = 1, 3, QUICK_ARMS

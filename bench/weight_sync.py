@@ -43,7 +43,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from results_page import publish, write_results  # noqa: E402
+from results_page import publish, write_results
 
 MODELS = {  # name: (hidden, layers, intermediate, vocab, heads, kv heads)
     "10M": (256, 6, 1024, 16384, 4, 2),

@@ -30,7 +30,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 from torch import nn

@@ -44,7 +44,7 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -81,7 +81,7 @@ class _Header:
     manifest_bytes: int
 
     @classmethod
-    def read(cls, buffer: mmap.mmap, path: Path) -> "_Header":
+    def read(cls, buffer: mmap.mmap, path: Path) -> _Header:
         if len(buffer) < _HEADER_BYTES:
             raise SlotError(f"{path} is too short to be a weight slot")
         magic, state, _, version, offset, size, manifest = _HEADER.unpack_from(buffer, 0)
@@ -225,7 +225,8 @@ class SlotWriter:
                 if time.monotonic() > deadline:
                     raise SlotError(f"{slot.path} is still being read after "
                                     f"{self.lock_timeout_s} s (a rollout worker stuck in a "
-                                    "load?); raise weight_sync.timeout_s or keep_versions")
+                                    "load?); raise weight_sync.timeout_s or keep_versions"
+                                    ) from None
                 time.sleep(0.005)  # readers hold the lock for one load; flock has no timeout
 
 

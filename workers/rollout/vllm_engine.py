@@ -203,7 +203,7 @@ class VllmEngine(SerialControlEngine):
         await self._llm.reset_prefix_cache()
 
     @property
-    def adapters(self) -> "vllm_adapters.VllmAdapters | None":
+    def adapters(self) -> vllm_adapters.VllmAdapters | None:
         """The adapter registry (LoRA engines), for inspection."""
         return self._adapters
 

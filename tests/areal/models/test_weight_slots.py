@@ -44,12 +44,11 @@ def test_versions_round_trip_and_alternate_slots(slots):
     for version in (2, 3):
         with reader.read(paths[version - 1], version) as views:
             _assert_equal(views, _weights(version))
-    with pytest.raises(SlotError, match="holds version 3, not 1"):
-        with reader.read(paths[0], 1):
-            pass
-    with pytest.raises(SlotError, match="does not exist"):
-        with reader.read(writer.directory / "slot-9.bin", 1):
-            pass
+    with pytest.raises(SlotError, match="holds version 3, not 1"), reader.read(paths[0], 1):
+        pass
+    with pytest.raises(SlotError, match="does not exist"), \
+            reader.read(writer.directory / "slot-9.bin", 1):
+        pass
 
 
 def test_a_slot_being_written_is_refused(slots):
@@ -58,9 +57,8 @@ def test_a_slot_being_written_is_refused(slots):
     fd = os.open(path, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # what a writer holds while it writes
-        with pytest.raises(SlotError, match="being overwritten"):
-            with reader.read(path, 1):
-                pass
+        with pytest.raises(SlotError, match="being overwritten"), reader.read(path, 1):
+            pass
     finally:
         os.close(fd)
     with reader.read(path, 1) as views:
@@ -128,9 +126,9 @@ def test_a_writer_killed_mid_publication_leaves_the_previous_version(tmp_path):
         child.join(30)
     reader = SlotReader()
     slot_1, slot_2 = directory / "slot-0.bin", directory / "slot-1.bin"
-    with pytest.raises(SlotError, match=r"being written \(or abandoned mid-write\)"):
-        with reader.read(slot_2, 2):
-            pass
+    with pytest.raises(SlotError, match=r"being written \(or abandoned mid-write\)"), \
+            reader.read(slot_2, 2):
+        pass
     with reader.read(slot_1, 1) as views:
         _assert_equal(views, _weights(1))
     writer = SlotWriter(directory, 2)  # a restarted trainer: reuses the abandoned slot

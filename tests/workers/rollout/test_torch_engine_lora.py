@@ -41,7 +41,7 @@ def trainer_logprobs(model, prompts, outs, temperature):
     seqs = [p + o.token_ids for p, o in zip(prompts, outs, strict=True)]
     cu = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0)
     with torch.no_grad():
-        packed = packed_logprobs(model, torch.tensor(sum(seqs, [])), cu, temperature=temperature)
+        packed = packed_logprobs(model, torch.tensor([t for s in seqs for t in s]), cu, temperature=temperature)
     return torch.cat([packed[s + len(p):s + len(p) + len(o.token_ids)]
                       for s, p, o in zip(cu[:-1].tolist(), prompts, outs, strict=True)])
 

@@ -65,7 +65,7 @@ async def load(engine, source) -> None:
 def trainer_logprobs(model, sequences: list[list[int]]) -> list[float]:
     cu = torch.tensor([0] + [len(s) for s in sequences]).cumsum(0)
     with torch.no_grad():
-        packed = packed_logprobs(model, torch.tensor(sum(sequences, [])), cu)
+        packed = packed_logprobs(model, torch.tensor([t for s in sequences for t in s]), cu)
     return [v for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)
             for v in [0.0] + packed[a + 1:b].tolist()]
 

@@ -102,8 +102,8 @@ def test_checkpoint_holds_adapters_only_and_resumes_bitwise(tmp_path, tiny_model
     load_checkpoint(resumed.model, resumed.optimizer, path)
     for version, batch in enumerate(batches[2:], start=2):
         resumed.step(batch, version)
-    for (name, a), b in zip(original.model.named_parameters(), resumed.model.parameters()):
+    for (name, a), b in zip(original.model.named_parameters(), resumed.model.parameters(), strict=True):
         assert torch.equal(a, b), name
     theirs = [t for s in original.optimizer.state.values() for t in s.values()]
     ours = [t for s in resumed.optimizer.state.values() for t in s.values()]
-    assert len(theirs) == len(ours) > 0 and all(torch.equal(a, b) for a, b in zip(theirs, ours))
+    assert len(theirs) == len(ours) > 0 and all(torch.equal(a, b) for a, b in zip(theirs, ours, strict=True))
