@@ -16,7 +16,7 @@ Every run starts from the same warm-started model (built with seed=1). The LoRA 
 their own learning rate (`LORA`): adapters need a larger one than full fine-tuning for the
 same progress, as LoRA practice says (the trainer updates r(m + n) numbers per layer
 instead of m * n); the full arm keeps the default run's settings. `--quick` runs one seed of
-two arms for 3 steps with small batches (a smoke test: numbers meaningless). Results:
+the lora-torch arm for 3 steps with small batches (a smoke test: numbers meaningless). Results:
 cells.json and table.txt under --out, and (full runs only) the results page
 docs/results/lora_learning.md.
 """
@@ -55,7 +55,7 @@ STEPS = 60
 QUICK = ["trainer.batch_size=16", "task.group_size=4", "eval.max_prompts=16",
          "rollout.max_new_tokens=32", "model.warmstart.steps=40"]
 """--quick: small batches, a short warm start, a small held-out set; a smoke test only."""
-QUICK_ARMS = ["full-torch", "lora-torch"]
+QUICK_ARMS = ["lora-torch"]
 
 
 def _overrides(args: argparse.Namespace, model_dir: Path, arm: str, seed: int) -> list[str]:
@@ -138,7 +138,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=STEPS, help="training steps per run")
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--quick", action="store_true",
-                        help="smoke test: full-torch and lora-torch, 1 seed, 3 small steps")
+                        help="smoke test: lora-torch, 1 seed, 3 small steps")
     parser.add_argument("--resume", action="store_true",
                         help="keep the results already in --out/cells.json, run the rest")
     parser.add_argument("--out", type=Path, default=None,
