@@ -4,8 +4,9 @@
            are several ranks or weight_sync.mode=collective) -> Ready(store="host:port")
     JoinGroup(trainer)  -> init_process_group; PPOTrainer over the group (FSDP2 wraps here)
                         -> GroupStatus(JOINED | FAILED)
-    Train(step, version i, shard) -> PPOTrainer.step -> full weights (rank 0; FSDP: all
-           ranks gather) -> rank 0 publishes i + 1 (disk | stream | collective snapshot)
+    Train(step, version i, shard) -> PPOTrainer.step -> full weights, or with LoRA the
+           adapters (rank 0; FSDP: all ranks gather) -> rank 0 publishes i + 1 through the
+           publisher of weight_sync.mode (disk | stream | collective snapshot | shm slot)
            -> every trainer.checkpoint_every steps: checkpoint (all ranks, DCP)
            -> Trained(version i + 1, reduced stats, weights_path | num_chunks | manifest,
               checkpoint) [-> WeightsChunk x num_chunks]; ranks > 0 send Trained with the
@@ -24,7 +25,8 @@ stuck in a collective with a dead peer cannot keep its process alive after Shutd
 When the controller ends a finished run (Shutdown.final) after at least one step, rank 0
 saves the final policy as a normal Hugging Face directory (`<run_dir>/final_model`) with its
 tokenizer, loadable by transformers or vLLM; written beside it and renamed into place, so a
-`final_model/` is always complete. Never on its own (a lost controller, a failed run).
+`final_model/` is always complete (with LoRA: the merged model, and the adapter in
+`adapter/`). Never on its own (a lost controller, a failed run).
 """
 
 from __future__ import annotations
