@@ -32,7 +32,6 @@ Not here: which version a worker should load (the controller says), engines, tra
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import hashlib
 import json
@@ -274,12 +273,9 @@ class SlotReader:
             slot.close()
             slot = None
         if slot is None:
-            try:
-                fd, buffer = _map(path, size, writable=False)
-            except OSError as err:
-                if err.errno == errno.EINVAL and size == 0:
-                    raise SlotError(f"weight slot {path} is empty") from None
-                raise
+            if size < _HEADER_BYTES:  # created, not sized yet: no version is in it
+                raise SlotError(f"weight slot {path} holds no version yet")
+            fd, buffer = _map(path, size, writable=False)
             slot = self._slots[path] = _Slot(path, fd, buffer)
         return slot
 

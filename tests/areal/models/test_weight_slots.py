@@ -49,6 +49,14 @@ def test_versions_round_trip_and_alternate_slots(slots):
     with pytest.raises(SlotError, match="does not exist"), \
             reader.read(writer.directory / "slot-9.bin", 1):
         pass
+    (writer.directory / "empty.bin").touch()  # a writer's file not sized yet
+    with pytest.raises(SlotError, match="holds no version yet"), \
+            reader.read(writer.directory / "empty.bin", 1):
+        pass
+    (writer.directory / "other.bin").write_bytes(b"x" * 100)
+    with pytest.raises(SlotError, match="is not a weight slot"), \
+            reader.read(writer.directory / "other.bin", 1):
+        pass
 
 
 def test_a_slot_being_written_is_refused(slots):
