@@ -370,6 +370,46 @@ class AdvantageConfig:
         _non_negative(self.overlong_penalty, f"{key}.overlong_penalty")
 
 
+LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                       "down_proj"]
+"""Every linear layer of a Qwen2/Llama decoder block (attention and MLP), not the embedding
+or the head: what vLLM serves adapters for on these architectures."""
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    """Low-rank adapters (LoRA, with PEFT): the base model stays frozen, only the adapters
+    train and are published (areal.models.lora; docs/guides/lora.md)."""
+
+    rank: int = opt(0, "LoRA rank r; 0: full fine-tuning (no adapters)")
+    alpha: float = opt(16.0, "LoRA scaling numerator: the update is (alpha / rank) * B A")
+    dropout: float = opt(0.0, "dropout on the adapters' input while training (the engines "
+                         "and the proximal recompute run without it)")
+    target_modules: list[str] = opt(LORA_TARGET_MODULES, "names of the linear layers that "
+                                    "get adapters (suffixes of module names, as in PEFT)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    def check(self, key: str) -> None:
+        _non_negative(self.rank, f"{key}.rank")
+        if self.rank > 512:
+            raise ConfigError(f"{key}.rank={self.rank} is above 512, the largest rank vLLM "
+                              "serves")
+        _positive(self.alpha, f"{key}.alpha")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"{key}.dropout={self.dropout!r} must be in [0, 1)")
+        if self.enabled and not self.target_modules:
+            raise ConfigError(f"{key}.target_modules is empty; name the linear layers that get "
+                              f"adapters, e.g. {LORA_TARGET_MODULES}")
+        bad = [m for m in self.target_modules if m in ("lm_head", "embed_tokens")]
+        if bad:
+            raise ConfigError(f"{key}.target_modules: {bad[0]!r} is not supported (adapters on "
+                              "the embedding or the head are not published); give linear "
+                              "layers of the decoder blocks")
+
+
 @dataclass(kw_only=True)
 class TrainerConfig:
     total_steps: int = opt(60, "training steps (policy versions) in the run")
@@ -404,6 +444,7 @@ class TrainerConfig:
                                 "so that the one the controller last heard of is never gone)")
     ppo: PPOConfig = opt(PPOConfig(), "decoupled PPO objective")
     advantage: AdvantageConfig = opt(AdvantageConfig(), "advantage estimator")
+    lora: LoraConfig = opt(LoraConfig(), "low-rank adapters (rank 0: full fine-tuning)")
 
     def check(self, key: str) -> None:
         _positive(self.total_steps, f"{key}.total_steps")
@@ -432,6 +473,7 @@ class TrainerConfig:
             raise ConfigError(f"{key}.store_port={self.store_port!r} must be in [0, 65535]")
         self.ppo.check(f"{key}.ppo")
         self.advantage.check(f"{key}.advantage")
+        self.lora.check(f"{key}.lora")
 
 
 @dataclass(kw_only=True)
@@ -473,10 +515,15 @@ class StalenessConfig:
 @dataclass(kw_only=True)
 class WeightSyncConfig:
     mode: str = opt("disk", "how new weights reach rollout workers: safetensors on a shared "
-                    "'disk', 'stream' over ZeroMQ, or a 'collective' broadcast group",
-                    ["disk", "stream", "collective"])
+                    "'disk', 'stream' over ZeroMQ, a 'collective' broadcast group, or 'shm': "
+                    "slots in shared memory that trainer rank 0 and the rollout workers of "
+                    "one host map (no copy on the reading side; one host only)",
+                    ["disk", "stream", "collective", "shm"])
     bucket_mb: int = opt(64, "tensor bucket size for stream/collective (MiB)")
-    keep_versions: int = opt(2, "weight versions kept on disk (disk mode)")
+    keep_versions: int = opt(2, "weight versions kept: directories on disk (disk mode), "
+                             "slots in shared memory (shm mode)")
+    shm_dir: str = opt("/dev/shm", "shm mode: the shared-memory file system holding the "
+                       "slots (a tmpfs; they take keep_versions x the weights' size in RAM)")
     backend: str = opt("auto", "collective mode: process-group backend of trainer rank 0 and "
                        "the rollout workers; auto: nccl when both sides use GPUs, else gloo",
                        ["auto", "gloo", "nccl"])
@@ -486,6 +533,10 @@ class WeightSyncConfig:
     def check(self, key: str) -> None:
         _positive(self.bucket_mb, f"{key}.bucket_mb")
         _positive(self.keep_versions, f"{key}.keep_versions")
+        if self.mode == "shm" and self.keep_versions < 2:
+            raise ConfigError(f"{key}.keep_versions={self.keep_versions} with {key}.mode='shm' "
+                              "must be >= 2: a version is written into another slot than the "
+                              "one being served, so that a crash mid-write leaves it loadable")
         _positive(self.timeout_s, f"{key}.timeout_s")
 
 
@@ -711,6 +762,8 @@ class RunConfig:
                 f"agent.function={self.agent.function!r} and episode.environment="
                 f"{self.episode.environment!r} are both set: an agent talks to its own tools "
                 "through the endpoint; set episode.environment=null")
+        if self.weight_sync.mode == "shm":
+            self._check_shm()
         if self.trainer.batch_size % self.task.group_size:
             raise ConfigError(
                 f"trainer.batch_size={self.trainer.batch_size} is not a multiple of "
@@ -735,6 +788,19 @@ class RunConfig:
                         f"{key}.devices: {device!r} with launcher=ray; a worker sees only the "
                         f"GPUs Ray gave it (ray.{key}.num_gpus), the first as cuda:0: use "
                         "cuda:0 or cpu, or leave it empty (filled from the resources)")
+
+    def _check_shm(self) -> None:
+        remote = [k for k in self.controller.remote_kinds if k in ("rollout", "trainer")]
+        if remote:
+            raise ConfigError(
+                f"weight_sync.mode='shm' shares memory on one host, but "
+                f"controller.remote_kinds={self.controller.remote_kinds} has {remote[0]} "
+                "workers join from elsewhere; use 'disk', 'stream' or 'collective'")
+        if self.launcher != "local":
+            raise ConfigError(
+                f"weight_sync.mode='shm' shares memory on one host, but launcher="
+                f"{self.launcher!r} may place workers on other nodes; use 'disk', 'stream' "
+                "or 'collective'")
 
     @property
     def eta(self) -> int:

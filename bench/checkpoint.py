@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from weight_sync import MODELS
 
 from areal.config import load_config
+from areal.models.weights import save_tensors
 from areal.workers.trainer.checkpoint import load_checkpoint, save_checkpoint
 from areal.workers.trainer.publish import publish_to_disk
 
@@ -78,7 +79,8 @@ def measure(name: str, repeats: int, root: Path) -> dict[str, float]:
     step = iter(range(1, 1000))
 
     def save():
-        save_checkpoint(model, optimizer, root, next(step), 0, keep=2, weights=named)
+        save_checkpoint(model, optimizer, root, next(step), 0, keep=2,
+                        write_weights=lambda d: save_tensors(d, named))
 
     row = {
         "params": params, "gb": nbytes / 1e9,

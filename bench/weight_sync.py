@@ -18,6 +18,13 @@ mode). Sender and receiver are separate processes on this machine:
 - stream+curve the same over CurveZMQ (encrypted), as with remote workers.
 - collective:  trainer: collective_snapshot (flat CPU buckets) -> gloo broadcast in a
                weights group of 2 (trainer rank 0 + one rollout worker) -> unflattened views.
+- shm:         trainer: ShmPublisher (one copy into a shared-memory slot it has mapped since
+               its first publication) -> the slot's path -> receiver: SlotReader views of the
+               mapped slot under its lock (no copy). Steady state: the third version, after
+               both slots were written once and mapped by both sides, as in a run's every
+               later step.
+- shm-first:   the same, the very first publication: the slots' memory is allocated and
+               mapped then (once per run), and the receiver maps the slot.
 
 Every mode runs `--repeats` times; the best time is reported (the machine is shared).
 """
@@ -35,25 +42,48 @@ import time
 import torch
 import torch.multiprocessing as mp
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from results_page import publish, write_results
+
 MODELS = {  # name: (hidden, layers, intermediate, vocab, heads, kv heads)
     "10M": (256, 6, 1024, 16384, 4, 2),
     "100M": (768, 10, 2560, 32000, 12, 4),
     "500M": (1280, 22, 4480, 32000, 20, 4),
 }
-MODES = ("disk", "stream", "stream+curve", "collective")
+MODES = ("disk", "stream", "stream+curve", "collective", "shm", "shm-first")
+SHM_VERSIONS = 3
+"""shm: versions published per measurement; the last is timed (the first for shm-first)."""
 
 
-def build_tensors(name: str, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+def build_model(name: str, dtype: torch.dtype) -> torch.nn.Module:
+    """The Qwen2 model of size `name` (a key of MODELS), randomly initialised."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from areal.models.weights import named_tensors
 
     hidden, layers, inter, vocab, heads, kv = MODELS[name]
     config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
                          num_hidden_layers=layers, num_attention_heads=heads,
                          num_key_value_heads=kv, tie_word_embeddings=True)
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(dtype)
+    return Qwen2ForCausalLM(config).to(dtype)
+
+
+def lora_rank(name: str) -> int:
+    """'500M+lora16' -> 16 (the adapters of that model are published); '500M' -> 0."""
+    return int(name.partition("+lora")[2] or 0)
+
+
+def build_tensors(name: str, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+    """What the trainer publishes for `name`: the model's weights, or for '<size>+lora<r>'
+    its LoRA adapters of rank r (areal.models.lora, the default target modules)."""
+    from areal.config import LoraConfig
+    from areal.models.lora import add_adapters, adapter_tensors
+    from areal.models.weights import named_tensors
+
+    model = build_model(name.partition("+lora")[0], dtype)
+    rank = lora_rank(name)
+    if rank:
+        model = add_adapters(model, LoraConfig(rank=rank), seed=0)
+        return [(n, t.contiguous()) for n, t in adapter_tensors(model)]
     return [(n, t.contiguous()) for n, t in named_tensors(model)]
 
 
@@ -63,11 +93,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _config(run_dir: str):
+def _config(run_dir: str, mode: str = "disk", model: str = ""):
     from areal.config import load_config
 
+    shm = mode.startswith("shm")
     return load_config(overrides=[f"run_dir={run_dir}", "weight_sync.bucket_mb=64",
-                                  "weight_sync.keep_versions=1"])
+                                  f"weight_sync.keep_versions={2 if shm else 1}",
+                                  f"weight_sync.mode={'shm' if shm else 'disk'}",
+                                  f"trainer.lora.rank={lora_rank(model)}"])
 
 
 # -- the trainer side (one process per measurement) -----------------------------------------------
@@ -77,7 +110,7 @@ def _sender(_: int, mode: str, model: str, dtype: str, run_dir: str, address: st
             keys: str, start_queue) -> None:
     torch.set_num_threads(1)
     tensors = build_tensors(model, getattr(torch, dtype))
-    cfg = _config(run_dir)
+    cfg = _config(run_dir, mode, model)
     if mode == "disk":
         from areal.workers.trainer.publish import publish_to_disk
 
@@ -121,7 +154,38 @@ async def _stream_send(tensors, cfg, address: str, keys: str, start_queue) -> No
     ctx.term()
 
 
+def _shm_sender(_: int, mode: str, model: str, dtype: str, run_dir: str, to_receiver, acks,
+                start_queue) -> None:
+    from areal.workers.trainer.publish import ShmPublisher
+
+    torch.set_num_threads(1)
+    tensors = build_tensors(model, getattr(torch, dtype))
+    publisher = ShmPublisher(_config(run_dir, "shm", model))
+    timed = 1 if mode == "shm-first" else SHM_VERSIONS
+    for version in range(1, timed + 1):
+        if version == timed:
+            start_queue.put(time.time())
+        to_receiver.put((publisher.publish(tensors, version).weights_path, version))
+        acks.get()  # the receiver has read it
+    publisher.close(finished=True)
+
+
 # -- the rollout side -----------------------------------------------------------------------------
+
+
+def _shm_receiver(_: int, num_versions: int, to_receiver, acks, done_queue) -> None:
+    from areal.models.weight_slots import SlotReader
+
+    torch.set_num_threads(1)
+    reader = SlotReader()
+    for _ in range(num_versions):
+        path, version = to_receiver.get()
+        with reader.read(path, version) as views:  # the whole weight set, in place
+            end = time.time()
+            num_bytes = sum(t.numel() * t.element_size() for _, t in views)
+        acks.put(None)
+    done_queue.put((end, num_bytes))
+    reader.close()
 
 
 def _receiver(_: int, mode: str, address: str, keys: str, info_queue, done_queue) -> None:
@@ -204,8 +268,29 @@ async def _relay(port: int, keys: str, ready) -> None:
     ctx.term()
 
 
+def measure_shm(mode: str, model: str, dtype: str) -> tuple[float, int]:
+    """(seconds, bytes) of the timed publication of a shm measurement (see the docstring)."""
+    ctx = mp.get_context("spawn")
+    run_dir = tempfile.mkdtemp(prefix="areal-bench-")
+    to_receiver, acks, done_queue, start_queue = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
+    num_versions = 1 if mode == "shm-first" else SHM_VERSIONS
+    receiver = ctx.Process(target=_shm_receiver, args=(0, num_versions, to_receiver, acks,
+                                                       done_queue))
+    sender = ctx.Process(target=_shm_sender, args=(0, mode, model, dtype, run_dir, to_receiver,
+                                                   acks, start_queue))
+    receiver.start()
+    sender.start()
+    start = start_queue.get()
+    end, num_bytes = done_queue.get()
+    for proc in (sender, receiver):
+        proc.join()
+    return end - start, num_bytes
+
+
 def measure(mode: str, model: str, dtype: str, keys: str) -> tuple[float, int]:
     """(seconds, bytes) of one publication in `mode`."""
+    if mode.startswith("shm"):
+        return measure_shm(mode, model, dtype)
     ctx = mp.get_context("spawn")
     run_dir = tempfile.mkdtemp(prefix="areal-bench-")
     port = _free_port()
@@ -263,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = args.modes.split(",")
     header = f"{'model':>6} {'params':>8} {'MB':>7} {'memcpy':>8} " + " ".join(
         f"{m:>20}" for m in modes)
-    rows = []
+    rows, data = [], []
     for size in args.sizes.split(","):
         params = sum(t.numel() for _, t in build_tensors(size, getattr(torch, args.dtype)))
         results, num_bytes = {}, 0
@@ -278,12 +363,34 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(f"{size:>6} {params / 1e6:>7.1f}M {num_bytes / 2**20:>7.0f} {copy:>7.3f}s "
                     + " ".join(f"{results[m]:>10.3f}s ({results[m] / copy:>5.1f}x)"
                                for m in modes))
-    print(f"seconds to publish one weight version ({args.dtype}, sender and receiver "
-          f"processes on one machine, {os.cpu_count()} CPUs; best of {args.repeats}; in "
-          "parentheses: time / memcpy of the same bytes)")
-    print(header)
-    print("\n".join(rows))
+        data.append({"model": size, "params": params, "bytes": num_bytes, "memcpy_s": copy,
+                     "seconds": results, "ratio_to_memcpy": {m: results[m] / copy
+                                                             for m in modes}})
+    title = (f"seconds to publish one weight version ({args.dtype}, sender and receiver "
+             f"processes on one machine, {os.cpu_count()} CPUs; best of {args.repeats}; in "
+             "parentheses: time / memcpy of the same bytes)")
+    table = "\n".join([title, header, *rows])
+    print(table)
+    defaults = parser.parse_args([])
+    full = (args.sizes, args.modes) == (defaults.sizes, defaults.modes)
+    if publish(quick=not full):
+        page = write_results("weight_sync", title="Weight publication per weight_sync mode",
+                             command="python " + " ".join(sys.argv), table=table,
+                             data={"dtype": args.dtype, "repeats": args.repeats, "rows": data},
+                             notes=NOTES)
+        print(f"results page: {page}")
     return 0
+
+
+NOTES = """\
+Each cell is the time from the trainer holding a new version to a rollout-worker process
+holding all of it (loading into an engine is not included: the same for every mode), with
+the ratio to one memory copy of the same bytes on this machine. `shm` is the steady state
+(every version after the first two: both slots allocated and mapped on both sides);
+`shm-first` is the first publication of a run, which allocates the slots. The receiver
+of `shm` holds views of the mapped slot (zero copy); the engine's own copy into its
+parameters comes after, as for every mode.
+"""
 
 
 if __name__ == "__main__":

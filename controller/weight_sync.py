@@ -10,6 +10,9 @@ controller branches on the mode:
                 for workers that join later or failed to load them
     collective  trainer rank 0 broadcasts them in a torch.distributed group with the
                 rollout workers (weights_group.py)
+    shm         trainer rank 0 writes them into shared-memory slots on this host
+                (areal.models.weight_slots); UpdateWeights names the slot file; a joining
+                worker, or one whose load failed, is sent the newest version's slot
 
 Every mode owns the policy version in force (`version`: the newest the trainer published),
 where its weights are (`latest`), and the workers whose last load failed (`retries`,
@@ -230,6 +233,28 @@ class StreamSync(WeightSync):
             out.send(handle.identity, chunk)
 
 
+class ShmSync(WeightSync):
+    """Shared-memory slots on one host, written in turn: only the newest versions' slots
+    hold them (weight_sync.keep_versions), so joining and retrying workers get the newest.
+    Until a resumed run publishes, the checkpoint's directory (as every mode)."""
+
+    mode = "shm"
+
+    def welcome(self, handle: WorkerHandle) -> tuple[int, str | None]:
+        if handle.kind is WorkerKind.TRAINER or self._from_disk() or self.latest is None:
+            return super().welcome(handle)
+        return self.version, self.latest
+
+    def _resend(self, handle: WorkerHandle, failed: int, out: Outbox) -> bool:
+        if self._from_disk():
+            return super()._resend(handle, failed, out)
+        if self.version <= handle.version or self.latest is None:
+            return False
+        out.send(handle.identity, UpdateWeights(version=self.version, mode=self.mode,
+                                                path=self.latest, interrupt=self.interrupt))
+        return True
+
+
 def make_weight_sync(cfg: RunConfig, run_dir: Path, pool: WorkerPool,
                      record_event: Callable[..., None], store: Callable[[], str]
                      ) -> WeightSync:
@@ -238,7 +263,7 @@ def make_weight_sync(cfg: RunConfig, run_dir: Path, pool: WorkerPool,
     from areal.controller.weights_group import CollectiveSync
 
     modes: dict[str, Any] = {"disk": DiskSync, "stream": StreamSync,
-                             "collective": CollectiveSync}
+                             "collective": CollectiveSync, "shm": ShmSync}
     sync = modes[cfg.weight_sync.mode]
     if sync is CollectiveSync:
         return CollectiveSync(cfg, run_dir, pool, record_event, store)

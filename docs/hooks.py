@@ -41,6 +41,9 @@ PAGES = [
     ("weight_sync", "Weight publication", "python bench/weight_sync.py"),
     ("agent_endpoint", "Agent endpoint against the in-process episode loop",
      "python bench/agent_endpoint.py"),
+    ("lora", "LoRA against full fine-tuning: publication and trainer", "python bench/lora.py"),
+    ("lora_learning", "LoRA vs full fine-tuning on the default task",
+     "python bench/lora_learning.py"),
 ]
 """(page name, what it shows, the command that writes it)."""
 

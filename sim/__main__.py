@@ -39,7 +39,8 @@ def report(result: SimResult) -> str:
     return "\n".join([
         f"{cfg['num_accelerators']} x {cfg['accelerator']}, model {cfg['model']}, "
         f"{cfg['mode']} ({place}), eta={cfg['eta']}, interrupt={cfg['interrupt']}, "
-        f"batch {cfg['num_prompts']} x {cfg['group_size']}, max {cfg['max_new_tokens']} tokens",
+        f"batch {cfg['num_prompts']} x {cfg['group_size']}, max {cfg['max_new_tokens']} tokens"
+        + (f", LoRA rank {cfg['lora_rank']}" if cfg.get("lora_rank") else ""),
         f"  step time          {result.step_s:10.1f} s (simulated, steps "
         f"{cfg['measure_from'] + 1}-{cfg['steps']})",
         f"  {cfg['report_steps']} steps         {result.hours:10.2f} h",

@@ -51,6 +51,9 @@ class SimConfig:
     num_minibatches: int = opt(4, "PPO minibatches (optimiser steps) per training step")
     prox_logp: str = opt("recompute", "proximal log-probs: a forward pass, or loglinear (none)",
                          ["recompute", "loglinear"])
+    lora_rank: int = opt(0, "LoRA rank of the trained adapters (trainer.lora.rank): a version "
+                         "is the adapters alone and training skips the base's weight "
+                         "gradients (the cost file's `lora` entry); 0: full fine-tuning")
     max_concurrent_prompts: int = opt(512, "prompts in flight over all rollout servers at once "
                                       "(AReaL max_concurrent_rollouts)")
     steps: int = opt(8, "training steps to simulate")
@@ -71,6 +74,8 @@ class SimConfig:
                               "temporary directory")
 
     def check(self) -> None:
+        if self.lora_rank < 0:
+            raise ConfigError(f"lora_rank={self.lora_rank!r} must be >= 0 (0: full fine-tuning)")
         for name in ("num_accelerators", "rollout_tp", "num_prompts", "group_size",
                      "max_new_tokens", "num_minibatches", "max_concurrent_prompts", "steps",
                      "report_steps", "eval_prompts"):

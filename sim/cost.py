@@ -35,6 +35,13 @@ Formulas (P_m = parameters in matrix products, L layers, h hidden width, bf16 = 
     weights: moving them costs bytes / (link bandwidth * link efficiency); a rollout server
         taking a new version also pays `weight_update_overhead_s` (0 on GPUs; the CPU
         engine restarts its session, measured)
+    LoRA of rank r (`lora_rank`, trainer.lora; the `lora` entry of costs.yaml): a version
+        is the adapters alone, P_a = r * sum(in + out) over the adapted projections of every
+        layer (bf16), so publishing, loading and the gradient all-reduce move P_a * 2 bytes;
+        training skips the frozen base's weight gradients, the `backward_weight_grad_share`
+        of the backward pass: passes = 1 + 2 * (1 - share) + r_prox (+ the adapters' own
+        6 * P_a FLOPs per token); decoding and prefill apply the adapters unmerged
+        (+ 2 * P_a FLOPs per token; the adapter kernels' own overhead is not modelled)
 
 Not modelled (said so where it matters): kernel-level effects beyond the roofline, the
 optimiser step, checkpoints, pipeline bubbles, stragglers, network contention between jobs.
@@ -110,6 +117,18 @@ class ModelShape:
     def kv_bytes_per_token(self) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * BF16_BYTES
 
+    def adapter_params(self, rank: int, targets: Sequence[str]) -> int:
+        """LoRA parameters at `rank` on the named projections of every layer (A: r x in,
+        B: out x r per projection)."""
+        h, kv, inter = self.hidden, self.kv_heads * self.head_dim, self.intermediate
+        shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+                  "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+        unknown = [t for t in targets if t not in shapes]
+        if unknown:
+            raise ValueError(f"lora target {unknown[0]!r} is not a projection of the cost "
+                             f"model's layer ({', '.join(shapes)})")
+        return self.layers * sum(rank * sum(shapes[t]) for t in targets)
+
     def forward_flops(self, num_tokens: float, sum_sq_lengths: float) -> float:
         """FLOPs of a causal forward pass over sequences holding `num_tokens` in all, the
         sum of whose squared lengths is `sum_sq_lengths`."""
@@ -156,16 +175,36 @@ class Efficiency:
     (the CPU machine, where every process shares the cores); 1 on separate accelerators."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class Lora:
+    """LoRA training (the cost file's `lora` entry, with the run's rank)."""
+
+    rank: int
+    target_modules: tuple[str, ...]
+    backward_weight_grad_share: float
+    """Fraction of the backward pass that computes weight gradients (skipped for the frozen
+    base)."""
+
+
 class CostModel:
     """Durations of generation, training and weight movement for one cluster and model."""
 
     def __init__(self, accelerator: Accelerator, model: ModelShape, efficiency: Efficiency,
-                 mem_fraction: float) -> None:
+                 mem_fraction: float, lora: Lora | None = None) -> None:
         self.acc = accelerator
         self.model = model
         self.eff = efficiency
         self.mem_fraction = mem_fraction
         """Fraction of device memory an inference engine takes (weights + KV cache)."""
+        self.lora = lora
+        self.adapter_params = model.adapter_params(lora.rank, lora.target_modules) \
+            if lora else 0
+        """LoRA parameters (0: full fine-tuning)."""
+
+    @property
+    def published_bytes(self) -> int:
+        """Bytes of one published version: the weights, or with LoRA the adapters."""
+        return self.adapter_params * BF16_BYTES if self.lora else self.model.weight_bytes
 
     # -- generation -----------------------------------------------------------------------------
 
@@ -192,7 +231,7 @@ class CostModel:
             fixed += 2 * m.layers * 2 * (tp - 1) / tp * size / (acc.intra_node_bandwidth
                                                                  * eff.link)
         attended = batch if eff.decode_pack_attention else 1  # queries per context token
-        return (fixed, 2 * m.matmul_params * batch / flops_rate,
+        return (fixed, 2 * (m.matmul_params + self.adapter_params) * batch / flops_rate,
                 4 * m.layers * m.hidden * attended / flops_rate,
                 m.weight_bytes / tp / bytes_rate, m.kv_bytes_per_token / tp / bytes_rate)
 
@@ -228,7 +267,7 @@ class CostModel:
         if len(lengths) == 0:
             return 0.0
         tokens, sum_sq = _moments(lengths)
-        flops = self.model.forward_flops(tokens, sum_sq)
+        flops = self.model.forward_flops(tokens, sum_sq) + 2 * self.adapter_params * tokens
         compute = flops / (tp * self.acc.peak_flops * self.eff.mfu)
         memory = self.model.weight_bytes / tp / (self.acc.hbm_bandwidth * self.eff.hbm)
         return max(compute, memory) + self.eff.step_overhead_s \
@@ -236,7 +275,7 @@ class CostModel:
 
     def weight_load_s(self, tp: int) -> float:
         """A rollout server receiving a new weight version (its shard) over the network."""
-        return self.model.weight_bytes / tp / (self.acc.inter_node_bandwidth * self.eff.link) \
+        return self.published_bytes / tp / (self.acc.inter_node_bandwidth * self.eff.link) \
             + self.eff.weight_update_overhead_s
 
     # -- training -------------------------------------------------------------------------------
@@ -250,11 +289,13 @@ class CostModel:
             packs = num_minibatches * max(1, math.ceil(tokens / num_minibatches
                                                        / micro_batch_tokens))
             sum_sq = 2 * packs * (tokens / packs) ** 2
-        passes = 3 + (1 if recompute_prox else 0)  # forward + backward (2x) + proximal pass
-        compute = passes * self.model.forward_flops(tokens, sum_sq) \
-            / (self.acc.peak_flops * self.train_mfu)
+        backward = 2.0 if self.lora is None else 2 * (1 - self.lora.backward_weight_grad_share)
+        passes = 1 + backward + (1 if recompute_prox else 0)  # + the proximal forward pass
+        flops = passes * self.model.forward_flops(tokens, sum_sq) \
+            + (3 + (1 if recompute_prox else 0)) * 2 * self.adapter_params * tokens
+        compute = flops / (self.acc.peak_flops * self.train_mfu)
         return compute + self.eff.train_step_overhead_s \
-            + num_minibatches * self.allreduce_s(self.model.weight_bytes, num_ranks)
+            + num_minibatches * self.allreduce_s(self.published_bytes, num_ranks)
 
     @property
     def train_mfu(self) -> float:
@@ -273,7 +314,7 @@ class CostModel:
         """Trainer rank 0 handing a new version to the rollout servers: over the network
         (separate devices), or resharded within each node (colocated, as verl does)."""
         bandwidth = self.acc.intra_node_bandwidth if colocated else self.acc.inter_node_bandwidth
-        return self.model.weight_bytes / (bandwidth * self.eff.link)
+        return self.published_bytes / (bandwidth * self.eff.link)
 
 
 def _moments(lengths: Sequence[int] | np.ndarray) -> tuple[float, float]:
@@ -342,10 +383,24 @@ def efficiency(costs: dict[str, Any], accelerator_name: str) -> Efficiency:
     return Efficiency(**_values(costs["efficiency"], "efficiency"))
 
 
-def cost_model(costs: dict[str, Any], accelerator_name: str, model_name: str) -> CostModel:
+def cost_model(costs: dict[str, Any], accelerator_name: str, model_name: str,
+               lora_rank: int = 0) -> CostModel:
     values = _values(_entry(costs, "models", model_name), f"models.{model_name}")
     return CostModel(accelerator(costs, accelerator_name), model_shape(costs, model_name),
-                     efficiency(costs, accelerator_name), float(values["mem_fraction"]))
+                     efficiency(costs, accelerator_name), float(values["mem_fraction"]),
+                     lora_costs(costs, lora_rank))
+
+
+def lora_costs(costs: dict[str, Any], rank: int) -> Lora | None:
+    """The cost file's `lora` entry at `rank`; None for rank 0 (full fine-tuning)."""
+    if rank <= 0:
+        return None
+    if "lora" not in costs:
+        raise ValueError("lora_rank > 0 needs a `lora` entry in the cost file (see "
+                         f"{COSTS_FILE})")
+    values = _values(costs["lora"], "lora")
+    return Lora(rank=rank, target_modules=tuple(values["target_modules"]),
+                backward_weight_grad_share=float(values["backward_weight_grad_share"]))
 
 
 def _entry(costs: dict[str, Any], section: str, name: str) -> dict[str, Any]:

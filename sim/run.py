@@ -177,7 +177,7 @@ def simulate(sim: SimConfig, console: io.TextIOBase | None = None,
     `workload`: the lengths to generate (default: the cost file's distribution; a real
     run's lengths replayed: areal.sim.replay)."""
     costs = load_costs(sim.costs)
-    cost = cost_model(costs, sim.accelerator, sim.model)
+    cost = cost_model(costs, sim.accelerator, sim.model, sim.lora_rank)
     workload = workload or Workload.from_costs(costs, sim.seed)
     reference_us = reference_decode_us() if sim.wire else None
     wall = time.perf_counter()

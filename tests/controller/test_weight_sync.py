@@ -133,13 +133,33 @@ def test_collective_mode_reforms_its_group_only_when_members_change_or_fail(tmp_
     assert weights.candidates(joining=handle)[-1] is handle
 
 
+def test_shm_mode_announces_slots_and_sends_the_newest_to_joining_and_failing_workers(
+        tmp_path):
+    run = _decisions(tmp_path, "shm")
+    worker = run.join(WorkerKind.ROLLOUT)
+    slots = [str(tmp_path / "shm" / f"slot-{i}.bin") for i in range(2)]
+    (update,) = _publish(run, 1, weights_path=slots[1]).sent(UpdateWeights)
+    assert (update.mode, update.version, update.path) == ("shm", 1, slots[1])
+    run.on(worker.identity, WeightsUpdated(version=1))
+    _publish(run, 2, weights_path=slots[0])
+    (welcome,) = run.on(b"late", _register(WorkerKind.ROLLOUT, "rollout-1")).sent(Welcome)
+    assert (welcome.version, welcome.weights_path) == (2, slots[0])
+    trainer_welcome = run.on(b"t", _register(WorkerKind.TRAINER, "trainer-0")).sent(Welcome)[0]
+    assert trainer_welcome.weights_path is None
+    run.on(worker.identity, WeightsUpdated(version=2, error="slot being overwritten"))
+    out = Outbox()
+    assert run.core.weights.retry(out) == []
+    (again,) = out.sent(UpdateWeights)  # the newest version's slot, not an older one
+    assert (again.mode, again.version, again.path) == ("shm", 2, slots[0])
+
+
 def test_a_chunk_is_refused_outside_stream_mode(tmp_path):
     run = _decisions(tmp_path, "disk")
     assert run.core.weights.on_chunk(WeightsChunk(version=1, index=0, num_chunks=1, names=[],
                                                   tensors=[]), Outbox())
 
 
-@pytest.mark.parametrize("mode", ["disk", "stream", "collective"])
+@pytest.mark.parametrize("mode", ["disk", "stream", "collective", "shm"])
 def test_after_a_resume_every_mode_serves_the_checkpoint_until_a_new_version(tmp_path, mode):
     run = _decisions(tmp_path, mode)
     checkpoint = tmp_path / "checkpoints" / "step_3" / "weights"
@@ -148,9 +168,10 @@ def test_after_a_resume_every_mode_serves_the_checkpoint_until_a_new_version(tmp
     run.core.weights.restore(3, str(checkpoint))
     (welcome,) = run.on(b"r", _register(WorkerKind.ROLLOUT, "rollout-0")).sent(Welcome)
     assert (welcome.version, welcome.weights_path) == (3, str(checkpoint))
-    _publish(run, 4, weights_path=_version_dir(tmp_path, 4) if mode == "disk" else None)
+    path = {"disk": _version_dir(tmp_path, 4), "shm": str(tmp_path / "slot-0.bin")}.get(mode)
+    _publish(run, 4, weights_path=path)
     (welcome,) = run.on(b"r2", _register(WorkerKind.ROLLOUT, "rollout-1")).sent(Welcome)
-    assert welcome.version == 4 and (welcome.weights_path is not None) == (mode == "disk")
+    assert welcome.version == 4 and welcome.weights_path == path
 
 
 def _register(kind: WorkerKind, worker_id: str) -> Register:

@@ -115,3 +115,26 @@ def test_every_number_in_the_cost_file_has_a_source(tmp_path):
 def test_a_missing_cost_file_is_named(tmp_path):
     with pytest.raises(ValueError, match="nope.yaml' does not exist; costs= takes"):
         load_costs(tmp_path / "nope.yaml")
+
+
+def test_lora_publishes_the_adapters_and_skips_the_base_weight_gradients():
+    full = cost_model(COSTS, "h800", "7b")
+    lora = cost_model(COSTS, "h800", "7b", lora_rank=64)
+    m = lora.model
+    h, kv, inter = m.hidden, m.kv_heads * m.head_dim, m.intermediate
+    per_layer = 64 * ((h + h) + 2 * (h + kv) + (h + h) + 2 * (h + inter) + (inter + h))
+    assert lora.adapter_params == m.layers * per_layer  # 7B, rank 64: ~161M
+    assert lora.published_bytes == lora.adapter_params * 2
+    ratio = lora.published_bytes / full.published_bytes
+    assert lora.publish_s(False) / full.publish_s(False) == pytest.approx(ratio)
+    assert lora.weight_load_s(1) / full.weight_load_s(1) == pytest.approx(ratio)
+    # One rank, no proximal pass: (1 + 2 * (1 - 0.5)) / 3 of the base FLOPs, plus the
+    # adapters' own 6 * P_a per token.
+    lengths = [1000] * 8
+    base = full.model.forward_flops(8000, 8 * 1000 ** 2)
+    expected = (2 * base + 3 * 2 * lora.adapter_params * 8000) / (3 * base)
+    assert lora.train_s(lengths, 1, 1, False) / full.train_s(lengths, 1, 1, False) \
+        == pytest.approx(expected)
+    assert cost_model(COSTS, "h800", "7b", lora_rank=0).lora is None
+    with pytest.raises(ValueError, match="needs a `lora` entry"):
+        cost_model({k: v for k, v in COSTS.items() if k != "lora"}, "h800", "7b", lora_rank=8)

@@ -51,6 +51,7 @@ import torch
 from areal.messages import FinishReason
 
 __all__ = [
+    "AdapterWeights",
     "DiskWeights",
     "Engine",
     "EngineDeadError",
@@ -60,6 +61,7 @@ __all__ = [
     "FinishReason",
     "SamplingParams",
     "SerialControlEngine",
+    "SlotWeights",
     "TensorWeights",
     "WeightSource",
     "check_request",
@@ -132,7 +134,31 @@ class TensorWeights:
     tensors: Mapping[str, torch.Tensor]
 
 
-WeightSource = DiskWeights | TensorWeights
+@dataclass(frozen=True)
+class SlotWeights:
+    """A full weight set in a shared-memory slot (weight_sync.mode=shm), read in place
+    under the slot's lock (areal.models.weight_slots)."""
+
+    path: str
+    version: int
+
+
+@dataclass(frozen=True)
+class AdapterWeights:
+    """A LoRA adapter for the engine's base model, under PEFT's names (areal.models.lora):
+    a PEFT directory (`path`) or tensors in memory. `version` names it: an engine that
+    keeps several adapters registered (vLLM) serves each version under its own name."""
+
+    version: int
+    path: str | Path | None = None
+    tensors: Mapping[str, torch.Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.path is None) == (self.tensors is None):
+            raise ValueError("AdapterWeights takes a directory or tensors, exactly one")
+
+
+WeightSource = DiskWeights | TensorWeights | SlotWeights | AdapterWeights
 
 
 class EngineState(str, enum.Enum):
@@ -185,10 +211,12 @@ class Engine(ABC):
 
     @abstractmethod
     async def update_weights(self, source: WeightSource) -> None:
-        """Load a full weight set in place and drop every cache (paused only).
+        """Load a full weight set in place, or (an engine built with LoRA) serve a new
+        adapter, and drop every cache (paused only).
 
         Names and shapes are checked before anything is copied: on error the old weights
-        stay.
+        stay. An engine built with LoRA takes `AdapterWeights` only (its base is frozen),
+        one without takes full weights only.
         """
 
     @abstractmethod

@@ -13,6 +13,15 @@ is delivered as ABORT. `update_weights()` copies the new tensors into the model 
 while no session exists, and `resume()` starts a new session, i.e. a new cache: KV or
 prefix-cache blocks computed with old weights cannot be reused, by construction.
 
+LoRA (`lora`, from trainer.lora). The model gets the same PEFT adapter layers as the
+trainer's (areal.models.lora) and an update copies the new adapter tensors into them, in
+place, while no session exists. The adapter is *applied*, not merged: every adapted layer
+computes base(x) + (alpha / rank) * B(A(x)), exactly the trainer's forward, so behaviour
+log-probs match the trainer's recomputation as closely as without LoRA; merging would
+round W + (alpha / rank) B A into the base weights (not the trainer's arithmetic), and
+merging and unmerging version after version drifts. The cost is two thin matmuls per
+adapted layer and token. At version 0 (B = 0) the output is the base model's exactly.
+
 Sampling through transformers' per-request logits processors, in this order: temperature,
 top-k, top-p; the log-prob is `log(softmax(processed scores)[token])` in float32, which is
 `processed_logprobs` of engine.py (checked in tests). The processors exist only if the
@@ -57,13 +66,15 @@ from transformers.generation.continuous_batching.cb_logits_processors import (
 )
 from transformers.generation.continuous_batching.continuous_api import BackgroundThreadStatus
 
-from areal.config import RunConfig
+from areal.config import LoraConfig, RunConfig
 from areal.models.hf import load_model
+from areal.models.lora import add_adapters, copy_adapters, load_adapter_dir
+from areal.models.weight_slots import SlotReader
 from areal.models.weights import copy_into_model, load_tensors
 from areal.workers.rollout.engine import (
-    DiskWeights, EngineDeadError, EngineOutput, EngineState, EngineStateError,
-    FinishReason, SamplingParams, SerialControlEngine, TensorWeights, WeightSource,
-    check_request,
+    AdapterWeights, DiskWeights, EngineDeadError, EngineOutput, EngineState,
+    EngineStateError, FinishReason, SamplingParams, SerialControlEngine, SlotWeights,
+    TensorWeights, WeightSource, check_request,
 )
 
 log = logging.getLogger(__name__)
@@ -94,8 +105,10 @@ class TorchEngine(SerialControlEngine):
     def __init__(self, model_path: str | Path, *, dtype: str = "float32", device: str = "cpu",
                  threads: int = 1, max_concurrent: int = 128, seed: int = 0,
                  max_cached_tokens: int | None = None, page_size: int = 64,
-                 max_batch_tokens: int = 512, trust_remote_code: bool = False) -> None:
-        """max_concurrent: sequences decoded in one forward (more wait in the scheduler).
+                 max_batch_tokens: int = 512, trust_remote_code: bool = False,
+                 lora: LoraConfig | None = None) -> None:
+        """lora: serve LoRA adapters of this shape (updates are then AdapterWeights).
+        max_concurrent: sequences decoded in one forward (more wait in the scheduler).
         max_cached_tokens: KV-cache capacity in tokens; None: max_concurrent sequences of
         min(model max length, 512) tokens. page_size: tokens per cache page.
         max_batch_tokens: tokens per forward (prefill is chunked to fit).
@@ -109,6 +122,8 @@ class TorchEngine(SerialControlEngine):
         self._max_concurrent, self._seed = max_concurrent, seed
         self._max_cached_tokens, self._page_size = max_cached_tokens, page_size
         self._max_batch_tokens, self._trust_remote_code = max_batch_tokens, trust_remote_code
+        self._lora = lora if lora is not None and lora.enabled else None
+        self._slots = SlotReader()
         super().__init__()
         self._session: _Session | None = None
         self._num_sessions = 0
@@ -130,7 +145,8 @@ class TorchEngine(SerialControlEngine):
             device = "cpu"
         return cls(cfg.model.path, dtype=cfg.model.dtype, device=device,
                    threads=cfg.rollout.threads, max_concurrent=cfg.rollout.max_concurrent,
-                   seed=cfg.seed * 1000 + index, trust_remote_code=cfg.model.trust_remote_code)
+                   seed=cfg.seed * 1000 + index, trust_remote_code=cfg.model.trust_remote_code,
+                   lora=cfg.trainer.lora)
 
     @property
     def max_seq_len(self) -> int:
@@ -180,6 +196,7 @@ class TorchEngine(SerialControlEngine):
             if self._executor is not None:
                 self._executor.shutdown(wait=True)  # idle: control calls are serialised
             self._model = None
+            self._slots.close()
             gc.unfreeze()  # frozen objects are never freed, not even at interpreter exit
 
     # ---------------------------------------------------------------- requests
@@ -266,6 +283,8 @@ class TorchEngine(SerialControlEngine):
         torch.set_num_threads(self._threads)
         model = load_model(self._model_path, dtype=self._dtype, device=self._device,
                            trust_remote_code=self._trust_remote_code)
+        if self._lora is not None:
+            add_adapters(model, self._lora, seed=0).eval()  # eval: no adapter dropout
         text = model.config.get_text_config()
         self._vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self._max_positions = int(getattr(text, "max_position_embeddings", 1 << 20))
@@ -308,14 +327,29 @@ class TorchEngine(SerialControlEngine):
         manager.destroy()
 
     def _load_weights(self, source: WeightSource) -> None:
-        if isinstance(source, DiskWeights):
-            tensors = load_tensors(source.path)
+        if self._lora is not None or isinstance(source, AdapterWeights):
+            self._load_adapter(source)
+        elif isinstance(source, SlotWeights):
+            with self._slots.read(source.path, source.version) as views:
+                copy_into_model(self._model, views, strict=True)
+        elif isinstance(source, DiskWeights):
+            copy_into_model(self._model, load_tensors(source.path), strict=True)
         elif isinstance(source, TensorWeights):
-            tensors = source.tensors
+            copy_into_model(self._model, source.tensors, strict=True)
         else:
-            raise TypeError(f"weight source {type(source).__name__} is not DiskWeights or "
-                            "TensorWeights")
-        copy_into_model(self._model, tensors, strict=True)
+            raise TypeError(f"weight source {type(source).__name__} is not one of DiskWeights, "
+                            "TensorWeights, SlotWeights, AdapterWeights")
+
+    def _load_adapter(self, source: WeightSource) -> None:
+        if not isinstance(source, AdapterWeights):
+            raise TypeError(f"this engine serves LoRA adapters on a frozen base; it cannot "
+                            f"load full weights ({type(source).__name__})")
+        if self._lora is None:
+            raise TypeError("an adapter update for an engine built without LoRA; build it "
+                            "with lora=trainer.lora")
+        tensors = source.tensors if source.tensors is not None \
+            else load_adapter_dir(source.path)
+        copy_adapters(self._model, tensors)
 
     # ---------------------------------------------------------------- helpers
 

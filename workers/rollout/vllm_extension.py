@@ -20,11 +20,15 @@ from __future__ import annotations
 
 import torch
 
+from areal.models.weight_slots import SlotReader
 from areal.models.weights import load_tensors
 from areal.workers.rollout import vllm_plugin
 from areal.workers.rollout.vllm_transfer import read_shared
 
 __all__ = ["WeightUpdateExtension"]
+
+_SLOTS = SlotReader()
+"""This vLLM worker process's mappings of shared-memory slots (weight_sync.mode=shm)."""
 
 
 class WeightUpdateExtension:
@@ -61,8 +65,11 @@ class WeightUpdateExtension:
             tensors = list(load_tensors(source["disk"]).items())
         elif "shared" in source:
             tensors = read_shared(source["shared"])
+        elif "slot" in source:  # the rollout worker holds the slot's lock meanwhile
+            tensors = _SLOTS.check(source["slot"], source["version"])
         else:
-            raise ValueError(f"weight source {sorted(source)} is neither 'disk' nor 'shared'")
+            raise ValueError(f"weight source {sorted(source)} is none of 'disk', 'shared', "
+                             "'slot'")
         model = self.model_runner.model
         with torch.no_grad():
             loaded = model.load_weights(tensors)

@@ -5,6 +5,7 @@
     UpdateWeights(stream) + WeightsChunk x n -> update from the received tensors
     JoinGroup(weights)         -> join that generation of the weights group (collective mode)
     UpdateWeights(collective)  -> receive the broadcast buckets, update from them
+    UpdateWeights(shm)         -> update from the shared-memory slot <path>, read in place
     Cancel    -> the request's task is cancelled; no result is sent
     Generate with episode.environment set -> EpisodeRunner.run (episode.py): model turns
                  and the environment's observations in one trajectory -> Generated with
@@ -23,6 +24,9 @@ reported (WeightsUpdated.error); the controller sends the newest version again. 
 version may be broadcast again (the group was re-formed for a new member, or a broadcast
 failed): the worker takes part, and drops what it already serves; a failed receive is
 reported as GroupStatus(FAILED) and requests keep waiting for the version.
+
+With LoRA (trainer.lora.rank > 0) every update, in every mode, is the version's adapter
+alone; `sources.py` turns what arrived into the engine's weight source.
 """
 
 from __future__ import annotations
@@ -41,10 +45,11 @@ from areal.messages import (
 from areal.workers.base import Worker
 from areal.workers.collective import WeightsMember, report_weights_op
 from areal.workers.rollout.agent.runner import generated_agent_episode, start_agents
-from areal.workers.rollout.engine import DiskWeights, SamplingParams, TensorWeights
+from areal.workers.rollout.engine import SamplingParams, WeightSource
 from areal.workers.rollout.episode import generated_episode, start_episodes
 from areal.workers.rollout.factory import make_engine
 from areal.workers.rollout.interruptible import InterruptibleGenerator
+from areal.workers.rollout.sources import PendingSlot, path_source, tensor_source
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +65,10 @@ class RolloutWorker(Worker):
         # catches up from the latest weights (disk: now; stream: the controller re-sends them).
         self.generator = InterruptibleGenerator(self.engine, version=0)
         if welcome.weights_path and welcome.version > 0:
-            await self.generator.update_weights(DiskWeights(welcome.weights_path),
-                                                welcome.version)
+            source = path_source(cfg, welcome.weights_path, welcome.version)
+            if isinstance(source, PendingSlot):
+                source = await asyncio.to_thread(source.read)
+            await self.generator.update_weights(source, welcome.version)
         self._requests: dict[str, asyncio.Task] = {}
         self._updates: asyncio.Queue = asyncio.Queue()
         self._stream: tuple[UpdateWeights, list[WeightsChunk]] | None = None
@@ -109,8 +116,8 @@ class RolloutWorker(Worker):
         # Block new requests *now*, before any later Generate is handled: their tokens must
         # carry the new version.
         self.generator.hold_new_requests()
-        if msg.mode == "disk":
-            self._updates.put_nowait((msg, DiskWeights(msg.path)))
+        if msg.mode in ("disk", "shm"):
+            self._updates.put_nowait((msg, path_source(self.config, msg.path, msg.version)))
         elif msg.mode == "stream":
             self._stream = (msg, [])
             if msg.num_chunks == 0:
@@ -129,7 +136,8 @@ class RolloutWorker(Worker):
             tensors = {name: tensor for chunk in chunks
                        for name, tensor in zip(chunk.names, chunk.tensors, strict=True)}
             self._stream = None
-            self._updates.put_nowait((update, TensorWeights(tensors)))
+            self._updates.put_nowait((update, tensor_source(self.config, tensors,
+                                                            update.version)))
 
     def _weights(self) -> WeightsMember:
         if self._weights_member is None:
@@ -164,7 +172,7 @@ class RolloutWorker(Worker):
             self.generator.release_hold()
 
     async def _collective_source(self, update: UpdateWeights,
-                                 received: asyncio.Future) -> TensorWeights | None:
+                                 received: asyncio.Future) -> WeightSource | None:
         """The received weights, or None: failed (reported) or already served."""
         try:
             tensors = await received
@@ -178,13 +186,13 @@ class RolloutWorker(Worker):
             self._drop_collective_update()
             return None
         self._collective_hold = False  # the update about to run releases it
-        return TensorWeights(tensors)
+        return tensor_source(self.config, tensors, update.version)
 
     async def _update_loop(self) -> None:
         while True:
             update, source = await self._updates.get()
-            if isinstance(source, DiskWeights):
-                update, source = self._newest_disk_update(update, source)
+            if update.mode in ("disk", "shm"):
+                update, source = self._newest_path_update(update, source)
             if isinstance(source, asyncio.Future):
                 source = await self._collective_source(update, source)
                 if source is None:
@@ -194,9 +202,13 @@ class RolloutWorker(Worker):
                 continue
             start = time.monotonic()
             try:
+                if isinstance(source, PendingSlot):  # shm + LoRA: copied out under its lock
+                    source = await asyncio.to_thread(source.read)
                 num_interrupted = await self.generator.update_weights(
                     source, update.version, interrupt=update.interrupt)
             except Exception as err:  # fault boundary: report; the controller sends it again
+                if isinstance(source, PendingSlot):  # never reached update_weights
+                    self.generator.release_hold()
                 log.error("loading weights version %d failed: %r; serving version %d until "
                           "the controller sends weights again", update.version, err,
                           self.generator.version)
@@ -207,12 +219,13 @@ class RolloutWorker(Worker):
                                            pause_s=time.monotonic() - start,
                                            num_interrupted=num_interrupted))
 
-    def _newest_disk_update(self, update: UpdateWeights,
-                            source: DiskWeights) -> tuple[UpdateWeights, DiskWeights]:
-        """Skip to the newest queued disk update: each is a full weight set, and the trainer
-        prunes old version directories (weight_sync.keep_versions), so a worker that fell
-        behind must not try to load one that may be gone. A run has one weight_sync.mode:
-        every queued update is a disk update too."""
+    def _newest_path_update(self, update: UpdateWeights,
+                            source: WeightSource) -> tuple[UpdateWeights, WeightSource]:
+        """Skip to the newest queued disk or shm update: each is a full weight set (or the
+        whole adapter), and the trainer prunes old version directories / overwrites old
+        slots (weight_sync.keep_versions), so a worker that fell behind must not try to
+        load one that may be gone. A run has one weight_sync.mode: every queued update is
+        of the same mode."""
         while not self._updates.empty():
             log.info("weights version %d superseded before loading", update.version)
             self.generator.release_hold()

@@ -3,13 +3,17 @@
     <run_dir>/checkpoints/step_<step>/   torch.distributed.checkpoint (DCP) files
                                          (every rank writes its part: replicated tensors
                                          once, FSDP2 shards each by its owner)
-                                         + weights/ (rank 0: the full weights as
-                                         safetensors, what rollout workers load on resume)
+                                         + weights/ (rank 0: what rollout workers load
+                                         on resume, as published in disk mode: the full
+                                         weights, or with LoRA the adapter directory)
                                          + areal.json {"step", "version"}, written last by
                                          rank 0: a directory without it is incomplete
 
 Why DCP: one format for a single process, the CPU all-reduce replicas and FSDP2 shards,
 loadable at another world size; `get_state_dict` also creates AdamW's state before a load.
+With LoRA (a model carrying adapters, areal.models.lora) only the adapters and their
+optimiser state are saved (`ignore_frozen_params`): the frozen base is the config's model
+directory, loaded again at restart, so a checkpoint is megabytes instead of the model.
 A checkpoint is what makes a trainer rank replaceable (docs/design.md section 3): the controller
 keeps the batches trained since the newest one and replays them, so the restarted trainer
 reaches the weights and optimiser state of the lost one (see controller.py, "trainer lost").
@@ -23,14 +27,17 @@ import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_state_dict, set_state_dict,
+)
 
-from areal.models.weights import save_tensors
+from areal.models.lora import has_adapters
 
 META = "areal.json"
 
@@ -49,17 +56,18 @@ def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
 
 def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     run_dir: str | Path, step: int, version: int, keep: int,
-                    weights: list[tuple[str, torch.Tensor]] | None = None) -> Path:
+                    write_weights: Callable[[Path], Any] | None = None) -> Path:
     """Save on every rank of the default group (a collective when there are several);
-    rank 0 also writes `weights` (its full weights, see DataParallel.full_weights), then
-    marks the checkpoint complete and removes all but the `keep` newest."""
+    rank 0 also calls `write_weights(<checkpoint>/weights)` (the published form of its
+    weights, workers/trainer/publish.save_weights_dir), then marks the checkpoint complete
+    and removes all but the `keep` newest."""
     target = checkpoint_dir(run_dir, step).resolve()  # workers elsewhere may have another cwd
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = _state(model, optimizer)
     with _single_process_quiet():
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=target)
     if _rank() == 0:
-        if weights is not None:
-            save_tensors(target / "weights", weights, metadata={"version": str(version)})
+        if write_weights is not None:
+            write_weights(target / "weights")
         write_json(target / META, {"step": step, "version": version})
         _prune(target.parent, keep)
     return target
@@ -87,13 +95,32 @@ def load_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     path: str | Path) -> CheckpointInfo:
     """Load weights and optimiser state in place (every rank of the default group)."""
     info = read_info(path)
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = _state(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=info.path)
+    # LoRA: strict=False, since the frozen base is absent on purpose; every trainable key
+    # was asked of dcp.load above, which fails on any the checkpoint lacks.
     set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+                   optim_state_dict=state["optim"],
+                   options=_options(model, strict=not has_adapters(model)))
     return info
+
+
+def _options(model: torch.nn.Module, strict: bool = True) -> StateDictOptions:
+    """LoRA: the adapters (trainable) only; the frozen base comes from the model directory."""
+    return StateDictOptions(ignore_frozen_params=has_adapters(model), strict=strict)
+
+
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """(model state, optimiser state) as saved and loaded. With LoRA the model state is
+    the trainable parameters alone: `ignore_frozen_params` still lets a tied head through
+    (it is no named parameter of its own), which would save the embedding every time."""
+    model_state, optim_state = get_state_dict(model, optimizer, options=_options(model))
+    if has_adapters(model):
+        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+        model_state = {k: v for k, v in model_state.items() if k in trainable}
+    return model_state, optim_state
 
 
 def _prune(root: Path, keep: int) -> None:

@@ -8,7 +8,8 @@
                                  shards hold the SUM over ranks
                     -> identical clip and optimiser step on every rank
     per step:       stats summed / maxed over ranks (one all-reduce each)
-    publishing:     full weights on rank 0 ('fsdp': gathered, a collective of all ranks)
+    publishing:     full weights on rank 0 ('fsdp': gathered, a collective of all ranks);
+                    with LoRA the adapters alone (FSDP gathers only the trainable state)
 
 Why SUM and not DDP's average: every rank divides its loss by the global loss-token count
 of the minibatch (areal.algorithms.sharding), so the sum over ranks of the gradients is
@@ -35,6 +36,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from areal.models.lora import adapter_tensors, has_adapters, select_adapters
 from areal.models.weights import named_tensors
 
 log = logging.getLogger(__name__)
@@ -111,21 +113,27 @@ class DataParallel:
         return float(self.world_size) if self.fsdp else 1.0
 
     def full_weights(self, model: torch.nn.Module) -> list[tuple[str, torch.Tensor]] | None:
-        """(name, tensor) of every parameter under checkpoint names on rank 0, None on the
-        others. Without FSDP these are views of the live parameters (publish them before
-        the next step); under 'fsdp' they are gathered CPU copies, and every rank must call
-        this (it is a collective)."""
+        """What rank 0 publishes, None on the others: (name, tensor) of every parameter
+        under checkpoint names, or for a model with LoRA adapters only the adapters, under
+        PEFT's names (areal.models.lora). Without FSDP these are views of the live
+        parameters (publish them before the next step); under 'fsdp' they are gathered CPU
+        copies, and every rank must call this (it is a collective)."""
+        adapters = has_adapters(model)
         if not self.fsdp:
-            return list(named_tensors(model)) if self.rank == 0 else None
+            if self.rank != 0:
+                return None
+            return adapter_tensors(model) if adapters else list(named_tensors(model))
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions, get_model_state_dict,
         )
 
-        names = [name for name, _ in named_tensors(model)]  # checked layout, tied weights once
+        names = [] if adapters else [name for name, _ in named_tensors(model)]  # tied once
         full = get_model_state_dict(model, options=StateDictOptions(
-            full_state_dict=True, cpu_offload=True))
+            full_state_dict=True, cpu_offload=True, ignore_frozen_params=adapters))
         if self.rank != 0:
             return None
+        if adapters:
+            return select_adapters(full.items())
         return [(name, full[name]) for name in names]
 
     # -- collectives ----------------------------------------------------------------------------

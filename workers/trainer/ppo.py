@@ -37,6 +37,7 @@ from areal.algorithms.packing import allocate_micro_batches, partition_balanced
 from areal.algorithms.proximal import loglinear_prox_logprobs
 from areal.config import RunConfig
 from areal.models.logprobs import packed_logprobs, packed_logprobs_and_entropy
+from areal.models.lora import add_adapters, has_adapters
 from areal.types import PackedBatch
 from areal.workers.trainer.distributed import DataParallel
 
@@ -48,7 +49,12 @@ _EXTRA_MAXES = ("recompute_s", "step_s")
 class PPOTrainer:
     def __init__(self, model: torch.nn.Module, cfg: RunConfig,
                  dp: DataParallel | None = None) -> None:
+        """With `trainer.lora.rank > 0` LoRA adapters are added to `model` (in place, the
+        same initial adapters on every rank: seeded by `cfg.seed`), the base is frozen and
+        the optimiser holds the adapters alone."""
         self.dp = dp or DataParallel.single()
+        if cfg.trainer.lora.enabled and not has_adapters(model):
+            add_adapters(model, cfg.trainer.lora, seed=cfg.seed)
         self.model = self.dp.wrap(model)  # FSDP2 shards in place, before the optimiser
         self.cfg = cfg.trainer
         self.temperature = cfg.rollout.temperature
@@ -58,7 +64,8 @@ class PPOTrainer:
         # root's forward, which the chunked-head path of packed_logprobs bypasses.
         self._chunk_head = False if self.dp.fsdp else None
         beta1, beta2 = self.cfg.adam_betas
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr,
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=self.cfg.lr,
                                            betas=(beta1, beta2),
                                            weight_decay=self.cfg.weight_decay)
 
@@ -168,9 +175,8 @@ class PPOTrainer:
             (loss * self.dp.loss_scale).backward()
             pieces.append(piece)
         self._pad_passes(len(micro_batches), backward=True)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.dp.reduce_gradients(params)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
+        self.dp.reduce_gradients(self.params)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: a replicated DTensor
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()

@@ -4,8 +4,9 @@
            are several ranks or weight_sync.mode=collective) -> Ready(store="host:port")
     JoinGroup(trainer)  -> init_process_group; PPOTrainer over the group (FSDP2 wraps here)
                         -> GroupStatus(JOINED | FAILED)
-    Train(step, version i, shard) -> PPOTrainer.step -> full weights (rank 0; FSDP: all
-           ranks gather) -> rank 0 publishes i + 1 (disk | stream | collective snapshot)
+    Train(step, version i, shard) -> PPOTrainer.step -> full weights, or with LoRA the
+           adapters (rank 0; FSDP: all ranks gather) -> rank 0 publishes i + 1 through the
+           publisher of weight_sync.mode (disk | stream | collective snapshot | shm slot)
            -> every trainer.checkpoint_every steps: checkpoint (all ranks, DCP)
            -> Trained(version i + 1, reduced stats, weights_path | num_chunks | manifest,
               checkpoint) [-> WeightsChunk x num_chunks]; ranks > 0 send Trained with the
@@ -24,7 +25,8 @@ stuck in a collective with a dead peer cannot keep its process alive after Shutd
 When the controller ends a finished run (Shutdown.final) after at least one step, rank 0
 saves the final policy as a normal Hugging Face directory (`<run_dir>/final_model`) with its
 tokenizer, loadable by transformers or vLLM; written beside it and renamed into place, so a
-`final_model/` is always complete. Never on its own (a lost controller, a failed run).
+`final_model/` is always complete (with LoRA: the merged model, and the adapter in
+`adapter/`). Never on its own (a lost controller, a failed run).
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ from areal.messages import (
 )
 from areal.models.hf import load_model
 from areal.models.tokenizer import load_tokenizer
-from areal.models.weights import load_tensors
+from areal.models.lora import adapter_tensors, merge_into_base, save_adapter_dir
+from areal.models.weights import load_tensors, save_tensors
 from areal.types import PackedBatch
 from areal.workers.base import Worker
 from areal.workers.collective import (
@@ -54,7 +57,7 @@ from areal.workers.trainer.distributed import DataParallel, resolve_mode
 from areal.workers.trainer.ppo import PPOTrainer
 from areal.workers.trainer.checkpoint import load_checkpoint, read_info, save_checkpoint
 from areal.workers.trainer.publish import (
-    collective_snapshot, publish_to_disk, stream_chunks, version_dir, write_directory,
+    Publication, Publisher, make_publisher, save_weights_dir, version_dir, write_directory,
 )
 
 log = logging.getLogger(__name__)
@@ -112,6 +115,7 @@ class TrainerWorker(Worker):
             log.info("process groups meet at %s", self._store_address)
         self._snapshots: dict[int, WeightSnapshot] = {}
         self._weights: WeightsMember | None = None
+        self._weights_publisher: Publisher | None = None
         return self.version
 
     def ready_message(self, version: int) -> Ready:
@@ -186,7 +190,7 @@ class TrainerWorker(Worker):
         finally:
             self._busy = False
 
-    def _step_sync(self, msg: Train) -> tuple[dict[str, float], Any, str]:
+    def _step_sync(self, msg: Train) -> tuple[dict[str, float], Publication | None, str]:
         """The step, then (rank 0) the publication of its result and (every
         trainer.checkpoint_every steps, all ranks) a checkpoint, on the train thread. A
         replayed step publishes nothing; the last one checks its result against the weights
@@ -200,7 +204,7 @@ class TrainerWorker(Worker):
                     "minibatch_loss_tokens": list(msg.minibatch_loss_tokens),
                     "minibatch_loss_seqs": list(msg.minibatch_loss_seqs)}
         stats = self.trainer.step(batch, msg.version, **plan)
-        version, mode = msg.version + 1, self.config.weight_sync.mode
+        version = msg.version + 1
         if msg.replay and version < self.resume_to:
             return stats, None, ""
         start = time.perf_counter()
@@ -210,20 +214,23 @@ class TrainerWorker(Worker):
                 return stats, None, ""
             stats.update(self._replay_check(tensors, version))
             # Collective mode: a late joiner may need this version broadcast again.
-            return stats, collective_snapshot(tensors, self.config, version) \
-                if mode == "collective" else None, ""
+            return stats, self._publisher().publish(tensors, version) \
+                if self.config.weight_sync.mode == "collective" else None, ""
         published = None
         if tensors is not None:
             if self.dp.fsdp:
                 self._final_weights = tensors  # gathered CPU copies: what close() saves
-            if mode == "stream":
-                published = stream_chunks(tensors, self.config, version)
-            elif mode == "collective":
-                published = collective_snapshot(tensors, self.config, version)
-            else:
-                published = publish_to_disk(tensors, self.config, version)
+            published = self._publisher().publish(tensors, version)
             stats["publish_s"] = time.perf_counter() - start
+            stats["publish_bytes"] = float(sum(t.numel() * t.element_size()
+                                               for _, t in tensors))
         return stats, published, self._checkpoint_sync(msg, stats, tensors)
+
+    def _publisher(self) -> Publisher:
+        """Rank 0's publisher of weight_sync.mode (created at the first publication)."""
+        if self._weights_publisher is None:
+            self._weights_publisher = make_publisher(self.config)
+        return self._weights_publisher
 
     def _checkpoint_sync(self, msg: Train, stats: dict[str, float],
                          tensors: list[tuple[str, torch.Tensor]] | None) -> str:
@@ -231,9 +238,12 @@ class TrainerWorker(Worker):
         if not every or msg.step % every:
             return ""
         start = time.perf_counter()
+        version = msg.version + 1
+        write = None if tensors is None else (
+            lambda directory: save_weights_dir(directory, tensors, self.config, version))
         path = save_checkpoint(self.trainer.model, self.trainer.optimizer, self.config.run_dir,
-                               msg.step, msg.version + 1, self.config.trainer.keep_checkpoints,
-                               weights=tensors)
+                               msg.step, version, self.config.trainer.keep_checkpoints,
+                               write_weights=write)
         stats["checkpoint_s"] = time.perf_counter() - start
         return str(path) if self.rank == 0 else ""
 
@@ -249,25 +259,23 @@ class TrainerWorker(Worker):
                     for name, t in tensors), default=0.0)
         return {"replay_max_abs_diff": diff}
 
-    async def _send_trained(self, msg: Train, stats: dict[str, float], published: Any,
-                            checkpoint: str) -> None:
+    async def _send_trained(self, msg: Train, stats: dict[str, float],
+                            published: Publication | None, checkpoint: str) -> None:
         version = msg.version + 1
         trained = Trained(step=msg.step, version=version, stats=stats, rank=self.rank,
                           replay=msg.replay, checkpoint=checkpoint)
-        if isinstance(published, str):
-            trained.weights_path = published
-        elif isinstance(published, WeightSnapshot):
-            trained.manifest = published.manifest
-            # The controller may still ask for the previous version (a re-broadcast for a
-            # late joiner) but never for older ones.
-            self._snapshots = {v: s for v, s in self._snapshots.items() if v >= version - 1}
-            self._snapshots[version] = published
-        elif published is not None:
-            trained.num_chunks = len(published)
+        if published is not None:
+            trained.weights_path = published.weights_path
+            trained.num_chunks = len(published.chunks)
+            if published.snapshot is not None:
+                trained.manifest = published.snapshot.manifest
+                # The controller may still ask for the previous version (a re-broadcast for
+                # a late joiner) but never for older ones.
+                self._snapshots = {v: s for v, s in self._snapshots.items() if v >= version - 1}
+                self._snapshots[version] = published.snapshot
         await self.send(trained)
-        if isinstance(published, list):
-            for chunk in published:
-                await self.send(chunk)
+        for chunk in published.chunks if published is not None else ():
+            await self.send(chunk)
 
     # -- the weights group (collective mode, rank 0) --------------------------------------------
 
@@ -308,14 +316,33 @@ class TrainerWorker(Worker):
                           target, err)
             else:
                 log.info("saved the final policy (version %d) to %s", self.version, target)
+        if self._weights_publisher is not None:
+            self._weights_publisher.close(finished=self.finished)
         self.dp.close()
 
     def _save_final(self, target: Path) -> None:
         final = getattr(self, "_final_weights", None)
-        if final is not None:  # FSDP: the gathered weights of the last step
+        if self.config.trainer.lora.enabled:
+            self._save_final_lora(target, final)
+        elif final is not None:  # FSDP: the gathered weights of the last step
             self.model.save_pretrained(target, state_dict=dict(final), safe_serialization=True)
         else:
             self.model.save_pretrained(target, safe_serialization=True)
         cfg = self.config.model
         load_tokenizer(cfg.tokenizer_path or cfg.path, trust_remote_code=cfg.trust_remote_code,
                        cache_dir=self.config.cache_dir).save_pretrained(target)
+
+    def _save_final_lora(self, target: Path,
+                         final: list[tuple[str, torch.Tensor]] | None) -> None:
+        """LoRA: the merged model (base + (alpha / rank) B A from the untouched base
+        checkpoint, loadable without PEFT) and the adapter itself in `adapter/`."""
+        cfg = self.config
+        adapters = dict(final if final is not None else adapter_tensors(self.model))
+        merged = merge_into_base(load_tensors(cfg.model.path), adapters, cfg.trainer.lora)
+        target.mkdir(parents=True)
+        save_tensors(target, merged, metadata={"version": str(self.version)})
+        self.model.config.save_pretrained(target)
+        if getattr(self.model, "generation_config", None) is not None:
+            self.model.generation_config.save_pretrained(target)
+        save_adapter_dir(target / "adapter", adapters.items(), cfg.trainer.lora,
+                         base_model=cfg.model.path, metadata={"version": str(self.version)})

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from rollout_helpers import random_prompts
 from safetensors.torch import load_file
 
+from areal.config import load_config
 from areal.messages import GroupStatus, UpdateWeights, WeightsUpdated
 from areal.workers.rollout.engine import SamplingParams
 from areal.workers.rollout.interruptible import InterruptibleGenerator
@@ -21,6 +22,7 @@ from areal.workers.rollout.worker import RolloutWorker
 def updating_worker(engine, version: int) -> RolloutWorker:
     """A rollout worker's update path (what `setup` builds for it), without a controller."""
     worker = RolloutWorker("tcp://127.0.0.1:1", "rollout-test", secret="")
+    worker.config = load_config()  # what the Welcome brings (full weights: no trainer.lora)
     worker.generator = InterruptibleGenerator(engine, version=version)
     worker._updates = asyncio.Queue()
     worker._collective_hold, worker._announced = False, 0

@@ -6,7 +6,8 @@ code), each training on its shard from `areal.algorithms.sharding` (unequal sequ
 lengths, two PPO minibatches, several micro-batches per rank). Both the explicit gradient
 all-reduce (the CPU default) and FSDP2 `fully_shard` (the GPU default, which runs on gloo
 too) are checked against the reference: the reduced gradient of every minibatch, the
-weights after the step, and the reduced stats.
+weights after the step, and the reduced stats. Each also runs with LoRA (trainer.lora):
+frozen base, adapters trained and reduced, the adapters published (gathered under FSDP).
 
 Why the weight tolerance is what it is: the ranks sum their gradients in a different order
 than one rank does, so gradients agree to fp32 rounding (checked at 1e-5 of their scale).
@@ -43,10 +44,11 @@ NUM_PROMPT = 4
 OVERRIDES = ["trainer.micro_batch_tokens=48", "trainer.num_minibatches=2", "trainer.lr=1e-3",
              "trainer.threads=1"]
 MODES = ("allreduce", "fsdp")
+VARIANTS = {"full": [], "lora": ["trainer.lora.rank=4", "trainer.lora.alpha=8"]}
 
 
-def _config(model_dir: str):
-    return load_config(overrides=[f"model.path={model_dir}", *OVERRIDES])
+def _config(model_dir: str, variant: str = "full"):
+    return load_config(overrides=[f"model.path={model_dir}", *OVERRIDES, *VARIANTS[variant]])
 
 
 def _batch(model_dir: str) -> PackedBatch:
@@ -71,18 +73,20 @@ def _rank_main(rank: int, port: int, model_dir: str, shards, out: str) -> None:
         store = connect_store(f"127.0.0.1:{port}", timeout_s=60)
     group = DataParallel.join(store, rank=rank, world_size=len(shards), backend="gloo",
                               mode=MODES[0], timeout_s=60)
-    for mode in MODES:
-        dp = DataParallel(rank, len(shards), mode)
-        trainer = PPOTrainer(load_model(model_dir), _config(model_dir), dp)
-        grads = record_gradients(trainer)
-        shard = shards[rank]
-        stats = trainer.step(shard.batch, 0, advantages=shard.advantages,
-                             minibatch_sizes=shard.minibatch_sizes,
-                             minibatch_loss_tokens=shard.minibatch_loss_tokens)
-        weights = dp.full_weights(trainer.model)
-        Path(out, f"{mode}-stats{rank}.json").write_text(json.dumps(stats))
-        if rank == 0:
-            torch.save({"weights": dict(weights), "grads": grads}, Path(out, f"{mode}.pt"))
+    for variant in VARIANTS:
+        for mode in MODES:
+            dp = DataParallel(rank, len(shards), mode)
+            trainer = PPOTrainer(load_model(model_dir), _config(model_dir, variant), dp)
+            grads = record_gradients(trainer)
+            shard = shards[rank]
+            stats = trainer.step(shard.batch, 0, advantages=shard.advantages,
+                                 minibatch_sizes=shard.minibatch_sizes,
+                                 minibatch_loss_tokens=shard.minibatch_loss_tokens)
+            weights = dp.full_weights(trainer.model)
+            Path(out, f"{variant}-{mode}-stats{rank}.json").write_text(json.dumps(stats))
+            if rank == 0:
+                torch.save({"weights": dict(weights), "grads": grads},
+                           Path(out, f"{variant}-{mode}.pt"))
     group.close()
 
 
@@ -102,16 +106,18 @@ def two_ranks(tiny_model_dir, tmp_path_factory):
     return shards, out
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir):
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def reference(request, tiny_model_dir):
+    """The single-rank step of one variant; weights as rank 0 publishes them."""
     torch.manual_seed(0)
     batch = _batch(tiny_model_dir)
-    trainer = PPOTrainer(load_model(tiny_model_dir), _config(tiny_model_dir))
+    trainer = PPOTrainer(load_model(tiny_model_dir), _config(tiny_model_dir, request.param))
     grads = record_gradients(trainer)
-    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    published = DataParallel.single().full_weights
+    before = {n: p.clone() for n, p in published(trainer.model)}
     stats = trainer.step(batch, 0)
-    after = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    return batch, before, after, stats, grads
+    after = {n: p.clone() for n, p in published(trainer.model)}
+    return request.param, (batch, before, after, stats, grads)
 
 
 def _diffs(a: dict, b: dict) -> torch.Tensor:
@@ -120,18 +126,19 @@ def _diffs(a: dict, b: dict) -> torch.Tensor:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_two_ranks_take_the_single_rank_step(mode, reference, two_ranks, tiny_model_dir):
-    _, before, after, ref_stats, ref_grads = reference
+    variant, (_, before, after, ref_stats, ref_grads) = reference
     shards, out = two_ranks
     lengths = [s.batch.seqlens.tolist() for s in shards]
     assert lengths[0] != lengths[1] and all(len(set(x)) > 1 for x in lengths)
     assert all(len(s.minibatch_sizes) == 2 for s in shards)
 
-    result = torch.load(out / f"{mode}.pt")
+    result = torch.load(out / f"{variant}-{mode}.pt")
     assert len(result["grads"]) == len(ref_grads) == 2  # one optimiser step per minibatch
     for m, (grads, ref) in enumerate(zip(result["grads"], ref_grads, strict=True)):
         # Minibatch 0 starts from identical weights; minibatch 1 from weights that carry
         # the amplified rounding of the first AdamW step (see the module docstring).
         rtol = 1e-5 if m == 0 else 1e-4
+        assert set(grads) == set(ref)  # with LoRA: the adapters only
         for name, ref_grad in ref.items():
             diff = (grads[name] - ref_grad).abs().max()
             scale = ref_grad.abs().max()
@@ -146,7 +153,7 @@ def test_two_ranks_take_the_single_rank_step(mode, reference, two_ranks, tiny_mo
     assert diffs.max() < 0.02 * lr and diffs.mean() < 1e-8, summary
     assert (diffs > 1e-7).float().mean() < 1e-3, summary
     for rank in range(2):
-        stats = json.loads((out / f"{mode}-stats{rank}.json").read_text())
+        stats = json.loads((out / f"{variant}-{mode}-stats{rank}.json").read_text())
         assert stats["num_ranks"] == 2.0
         for key in ("loss", "num_loss_tokens", "num_seqs", "num_tokens", "grad_norm",
                     "entropy", "logprob_diff_fresh", "clip_frac", "advantage_abs_mean"):

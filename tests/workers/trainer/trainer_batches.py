@@ -45,6 +45,8 @@ def record_gradients(trainer: PPOTrainer) -> list[dict[str, torch.Tensor]]:
         grads = {}
         for name, param in trainer.model.named_parameters():
             grad = param.grad
+            if grad is None:  # frozen (LoRA's base)
+                continue
             if hasattr(grad, "full_tensor"):  # FSDP2 shard: gather (every rank calls this)
                 grad = grad.full_tensor()
             grads[name] = grad.detach().clone()
