@@ -35,6 +35,11 @@ Formulas (P_m = parameters in matrix products, L layers, h hidden width, bf16 = 
     weights: moving them costs bytes / (link bandwidth * link efficiency); a rollout server
         taking a new version also pays `weight_update_overhead_s` (0 on GPUs; the CPU
         engine restarts its session, measured)
+    colocated synchronous switches (`switch_costs`, costs.yaml `colocation`): per step each
+        device moves its engine's weight shard W/t out to host memory (KV cache dropped) and
+        back in (KV cache allocated again), and the trainer's sharded states (14 bytes a
+        parameter: bf16 weights, fp32 master weights, AdamW moments, over the N ranks) in and
+        out: (W/t + 14*P/N) * (1/(host*sleep) + 1/(host*wake)) + wake_overhead_s
 
 Not modelled (said so where it matters): kernel-level effects beyond the roofline, the
 optimiser step, checkpoints, pipeline bubbles, stragglers, network contention between jobs.
@@ -68,6 +73,13 @@ class Accelerator:
     inter_node_bandwidth: float
     """Bytes/s per device, one direction, to other nodes."""
     devices_per_node: int
+    host_bandwidth: float | None = None
+    """Bytes/s per device, one direction, between the device and host memory (PCIe); only
+    the colocated switches use it (None: not priced for this accelerator)."""
+    shared_cores: int | None = None
+    """The CPU machine, where one accelerator is one thread of a worker: the threads of every
+    worker of a run share this many cores (sim/workers.py, Host). None: each worker has its
+    accelerators to itself."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,16 +168,38 @@ class Efficiency:
     (the CPU machine, where every process shares the cores); 1 on separate accelerators."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class Colocation:
+    """What a colocated synchronous system pays to switch its accelerators between
+    generation and training (costs.yaml `colocation`, each number with its source)."""
+
+    sleep_efficiency: float
+    """Fraction of `host_bandwidth` reached moving weights out to host memory (an engine's
+    sleep, a trainer's offload), every device of a node at once."""
+    wake_efficiency: float
+    """The same into the device (an engine's wake, a trainer's reload)."""
+    wake_overhead_s: float
+    """Fixed cost of an engine's wake beyond moving its weights (KV cache allocated again)."""
+    offload_trainer: bool
+    """The trainer's states leave the device while the engine generates."""
+
+
+TRAINER_STATE_BYTES = 14
+"""Bytes a parameter of the trainer's states: bf16 weights, fp32 master weights, AdamW's two
+fp32 moments (gradients exist only inside a step)."""
+
+
 class CostModel:
     """Durations of generation, training and weight movement for one cluster and model."""
 
     def __init__(self, accelerator: Accelerator, model: ModelShape, efficiency: Efficiency,
-                 mem_fraction: float) -> None:
+                 mem_fraction: float, colocation: Colocation | None = None) -> None:
         self.acc = accelerator
         self.model = model
         self.eff = efficiency
         self.mem_fraction = mem_fraction
         """Fraction of device memory an inference engine takes (weights + KV cache)."""
+        self.colocation = colocation
 
     # -- generation -----------------------------------------------------------------------------
 
@@ -276,6 +310,23 @@ class CostModel:
         return self.model.weight_bytes / (bandwidth * self.eff.link)
 
 
+    def switch_s(self, num_devices: int, tp: int) -> float:
+        """Seconds a colocated synchronous step spends switching each device (all in
+        parallel) from generation to training and back: the engine's weight shard out to
+        host memory and in again (its KV cache dropped, then allocated), the trainer's
+        sharded states in and out (module docstring)."""
+        c, host = self.colocation, self.acc.host_bandwidth
+        if c is None or host is None:
+            raise ValueError(f"the cost file prices no colocated switch for {self.acc.name}: "
+                             "it needs a `colocation` section and the accelerator's "
+                             "host_bandwidth (see sim/costs.yaml)")
+        moved = self.model.weight_bytes / tp
+        if c.offload_trainer:
+            moved += TRAINER_STATE_BYTES * self.model.params / num_devices
+        return moved / (host * c.sleep_efficiency) + moved / (host * c.wake_efficiency) \
+            + c.wake_overhead_s
+
+
 def _moments(lengths: Sequence[int] | np.ndarray) -> tuple[float, float]:
     """(sum of lengths, sum of squared lengths)."""
     values = np.asarray(lengths, dtype=np.float64)
@@ -342,10 +393,17 @@ def efficiency(costs: dict[str, Any], accelerator_name: str) -> Efficiency:
     return Efficiency(**_values(costs["efficiency"], "efficiency"))
 
 
+def colocation(costs: dict[str, Any]) -> Colocation | None:
+    """The colocated switches' factors (None: the file has no `colocation` section)."""
+    entry = costs.get("colocation")
+    return None if entry is None else Colocation(**_values(entry, "colocation"))
+
+
 def cost_model(costs: dict[str, Any], accelerator_name: str, model_name: str) -> CostModel:
     values = _values(_entry(costs, "models", model_name), f"models.{model_name}")
     return CostModel(accelerator(costs, accelerator_name), model_shape(costs, model_name),
-                     efficiency(costs, accelerator_name), float(values["mem_fraction"]))
+                     efficiency(costs, accelerator_name), float(values["mem_fraction"]),
+                     colocation(costs))
 
 
 def _entry(costs: dict[str, Any], section: str, name: str) -> dict[str, Any]:

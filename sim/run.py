@@ -187,10 +187,13 @@ def simulate(sim: SimConfig, console: io.TextIOBase | None = None,
         cfg = load_config(overrides=sim.to_run_overrides(str(Path(run_dir))))
         accounts = CpuAccounts()
         env = SimEnv(cfg=cfg, cost=cost, workload=workload,
-                     host=Host(cost.eff.contention, cost.eff.train_contention),
+                     host=Host(cost.eff.contention, cost.eff.train_contention,
+                               cost.acc.shared_cores),
                      rollout_tp=sim.rollout_tp,
                      colocated=sim.placement == "colocated",
-                     num_trainer_ranks=sim.num_trainer_ranks)
+                     num_trainer_ranks=sim.num_trainer_ranks,
+                     switch_s=cost.switch_s(sim.num_trainer_ranks, sim.rollout_tp)
+                     if sim.switch_costs else 0.0)
         recording = Recording(accounts, lambda: asyncio.get_running_loop().time()) \
             if sim.measure_alone else None
         ctl = Controller(cfg, runtime=SimRuntime(env, sim.wire, recording))

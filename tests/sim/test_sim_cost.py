@@ -115,3 +115,16 @@ def test_every_number_in_the_cost_file_has_a_source(tmp_path):
 def test_a_missing_cost_file_is_named(tmp_path):
     with pytest.raises(ValueError, match="nope.yaml' does not exist; costs= takes"):
         load_costs(tmp_path / "nope.yaml")
+
+
+def test_a_colocated_switch_by_hand():
+    costs = load_costs(COSTS_FILE)
+    cost = cost_model(costs, "h800", "7b")
+    c = costs["colocation"]
+    sleep, wake = (c[k]["value"] * 64e9 for k in ("sleep_efficiency", "wake_efficiency"))
+    moved = cost.model.weight_bytes / 2 + 14 * cost.model.params / 256  # tp 2, 256 ranks
+    assert cost.switch_s(256, 2) == pytest.approx(
+        moved / sleep + moved / wake + c["wake_overhead_s"]["value"], rel=1e-12)
+    cpu = cost_model(costs, "cpu-2core", "tiny")
+    with pytest.raises(ValueError, match="host_bandwidth"):
+        cpu.switch_s(2, 1)
