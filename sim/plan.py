@@ -34,15 +34,14 @@ tensor parallelism of the trainer, the concurrency limit, the PPO minibatches.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import multiprocessing
 import os
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import psutil
 
@@ -197,11 +196,17 @@ class Outcome:
 
 
 def _simulate(config: SimConfig, replay: str | None, reward_latency_s: float) -> Outcome:
+    """One candidate's simulation (in a worker process): its outcome, less the candidate."""
     from areal.sim.run import simulate
 
     result = simulate(config, workload=_replay_workload(replay, reward_latency_s, config.seed)
                       if replay else None)
-    return Outcome(None, result.step_s, result.hours, result.trained_tokens_per_s,  # type: ignore[arg-type]
+    return _outcome(None, result)
+
+
+def _outcome(candidate: Candidate | None, result: Any) -> Outcome:
+    """An Outcome from a SimResult (or another Outcome)."""
+    return Outcome(candidate, result.step_s, result.hours, result.trained_tokens_per_s,
                    result.generated_tokens_per_s, result.max_staleness, result.wall_s)
 
 
@@ -212,31 +217,41 @@ def _replay_workload(run_dir: str, reward_latency_s: float, seed: int):
     return ReplayWorkload.from_run(run_dir, reward_latency_s, seed)
 
 
+Submit = Callable[[SimConfig], "Future[Any]"]
+"""Starts a simulation; its future's result has SimResult's step_s, hours,
+trained_tokens_per_s, generated_tokens_per_s, max_staleness and wall_s."""
+
+
 class Evaluator:
     """Scores candidates by simulation, `jobs` at a time in worker processes (each
-    simulation is single-threaded), each candidate once."""
+    simulation is single-threaded), each candidate once. `submit`: start simulations
+    elsewhere instead (bench/cluster.py's pool, shared with its other tables)."""
 
     def __init__(self, plan: PlanConfig, jobs: int | None = None,
-                 progress: Callable[[str], None] = lambda line: None) -> None:
+                 progress: Callable[[str], None] = lambda line: None,
+                 submit: Submit | None = None) -> None:
         self.plan = plan
         self.jobs = jobs or plan.jobs or default_jobs()
         self.progress = progress
         self.done: dict[Candidate, Outcome] = {}
         self._pool = ProcessPoolExecutor(self.jobs, mp_context=multiprocessing.get_context(
-            "spawn")) if self.jobs > 1 else None
+            "spawn")) if self.jobs > 1 and submit is None else None
+        self._submit = submit or self._start
+
+    def _start(self, config: SimConfig) -> "Future[Any]":
+        args = (config, self.plan.replay, self.plan.reward_latency_s)
+        if self._pool is not None:
+            return self._pool.submit(_simulate, *args)
+        future: Future[Any] = Future()
+        future.set_result(_simulate(*args))
+        return future
 
     def evaluate(self, candidates: list[Candidate]) -> list[Outcome]:
         """Each candidate's outcome (simulated now unless it was before), in order."""
         todo = list(dict.fromkeys(c for c in candidates if c not in self.done))
-        configs = [c.sim_config(self.plan) for c in todo]
-        args = (self.plan.replay, self.plan.reward_latency_s)
-        if self._pool is None:
-            outcomes = [_simulate(config, *args) for config in configs]
-        else:
-            futures = [self._pool.submit(_simulate, config, *args) for config in configs]
-            outcomes = [future.result() for future in futures]
-        for candidate, outcome in zip(todo, outcomes, strict=True):
-            self.done[candidate] = dataclasses.replace(outcome, candidate=candidate)
+        futures = [self._submit(c.sim_config(self.plan)) for c in todo]
+        for candidate, future in zip(todo, futures, strict=True):
+            outcome = self.done[candidate] = _outcome(candidate, future.result())
             self.progress(f"  {candidate.describe()}: {outcome.trained_tokens_per_s:.0f} "
                           f"tok/s, step {outcome.step_s:.1f} s (simulated in "
                           f"{outcome.wall_s:.0f} s)")

@@ -39,21 +39,22 @@ class Planned:
 
 
 def search(plan: PlanConfig, evaluator: Evaluator,
-           log: Callable[[str], None] = lambda line: None) -> Planned:
-    """Every stage in turn; the candidates ranked by trained tokens per second."""
+           log: Callable[[str], None] = lambda line: None, baselines: bool = True) -> Planned:
+    """Every stage in turn; the candidates ranked by trained tokens per second.
+    `baselines`: simulate the synchronous colocated baselines too."""
     cores = shared_cores(plan)
     stages = _shared_host_stages if cores else _cluster_stages
-    baselines = _baselines(plan, cores)
+    base = _baselines(plan, cores) if baselines else []
     planned = Planned(ranked=[], baselines=[])
     seen: dict[Candidate, Outcome] = {}
     for index, stage in enumerate(stages(plan, cores), start=1):
         proposed = stage(_ranked(seen))
         if index == 1:
-            proposed = [*proposed, *baselines]
+            proposed = [*proposed, *base]
         fresh = [c for c in dict.fromkeys(proposed) if c not in seen and c not in evaluator.done]
         log(f"stage {index}: {len(fresh)} simulations")
         for outcome in evaluator.evaluate(proposed):
-            if outcome.candidate not in baselines:
+            if outcome.candidate not in base:
                 seen[outcome.candidate] = outcome
         planned.stages.append(len(fresh))
         if not seen:
@@ -61,7 +62,7 @@ def search(plan: PlanConfig, evaluator: Evaluator,
                               "too few trainer ranks for the model's training states; add "
                               "accelerators or raise trainer_mem_fraction")
     planned.ranked = _ranked(seen)
-    planned.baselines = [evaluator.done[c] for c in baselines]
+    planned.baselines = [evaluator.done[c] for c in base]
     return planned
 
 
