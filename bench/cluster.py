@@ -502,13 +502,16 @@ def table_f(bench: Bench) -> str:
         top = max(r.controller_cpu_by_loop.items(), key=lambda kv: kv[1], default=("-", 0))
         rows.append(f"{n:>5} {mode:>6} {r.step_s:>9.1f} {r.controller_cpu_s_per_step:>9.2f} "
                     f"{r.controller_gc_s_per_step:>5.2f} {r.controller_share:>7.1%} "
+                    f"{r.controller_pack_cpu_s_per_step:>6.2f} "
                     f"{r.trajectories_per_cpu_s:>9.0f} {r.peak_rss_mb / 1024:>6.1f} "
                     f"{r.reference_decode_us:>6.1f} {top[0]}:{top[1]:.2f}")
     return _lines(f"{'accel':>5} {'mode':>6} {'step s':>9} {'ctl cpu s':>9} {'gc s':>5} "
-                  f"{'share':>7} {'traj/cpus':>9} {'rss GB':>6} {'ref us':>6} "
+                  f"{'share':>7} {'pack s':>6} {'traj/cpus':>9} {'rss GB':>6} {'ref us':>6} "
                   "largest loop (cpu s/step)", rows) + \
         "\n(ctl cpu s: real CPU seconds inside the controller's tasks per simulated step, " \
         "message decoding and encoding included; share: of the simulated step time; " \
+        "pack s: CPU seconds a step of the thread that packs the Train messages, beside " \
+        "the controller's event loop (not in ctl cpu s); " \
         f"{GC_NOTE}; {REF_NOTE}; {_large_note(bench)})"
 
 

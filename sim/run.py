@@ -83,6 +83,9 @@ class SimResult:
     controller_gc_s_per_step: float
     """Of controller_cpu_s_per_step, garbage collections that ran in the controller's steps
     (each walks the simulated cluster's objects too: sim/accounting.py)."""
+    controller_pack_cpu_s_per_step: float
+    """CPU seconds per step the controller's thread for packing Train messages took (the
+    step records' perf/pack_cpu_s): beside its event loop, not in controller_cpu_s_per_step."""
     trajectories_per_cpu_s: float
     """Trajectories the controller handles per second of its own CPU time."""
     controller_alone_cpu_s_per_step: float | None
@@ -243,6 +246,8 @@ def _result(sim: SimConfig, summary: dict[str, Any], steps: list[dict[str, Any]]
         controller_cpu_s_per_step=cpu / (last - first),
         controller_cpu_by_loop=_by_loop(marks, first, last),
         controller_gc_s_per_step=_per_step(marks, _GC, first, last),
+        controller_pack_cpu_s_per_step=sum(r.get("perf/pack_cpu_s", 0.0)
+                                           for r in steps[first:last]) / (last - first),
         trajectories_per_cpu_s=batch * (last - first) / cpu if cpu > 0 else float("inf"),
         controller_alone_cpu_s_per_step=None if alone is None else _per_step(
             alone.marks, _CPU, first, last),
