@@ -26,7 +26,8 @@ import functools
 import math
 import types
 import typing
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import msgspec
 import numpy as np
@@ -42,7 +43,9 @@ def wire_struct(schema: type) -> tuple[msgspec.msgpack.Decoder, tuple[str, ...],
     """(a decoder of `schema`'s header, its array fields, its list and map fields), or None
     when a field has no exact counterpart."""
     hints = typing.get_type_hints(schema)
-    fields, arrays, sized = [], [], []
+    fields: list[tuple[Any, ...]] = []
+    arrays: list[str] = []
+    sized: list[str] = []
     for f in dataclasses.fields(schema):
         wire = _wire_type(hints[f.name])
         if wire is _NO_COUNTERPART:
@@ -74,23 +77,23 @@ def _wire_type(annotation: Any) -> Any:
     if origin in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
         (inner,) = [a for a in args if a is not type(None)]
         wire = _wire_type(inner)
-        return _NO_COUNTERPART if wire is _NO_COUNTERPART or inner is not np.ndarray \
-            and typing.get_origin(inner) is not None else wire | None
+        return _NO_COUNTERPART if wire is _NO_COUNTERPART or (inner is not np.ndarray \
+            and typing.get_origin(inner) is not None) else wire | None
     if origin is list and _scalar_or_enum(args[0]):
-        return list[args[0]]
+        return types.GenericAlias(list, (args[0],))
     if origin is dict and args[0] is str and args[1] in (int, float, str, bool):
-        return dict[str, args[1]]
+        return types.GenericAlias(dict, (str, args[1]))
     return _NO_COUNTERPART
 
 
 def _scalar_or_enum(annotation: Any) -> bool:
-    return annotation in (int, float, str, bool) or isinstance(annotation, type) \
-        and issubclass(annotation, enum.Enum)
+    return annotation in (int, float, str, bool) or (isinstance(annotation, type) \
+        and issubclass(annotation, enum.Enum))
 
 
 def decode_header(schema: type, header: memoryview, frames: Sequence[memoryview],
                   limit: HeaderLimit, dtypes: dict[str, np.dtype],
-                  array_ref: Callable[[int, bytes], Any]) -> Any:
+                  array_ref: Callable[[int, Any], Any]) -> Any:
     """The message, or None when this path does not accept it (the codec then decides).
     `dtypes`: the numpy dtypes a frame may hold, by name; `array_ref(code, data)`: the
     codec's reading of an array reference (dtype, shape, frame index), which raises
@@ -122,7 +125,7 @@ def decode_header(schema: type, header: memoryview, frames: Sequence[memoryview]
 
 
 def _array(ext: msgspec.msgpack.Ext, frames: Sequence[memoryview], dtypes: dict[str, np.dtype],
-           array_ref: Callable[[int, bytes], Any], used: set[int]) -> np.ndarray | None:
+           array_ref: Callable[[int, Any], Any], used: set[int]) -> np.ndarray | None:
     """A view of the frame `ext` refers to, when the reference is one the codec accepts
     and its frame is unused and of the size it says; else None."""
     try:

@@ -39,13 +39,13 @@ from scipy.stats import spearmanr
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import speedup  # noqa: E402
-from calibration import after_first  # noqa: E402
+import speedup
+from calibration import after_first
 
-from areal.config import load_config  # noqa: E402
-from areal.models.warmstart import ensure_warm_model  # noqa: E402
-from areal.sim.plan import Candidate, Evaluator, load_plan_config  # noqa: E402
-from areal.sim.search import search  # noqa: E402
+from areal.config import load_config
+from areal.models.warmstart import ensure_warm_model
+from areal.sim.plan import Candidate, Evaluator, load_plan_config
+from areal.sim.search import search
 
 PROBE_SEED = 9
 """The probe's seed: none of the compared runs' (1, 2, ...)."""

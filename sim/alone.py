@@ -80,7 +80,7 @@ class _Runs:
     lengths: np.ndarray
 
     def frame(self) -> memoryview:
-        return memoryview(np.repeat(self.values, self.lengths)).cast("B")
+        return np.repeat(self.values, self.lengths).data.cast("B")
 
 
 _RUNS_MIN_BYTES = 4096

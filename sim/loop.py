@@ -95,10 +95,10 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         timeline stays a function of the seed). The work is still done by another thread:
         the CPU time of the loop's thread (sim/accounting.py) does not include it."""
         if executor is None:
-            executor = self._default_executor
+            executor = getattr(self, "_default_executor", None)
             if executor is None:
-                executor = self._default_executor = concurrent.futures.ThreadPoolExecutor(
-                    thread_name_prefix="asyncio")
+                executor = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="asyncio")
+                self.set_default_executor(executor)
         done = self.create_future()
         try:
             done.set_result(executor.submit(func, *args).result())

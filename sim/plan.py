@@ -41,7 +41,9 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable
+from types import SimpleNamespace
+from typing import Any
+from collections.abc import Callable
 
 import psutil
 
@@ -195,17 +197,21 @@ class Outcome:
     wall_s: float
 
 
-def _simulate(config: SimConfig, replay: str | None, reward_latency_s: float) -> Outcome:
+def _simulate(config: SimConfig, replay: str | None, reward_latency_s: float) -> Any:
     """One candidate's simulation (in a worker process): its outcome, less the candidate."""
     from areal.sim.run import simulate
 
     result = simulate(config, workload=_replay_workload(replay, reward_latency_s, config.seed)
                       if replay else None)
-    return _outcome(None, result)
+    return SimpleNamespace(**{name: getattr(result, name) for name in _NUMBERS})
 
 
-def _outcome(candidate: Candidate | None, result: Any) -> Outcome:
-    """An Outcome from a SimResult (or another Outcome)."""
+_NUMBERS = ("step_s", "hours", "trained_tokens_per_s", "generated_tokens_per_s",
+            "max_staleness", "wall_s")
+
+
+def _outcome(candidate: Candidate, result: Any) -> Outcome:
+    """An Outcome from a SimResult (or `_simulate`'s numbers)."""
     return Outcome(candidate, result.step_s, result.hours, result.trained_tokens_per_s,
                    result.generated_tokens_per_s, result.max_staleness, result.wall_s)
 
@@ -238,7 +244,7 @@ class Evaluator:
             "spawn")) if self.jobs > 1 and submit is None else None
         self._submit = submit or self._start
 
-    def _start(self, config: SimConfig) -> "Future[Any]":
+    def _start(self, config: SimConfig) -> Future[Any]:
         args = (config, self.plan.replay, self.plan.reward_latency_s)
         if self._pool is not None:
             return self._pool.submit(_simulate, *args)
@@ -307,7 +313,7 @@ def split(plan: PlanConfig, share: float, tp: int, min_ranks: int) -> Candidate 
     """The async placement with about `share` of the accelerators generating (None if it
     leaves no server or too few trainer ranks)."""
     n = plan.num_accelerators
-    workers = int(round(share * n / tp))
+    workers = round(share * n / tp)
     ranks = n - workers * tp
     if workers < 1 or ranks < max(1, min_ranks):
         return None
@@ -316,7 +322,7 @@ def split(plan: PlanConfig, share: float, tp: int, min_ranks: int) -> Candidate 
 
 def etas(plan: PlanConfig) -> list[int]:
     """eta_min, eta_max and every power of two between them."""
-    powers = [2 ** k for k in range(0, 8) if plan.eta_min <= 2 ** k <= plan.eta_max]
+    powers = [2 ** k for k in range(8) if plan.eta_min <= 2 ** k <= plan.eta_max]
     return sorted({plan.eta_min, plan.eta_max, *powers})
 
 

@@ -12,7 +12,7 @@ the first stage and never ranked among the candidates.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from collections.abc import Callable
 
 from areal.config import ConfigError
 from areal.sim.plan import (

@@ -54,9 +54,8 @@ def test_the_cpu_machine_shares_its_cores_among_few_worker_placements():
                                        "num_accelerators=2", *TINY[1:]])
 
     class Recorder:
-        done: dict = {}
-
         def __init__(self):
+            self.done: dict = {}
             self.asked = []
 
         def evaluate(self, candidates):
@@ -88,7 +87,7 @@ def tiny_plan(tmp_path_factory):
 
 
 def test_the_search_goes_coarse_to_fine_and_ranks_every_candidate(tiny_plan):
-    plan, planned, evaluator, _ = tiny_plan
+    _, planned, evaluator, _ = tiny_plan
     # stage 1: shares 2/8..7/8 of 8 accelerators at tp 1, and the two baselines
     assert planned.stages[0] == 6 + 2 and len(planned.stages) == 4
     assert sum(planned.stages) == len(evaluator.done)
