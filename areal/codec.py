@@ -38,8 +38,10 @@ from collections.abc import Collection, Sequence
 import msgpack
 import numpy as np
 
+from areal.codec_fast import decode_header
 from areal.messages import (
-    DEFAULT_MAX_BYTES, MAX_DEPTH, SCHEMAS, MessageError, MsgType, Tensor, header_limit,
+    DEFAULT_MAX_BYTES, MAX_DEPTH, SCHEMAS, Generate, MessageError, MsgType, Tensor,
+    header_limit,
 )
 
 _ARRAY_EXT = 1
@@ -113,6 +115,12 @@ def torch_module():
 
 def encode(msg: Any) -> list[Any]:
     """Frames of `msg`: [type byte, header, *array buffers]. Buffers are not copied."""
+    if type(msg) is Generate:
+        return _encode_generate(msg)
+    return _encode(msg)
+
+
+def _encode(msg: Any) -> list[Any]:
     kind = getattr(type(msg), "KIND", None)
     if kind is None or SCHEMAS.get(kind) is not type(msg):
         raise MessageError(f"{type(msg).__name__} is not a registered message schema")
@@ -132,6 +140,41 @@ def encode(msg: Any) -> list[Any]:
     except TypeError as err:
         raise MessageError(f"{kind.name}: a field is not serialisable: {err}") from None
     return [bytes([kind]), packed, *buffers]
+
+
+_GENERATES: dict[int, tuple[Any, tuple[Any, ...], bytes, bytes, list[Any]]] = {}
+_GENERATES_ITEMS = 1 << 14
+"""A prompt's Generate encoded once, by its prompt array: (the array, the other fields,
+header bytes before and after the request id, the frames after the header). A group's
+samples are Generates that differ only in their request id; the controller sends one per
+sample (about 45,000 a step at 2,048 accelerators). The entry holds its array, so its id
+is not reused while it is kept. Bounded: emptied when full."""
+
+
+def _encode_generate(msg: Any) -> list[Any]:
+    """`_encode(msg)`, from the template of its prompt's Generate when it has one: the same
+    frames, byte for byte (tests/areal/test_messages.py)."""
+    rest = (msg.max_new_tokens, msg.temperature, msg.top_p, msg.stop_token_ids,
+            msg.prompt_id, msg.reference)
+    entry = _GENERATES.get(id(msg.prompt_ids))
+    if entry is None or entry[0] is not msg.prompt_ids or entry[1] != rest \
+            or type(msg.request_id) is not str:
+        frames = _encode(msg)
+        if type(msg.request_id) is not str:
+            return frames
+        # The header is a small map whose first key is request_id: cut out its value.
+        key, value = _packer().pack("request_id"), _packer().pack(msg.request_id)
+        start = 1 + len(key)
+        if frames[1][1:start] != key or frames[1][start:start + len(value)] != value:
+            return frames
+        if len(_GENERATES) >= _GENERATES_ITEMS:
+            _GENERATES.clear()
+        _GENERATES[id(msg.prompt_ids)] = (msg.prompt_ids, rest, frames[1][:start],
+                                          frames[1][start + len(value):], frames[2:])
+        return frames
+    _, _, before, after, arrays = entry
+    return [bytes([MsgType.GENERATE]), before + _packer().pack(msg.request_id) + after,
+            *arrays]
 
 
 _PACKERS = threading.local()
@@ -416,9 +459,11 @@ def _plain(value: Any, where: str, depth: int = 0) -> Any:
 
 
 def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_BYTES, *,
-           only: Collection[MsgType] | None = None) -> Any:
+           only: Collection[MsgType] | None = None, compiled: bool = True) -> Any:
     """Rebuild a message from its frames (without the ROUTER identity). Raises MessageError.
-    `only`: the kinds accepted; any other is refused on its type byte, nothing else read."""
+    `only`: the kinds accepted; any other is refused on its type byte, nothing else read.
+    `compiled`: try msgspec's checks first (areal.codec_fast), which accept and refuse what
+    the Python path does; False: the Python path alone (sim/speed.py's yardstick)."""
     if len(frames) < 2:
         raise MessageError(f"message has {len(frames)} frame(s); at least 2 expected")
     first = _view(frames[0])
@@ -441,6 +486,11 @@ def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_BYTES, *,
         raise MessageError(f"{kind.name}: header of {raw[1].nbytes} bytes exceeds the "
                            f"{limit.max_bytes}-byte limit of its kind", reason="too large")
     schema = SCHEMAS[kind]
+    if compiled:
+        message = decode_header(schema, raw[1], raw[2:], limit, _NUMPY_DTYPE_OBJECTS,
+                                _ext_hook)
+        if message is not None:
+            return message
     try:
         header = msgpack.unpackb(raw[1], ext_hook=_ext_hook, raw=False, strict_map_key=True,
                                  max_map_len=limit.max_items, max_array_len=limit.max_items,

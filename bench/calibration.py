@@ -131,6 +131,9 @@ def _accelerator_entry(costs: dict[str, Any], timings: Timings, stamp: str) -> d
         "inter_node_bandwidth": {"value": weight_rate, "source": f"{measured}: as "
                                  "intra_node_bandwidth (one machine)"},
         "devices_per_node": {"value": 2, "source": "lscpu: 2 cores"},
+        "shared_cores": {"value": 2, "source": "lscpu: 2 cores, shared by every worker "
+                         "process of a run: more busy worker threads than cores run at "
+                         "cores / threads of their speed (sim/workers.py, Host)"},
     }
 
 

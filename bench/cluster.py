@@ -61,7 +61,9 @@ from collections.abc import Callable
 import psutil
 
 from areal.sim.config import SimConfig, sim_config
+from areal.sim.plan import Evaluator, Outcome, load_plan_config
 from areal.sim.run import SimResult, simulate
+from areal.sim.search import search
 
 sys.path.insert(0, str(Path(__file__).parent))
 from results_page import publish, write_results
@@ -147,7 +149,11 @@ class Bench:
         configuration are shared). `wire`: messages go through the real codec (the
         controller's cost of table f); it changes no simulated number. `ablation`: the
         reduced batch of tables c-e."""
-        config = self.config(mode, wire, ablation, **values)
+        return self.submit(self.config(mode, wire, ablation, **values))
+
+    def submit(self, config: SimConfig) -> Future[SimResult]:
+        """Queue a resolved configuration's simulation (once; see `start`)."""
+        wire = config.wire
         key = json.dumps(dataclasses.asdict(config), sort_keys=True)
         with self._lock:
             run = self._runs.get(key)
@@ -271,24 +277,50 @@ def _lines(head: str, rows: list[str]) -> str:
 
 
 def table_a(bench: Bench) -> str:
-    rows = []
     paper = PAPER[:1] if bench.quick else PAPER
     counts = [32 if bench.quick else p.accelerators for p in paper]
     runs = []  # all queued before the first is awaited
     for p, n in zip(paper, counts, strict=True):
         common = dict(model=p.model, num_accelerators=n, rollout_tp=p.rollout_tp)
         runs.append((_shared_start(bench, "sync", **common),
+                     bench.start("sync", switch_costs=True, **common),
                      _shared_start(bench, "async", eta=p.eta, **common)))
-    for p, n, (sync_run, async_run) in zip(paper, counts, runs, strict=True):
-        sync, async_ = sync_run.result(), async_run.result()
-        rows.append(f"{p.model:>5} {n:>5} {p.eta:>4} {sync.step_s / 60:>9.2f} "
-                    f"{async_.step_s / 60:>9.2f} {sync.step_s / async_.step_s:>7.2f}x "
-                    f"{p.sync_h:>6.1f} {p.async_h:>6.1f} {p.sync_h / p.async_h:>7.2f}x "
+    with ThreadPoolExecutor(len(paper), thread_name_prefix="plan") as threads:
+        plans = list(threads.map(lambda pn: planned_best(bench, *pn), zip(paper, counts, strict=True)))
+    rows = []
+    for p, n, (sync_run, paid_run, async_run), best in zip(paper, counts, runs, plans, strict=True):
+        sync, paid, async_ = sync_run.result(), paid_run.result(), async_run.result()
+        c = best.candidate
+        rows.append(f"{p.model:>5} {n:>5} {p.eta:>4} {sync.step_s / 60:>8.2f} "
+                    f"{paid.step_s / 60:>8.2f} {async_.step_s / 60:>9.2f} "
+                    f"{sync.step_s / async_.step_s:>6.2f}x {paid.step_s / async_.step_s:>5.2f}x "
+                    f"{c.gen_fraction:>6.2f} {c.rollout_tp:>3} {best.step_s / 60:>8.2f} "
+                    f"{sync.step_s / best.step_s:>6.2f}x {paid.step_s / best.step_s:>5.2f}x "
+                    f"{p.sync_h:>7.1f} {p.async_h:>5.1f} {p.sync_h / p.async_h:>6.2f}x "
                     f"{async_.max_staleness:>5}")
-    return _lines(f"{'model':>5} {'accel':>5} {'eta':>4} {'sync min':>9} {'async min':>9} "
-                  f"{'ratio':>8} {'paper h':>6} {'':>6} {'paper':>8} {'stale':>5}", rows) + \
-        "\n(sim: minutes per training step, steady state; paper: hours of the whole run, " \
-        "sync then async)"
+    head = (f"{'model':>5} {'accel':>5} {'eta':>4} {'sync min':>8} {'+switch':>8} "
+            f"{'async min':>9} {'ratio':>7} {'paid':>6} {'plan':>6} {'tp':>3} {'plan min':>8} "
+            f"{'ratio':>7} {'paid':>6} {'paper h':>7} {'':>5} {'paper':>7} {'stale':>5}")
+    return _lines(head, rows) + (
+        "\n(sim: minutes per training step, steady state; sync: colocated, idealised; "
+        "+switch: the same paying its switches between generation and training (costs.yaml "
+        "colocation); async: 3/4 of the accelerators generating, the paper's tp; ratio: "
+        "sync over async step time, paid: +switch over async; plan: the planner's best split "
+        "(share generating, rollout tp) at the paper's eta (python -m areal.sim plan); paper: "
+        "hours of the whole run, sync then async)")
+
+
+def planned_best(bench: Bench, row: PaperRow, n: int) -> Outcome:
+    """The planner's best asynchronous configuration for a row of (a), at the paper's eta
+    (placements and interruption searched), its simulations run by the bench's pool."""
+    steps = QUICK_ASYNC_STEPS if bench.quick else ASYNC_STEPS
+    plan = load_plan_config(overrides=[
+        "accelerator=h800", f"model={row.model}", f"num_accelerators={n}",
+        *(f"{key}={value}" for key, value in bench.batch.items()),
+        f"eta_min={row.eta}", f"eta_max={row.eta}", f"coarse_eta={row.eta}",
+        f"steps={steps['steps']}", f"measure_from={steps['measure_from']}",
+        f"seed={bench.seed}"])
+    return search(plan, Evaluator(plan, jobs=1, submit=bench.submit), baselines=False).best
 
 
 def scale_counts(bench: Bench) -> list[int]:
@@ -316,6 +348,24 @@ def _scale_run(bench: Bench, mode: str, n: int) -> Future[SimResult]:
 
 def _scale_values(mode: str, n: int) -> dict[str, Any]:
     return dict(num_accelerators=n, **({} if mode == "sync" else {"eta": 8}))
+
+
+def large_counts(bench: Bench) -> list[int]:
+    """(f) and (r) only, async: clusters beyond (b)'s largest."""
+    return [64] if bench.quick else [1024, 2048]
+
+
+def _large_run(bench: Bench, n: int, **values: Any) -> Future[SimResult]:
+    """An async run of (f) beyond (b)'s largest cluster: the batch and the prompts in flight
+    scaled with the cluster (at 2,048 accelerators 2,048 prompts x 16 a step), so that each
+    accelerator has the load it has at (b)'s largest."""
+    return bench.start("async", wire=True, **_large_values(bench, n), **values)
+
+
+def _large_values(bench: Bench, n: int) -> dict[str, Any]:
+    factor = n // scale_counts(bench)[-1]
+    return dict(_scale_values("async", n), num_prompts=bench.batch["num_prompts"] * factor,
+                max_concurrent_prompts=512 * factor)
 
 
 def _shared_start(bench: Bench, mode: str, **values: Any) -> Future[SimResult]:
@@ -421,8 +471,8 @@ ALONE_REPEATS = 3
 def table_r(bench: Bench) -> str:
     """(f)'s largest async run, measured in the simulation and alone, a few times over. Run
     here, one after the other (nothing else runs beside a measured simulation)."""
-    n = scale_counts(bench)[-1]
-    config = bench.config("async", wire=True, num_accelerators=n, eta=8, measure_alone=True)
+    n = large_counts(bench)[-1]
+    config = bench.config("async", wire=True, measure_alone=True, **_large_values(bench, n))
     rows = []
     for i in range(2 if bench.quick else ALONE_REPEATS):
         r = _simulate(config)
@@ -435,7 +485,7 @@ def table_r(bench: Bench) -> str:
                     f"{r.reference_decode_us:>6.1f}")
     return _lines(f"{'run':>5} {'in sim s':>9} {'gc s':>5} {'share':>7} {'alone s':>9} "
                   f"{'gc s':>5} {'share':>7} {'alone/in':>8} {'ref us':>6}", rows) + \
-        f"\n(1.5B async, eta 8, {n} accelerators, batch {bench.batch['num_prompts']} x " \
+        f"\n(1.5B async, eta 8, {n} accelerators, batch {config.num_prompts} x " \
         f"{bench.batch['group_size']}, step {r.step_s:.1f} s " \
         "simulated; CPU seconds per step inside the controller's tasks: in the simulation " \
         f"(its messages recorded), and alone with the same messages replayed; {GC_NOTE}; " \
@@ -445,20 +495,32 @@ def table_r(bench: Bench) -> str:
 def table_f(bench: Bench) -> str:
     counts = scale_counts(bench)
     runs = [(n, mode, _scale_run(bench, mode, n)) for n in counts for mode in ("sync", "async")]
+    runs += [(n, "async", _large_run(bench, n)) for n in large_counts(bench)]
     rows = []
     for n, mode, run in runs:
         r = run.result()
         top = max(r.controller_cpu_by_loop.items(), key=lambda kv: kv[1], default=("-", 0))
         rows.append(f"{n:>5} {mode:>6} {r.step_s:>9.1f} {r.controller_cpu_s_per_step:>9.2f} "
                     f"{r.controller_gc_s_per_step:>5.2f} {r.controller_share:>7.1%} "
+                    f"{r.controller_pack_cpu_s_per_step:>6.2f} "
                     f"{r.trajectories_per_cpu_s:>9.0f} {r.peak_rss_mb / 1024:>6.1f} "
                     f"{r.reference_decode_us:>6.1f} {top[0]}:{top[1]:.2f}")
     return _lines(f"{'accel':>5} {'mode':>6} {'step s':>9} {'ctl cpu s':>9} {'gc s':>5} "
-                  f"{'share':>7} {'traj/cpus':>9} {'rss GB':>6} {'ref us':>6} "
+                  f"{'share':>7} {'pack s':>6} {'traj/cpus':>9} {'rss GB':>6} {'ref us':>6} "
                   "largest loop (cpu s/step)", rows) + \
         "\n(ctl cpu s: real CPU seconds inside the controller's tasks per simulated step, " \
         "message decoding and encoding included; share: of the simulated step time; " \
-        f"{GC_NOTE}; {REF_NOTE})"
+        "pack s: CPU seconds a step of the thread that packs the Train messages, beside " \
+        "the controller's event loop (not in ctl cpu s); " \
+        f"{GC_NOTE}; {REF_NOTE}; {_large_note(bench)})"
+
+
+def _large_note(bench: Bench) -> str:
+    large = large_counts(bench)
+    group = bench.batch["group_size"]
+    batches = ", ".join(f"{_large_values(bench, n)['num_prompts']} x {group}" for n in large)
+    return (f"{', '.join(map(str, large))} accelerators: async, the batch scaled with the "
+            f"cluster ({batches}), as the prompts in flight")
 
 
 GC_NOTE = ("gc s: of the CPU seconds, garbage collections that ran in the controller's "

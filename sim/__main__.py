@@ -1,12 +1,17 @@
-"""Ask the simulated cluster one question: what would this run cost?
+"""Ask the simulated cluster what a run would cost, or how best to run it.
 
     python -m areal.sim [--config FILE] [key=value ...]
     python -m areal.sim num_accelerators=256 accelerator=h100 model=7b mode=async eta=4
     python -m areal.sim --help
+    python -m areal.sim plan [--config FILE] [key=value ...]      # areal.sim.plan
+    python -m areal.sim plan num_accelerators=128 model=1.5b out=plan.yaml
 
-Runs the real controller on a simulated cluster (areal.sim.run.simulate) and prints the
-steady-state step time, the hours of `report_steps` steps, the effective training throughput
-(trained tokens per second), staleness and interruptions, and the controller's own CPU cost.
+A question runs the real controller on a simulated cluster (areal.sim.run.simulate) and
+prints the steady-state step time, the hours of `report_steps` steps, the effective training
+throughput (trained tokens per second), staleness and interruptions, and the controller's
+own CPU cost. `plan` searches placements, eta and interruption by such simulations
+(areal.sim.search), prints the best configurations beside synchronous colocated on the same
+accelerators and writes the winner as a run config file.
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import sys
+import time
 
 from areal.config import ConfigError
 
@@ -22,10 +29,10 @@ from areal.sim.config import SimConfig, load_sim_config
 from areal.sim.run import SimResult, simulate
 
 
-def describe() -> str:
+def describe(schema: type = SimConfig) -> str:
     """The options with their defaults and help text (for --help)."""
     lines = ["options (key=value; defaults shown):"]
-    for f in dataclasses.fields(SimConfig):
+    for f in dataclasses.fields(schema):
         choices = f.metadata.get("choices")
         extra = f" [{', '.join(choices)}]" if choices else ""
         lines.append(f"  {f.name}={f.default!r}{extra}\n      {f.metadata['help']}")
@@ -38,7 +45,8 @@ def report(result: SimResult) -> str:
         else "colocated"
     return "\n".join([
         f"{cfg['num_accelerators']} x {cfg['accelerator']}, model {cfg['model']}, "
-        f"{cfg['mode']} ({place}), eta={cfg['eta']}, interrupt={cfg['interrupt']}, "
+        f"{cfg['mode']} ({place}{', paying its switches' if cfg['switch_costs'] else ''}), "
+        f"eta={cfg['eta']}, interrupt={cfg['interrupt']}, "
         f"batch {cfg['num_prompts']} x {cfg['group_size']}, max {cfg['max_new_tokens']} tokens"
         + (f", LoRA rank {cfg['lora_rank']}" if cfg.get("lora_rank") else ""),
         f"  step time          {result.step_s:10.1f} s (simulated, steps "
@@ -61,6 +69,9 @@ def report(result: SimResult) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plan"]:
+        return plan_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="python -m areal.sim", description=__doc__.split("\n\n")[0],
         epilog=describe(), formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -75,6 +86,42 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     result = simulate(cfg)
     print(json.dumps(result.to_dict(), indent=2) if args.json else report(result))
+    return 0
+
+
+def plan_main(argv: list[str]) -> int:
+    """python -m areal.sim plan: search, print the best configurations, write the winner."""
+    from areal.sim.plan import Evaluator, PlanConfig, load_plan_config
+    from areal.sim.plan_output import table, write_run_config
+    from areal.sim.search import search
+
+    parser = argparse.ArgumentParser(
+        prog="python -m areal.sim plan", description="the best way to run one job on a "
+        "cluster: placements, eta and interruption searched by simulation",
+        epilog=describe(PlanConfig), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML file of options (keys as below)")
+    parser.add_argument("overrides", nargs="*", help="key=value options")
+    args = parser.parse_args(argv)
+    try:
+        plan = load_plan_config(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    evaluator = Evaluator(plan, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    try:
+        planned = search(plan, evaluator,
+                         log=lambda line: print(line, file=sys.stderr, flush=True))
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        evaluator.close()
+    print(table(plan, planned))
+    command = " ".join(["python -m areal.sim plan", *map(shlex.quote, argv)])
+    path = write_run_config(plan, planned, plan.out, command)
+    print(f"\nwritten: {path} (python -m areal.controller --config {path}); planned in "
+          f"{time.perf_counter() - start:.0f} s, {evaluator.jobs} simulations at once")
     return 0
 
 

@@ -8,6 +8,9 @@ task (the loop's own scheduling, timer callbacks) is neither and is reported apa
 
 So the controller's share is what its own coroutines cost, message decoding and encoding
 included (the in-process channel decodes inside the receiving task), as on a real socket.
+It is the CPU time of the event loop's thread (`time.thread_time`): work the controller
+hands to another thread (packing Train messages, `asyncio.to_thread`) runs beside its loop
+on a real machine and is reported apart (the step records' perf/pack_cpu_s).
 
 Garbage collections are the exception that the shared process makes: one runs inside
 whichever step's allocation triggered it and walks every tracked object of the process, the
@@ -62,9 +65,9 @@ class CpuAccounts:
 
     def _on_collection(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
-            self._gc_started = time.process_time()
+            self._gc_started = time.thread_time()
         elif self.running is not None:
-            self.gc_s[self.running] += time.process_time() - self._gc_started
+            self.gc_s[self.running] += time.thread_time() - self._gc_started
 
     def _factory(self, loop: asyncio.AbstractEventLoop, coro: Coroutine,
                  context: contextvars.Context | None = None) -> asyncio.Task:
@@ -114,19 +117,19 @@ class _Timed(collections.abc.Coroutine):
 
     def send(self, value: Any) -> Any:
         self._accounts.running = self._owner
-        start = time.process_time()
+        start = time.thread_time()
         try:
             return self._coro.send(value)
         finally:
-            self._add(time.process_time() - start)
+            self._add(time.thread_time() - start)
 
     def throw(self, *args: Any) -> Any:
         self._accounts.running = self._owner
-        start = time.process_time()
+        start = time.thread_time()
         try:
             return self._coro.throw(*args)
         finally:
-            self._add(time.process_time() - start)
+            self._add(time.thread_time() - start)
 
     def close(self) -> None:
         self._coro.close()

@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Callable, Coroutine
 
+import numpy as np
+
 from areal.config import load_config
 from areal.controller import Controller
 from areal.controller.runtime import Connection
@@ -64,7 +66,44 @@ class Arrival:
     time: float
     identity: bytes
     frames: list[Any]
-    """As received: type byte, header, array frames."""
+    """As received: type byte, header, array frames (a frame of few runs kept as its runs,
+    `_Runs`, rebuilt when it is handed over)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Runs:
+    """An int32 frame of few runs of equal values, as (values, lengths): a completion's
+    per-token versions (a handful of versions over thousands of tokens). Kept as they
+    arrived, a 7-step simulation at 2,048 accelerators recorded about 6 GB of them."""
+
+    values: np.ndarray
+    lengths: np.ndarray
+
+    def frame(self) -> memoryview:
+        return np.repeat(self.values, self.lengths).data.cast("B")
+
+
+_RUNS_MIN_BYTES = 4096
+"""Smaller frames are kept as they are (their runs would save little)."""
+
+
+def _compact(frame: Any) -> Any:
+    """`frame`, or its runs when it owns an int32 buffer of far fewer runs than values (a
+    view of another array, e.g. the simulated servers' shared token buffer, costs nothing
+    and is kept)."""
+    if type(frame) is not memoryview or frame.nbytes < _RUNS_MIN_BYTES or frame.nbytes % 4 \
+            or getattr(frame.obj, "base", True) is not None:
+        return frame
+    values = np.frombuffer(frame, np.int32)
+    starts = np.flatnonzero(values[1:] != values[:-1]) + 1
+    if len(starts) * 16 > len(values):
+        return frame
+    bounds = np.concatenate([[0], starts, [len(values)]])
+    return _Runs(values[bounds[:-1]].copy(), np.diff(bounds))
+
+
+def _expanded(frames: list[Any]) -> list[Any]:
+    return [f.frame() if type(f) is _Runs else f for f in frames]
 
 
 @dataclass
@@ -79,7 +118,7 @@ class Recording:
 
     def received(self, identity: bytes, frames: list[Any]) -> None:
         self.arrivals.append(Arrival(self.accounts.controller_steps, self.clock(), identity,
-                                     frames))
+                                     [*frames[:2], *map(_compact, frames[2:])]))
 
     def sent(self, identity: bytes, frames: list[Any]) -> None:
         self.sent_frames.append(_sent_key(identity, frames))
@@ -181,7 +220,7 @@ class _Feeder:
                     self.timer_for = self.next
                     loop.call_at(arrival.time, self)
                 return
-            self.router.deliver(arrival.identity, arrival.frames)
+            self.router.deliver(arrival.identity, _expanded(arrival.frames))
             self.next += 1
 
 

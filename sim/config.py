@@ -13,8 +13,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 from collections.abc import Sequence
+from typing import Any, TypeVar
 
 import yaml
 from omegaconf import OmegaConf
@@ -23,6 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 from areal.config import ConfigError, opt
 
 PLACEMENTS = ("split", "colocated")
+T = TypeVar("T")
 
 
 @dataclass(kw_only=True)
@@ -37,6 +38,12 @@ class SimConfig:
                          "(gen_fraction of them generate); colocated: every accelerator "
                          "generates, then every one trains (sync only, as verl runs)",
                          list(PLACEMENTS))
+    switch_costs: bool = opt(False, "colocated placement: pay what a colocated synchronous "
+                             "system pays each step to switch its accelerators between "
+                             "generation and training (the engine's weights to host memory "
+                             "and back, its KV cache dropped and allocated again, the "
+                             "trainer's states in and out: costs.yaml `colocation`); false: "
+                             "the idealised baseline, which pays none of it")
     gen_fraction: float = opt(0.75, "split placement: fraction of the accelerators that "
                               "generate (AReaL: 3/4)")
     rollout_tp: int = opt(1, "accelerators per rollout server (tensor parallel)")
@@ -92,6 +99,10 @@ class SimConfig:
         if self.placement == "colocated" and self.mode != "sync":
             raise ConfigError("placement='colocated' runs generation and training on the same "
                               "accelerators one after the other: it needs mode='sync'")
+        if self.switch_costs and self.placement != "colocated":
+            raise ConfigError("switch_costs=true prices switching the same accelerators "
+                              "between generation and training: it needs "
+                              "placement='colocated'")
         if self.placement == "split":
             if not 0 < self.gen_fraction < 1:
                 raise ConfigError(f"gen_fraction={self.gen_fraction!r} must be in (0, 1)")
@@ -162,7 +173,14 @@ class SimConfig:
 
 def load_sim_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> SimConfig:
     """Defaults, then the YAML file, then `key=value` overrides; validated."""
-    node = OmegaConf.structured(SimConfig)
+    return load_options(SimConfig, path, overrides)
+
+
+def load_options(schema: type[T], path: str | Path | None = None,
+                 overrides: Sequence[str] = ()) -> T:
+    """An options dataclass of this module's kind (fields made with `opt`, a `check()`):
+    defaults, then the YAML file, then `key=value` overrides; validated."""
+    node = OmegaConf.structured(schema)
     try:
         if path is not None:
             loaded = yaml.safe_load(Path(path).read_text()) or {}
@@ -179,8 +197,8 @@ def load_sim_config(path: str | Path | None = None, overrides: Sequence[str] = (
         raise ConfigError(f"cannot read config file {str(path)!r}: {err}") from None
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or "?"
-        raise ConfigError(f"sim config key {key!r}: {str(err).splitlines()[0]}; run "
-                          "python -m areal.sim --help for the options") from None
+        raise ConfigError(f"{schema.__name__} key {key!r}: {str(err).splitlines()[0]}; "
+                          "--help lists the options") from None
     for f in dataclasses.fields(cfg):
         choices = f.metadata.get("choices")
         if choices and getattr(cfg, f.name) not in choices:

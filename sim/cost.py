@@ -42,6 +42,11 @@ Formulas (P_m = parameters in matrix products, L layers, h hidden width, bf16 = 
         of the backward pass: passes = 1 + 2 * (1 - share) + r_prox (+ the adapters' own
         6 * P_a FLOPs per token); decoding and prefill apply the adapters unmerged
         (+ 2 * P_a FLOPs per token; the adapter kernels' own overhead is not modelled)
+    colocated synchronous switches (`switch_costs`, costs.yaml `colocation`): per step each
+        device moves its engine's weight shard W/t out to host memory (KV cache dropped) and
+        back in (KV cache allocated again), and the trainer's sharded states (14 bytes a
+        parameter: bf16 weights, fp32 master weights, AdamW moments, over the N ranks) in and
+        out: (W/t + 14*P/N) * (1/(host*sleep) + 1/(host*wake)) + wake_overhead_s
 
 Not modelled (said so where it matters): kernel-level effects beyond the roofline, the
 optimiser step, checkpoints, pipeline bubbles, stragglers, network contention between jobs.
@@ -75,6 +80,13 @@ class Accelerator:
     inter_node_bandwidth: float
     """Bytes/s per device, one direction, to other nodes."""
     devices_per_node: int
+    host_bandwidth: float | None = None
+    """Bytes/s per device, one direction, between the device and host memory (PCIe); only
+    the colocated switches use it (None: not priced for this accelerator)."""
+    shared_cores: int | None = None
+    """The CPU machine, where one accelerator is one thread of a worker: the threads of every
+    worker of a run share this many cores (sim/workers.py, Host). None: each worker has its
+    accelerators to itself."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,16 +198,39 @@ class Lora:
     base)."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class Colocation:
+    """What a colocated synchronous system pays to switch its accelerators between
+    generation and training (costs.yaml `colocation`, each number with its source)."""
+
+    sleep_efficiency: float
+    """Fraction of `host_bandwidth` reached moving weights out to host memory (an engine's
+    sleep, a trainer's offload), every device of a node at once."""
+    wake_efficiency: float
+    """The same into the device (an engine's wake, a trainer's reload)."""
+    wake_overhead_s: float
+    """Fixed cost of an engine's wake beyond moving its weights (KV cache allocated again)."""
+    offload_trainer: bool
+    """The trainer's states leave the device while the engine generates."""
+
+
+TRAINER_STATE_BYTES = 14
+"""Bytes a parameter of the trainer's states: bf16 weights, fp32 master weights, AdamW's two
+fp32 moments (gradients exist only inside a step)."""
+
+
 class CostModel:
     """Durations of generation, training and weight movement for one cluster and model."""
 
     def __init__(self, accelerator: Accelerator, model: ModelShape, efficiency: Efficiency,
-                 mem_fraction: float, lora: Lora | None = None) -> None:
+                 mem_fraction: float, lora: Lora | None = None,
+                 colocation: Colocation | None = None) -> None:
         self.acc = accelerator
         self.model = model
         self.eff = efficiency
         self.mem_fraction = mem_fraction
         """Fraction of device memory an inference engine takes (weights + KV cache)."""
+        self.colocation = colocation
         self.lora = lora
         self.adapter_params = model.adapter_params(lora.rank, lora.target_modules) \
             if lora else 0
@@ -317,6 +352,23 @@ class CostModel:
         return self.published_bytes / (bandwidth * self.eff.link)
 
 
+    def switch_s(self, num_devices: int, tp: int) -> float:
+        """Seconds a colocated synchronous step spends switching each device (all in
+        parallel) from generation to training and back: the engine's weight shard out to
+        host memory and in again (its KV cache dropped, then allocated), the trainer's
+        sharded states in and out (module docstring)."""
+        c, host = self.colocation, self.acc.host_bandwidth
+        if c is None or host is None:
+            raise ValueError(f"the cost file prices no colocated switch for {self.acc.name}: "
+                             "it needs a `colocation` section and the accelerator's "
+                             "host_bandwidth (see sim/costs.yaml)")
+        moved = self.model.weight_bytes / tp
+        if c.offload_trainer:
+            moved += TRAINER_STATE_BYTES * self.model.params / num_devices
+        return moved / (host * c.sleep_efficiency) + moved / (host * c.wake_efficiency) \
+            + c.wake_overhead_s
+
+
 def _moments(lengths: Sequence[int] | np.ndarray) -> tuple[float, float]:
     """(sum of lengths, sum of squared lengths)."""
     values = np.asarray(lengths, dtype=np.float64)
@@ -388,7 +440,7 @@ def cost_model(costs: dict[str, Any], accelerator_name: str, model_name: str,
     values = _values(_entry(costs, "models", model_name), f"models.{model_name}")
     return CostModel(accelerator(costs, accelerator_name), model_shape(costs, model_name),
                      efficiency(costs, accelerator_name), float(values["mem_fraction"]),
-                     lora_costs(costs, lora_rank))
+                     lora_costs(costs, lora_rank), colocation(costs))
 
 
 def lora_costs(costs: dict[str, Any], rank: int) -> Lora | None:
@@ -401,6 +453,12 @@ def lora_costs(costs: dict[str, Any], rank: int) -> Lora | None:
     values = _values(costs["lora"], "lora")
     return Lora(rank=rank, target_modules=tuple(values["target_modules"]),
                 backward_weight_grad_share=float(values["backward_weight_grad_share"]))
+
+
+def colocation(costs: dict[str, Any]) -> Colocation | None:
+    """The colocated switches' factors (None: the file has no `colocation` section)."""
+    entry = costs.get("colocation")
+    return None if entry is None else Colocation(**_values(entry, "colocation"))
 
 
 def _entry(costs: dict[str, Any], section: str, name: str) -> dict[str, Any]:

@@ -8,9 +8,9 @@ deterministic: the same program gives the same virtual timeline, whatever the ma
 
 That holds only if every event source lives in the loop: timers (`asyncio.sleep`,
 `wait_for`), futures and queues. Real sockets would be polled without waiting (the loop
-never blocks for them); threads are allowed and take no virtual time: while any
-`run_in_executor` / `asyncio.to_thread` call is in flight, the loop waits for it in real
-time and its clock stands still. The controller reads its clock through `areal.clock`,
+never blocks for them); threads are allowed and take no virtual time: a
+`run_in_executor` / `asyncio.to_thread` call runs in its thread while the loop waits for it,
+its clock standing still, and its caller continues as if the call were synchronous. The controller reads its clock through `areal.clock`,
 which sees the `virtual_time` marker.
 
 A simulation that stops making progress (a deadlock: no timer, no thread, nothing ready)
@@ -21,6 +21,7 @@ raises `SimulationStalled` instead of hanging, and so does one whose clock passe
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import selectors
 from typing import Any, TypeVar
 from collections.abc import Callable, Coroutine
@@ -48,8 +49,6 @@ class _VirtualSelector(selectors.DefaultSelector):
         events = super().select(0)
         if events or timeout == 0:
             return events
-        if loop.num_threads:  # a thread is working: wait for it in real time, clock stopped
-            return super().select(None)
         if timeout is None:
             # Only a thread the loop does not know of could still wake it (e.g. the one
             # asyncio starts to shut its executor down): give such a thread a moment.
@@ -80,8 +79,6 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         self._now = 0.0
         self._clock_resolution = 1e-9
         self.limit_s = limit_s
-        self.num_threads = 0
-        """Executor calls in flight (the clock stands still while any runs)."""
 
     def time(self) -> float:
         return self._now
@@ -91,13 +88,23 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
     def run_in_executor(  # type: ignore[override]  # same call, a narrower annotation
             self, executor: Any, func: Callable[..., T], *args: Any) -> asyncio.Future:
-        future = super().run_in_executor(executor, func, *args)
-        self.num_threads += 1
-        future.add_done_callback(self._thread_done)
-        return future
-
-    def _thread_done(self, _: asyncio.Future) -> None:
-        self.num_threads -= 1
+        """`func` runs in a thread of `executor` (default: the loop's) and the loop waits
+        for it before going on: the future it returns is already done. So a coroutine that
+        awaits it continues at once, as if the call were synchronous, and what else the loop
+        runs meanwhile does not depend on how long the thread takes in real time (the
+        timeline stays a function of the seed). The work is still done by another thread:
+        the CPU time of the loop's thread (sim/accounting.py) does not include it."""
+        if executor is None:
+            executor = getattr(self, "_default_executor", None)
+            if executor is None:
+                executor = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="asyncio")
+                self.set_default_executor(executor)
+        done = self.create_future()
+        try:
+            done.set_result(executor.submit(func, *args).result())
+        except BaseException as err:  # the caller's await raises it, as from a thread
+            done.set_exception(err)
+        return done
 
 
 def run_virtual(main: Callable[[], Coroutine[Any, Any, T]], limit_s: float = float("inf")) -> T:

@@ -184,7 +184,7 @@ class SimRollout(SimWorker):
     def _set_busy(self, busy: bool) -> None:
         if busy != self._busy_host:
             self._busy_host = busy
-            self.env.host.set_busy(WorkerKind.ROLLOUT, busy)
+            self.env.host.set_busy(WorkerKind.ROLLOUT, busy, self.tp)
 
     async def _compute(self, seconds: float) -> None:
         """Work that runs to completion (prefill, loading weights); messages wait."""

@@ -83,6 +83,9 @@ class SimResult:
     controller_gc_s_per_step: float
     """Of controller_cpu_s_per_step, garbage collections that ran in the controller's steps
     (each walks the simulated cluster's objects too: sim/accounting.py)."""
+    controller_pack_cpu_s_per_step: float
+    """CPU seconds per step the controller's thread for packing Train messages took (the
+    step records' perf/pack_cpu_s): beside its event loop, not in controller_cpu_s_per_step."""
     trajectories_per_cpu_s: float
     """Trajectories the controller handles per second of its own CPU time."""
     controller_alone_cpu_s_per_step: float | None
@@ -187,10 +190,13 @@ def simulate(sim: SimConfig, console: io.TextIOBase | None = None,
         cfg = load_config(overrides=sim.to_run_overrides(str(Path(run_dir))))
         accounts = CpuAccounts()
         env = SimEnv(cfg=cfg, cost=cost, workload=workload,
-                     host=Host(cost.eff.contention, cost.eff.train_contention),
+                     host=Host(cost.eff.contention, cost.eff.train_contention,
+                               cost.acc.shared_cores),
                      rollout_tp=sim.rollout_tp,
                      colocated=sim.placement == "colocated",
-                     num_trainer_ranks=sim.num_trainer_ranks)
+                     num_trainer_ranks=sim.num_trainer_ranks,
+                     switch_s=cost.switch_s(sim.num_trainer_ranks, sim.rollout_tp)
+                     if sim.switch_costs else 0.0)
         recording = Recording(accounts, lambda: asyncio.get_running_loop().time()) \
             if sim.measure_alone else None
         ctl = Controller(cfg, runtime=SimRuntime(env, sim.wire, recording))
@@ -240,6 +246,8 @@ def _result(sim: SimConfig, summary: dict[str, Any], steps: list[dict[str, Any]]
         controller_cpu_s_per_step=cpu / (last - first),
         controller_cpu_by_loop=_by_loop(marks, first, last),
         controller_gc_s_per_step=_per_step(marks, _GC, first, last),
+        controller_pack_cpu_s_per_step=sum(r.get("perf/pack_cpu_s", 0.0)
+                                           for r in steps[first:last]) / (last - first),
         trajectories_per_cpu_s=batch * (last - first) / cpu if cpu > 0 else float("inf"),
         controller_alone_cpu_s_per_step=None if alone is None else _per_step(
             alone.marks, _CPU, first, last),

@@ -338,3 +338,19 @@ def test_fields_at_their_defaults_stay_off_the_wire_and_come_back():
     with pytest.raises(MessageError, match="HEARTBEAT.num_running: expected int, got bool"):
         decode(encode(Heartbeat(num_running=False)))
     assert decode(encode(Heartbeat())) == Heartbeat()
+
+
+def test_a_groups_generates_encode_from_its_prompts_template_byte_for_byte():
+    from areal.codec import _encode
+
+    prompt = np.arange(300, dtype=np.int32)
+    for request_id in ["g1-s0-a0", "g1-s15-a2", "x" * 40, ""]:
+        for stop in ([0], [0, 7]):
+            msg = Generate(request_id=request_id, prompt_ids=prompt, max_new_tokens=64,
+                           temperature=1.0, stop_token_ids=stop)
+            assert [bytes(f) for f in encode(msg)] == [bytes(f) for f in _encode(msg)]
+            assert decode(encode(msg)).request_id == request_id
+    # another prompt array of the same values is another template
+    other = Generate(request_id="g2-s0-a0", prompt_ids=prompt.copy(), max_new_tokens=64,
+                     temperature=0.5, stop_token_ids=[0])
+    assert [bytes(f) for f in encode(other)] == [bytes(f) for f in _encode(other)]

@@ -132,3 +132,20 @@ def test_the_accounts_count_the_controllers_steps_and_call_back_after_each():
 
     # the controller task's 4 steps (start, 3 wake-ups); the worker's are not counted
     assert run_virtual(main) == ([1, 2, 3, 4], 4)
+
+
+def test_a_recorded_frame_of_few_runs_is_kept_as_its_runs_and_handed_over_whole():
+    import numpy as np
+
+    from areal.sim.alone import _Runs, _compact, _expanded
+
+    versions = np.repeat(np.array([3, 4, 6], np.int32), [2000, 1500, 700])
+    frame = memoryview(versions).cast("B")
+    kept = _compact(frame)
+    assert type(kept) is _Runs and kept.values.tolist() == [3, 4, 6]
+    (again,) = _expanded([kept])
+    assert bytes(again) == bytes(frame)
+    shared = np.zeros(1 << 14, np.int32)
+    view = memoryview(shared[:3000]).cast("B")  # a view of another buffer: costs nothing
+    noisy = memoryview(np.arange(3000, dtype=np.int32)).cast("B")  # as many runs as values
+    assert _compact(view) is view and _compact(noisy) is noisy

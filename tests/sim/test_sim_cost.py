@@ -138,3 +138,16 @@ def test_lora_publishes_the_adapters_and_skips_the_base_weight_gradients():
     assert cost_model(COSTS, "h800", "7b", lora_rank=0).lora is None
     with pytest.raises(ValueError, match="needs a `lora` entry"):
         cost_model({k: v for k, v in COSTS.items() if k != "lora"}, "h800", "7b", lora_rank=8)
+
+
+def test_a_colocated_switch_by_hand():
+    costs = load_costs(COSTS_FILE)
+    cost = cost_model(costs, "h800", "7b")
+    c = costs["colocation"]
+    sleep, wake = (c[k]["value"] * 64e9 for k in ("sleep_efficiency", "wake_efficiency"))
+    moved = cost.model.weight_bytes / 2 + 14 * cost.model.params / 256  # tp 2, 256 ranks
+    assert cost.switch_s(256, 2) == pytest.approx(
+        moved / sleep + moved / wake + c["wake_overhead_s"]["value"], rel=1e-12)
+    cpu = cost_model(costs, "cpu-2core", "tiny")
+    with pytest.raises(ValueError, match="host_bandwidth"):
+        cpu.switch_s(2, 1)

@@ -92,3 +92,25 @@ def test_shared_cores_slow_work_only_while_the_other_kind_runs():
         return generated_at, asyncio.get_running_loop().time()
 
     assert run_virtual(main) == (pytest.approx(3.0), pytest.approx(4.0))
+
+
+def test_more_busy_threads_than_cores_share_the_cores():
+    from areal.messages import WorkerKind
+    from areal.sim.workers import Host
+
+    async def main() -> list[float]:
+        host = Host(contention=1.0, cores=2)
+        loop = asyncio.get_running_loop()
+        # three one-thread workers on two cores: each at 2/3 of its speed while all run
+        done = []
+
+        async def work(kind: WorkerKind, seconds: float) -> None:
+            await host.work(kind, seconds)
+            done.append(loop.time())
+
+        await asyncio.gather(work(WorkerKind.TRAINER, 2.0), work(WorkerKind.ROLLOUT, 2.0),
+                             work(WorkerKind.ROLLOUT, 1.0))
+        return done
+
+    # 1 s of work at 2/3 speed: 1.5 s; then two threads on two cores: 1 s left each
+    assert run_virtual(main) == [pytest.approx(1.5), pytest.approx(2.5), pytest.approx(2.5)]

@@ -140,3 +140,15 @@ def test_the_start_evaluates_as_many_prompts_as_asked_beside_the_first_groups(tm
 def test_bad_options_are_named(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_sim_config(None, overrides)
+
+
+def test_a_colocated_sync_step_that_pays_its_switches_takes_that_much_longer():
+    from areal.sim.cost import cost_model, load_costs
+
+    values = dict(SMALL, mode="sync", placement="colocated", steps=2, measure_from=1)
+    ideal = simulate(sim_config(**values))
+    paid = simulate(sim_config(switch_costs=True, **values))
+    switch = cost_model(load_costs(), "h800", "1.5b").switch_s(16, 1)
+    assert paid.step_s - ideal.step_s == pytest.approx(switch, rel=1e-6)
+    with pytest.raises(ConfigError, match="needs placement='colocated'"):
+        sim_config(switch_costs=True, mode="async")

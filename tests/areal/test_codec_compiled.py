@@ -1,0 +1,111 @@
+"""The codec's compiled path (areal.codec_fast, msgspec) decodes every message as its Python
+path does: the same message when both accept it, the same refusal (worded by the Python
+path) when not. Headers are drawn as in test_codec_fast_path.py: a well-formed message's
+fields, each possibly replaced by a hostile value or left out, plus unknown fields."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from areal import codec, messages
+from areal.codec import decode, encode
+from areal.codec_fast import wire_struct
+from areal.messages import FinishReason, Generated, HeaderLimit, MsgType, Scored
+from areal.tasks.base import Verdict
+
+from tests.areal.test_codec_fast_path import (
+    _FRAMES, _HOSTILE, _NEAR_MISSES, _header_and_frames, _plain,
+)
+from tests.areal.test_messages import SAMPLES
+
+COMPILED = sorted(k for k in SAMPLES if wire_struct(messages.schemas()[k]) is not None)
+
+
+def _packed(value):
+    """A decoded header value packed again (array references as the extension they were)."""
+    if isinstance(value, codec._ArrayRef):
+        return msgpack.ExtType(codec._ARRAY_EXT, msgpack.packb(
+            [value.dtype, list(value.shape), value.index]))
+    if isinstance(value, list):
+        return [_packed(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _packed(v) for k, v in value.items()}
+    return value
+
+
+def _decoded(frames, compiled: bool):
+    try:
+        msg = decode(frames, compiled=compiled)
+    except messages.MessageError as err:
+        return "error", str(err)
+    return "ok", {name: _plain(getattr(msg, name)) for name in vars(msg)}
+
+
+def _both(kind, header, frames):
+    raw = [bytes([kind]), msgpack.packb(_packed(header)), *frames]
+    compiled, python = _decoded(raw, True), _decoded(raw, False)
+    assert compiled == python, (header, compiled, python)
+    return compiled
+
+
+def test_the_messages_a_controller_receives_most_take_the_compiled_path():
+    assert {MsgType.GENERATED, MsgType.SCORED, MsgType.HEARTBEAT,
+            MsgType.WEIGHTS_UPDATED} <= set(COMPILED)
+    # an untyped field must hold plain data only, which msgspec does not check
+    assert MsgType.SCORE not in COMPILED and MsgType.GENERATE not in COMPILED
+
+
+@settings(max_examples=600, deadline=None)
+@given(kind=st.sampled_from(COMPILED), data=st.data())
+def test_the_compiled_path_decides_every_header_as_the_python_path_does(kind, data):
+    header, frames = _header_and_frames(SAMPLES[kind])
+    near = st.sampled_from([*header.values(), *_NEAR_MISSES])
+    for name in list(header):
+        change = data.draw(st.sampled_from(["keep", "keep", "near", "hostile", "drop"]),
+                           label=name)
+        if change == "near":
+            header[name] = data.draw(near, label=f"{name} value")
+        elif change == "hostile":
+            header[name] = data.draw(_HOSTILE, label=f"{name} value")
+        elif change == "drop":
+            del header[name]
+    if data.draw(st.booleans(), label="other frames"):
+        frames = data.draw(_FRAMES, label="frames")
+    if data.draw(st.integers(0, 9), label="unknown field") == 0:
+        header["surplus"] = 1
+    _both(kind, header, frames)
+
+
+@pytest.mark.parametrize("kind", COMPILED)
+def test_every_near_miss_in_every_field_is_decided_alike(kind):
+    header, frames = _header_and_frames(SAMPLES[kind])
+    candidates = [*header.values(), *_NEAR_MISSES, float("nan"), float("inf"), 2**64 - 1]
+    outcomes = {_both(kind, {**header, name: value}, frames)[0]
+                for name in header for value in candidates}
+    assert outcomes == {"ok", "error"}
+
+
+def test_a_completion_decodes_to_the_same_arrays_in_place():
+    msg = Generated(request_id="g1-s2-a0", output_ids=np.arange(40, dtype=np.int32),
+                    logprobs=np.full(40, -0.5, np.float32), versions=np.ones(40, np.int32),
+                    finish_reason=FinishReason.LENGTH, num_interruptions=2)
+    frames = [memoryview(bytes(f)) for f in encode(msg)]
+    fast = decode(frames)
+    assert _decoded(frames, True) == _decoded(frames, False)
+    assert np.shares_memory(fast.output_ids, np.frombuffer(frames[2], np.uint8))
+    assert fast.finish_reason is FinishReason.LENGTH
+
+
+def test_lists_beyond_their_kinds_bound_are_refused_on_both_paths(monkeypatch):
+    monkeypatch.setitem(messages.HEADER_LIMITS, MsgType.SCORED, HeaderLimit(1 << 20, 4))
+    n = 5
+    msg = Scored(request_ids=[f"r{i}" for i in range(n)], rewards=[1.0] * n,
+                 verdicts=[Verdict.OK] * n, details=[""] * n, check_s=[0.0] * n)
+    frames = encode(msg)
+    for compiled in (True, False):
+        with pytest.raises(messages.MessageError):
+            decode(frames, compiled=compiled)
