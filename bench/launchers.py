@@ -61,8 +61,8 @@ async def _until(condition, what: str, run_task: asyncio.Task) -> float:
 
 
 def _all_ready(controller) -> bool:
-    pool = getattr(controller, "pool", None)
-    return pool is not None and all(pool.ready(kind) for kind in WorkerKind)
+    core = controller.core  # None until the run is set up
+    return core is not None and all(core.pool.ready(kind) for kind in WorkerKind)
 
 
 async def trial(overrides: list[str]) -> dict[str, float]:
@@ -86,10 +86,10 @@ async def trial(overrides: list[str]) -> dict[str, float]:
         startup = await _until(lambda: _all_ready(controller), "the workers' start", run)
         await _until(lambda: steps, "the first step", run)
         first_step = steps[0] - start
-        (rollout,) = controller.pool.ready(WorkerKind.ROLLOUT)
+        (rollout,) = controller.core.pool.ready(WorkerKind.ROLLOUT)
         old_pid = rollout.pid
         os.kill(old_pid, signal.SIGKILL)
-        replace = await _until(lambda: any(h.pid != old_pid for h in controller.pool.ready(
+        replace = await _until(lambda: any(h.pid != old_pid for h in controller.core.pool.ready(
             WorkerKind.ROLLOUT)), "the replacement rollout worker", run)
         controller.stop()
         await run

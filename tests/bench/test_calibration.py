@@ -30,10 +30,12 @@ def test_calibrate_quick_prints_prediction_and_measurement(tmp_path):
         match = re.search(rf"{mode} wall s\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}%", out)
         assert match, out
         measured, predicted, error = map(float, match.groups())
-        assert measured > 0 and predicted > 0
-        # the error is of the unrounded times; both are printed to 0.1 s
-        assert error == pytest.approx((predicted / measured - 1) * 100,
-                                      abs=0.2 + 100 * 0.1 / measured)
+        assert measured > 0.05 and predicted > 0
+        # the error is of the unrounded times, each printed to 0.1 s (so within 0.05 of the
+        # printed one), and is itself printed to 0.1 point
+        lowest = ((predicted - 0.05) / (measured + 0.05) - 1) * 100 - 0.05
+        highest = ((predicted + 0.05) / (measured - 0.05) - 1) * 100 + 0.05
+        assert lowest <= error <= highest, (mode, measured, predicted, error)
         tokens = re.search(rf"{mode} trained tokens\s+{NUMBER}\s+{NUMBER}", out)
         assert tokens and float(tokens.group(1)) > 0 and float(tokens.group(2)) > 0, out
     ratio = re.search(rf"sync / async time\s+{NUMBER}x\s+{NUMBER}x", out)
