@@ -203,6 +203,9 @@ class Generate:
     """Episodes only (episode.environment set): the task's prompt id, for the environment."""
     reference: Any = None
     """Episodes only: the prompt's reference (plain data) the environment rewards against."""
+    seed: int | None = None
+    """The sample's own sampling stream (areal.seeds), 0 <= seed < 2**63; None: the
+    engine's."""
 
 
 @message(MsgType.GENERATED)
