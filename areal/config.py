@@ -442,12 +442,24 @@ class TrainerConfig:
                                 "batches trained since; 0: never, and a lost rank fails the run")
     keep_checkpoints: int = opt(2, "trainer checkpoints kept on disk (the newest; at least 2, "
                                 "so that the one the controller last heard of is never gone)")
+    measure_movement: bool = opt(False, "after each step, a no-grad forward of the batch "
+                                 "under the updated weights (and one under the starting weights "
+                                 "unless ppo.prox_logp=recompute): the step's policy movement "
+                                 "(train/kl_prox_new, train/kl_behav_new) and the behaviour "
+                                 "weights of any objective (train/behav_w_frac/*); 1-2 forwards "
+                                 "per step")
+    audit_steps: list[int] = opt([], "steps whose batch the trainer saves with the proximal "
+                                 "log-probs its loss used and its weights at the start of the "
+                                 "step, to <run_dir>/audit/step_<n>/ (an end-to-end check of the "
+                                 "objective's inputs: tests/controller/test_pipeline_check.py)")
     ppo: PPOConfig = opt(PPOConfig(), "decoupled PPO objective")
     advantage: AdvantageConfig = opt(AdvantageConfig(), "advantage estimator")
     lora: LoraConfig = opt(LoraConfig(), "low-rank adapters (rank 0: full fine-tuning)")
 
     def check(self, key: str) -> None:
         _positive(self.total_steps, f"{key}.total_steps")
+        if any(step < 1 for step in self.audit_steps):
+            raise ConfigError(f"{key}.audit_steps={self.audit_steps!r}: steps count from 1")
         _positive(self.batch_size, f"{key}.batch_size")
         _positive(self.lr, f"{key}.lr")
         _non_negative(self.weight_decay, f"{key}.weight_decay")

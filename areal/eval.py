@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import sys
@@ -34,6 +35,7 @@ from collections.abc import Sequence
 
 from areal.config import ConfigError, RunConfig, load_config
 from areal.evaluation import pass_at_k, summarize
+from areal.seeds import eval_sample_seed
 from areal.tasks.base import Verdict
 
 log = logging.getLogger("areal.eval")
@@ -152,14 +154,18 @@ async def sample_and_score(cfg: RunConfig, task: Any, tokenizer: Any,
     slots = asyncio.Semaphore(cfg.rollout.max_concurrent)
 
     async def one(prompt: Any, ids: list[int], index: int) -> Sample:
+        # The stream the controller's evaluations give this sample (areal.seeds): a saved
+        # version evaluated here samples what an in-run evaluation of it sampled.
+        sample_params = dataclasses.replace(
+            params, seed=eval_sample_seed(cfg.seed, prompt.prompt_id, index))
         if episodes is not None:
             async with slots:
-                episode = await episodes.run(f"{prompt.prompt_id}/{index}", ids, params,
+                episode = await episodes.run(f"{prompt.prompt_id}/{index}", ids, sample_params,
                                              prompt_id=prompt.prompt_id,
                                              reference=prompt.reference)
             return episode_sample(prompt.prompt_id, episode, tokenizer)
         async with slots:
-            out = await engine.generate(f"{prompt.prompt_id}/{index}", ids, params)
+            out = await engine.generate(f"{prompt.prompt_id}/{index}", ids, sample_params)
         text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
         outcome = await pool.check(task.reward, text, prompt.reference)
         return Sample(prompt_id=prompt.prompt_id, completion=text, num_tokens=len(out.token_ids),

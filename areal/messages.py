@@ -209,6 +209,9 @@ class Generate:
     prompt_text: str = ""
     """Agent episodes only (agent.function set): the task's prompt text, the agent's
     `sample.prompt` (an agent renders its own messages; `prompt_ids` are not used)."""
+    seed: int | None = None
+    """The sample's own sampling stream (areal.seeds), 0 <= seed < 2**63; None: the
+    engine's."""
 
 
 @message(MsgType.GENERATED)

@@ -13,7 +13,9 @@ Each cell is a real training run per seed (the controller, rollout, reward and t
 processes), scored by held-out pass@1 after the last step, alone on the final weights
 (sampled as `SETTING` says); a cell shows the mean over seeds and its 95% Student t-interval (areal.intervals),
 the mean training time, and the realised staleness (trained version - oldest token version)
-of every trained trajectory, summed over steps and seeds.
+of every trained trajectory, summed over steps and seeds; then the mechanism of each cell
+(bench/learning_runs.py: the step's policy movement, the behaviour weights, what the clip
+and the cap did, the gradient norm; means over steps, then seeds).
 
 Every cell starts from the same warm-started model (built once with `seed=1`); the run seed
 changes sampling, data order and the trainer's randomness. The setting (`SETTING`) is chosen
@@ -26,20 +28,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import uvloop
 
-from areal.config import load_config
-from areal.controller import Controller
 from areal.intervals import MeanInterval, t_interval
-from areal.models.warmstart import ensure_warm_model
+from learning_runs import mechanism_table, run_training, staleness_line, warm_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 from results_page import publish, write_results
@@ -52,7 +49,7 @@ PROX_LOGP = {"naive": "behav", "recompute": "recompute", "loglinear": "loglinear
 ETAS = ("0", "1", "2", "4", "8", "unbounded")
 
 SETTING = ["trainer.lr=3e-4", "trainer.num_minibatches=2", "rollout.num_workers=3",
-           "eval.temperature=1.0", "eval.num_samples=4"]
+           "eval.temperature=1.0", "eval.num_samples=4", "trainer.measure_movement=true"]
 """Overrides of every cell: the embedded model and arithmetic task of the default run, with
 
 - lr 3e-4 (3x the default) and 2 PPO minibatches per step: the policy moves enough per
@@ -65,7 +62,9 @@ SETTING = ["trainer.lr=3e-4", "trainer.num_minibatches=2", "rollout.num_workers=
   generation-bound and staleness stays near 2 whatever eta). Interruption stays on;
 - held-out pass@1 sampled at the training temperature, 4 samples on each of 256 problems:
   greedy decoding of this model is nearly binary (it answers at once or writes the trace),
-  so greedy pass@1 jumps between ~0.3 and ~0.9 from one run to the next."""
+  so greedy pass@1 jumps between ~0.3 and ~0.9 from one run to the next;
+- the step's policy movement measured (trainer.measure_movement: two no-grad forwards per
+  step for every column, so the columns' trainers do the same work)."""
 STEPS = 20
 QUICK_CELLS = [("0", "naive"), ("2", "recompute")]
 """--quick: two rows and two columns in two cells, run at once, one seed, 3 steps."""
@@ -85,34 +84,11 @@ def _cell_overrides(args: argparse.Namespace, model_dir: Path, eta: str, column:
             "logging.tensorboard=false", *args.overrides]
 
 
-async def _run_cell(overrides: list[str]) -> dict[str, Any]:
-    cfg = load_config(overrides=overrides)
-    # A cell without a result in cells.json starts afresh: a directory left by an
-    # interrupted run would mix its metrics and weight versions into this one.
-    shutil.rmtree(cfg.run_dir, ignore_errors=True)
-    ctl = Controller(cfg)
-    run = asyncio.create_task(ctl.run())
-    staleness: collections.Counter = collections.Counter()
-    async for record in ctl.events():
-        if record["kind"] == "step":
-            staleness.update({int(k): v for k, v in record["staleness/hist"].items()})
-    summary = await run
-    return {"pass@1": summary["eval_pass@1_after"], "pass@1_before": summary["eval_pass@1_before"],
-            "train_time_s": summary["train_time_s"], "staleness": dict(sorted(staleness.items())),
-            "steps": summary["steps"]}
-
-
-def _warm_model(args: argparse.Namespace) -> Path:
-    """The warm-started model every cell starts from (the run seed does not change it)."""
-    cfg = load_config(overrides=[*args.setting, "seed=1", *args.overrides])
-    return ensure_warm_model(cfg) if cfg.model.path is None else Path(cfg.model.path)
-
-
 def run_all(args: argparse.Namespace) -> dict[str, dict[str, list[dict]]]:
     """{eta: {column: [result per seed]}}; results already in cells.json are reused."""
     cells_path = args.out / "cells.json"
     cells = json.loads(cells_path.read_text()) if args.resume and cells_path.exists() else {}
-    model_dir = _warm_model(args)
+    model_dir = warm_model(args.setting, args.overrides)
     todo = []
     for eta, column in args.cells:
         done = cells.setdefault(eta, {}).setdefault(column, [])
@@ -130,7 +106,7 @@ async def _run_cells(args: argparse.Namespace, model_dir: Path, todo: list[tuple
     async def one(eta: str, column: str, seed: int) -> None:
         async with slots:
             start = time.monotonic()
-            result = await _run_cell(_cell_overrides(args, model_dir, eta, column, seed))
+            result = await run_training(_cell_overrides(args, model_dir, eta, column, seed))
         result["seed"] = seed
         done = cells[eta][column]
         done.append(result)
@@ -162,13 +138,11 @@ def table(cells: dict[str, dict[str, list[dict]]], columns: list[str]) -> str:
     lines += ["", "realised staleness (trained version - oldest token version): trajectories"]
     for eta, row in cells.items():
         for column in columns:
-            total: collections.Counter = collections.Counter()
-            for result in row.get(column, []):
-                total.update({int(k): v for k, v in result["staleness"].items()})
-            if total:
-                hist = " ".join(f"{k}:{v}" for k, v in sorted(total.items()))
-                mean = sum(k * v for k, v in total.items()) / sum(total.values())
-                lines.append(f"  eta={eta:<9} {column:<9}  mean {mean:4.1f}  {hist}")
+            if row.get(column):
+                lines.append(f"  eta={eta:<9} {column:<9}  {staleness_line(row[column])}")
+    lines += ["", "mechanism: means over steps, then seeds (train/... step-record keys)",
+              mechanism_table({f"eta={eta} {column}": row[column] for eta, row in cells.items()
+                               for column in columns if row.get(column)})]
     return "\n".join(lines)
 
 

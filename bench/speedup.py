@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import uvloop
 
@@ -147,31 +148,65 @@ def _table(results: Runs, target: float) -> str:
     return "\n".join(lines)
 
 
-def _plot(results: Runs, path: Path) -> None:
+def _mean_band(series: list[list[tuple[float, float]]]) -> tuple[list[float], ...]:
+    """Per index (step or evaluation), over seeds: mean x, mean y and the 95% t-interval of
+    y; indices that not every seed has are left out."""
+    num = min(len(s) for s in series)
+    xs, mean, low, high = [], [], [], []
+    for i in range(num):
+        ci = t_interval([s[i][1] for s in series])
+        xs.append(sum(s[i][0] for s in series) / len(series))
+        mean.append(ci.mean)
+        low.append(ci.low if ci.n > 1 else ci.mean)
+        high.append(ci.high if ci.n > 1 else ci.mean)
+    return xs, mean, low, high
+
+
+def _plot(results: Runs, path: Path) -> Any:
+    """(The figure of) each mode's mean over seeds with its 95% band: training reward
+    against training wall time, and held-out accuracy against it when versions were
+    evaluated (--eval-every > 0), else held-out accuracy before and after training."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (acc, rew) = plt.subplots(1, 2, figsize=(11, 4))
+    curves = any(r["kind"] == "eval" and r["version"] > 0
+                 for runs in results.values() for _, records in runs for r in records)
     for index, (mode, runs) in enumerate(results.items()):
-        for seed, (_, records) in enumerate(runs, start=1):
-            evals = [r for r in records if r["kind"] == "eval"]
-            steps = [r for r in records if r["kind"] == "step"]
-            label = mode if seed == 1 else None
-            acc.plot([r["perf/train_elapsed_s"] for r in evals],
-                     [r["eval/pass@1"] for r in evals], marker="o", ms=3, alpha=0.7,
-                     color=f"C{index}", label=label)
-            rew.plot([r["perf/train_elapsed_s"] for r in steps],
-                     [r["rollout/reward_mean"] for r in steps], alpha=0.7,
-                     color=f"C{index}", label=label)
-    acc.set(xlabel="training wall time (s)", ylabel="held-out pass@1", title="accuracy")
-    rew.set(xlabel="training wall time (s)", ylabel="mean reward", title="training reward")
+        color, label = f"C{index}", f"{mode} ({len(runs)} seeds)"
+        steps = [[(r["perf/train_elapsed_s"], r["rollout/reward_mean"]) for r in records
+                  if r["kind"] == "step"] for _, records in runs]
+        xs, mean, low, high = _mean_band(steps)
+        rew.plot(xs, mean, color=color, label=label)
+        rew.fill_between(xs, low, high, color=color, alpha=0.2)
+        if curves:
+            evals = [[(r["perf/train_elapsed_s"], r["eval/pass@1"]) for r in records
+                      if r["kind"] == "eval"] for _, records in runs]
+            xs, mean, low, high = _mean_band(evals)
+            acc.plot(xs, mean, marker="o", ms=3, color=color, label=label)
+            acc.fill_between(xs, low, high, color=color, alpha=0.2)
+            continue
+        for offset, key in enumerate(("eval_pass@1_before", "eval_pass@1_after")):
+            ci = t_interval([summary[key] for summary, _ in runs])
+            error = [[ci.mean - ci.low], [ci.high - ci.mean]] if ci.n > 1 else None
+            acc.bar(offset + (index - (len(results) - 1) / 2) * 0.35, ci.mean, width=0.35,
+                    yerr=error, capsize=4, color=color, label=label if offset else None)
+    if curves:
+        acc.set(xlabel="training wall time (s)", ylabel="held-out pass@1",
+                title="accuracy: mean over seeds, 95% band")
+    else:
+        acc.set_xticks([0, 1], ["before training", "after training"])
+        acc.set(ylabel="held-out pass@1", title="accuracy: mean over seeds, 95% interval")
+    rew.set(xlabel="training wall time (s)", ylabel="mean reward",
+            title="training reward: mean over seeds, 95% band")
     for ax in (acc, rew):
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    return fig
 
 
 def _run_and_evaluate(args: argparse.Namespace, model_dir: Path, mode: str,

@@ -15,11 +15,12 @@ from __future__ import annotations
 from areal import clock
 from areal.config import RunConfig
 from areal.controller.episodes import episode_fields
-from areal.controller.ledger import Ledger, Purpose, Sample, Stage
+from areal.controller.ledger import Group, Ledger, Purpose, Sample, Stage
 from areal.controller.outbox import Outbox
 from areal.controller.pool import WorkerHandle, WorkerPool
 from areal.controller.room import WorkerRoom
 from areal.messages import Cancel, Generate
+from areal.seeds import eval_sample_seed, train_sample_seed
 
 
 class Generation:
@@ -55,7 +56,14 @@ class Generation:
             max_new_tokens=rollout.max_new_tokens,
             temperature=rollout.temperature if training else self.cfg.eval.temperature,
             top_p=rollout.top_p if training else 1.0, stop_token_ids=self.stop_token_ids,
-            **episode_fields(self.cfg, group.prompt)))
+            seed=self._seed(group, sample), **episode_fields(self.cfg, group.prompt)))
+
+    def _seed(self, group: Group, sample: Sample) -> int:
+        """The sample's sampling stream, named by what it is (areal.seeds): the same for
+        every attempt, every worker and every run with this seed."""
+        if group.purpose is Purpose.TRAIN:
+            return train_sample_seed(self.cfg.seed, group.position, sample.index)
+        return eval_sample_seed(self.cfg.seed, group.prompt.prompt_id, sample.index)
 
     def cancel(self, generating: dict[bytes, list[str]], out: Outbox) -> None:
         """Cancel these requests (by rollout worker identity); a cancelled request is never

@@ -173,15 +173,19 @@ class TrainDriver:
     def take_batch(self, num_groups: int, out: Outbox) -> list[Group] | None:
         """`num_groups` complete training groups from the buffer, or None if it holds too
         few. Strict bound: earliest deadline first, none past it; those past it are dropped
-        (their Cancels into `out`)."""
+        (their Cancels into `out`). The batch is in draw order: which groups finished first
+        is timing, and the trainer's sums (packing, micro-batches) follow the batch's order,
+        so a synchronous run trains the same batch the same way every time."""
         if not self.cfg.staleness.strict:
-            return self.ledger.take_batch(num_groups) \
+            batch = self.ledger.take_batch(num_groups) \
                 if len(self.ledger.buffer) >= num_groups else None
-        self.drop_expired(list(self.ledger.buffer), out)
-        if len(self.ledger.buffer) < num_groups:
-            return None
-        return self.ledger.take_batch(
-            num_groups, lambda g: strict_staleness.deadline(g, self.cfg.eta))
+        else:
+            self.drop_expired(list(self.ledger.buffer), out)
+            if len(self.ledger.buffer) < num_groups:
+                return None
+            batch = self.ledger.take_batch(
+                num_groups, lambda g: strict_staleness.deadline(g, self.cfg.eta))
+        return None if batch is None else sorted(batch, key=lambda g: (g.position, g.group_id))
 
     def drop_expired(self, groups: list[Group], out: Outbox, version: int | None = None) -> None:
         """Strict bound: drop the training groups among `groups` that `version` (default: the

@@ -127,6 +127,25 @@ def surrogate(theta: torch.Tensor, prox: torch.Tensor, adv: torch.Tensor, keep: 
     return torch.minimum(unclipped, clipped), clipped < unclipped
 
 
+@torch.no_grad()
+def clip_sides(theta: torch.Tensor, prox: torch.Tensor, adv: torch.Tensor, keep: torch.Tensor,
+               clip_active: torch.Tensor, segments: Segments | None, *, kind: str,
+               eps_low: float, eps_high: float) -> dict[str, int | float]:
+    """Which side of the clip range each of the U kept tokens (of [L] loss tokens) is on
+    (`PPOStats`): clipped below / above, outside but unclipped, and the largest ratio.
+    The ratio is the one the surrogate clips (the sequence's for 'gspo')."""
+    if kind == "gspo":
+        ratio = torch.exp(segments.mean(theta - prox))[keep]
+    else:
+        ratio = torch.exp(theta[keep] - prox[keep])
+    below, above = ratio < 1.0 - eps_low, ratio > 1.0 + eps_high
+    moving = adv[keep] != 0
+    return {"num_clipped_low": int((clip_active & below).sum()),
+            "num_clipped_high": int((clip_active & above).sum()),
+            "num_unclipped_outside": int(((below | above) & ~clip_active & moving).sum()),
+            "max_ratio": float(ratio.max()) if len(ratio) else 0.0}
+
+
 def check_corrections(*, level: str, floor: float | None, cap: float | None, mode: str,
                       kind: str) -> None:
     if mode not in CAP_MODES:

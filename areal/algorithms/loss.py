@@ -77,7 +77,15 @@ class PPOStats:
     from pi_prox; here they come from pi_behav and are not re-weighted, so it is a drift
     monitor, exact only when behav = prox; it skips tokens whose pi_prox is 0.
     `num_undefined` counts tokens dropped because their term is undefined (module doc).
-    `max_behav_w` is 0 when no token was seen (w > 0, so 0 is the identity). The `*_fresh_*` / `*_stale_*` fields are the drift decomposition
+    `max_behav_w` is 0 when no token was seen (w > 0, so 0 is the identity).
+
+    Which bound acted: `num_clipped_low` / `num_clipped_high` split `num_clipped` by the side
+    of the clip range the ratio r left (below 1 - eps with A < 0, above 1 + eps with A > 0);
+    `num_unclipped_outside` counts used tokens whose r is outside the range but whose
+    unclipped term is the smaller, so the clip does not bound them (r > 1 + eps with A < 0,
+    r < 1 - eps with A > 0: the side PPO leaves open, where a token's gradient grows with
+    r; no dual clip is applied); `max_ratio` is the largest r of a used token.
+    `num_above_cap` / `num_below_floor` split `num_capped` by the bound of w that was crossed. The `*_fresh_*` / `*_stale_*` fields are the drift decomposition
     (`areal.algorithms.drift`), zero when the caller did not say which tokens are fresh.
     """
 
@@ -86,6 +94,12 @@ class PPOStats:
     num_capped: int = 0
     num_clipped: int = 0
     num_undefined: int = 0
+    num_clipped_low: int = 0
+    num_clipped_high: int = 0
+    num_unclipped_outside: int = 0
+    num_above_cap: int = 0
+    num_below_floor: int = 0
+    max_ratio: float = 0.0
     sum_loss: float = 0.0
     """Sum of the per-token objective times its aggregation factor (1 in 'token-mean');
     sum_loss / num_loss_units is the global loss."""
@@ -109,7 +123,7 @@ class PPOStats:
     max_fresh_abs_diff: float = 0.0
     max_stale_abs_diff: float = 0.0
 
-    _MAX_FIELDS = ("max_behav_w", *drift.max_fields())
+    _MAX_FIELDS = ("max_behav_w", "max_ratio", *drift.max_fields())
 
     @classmethod
     def _sum_fields(cls) -> list[str]:
@@ -152,13 +166,20 @@ class PPOStats:
         """Means and fractions for logging; all 0.0 when there were no loss tokens. The drift
         split (for the given active `corrections`) only where its tokens were seen."""
         n = max(self.num_tokens, 1)
+        used = max(self.num_used_tokens, 1)
         units = self.num_loss_units or self.num_tokens  # a hand-built PPOStats may omit units
         return {
             f"{prefix}loss": self.sum_loss / max(units, 1),
-            f"{prefix}clip_frac": self.num_clipped / max(self.num_used_tokens, 1),
+            f"{prefix}clip_frac": self.num_clipped / used,
+            f"{prefix}clip_low_frac": self.num_clipped_low / used,
+            f"{prefix}clip_high_frac": self.num_clipped_high / used,
+            f"{prefix}unclipped_outside_frac": self.num_unclipped_outside / used,
+            f"{prefix}ratio_max": self.max_ratio,
             f"{prefix}behav_w_mean": self.sum_behav_w / n,
             f"{prefix}behav_w_max": self.max_behav_w,
             f"{prefix}behav_cap_frac": self.num_capped / n,
+            f"{prefix}behav_above_cap_frac": self.num_above_cap / n,
+            f"{prefix}behav_below_floor_frac": self.num_below_floor / n,
             f"{prefix}approx_kl": self.sum_approx_kl / n,
             f"{prefix}undefined_frac": self.num_undefined / n,
             f"{prefix}num_loss_tokens": float(self.num_tokens),
@@ -231,9 +252,10 @@ def decoupled_ppo_loss(
                                       mode=behav_cap_mode)
     weight, undefined = _drop_undefined(weight, prox, segments, policy_loss)
     finite_prox = prox.masked_fill(~prox.isfinite(), 0.0)  # its tokens are all dropped
+    eps_high = eps_clip if eps_clip_high is None else eps_clip_high
     gain, clip_active = corrections.surrogate(
         theta, finite_prox, adv, weight.keep, segments, kind=policy_loss,
-        eps_low=eps_clip, eps_high=eps_clip if eps_clip_high is None else eps_clip_high)
+        eps_low=eps_clip, eps_high=eps_high)
     objective = -weight.used[weight.keep] * gain
     factors = aggregation.aggregation_factors(segments, loss_agg_mode, num_tokens,
                                               loss_agg_norm, objective.dtype)
@@ -242,7 +264,15 @@ def decoupled_ppo_loss(
     loss = objective.sum() / normalizer
 
     log_ratio = logprobs.detach()[loss_mask] - prox
-    stats = _stats(log_ratio, weight, undefined, clip_active, objective.detach(), num_units)
+    sides = corrections.clip_sides(theta.detach(), finite_prox, adv, weight.keep, clip_active,
+                                   segments, kind=policy_loss, eps_low=eps_clip,
+                                   eps_high=eps_high)
+    bounds = {"num_above_cap": int((weight.w > behav_imp_cap).sum()) if behav_imp_cap else 0,
+              "num_below_floor": int((weight.w < behav_imp_floor).sum())
+              if behav_imp_floor else 0}
+    stats = dataclasses.replace(
+        _stats(log_ratio, weight, undefined, clip_active, objective.detach(), num_units),
+        **sides, **bounds)
     if fresh is not None:
         stats = dataclasses.replace(stats, **_drift(log_w, fresh[loss_mask], weight, clip_active,
                                                     behav_cap_mode))

@@ -6,7 +6,12 @@ import math
 
 import pytest
 
-from areal.intervals import proportion_interval, t_interval
+from scipy import stats
+
+from areal.intervals import (
+    detectable_difference, paired_t_test, proportion_interval, provable_margin,
+    seeds_for_difference, seeds_for_equivalence, t_interval, tost,
+)
 
 
 def test_three_seeds_hand_computed():
@@ -54,3 +59,42 @@ def test_wilson_interval_hand_computed():
 def test_a_count_outside_zero_to_n_is_refused():
     with pytest.raises(ValueError, match="11 successes out of 10"):
         proportion_interval(11, 10)
+
+
+def test_paired_t_test_is_scipys_on_the_differences():
+    a, b = [0.61, 0.55, 0.70, 0.64, 0.59], [0.52, 0.50, 0.66, 0.55, 0.57]
+    test = paired_t_test(a, b)
+    reference = stats.ttest_rel(a, b)
+    assert test.p_value == pytest.approx(reference.pvalue, rel=1e-9)
+    assert test.difference.mean == pytest.approx(0.058) and test.verdict.startswith("a > b")
+    ci = reference.confidence_interval(0.95)
+    assert (test.difference.low, test.difference.high) == pytest.approx((ci.low, ci.high))
+    assert "no difference" in paired_t_test([0.5, 0.6, 0.4], [0.55, 0.5, 0.45]).verdict
+    with pytest.raises(ValueError, match="pair them by seed"):
+        paired_t_test([1.0, 2.0], [1.0])
+
+
+def test_tost_shows_equivalence_exactly_when_the_90_interval_is_inside_the_margin():
+    a = [0.50, 0.52, 0.49, 0.51, 0.50, 0.51]
+    b = [0.50, 0.50, 0.50, 0.50, 0.51, 0.50]
+    test = tost(a, b, margin=0.03)
+    assert test.verdict.startswith("equivalent") and test.p_value < 0.05
+    assert -0.03 < test.difference.low and test.difference.high < 0.03  # 90% interval
+    # The larger of the two one-sided p-values (scipy's one-sided paired tests).
+    shifted_up = stats.ttest_rel([x + 0.03 for x in a], b, alternative="greater").pvalue
+    shifted_down = stats.ttest_rel([x - 0.03 for x in a], b, alternative="less").pvalue
+    assert test.p_value == pytest.approx(max(shifted_up, shifted_down), rel=1e-9)
+    wide = tost([0.4, 0.6, 0.5, 0.7], [0.5, 0.5, 0.5, 0.5], margin=0.03)
+    assert "not shown" in wide.verdict and wide.p_value > 0.05
+
+
+def test_power_calculations_agree_with_the_textbook_normal_approximation():
+    # n ~ ((z_{1-a/2} + z_{power}) sd / delta)^2 = (2.80 * 0.1 / 0.05)^2 = 31.4; the t
+    # quantiles add a few seeds.
+    n = seeds_for_difference(sd=0.1, delta=0.05)
+    assert 32 <= n <= 35
+    assert detectable_difference(0.1, n) <= 0.05 < detectable_difference(0.1, n - 1)
+    m = seeds_for_equivalence(sd=0.05, margin=0.03)
+    assert provable_margin(0.05, m) <= 0.03 < provable_margin(0.05, m - 1)
+    assert seeds_for_equivalence(sd=0.05, margin=0.03, true_difference=0.01) > m
+    assert detectable_difference(0.1, 1) == math.inf

@@ -34,3 +34,8 @@ def test_quick_ablation_trains_every_cell_and_writes_table_cells_and_plot(tmp_pa
     assert "naive PPO" in table and "decoupled, recomputed prox" in table
     assert "mean [95% t-interval] over [1] seeds" in table
     assert "eta=2" in table and (tmp_path / "ablation.png").stat().st_size > 10_000
+    # The mechanism of every cell, from its step records (trainer.measure_movement).
+    assert "KL(prox || new)" in table and "eta=2 recompute" in table and "0.95-1.05" in table
+    for row in cells.values():
+        for (result,) in row.values():
+            assert all("train/kl_prox_new" in step for step in result["per_step"])

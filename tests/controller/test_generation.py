@@ -14,6 +14,7 @@ from areal.controller.ledger import Ledger, Purpose
 from areal.controller.outbox import Outbox
 from areal.controller.pool import WorkerHandle, WorkerPool
 from areal.messages import Cancel, Generate, WorkerKind
+from areal.seeds import eval_sample_seed, train_sample_seed
 from areal.tasks.base import Prompt
 
 CAPACITY = 4
@@ -47,3 +48,28 @@ def test_cancelled_training_requests_free_the_workers_slots_for_the_final_evalua
     assert not ledger.pending  # training samples not yet sent are gone too
     ledger.add_group(prompt, np.array([5], np.int32), 1, 0, Purpose.EVAL, front=True)
     assert generation.can_dispatch()  # the evaluation can now be dispatched
+
+
+def test_each_sample_is_sent_with_its_own_seed_named_by_what_it_is(tmp_path):
+    """Training samples by (run seed, draw position, index), held-out samples by (run seed,
+    prompt id, index): a retried attempt, another worker or another evaluation round gets
+    the same stream (areal.seeds)."""
+    cfg = load_config(overrides=[f"run_dir={tmp_path}", "task.group_size=2", "seed=7",
+                                 "trainer.batch_size=2"])
+    ledger = Ledger()
+    pool = WorkerPool(cfg, tmp_path, "tcp://127.0.0.1:1", secret=None)
+    generation = Generation(cfg, ledger, pool, stop_token_ids=[0])
+    worker = WorkerHandle(worker_id="rollout-0", kind=WorkerKind.ROLLOUT, identity=b"r0",
+                          ready=True)
+    pool.by_identity[worker.identity] = worker
+    generation.room.offer(worker)
+    ledger.add_group(Prompt(prompt_id="t", text="", reference="1"), np.array([5], np.int32), 2,
+                     version=0, position=41)
+    for round_id in range(2):
+        ledger.add_group(Prompt(prompt_id="eval-3", text="", reference="1"),
+                         np.array([5], np.int32), 2, 0, Purpose.EVAL, eval_round=round_id)
+    out = Outbox()
+    generation.dispatch(out)
+    seeds = [msg.seed for msg in out.sent(Generate)]
+    assert seeds[:2] == [train_sample_seed(7, 41, 0), train_sample_seed(7, 41, 1)]
+    assert seeds[2:4] == seeds[4:6] == [eval_sample_seed(7, "eval-3", i) for i in range(2)]

@@ -25,7 +25,9 @@ def _complete(run: Decisions, group_id: int, version: int, rollout, reward) -> N
                                    check_s=[0.0, 0.0]))
 
 
-def test_without_strict_a_batch_is_taken_in_completion_order_once_there_are_enough(tmp_path):
+def test_without_strict_the_first_complete_groups_are_taken_and_trained_in_draw_order(tmp_path):
+    """Which groups: those complete first. Their order in the batch: the prompts' draw
+    order, so that the trainer's sums do not depend on which finished first."""
     run = Decisions(config(tmp_path, "trainer.batch_size=4"), tmp_path)
     run.admit(3)
     rollout, reward = run.join(WorkerKind.ROLLOUT), run.join(WorkerKind.REWARD)
@@ -33,7 +35,9 @@ def test_without_strict_a_batch_is_taken_in_completion_order_once_there_are_enou
     assert run.core.driver.take_batch(2, Outbox()) is None
     _complete(run, 0, 0, rollout, reward)
     batch = run.core.driver.take_batch(2, Outbox())
-    assert [g.group_id for g in batch] == [2, 0]
+    assert [g.group_id for g in batch] == [0, 2]
+    assert [g.position for g in batch] == sorted(g.position for g in batch)
+    assert run.core.ledger.trained_group_ids == [2, 0]  # the buffer gave them in that order
 
 
 def test_strict_takes_the_earliest_deadline_first_and_drops_what_missed_it(tmp_path):
@@ -49,7 +53,7 @@ def test_strict_takes_the_earliest_deadline_first_and_drops_what_missed_it(tmp_p
     _complete(run, 3, 2, rollout, reward)  # deadline 3
     out = Outbox()
     batch = run.core.driver.take_batch(2, out)
-    assert [g.group_id for g in batch] == [2, 1]  # earliest deadline first, then buffer order
+    assert [g.group_id for g in batch] == [1, 2]  # earliest deadlines first, in draw order
     run.core.weights.version = 4
     out = Outbox()
     assert run.core.driver.take_batch(1, out) is None  # group 3 (deadline 3) missed it

@@ -82,6 +82,10 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = field(default_factory=tuple)
     """Sampling one of these ends generation with STOP; the stop token is the last output
     token. The engine adds nothing itself: pass the tokenizer's EOS here."""
+    seed: int | None = None
+    """The request's own random stream (0 <= seed < 2**63, areal.seeds): its tokens then
+    depend only on the seed, the prompt and the weights, not on the requests sharing its
+    batches. None: the engine's own stream."""
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
@@ -97,6 +101,10 @@ class SamplingParams:
         if any(t < 0 for t in stop):
             raise ValueError(f"SamplingParams.stop_token_ids={list(stop)} holds a negative id")
         object.__setattr__(self, "stop_token_ids", stop)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 1 << 63):
+            raise ValueError(f"SamplingParams.seed={self.seed!r} must be an int in [0, 2**63) "
+                             "or None")
 
     @property
     def greedy(self) -> bool:

@@ -39,6 +39,7 @@ import numpy as np
 
 from areal.config import RunConfig
 from areal.messages import EpisodeEnd, Generated
+from areal.seeds import continuation_seed
 from areal.tasks.base import RewardOutcome, Verdict
 from areal.tasks.environment import Environment, Episode, Observation, Turn, TurnRole
 from areal.types import PROMPT_VERSION
@@ -124,7 +125,8 @@ class EpisodeRunner:
                                    f"(rollout.max_new_tokens={params.max_new_tokens}) ran out")
             turn = await self.generator.generate(
                 f"{request_id}/t{result.num_turns}", prompt + result.token_ids,
-                dataclasses.replace(params, max_new_tokens=budget))
+                dataclasses.replace(params, max_new_tokens=budget, seed=None if params.seed is None
+                                    else continuation_seed(params.seed, len(result.token_ids))))
             result.append(turn.token_ids, turn.logprobs, turn.versions)
             result.num_turns += 1
             result.num_interruptions += turn.num_interruptions

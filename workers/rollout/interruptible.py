@@ -46,6 +46,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from areal.seeds import continuation_seed
 from areal.workers.rollout.engine import (
     Engine, EngineState, EngineStateError, FinishReason, SamplingParams, WeightSource,
 )
@@ -138,7 +139,9 @@ class InterruptibleGenerator:
                 wait_s += time.monotonic() - waited_from
             # No await between the gate check and the submission (see the module doc).
             version, epoch = self._version, self._epoch
-            segment = dataclasses.replace(params, max_new_tokens=params.max_new_tokens - len(tokens))
+            segment = dataclasses.replace(
+                params, max_new_tokens=params.max_new_tokens - len(tokens),
+                seed=None if params.seed is None else continuation_seed(params.seed, len(tokens)))
             self._enter_engine()
             try:
                 out = await self._engine.generate(f"{request_id}#{num_interruptions}",

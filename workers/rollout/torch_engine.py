@@ -36,7 +36,9 @@ Pitfalls of transformers 5.19 handled here (evidence in the tests and the report
   long-lived objects are frozen after the model is loaded (`gc.freeze()`, process-wide);
 - an idle generation loop only notices a stop after its 0.1 s wait: it is woken up;
 - the processor seeds the process-global torch RNG when a session starts; each session
-  gets its own seed so that sessions do not replay the same random stream;
+  gets its own seed so that sessions do not replay the same random stream. That stream
+  serves only requests without a seed: a request with `SamplingParams.seed` draws its
+  tokens from its own stream (seeded_sampling.py), whatever shares its batch;
 - a bad per-request value (e.g. top_k above the vocabulary, a token id out of range) fails
   the whole loop: every request is validated here first;
 - without `num_blocks` the cache is sized from free *host* memory on CPU (80 % of RAM).
@@ -71,6 +73,7 @@ from areal.models.hf import load_model
 from areal.models.lora import add_adapters, copy_adapters, load_adapter_dir
 from areal.models.weight_slots import SlotReader
 from areal.models.weights import copy_into_model, load_tensors
+from areal.workers.rollout import seeded_sampling
 from areal.workers.rollout.engine import (
     AdapterWeights, DiskWeights, EngineDeadError, EngineOutput, EngineState,
     EngineStateError, FinishReason, SamplingParams, SerialControlEngine, SlotWeights,
@@ -272,10 +275,11 @@ class TorchEngine(SerialControlEngine):
 
     def _sampling_kwargs(self, params: SamplingParams) -> dict[str, Any]:
         # Python float/int exactly: transformers type-checks these with isinstance.
+        seed = {} if params.seed is None else {"seed": int(params.seed)}
         if params.greedy:
-            return {"temperature": 1.0, "top_k": 1, "top_p": 1.0}
+            return {"temperature": 1.0, "top_k": 1, "top_p": 1.0, **seed}
         return {"temperature": float(params.temperature), "top_k": int(self._vocab_size),
-                "top_p": float(params.top_p)}
+                "top_p": float(params.top_p), **seed}
 
     # ---------------------------------------------------------------- blocking parts
 
@@ -306,14 +310,19 @@ class TorchEngine(SerialControlEngine):
             return_logprobs=True, per_request_processors=True, num_blocks=self._num_blocks,
             page_size=self._page_size, max_batch_tokens=self._max_batch_tokens,
             max_requests_per_batch=self._max_concurrent,
-            seed=(self._seed * 1_000_003 + self._num_sessions) % (1 << 62))
+            seed=(self._seed * 1_000_003 + self._num_sessions) % (1 << 62),
+            # Seeded sampling counts each request's tokens when its batch is prepared: the
+            # previous batch's tokens must be in (no double-buffering, no graphs).
+            use_async_batching=False, use_cuda_graph=False)
         manager = self._model.init_continuous_batching(
             generation_config=self._generation_config, continuous_batching_config=cb_config)
         found = tuple(type(p) for p in manager.logit_processor.logits_processor)
         if found != _PROCESSORS:
             raise RuntimeError(f"transformers built logits processors {found}, expected "
                                f"{_PROCESSORS}: behaviour log-probs would be wrong")
+        draws = seeded_sampling.install(manager)
         manager.warmup()  # allocates the cache here, so that a failure raises in start/resume
+        seeded_sampling.install_sampler(manager, draws)
         manager.start()
         return _Session(manager)
 

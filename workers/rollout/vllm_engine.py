@@ -338,7 +338,7 @@ class VllmEngine(SerialControlEngine):
         return VllmSamplingParams(
             max_tokens=params.max_new_tokens, temperature=float(params.temperature),
             top_p=float(params.top_p), stop_token_ids=list(params.stop_token_ids),
-            ignore_eos=True, logprobs=0, flat_logprobs=True, detokenize=False,
+            seed=params.seed, ignore_eos=True, logprobs=0, flat_logprobs=True, detokenize=False,
             skip_special_tokens=False, output_kind=RequestOutputKind.FINAL_ONLY)
 
     def _check_request(self, request_id: str, prompt_ids: Sequence[int],

@@ -235,7 +235,8 @@ class RolloutWorker(Worker):
     async def _generate(self, msg: Generate) -> None:
         start = time.monotonic()
         params = SamplingParams(max_new_tokens=msg.max_new_tokens, temperature=msg.temperature,
-                                top_p=msg.top_p, stop_token_ids=list(msg.stop_token_ids))
+                                top_p=msg.top_p, stop_token_ids=list(msg.stop_token_ids),
+                                seed=msg.seed)
         if self.agents is not None:
             agent_episode = await self.agents.run(
                 msg.request_id, params, prompt_id=msg.prompt_id, prompt_text=msg.prompt_text,

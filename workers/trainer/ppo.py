@@ -10,6 +10,9 @@
         for each packed micro-batch (token budget trainer.micro_batch_tokens, FFD-balanced):
             forward with grad -> loss summed over tokens / minibatch loss units -> backward
         reduce gradients over ranks (SUM), clip the gradient norm, optimiser step
+    trainer.measure_movement: a no-grad forward under the updated weights (and, unless the
+        proximal policy was recomputed, one under the starting weights) for the step's
+        policy movement and the behaviour weights of every objective (areal.algorithms.movement)
     statistics: sums, counts and maxima, reduced over ranks once per step
 
 Gradient accumulation normalises by the loss units of the whole minibatch (of the global
@@ -18,8 +21,9 @@ for the sequence-mean aggregations (trainer.ppo.loss_agg_mode), so the result is
 loss of the whole minibatch however the batch is cut into micro-batches and ranks. The
 loss also reports the drift between the engine's and the trainer's log-probs, split by
 whether the proximal policy's own version sampled the token (areal.algorithms.drift).
-Pure torch plus the collectives of `DataParallel` (no-ops for one rank): no sockets, no
-files.
+`last_prox` keeps the [N] proximal log-probs the loss used in the last step (what an
+audit saves, workers/trainer/audit.py). Pure torch plus the collectives of `DataParallel`
+(no-ops for one rank): no sockets, no files.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import time
 
 import torch
 
+from areal.algorithms import movement
 from areal.algorithms.advantages import compute_advantages, token_advantages
 from areal.algorithms.drift import active_corrections
 from areal.algorithms.loss import (
@@ -44,6 +49,7 @@ from areal.workers.trainer.distributed import DataParallel
 _EXTRA_SUMS = ("entropy_sum", "num_entropy_tokens", "advantage_abs_sum", "num_seqs",
                "num_tokens")
 _EXTRA_MAXES = ("recompute_s", "step_s")
+_MOVEMENT_SUMS = tuple(f"movement_{k}" for k in movement.SUM_FIELDS)
 
 
 class PPOTrainer:
@@ -68,6 +74,9 @@ class PPOTrainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=self.cfg.lr,
                                            betas=(beta1, beta2),
                                            weight_decay=self.cfg.weight_decay)
+        self.last_prox: torch.Tensor | None = None
+        """[N] log pi_prox the loss used in the last step, per token of its batch (what
+        'behav' and 'loglinear' use too; 0 outside the loss mask is not guaranteed)."""
 
     def _micro_batches(self, batch: PackedBatch) -> list[list[int]]:
         return allocate_micro_batches(batch.seqlens.tolist(), self.cfg.micro_batch_tokens)
@@ -103,25 +112,37 @@ class PPOTrainer:
         seq_adv = advantages if advantages is not None else compute_advantages(
             batch.rewards, batch.group_ids, self.cfg.advantage)
         token_adv = token_advantages(seq_adv, batch.cu_seqlens)
-        extra = dict.fromkeys(_EXTRA_SUMS, 0.0) | dict.fromkeys(_EXTRA_MAXES, 0.0)
+        extra = dict.fromkeys(_EXTRA_SUMS + _MOVEMENT_SUMS, 0.0) | dict.fromkeys(_EXTRA_MAXES, 0.0)
         extra.update(advantage_abs_sum=float(seq_adv.abs().sum()), num_seqs=batch.num_seqs,
                      num_tokens=len(batch.token_ids))
-        prox = None
+        prox = start_logprobs = None
         if self.cfg.ppo.prox_logp == "recompute":
             prox, entropy = self.recompute_logprobs(batch)
             extra.update(self._entropy_sums(batch, entropy))
+            start_logprobs = prox
+        elif self.cfg.measure_movement:
+            start_logprobs, _ = self.recompute_logprobs(batch)
         extra["recompute_s"] = time.perf_counter() - start
         self.model.train()
         ppo_stats, grad_norms = [], []
+        prox_used = torch.zeros(len(batch.token_ids))
         plan = self._minibatches(batch, minibatch_sizes, minibatch_loss_tokens, minibatch_loss_seqs)
         for seqs, normalizer in plan:
             index = batch.token_index(seqs)
             mb_prox = prox[index] if prox is not None else None
-            mb_stats, grad_norm = self._minibatch_update(batch.select(seqs), token_adv[index],
-                                                         mb_prox, version, normalizer)
+            mb_stats, grad_norm, prox_used[index] = self._minibatch_update(
+                batch.select(seqs), token_adv[index], mb_prox, version, normalizer)
             ppo_stats.append(mb_stats)
             grad_norms.append(grad_norm)
         self.model.eval()
+        self.last_prox = prox_used
+        if start_logprobs is not None:
+            new = self.recompute_logprobs(batch)[0] if self.cfg.measure_movement else None
+            ppo = self.cfg.ppo
+            sums = movement.movement_sums(
+                batch.logprobs, start_logprobs, new, batch.loss_mask, eps_low=ppo.eps_clip,
+                eps_high=ppo.eps_clip if ppo.eps_clip_high is None else ppo.eps_clip_high)
+            extra.update({f"movement_{k}": v for k, v in sums.items()})
         extra["step_s"] = time.perf_counter() - start
         return self._reduced_stats(PPOStats.reduce(ppo_stats), extra, grad_norms)
 
@@ -148,11 +169,14 @@ class PPOTrainer:
 
     def _minibatch_update(self, batch: PackedBatch, advantages: torch.Tensor,
                           prox: torch.Tensor | None, version: int,
-                          normalizer: int) -> tuple[PPOStats, float]:
+                          normalizer: int) -> tuple[PPOStats, float, torch.Tensor]:
+        """One optimiser step on a minibatch: (its stats, the gradient norm before clipping,
+        the [N_mb] proximal log-probs its loss used)."""
         options = ppo_loss_options(self.cfg.ppo) | correction_loss_options(self.cfg.ppo,
                                                                            self.max_new_tokens)
         self.optimizer.zero_grad(set_to_none=True)
         pieces = []
+        prox_used = torch.zeros(len(batch.token_ids))
         micro_batches = self._micro_batches(batch)
         for seqs in micro_batches:
             index = batch.token_index(seqs)
@@ -168,6 +192,7 @@ class PPOTrainer:
                 mb_prox = behav
             else:
                 mb_prox = loglinear_prox_logprobs(behav, logprobs.detach(), mb.versions, version + 1)
+            prox_used[index] = mb_prox.detach().float()
             loss, piece = decoupled_ppo_loss(logprobs, mb_prox, behav, advantages[index],
                                              mb.loss_mask, loss_normalizer=normalizer,
                                              cu_seqlens=mb.cu_seqlens,
@@ -181,7 +206,7 @@ class PPOTrainer:
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return PPOStats.reduce(pieces), float(grad_norm)
+        return PPOStats.reduce(pieces), float(grad_norm), prox_used
 
     def _pad_passes(self, num_passes: int, backward: bool) -> None:
         """Zero-weight passes over one token pair, so that an FSDP rank with less data runs
@@ -211,13 +236,14 @@ class PPOTrainer:
                        grad_norms: list[float]) -> dict[str, float]:
         """Metrics of the global step: every sum and maximum reduced over the ranks."""
         ppo_sums, ppo_maxes = ppo.to_tensors()
-        sums = torch.cat([ppo_sums, torch.tensor([float(extra[k]) for k in _EXTRA_SUMS],
+        extra_sums = _EXTRA_SUMS + _MOVEMENT_SUMS
+        sums = torch.cat([ppo_sums, torch.tensor([float(extra[k]) for k in extra_sums],
                                                  dtype=torch.float64)])
         maxes = torch.cat([ppo_maxes, torch.tensor([float(extra[k]) for k in _EXTRA_MAXES],
                                                    dtype=torch.float64)])
         sums, maxes = self.dp.sum_and_max(sums, maxes)
         num_ppo_sums, num_ppo_maxes = len(ppo_sums), len(ppo_maxes)
-        total = dict(zip(_EXTRA_SUMS, sums[num_ppo_sums:].tolist(), strict=True))
+        total = dict(zip(extra_sums, sums[num_ppo_sums:].tolist(), strict=True))
         total.update(zip(_EXTRA_MAXES, maxes[num_ppo_maxes:].tolist(), strict=True))
         ppo_cfg = self.cfg.ppo
         active = active_corrections(cap=ppo_cfg.behav_imp_cap, floor=ppo_cfg.behav_imp_floor,
@@ -233,6 +259,8 @@ class PPOTrainer:
             "step_s": total["step_s"],
             "num_ranks": float(self.dp.world_size),
         })
+        stats.update(movement.movement_metrics(
+            {k: total[f"movement_{k}"] for k in movement.SUM_FIELDS}))
         if total["num_entropy_tokens"] > 0:
             stats["entropy"] = total["entropy_sum"] / total["num_entropy_tokens"]
         return stats

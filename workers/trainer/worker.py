@@ -4,10 +4,11 @@
            are several ranks or weight_sync.mode=collective) -> Ready(store="host:port")
     JoinGroup(trainer)  -> init_process_group; PPOTrainer over the group (FSDP2 wraps here)
                         -> GroupStatus(JOINED | FAILED)
-    Train(step, version i, shard) -> PPOTrainer.step -> full weights, or with LoRA the
-           adapters (rank 0; FSDP: all ranks gather) -> rank 0 publishes i + 1 through the
-           publisher of weight_sync.mode (disk | stream | collective snapshot | shm slot)
-           -> every trainer.checkpoint_every steps: checkpoint (all ranks, DCP)
+    Train(step, version i, shard) -> PPOTrainer.step (trainer.audit_steps: its starting
+           weights before it, its inputs after it, saved by audit.py) -> full weights, or with
+           LoRA the adapters (rank 0; FSDP: all ranks gather) -> rank 0 publishes i + 1
+           through the publisher of weight_sync.mode (disk | stream | collective snapshot |
+           shm slot) -> every trainer.checkpoint_every steps: checkpoint (all ranks, DCP)
            -> Trained(version i + 1, reduced stats, weights_path | num_chunks | manifest,
               checkpoint) [-> WeightsChunk x num_chunks]; ranks > 0 send Trained with the
               same stats
@@ -53,6 +54,7 @@ from areal.workers.collective import (
     SerialThread, WeightSnapshot, WeightsMember, advertised_host, host_store, join_store,
     pin_interface, report_weights_op,
 )
+from areal.workers.trainer import audit
 from areal.workers.trainer.distributed import DataParallel, resolve_mode
 from areal.workers.trainer.ppo import PPOTrainer
 from areal.workers.trainer.checkpoint import load_checkpoint, read_info, save_checkpoint
@@ -203,7 +205,15 @@ class TrainerWorker(Worker):
                     "minibatch_sizes": list(msg.minibatch_sizes),
                     "minibatch_loss_tokens": list(msg.minibatch_loss_tokens),
                     "minibatch_loss_seqs": list(msg.minibatch_loss_seqs)}
+        audited = msg.step in self.config.trainer.audit_steps and not msg.replay
+        if audited:
+            start_weights = self.dp.full_weights(self.trainer.model)
+            if start_weights is not None:
+                audit.save_start_weights(self.config.run_dir, msg.step, start_weights)
         stats = self.trainer.step(batch, msg.version, **plan)
+        if audited:
+            audit.save_batch(self.config.run_dir, msg.step, self.rank, batch,
+                             self.trainer.last_prox, msg.version)
         version = msg.version + 1
         if msg.replay and version < self.resume_to:
             return stats, None, ""

@@ -122,6 +122,50 @@ def test_hand_computed_clip_and_clip_higher():
     assert stats.num_clipped == 1, stats
 
 
+def test_naive_ppo_is_the_textbook_clipped_objective_without_a_dual_clip():
+    """Naive PPO (pi_prox = pi_behav, so w = 1): per token the objective is Schulman et al.'s
+    min(r A, clip(r, 1 - eps, 1 + eps) A), r = pi_theta / pi_behav. Its gradient w.r.t.
+    log pi_theta is r A where the unclipped term is the smaller and 0 where the clip binds.
+    On the side PPO leaves open (A < 0, r > 1 + eps) the term is r A however large r is: no
+    dual clip (Ye et al. 2020, max(., c A) for A < 0) is applied, so the token's gradient
+    grows with r. Stats say which bound acted."""
+    eps = 0.2
+    # (r, A): clipped high | open side, r = 1.5 and r = 10 | clipped low | open low side
+    # (r < 1 - eps, A > 0: r A is the smaller) | inside | zero advantage outside the range
+    r = torch.tensor([1.5, 1.5, 10.0, 0.5, 0.5, 1.1, 3.0], dtype=F64)
+    adv = torch.tensor([1.0, -1.0, -1.0, -1.0, 1.0, 0.7, 0.0], dtype=F64)
+    behav = -torch.rand(len(r), generator=torch.Generator().manual_seed(0), dtype=F64)
+    logprobs = (behav + r.log()).requires_grad_()
+    loss, stats = decoupled_ppo_loss(logprobs, behav, behav, adv,
+                                     torch.ones(len(r), dtype=torch.bool), eps_clip=eps)
+    loss = loss * len(r)  # the token sum (the loss is the token mean)
+    textbook = torch.minimum(r * adv, r.clamp(1 - eps, 1 + eps) * adv)
+    assert abs(loss.item() + textbook.sum().item()) < 1e-12, (loss.item(), textbook)
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    expected_grad = torch.tensor([0.0, 1.5, 10.0, 0.0, -0.5, -0.77, 0.0], dtype=F64)
+    assert torch.allclose(grad, expected_grad, atol=1e-12, rtol=0), grad
+    # The open side: 10 times the ratio, 10 times the gradient (a dual clip c = 3 would
+    # have held the term at c A = -3 and the gradient at 0).
+    assert abs(-textbook[2].item() - 10.0) < 1e-12 and grad[2].item() == pytest.approx(10.0)
+    assert (stats.num_clipped, stats.num_clipped_high, stats.num_clipped_low) == (2, 1, 1)
+    assert stats.num_unclipped_outside == 3  # r = 1.5 and 10 with A < 0, r = 0.5 with A > 0
+    assert stats.max_ratio == pytest.approx(10.0)
+    metrics = stats.metrics()
+    assert metrics["train/clip_high_frac"] == metrics["train/clip_low_frac"] == 1 / 7
+    assert metrics["train/unclipped_outside_frac"] == 3 / 7
+
+
+def test_masked_tokens_are_counted_by_the_bound_they_crossed():
+    prox = torch.zeros(4, dtype=F64)
+    behav = torch.tensor([0.0, -2.0, 2.0, 0.1], dtype=F64)  # w = 1, e^2, e^-2, e^-0.1
+    _, stats = decoupled_ppo_loss(prox.clone().requires_grad_(), prox, behav,
+                                  torch.ones(4, dtype=F64), torch.ones(4, dtype=torch.bool),
+                                  behav_imp_cap=5.0, behav_imp_floor=0.2)
+    assert (stats.num_capped, stats.num_above_cap, stats.num_below_floor) == (2, 1, 1)
+    metrics = stats.metrics()
+    assert metrics["train/behav_above_cap_frac"] == metrics["train/behav_below_floor_frac"] == 0.25
+
+
 @pytest.mark.parametrize("eps_clip_high", [None, 0.3])
 def test_reduces_to_standard_ppo_when_prox_equals_behav(eps_clip_high, assert_close):
     inp = _inputs(200, seed=3)
@@ -356,9 +400,11 @@ def test_stats_metrics_are_namespaced_ratios():
     stats = PPOStats(num_tokens=10, num_used_tokens=8, num_capped=2, num_clipped=2, sum_loss=-3.0,
                      sum_behav_w=12.0, sum_approx_kl=0.5, max_behav_w=4.0)
     assert stats.metrics() == {
-        "train/loss": -0.3, "train/clip_frac": 0.25, "train/behav_w_mean": 1.2,
-        "train/behav_w_max": 4.0, "train/behav_cap_frac": 0.2, "train/approx_kl": 0.05,
-        "train/undefined_frac": 0.0, "train/num_loss_tokens": 10.0,
+        "train/loss": -0.3, "train/clip_frac": 0.25, "train/clip_low_frac": 0.0,
+        "train/clip_high_frac": 0.0, "train/unclipped_outside_frac": 0.0, "train/ratio_max": 0.0,
+        "train/behav_w_mean": 1.2, "train/behav_w_max": 4.0, "train/behav_cap_frac": 0.2,
+        "train/behav_above_cap_frac": 0.0, "train/behav_below_floor_frac": 0.0,
+        "train/approx_kl": 0.05, "train/undefined_frac": 0.0, "train/num_loss_tokens": 10.0,
     }
 
 

@@ -11,6 +11,7 @@ import torch
 from rollout_helpers import assert_close, random_prompts, recompute_logprobs
 
 from areal.models.weights import WeightMismatchError
+from areal.seeds import continuation_seed
 from areal.workers.rollout.engine import DiskWeights, FinishReason, SamplingParams, TensorWeights
 from areal.workers.rollout.interruptible import GenerationResult, InterruptibleGenerator
 
@@ -161,3 +162,24 @@ async def test_a_cancelled_update_leaves_the_generator_serving_consistently(
     assert generator.version == 0 and result.num_interruptions == 1
     assert result.versions == [0] * 100
     assert_logprobs_per_version(prompt, result, reference_models, 1.0)
+
+
+async def test_an_interrupted_seeded_sequence_continues_on_its_derived_stream(
+        make_engine, weights_dirs):
+    """The continuation after k tokens samples with continuation_seed(seed, k): the same
+    tokens as a fresh request of prompt + those k tokens with that seed, under the new
+    weights; the first segment is the uninterrupted sequence's beginning."""
+    engine = await make_engine()
+    generator = InterruptibleGenerator(engine, version=0)
+    prompt = random_prompts(1, min_len=4, max_len=30, seed=12)[0]
+    params = SamplingParams(max_new_tokens=120, temperature=1.0, seed=2024)
+    uninterrupted = await generator.generate("whole", prompt, params)
+    task = asyncio.create_task(generator.generate("cut", prompt, params))
+    await _wait_for_progress(generator, prompt)
+    await generator.update_weights(DiskWeights(weights_dirs[1]), 1)
+    cut = await task
+    k = cut.versions.index(1)
+    assert 0 < k < 120 and cut.token_ids[:k] == uninterrupted.token_ids[:k]
+    rest = await engine.generate("rest", prompt + cut.token_ids[:k], SamplingParams(
+        max_new_tokens=120 - k, temperature=1.0, seed=continuation_seed(2024, k)))
+    assert cut.token_ids[k:] == rest.token_ids

@@ -171,3 +171,54 @@ async def test_invalid_requests_are_refused_before_reaching_the_loop(make_engine
     assert (await task).finish_reason is FinishReason.LENGTH
     # The loop survived all of it.
     assert len((await engine.generate("ok", [5], SamplingParams(max_new_tokens=3))).token_ids) == 3
+
+
+async def test_a_seeded_request_samples_the_same_tokens_whatever_shares_its_batches(
+        make_engine, reference_models):
+    """SamplingParams.seed: the tokens depend on the seed, the prompt and the weights only.
+    Batch neighbours change the forward's numerics in the last bits (the log-probs agree to
+    ATOL), not the draws. Unseeded requests still sample from the engine's own stream."""
+    engine = await make_engine()
+    prompts = random_prompts(16, min_len=2, max_len=60, seed=21)
+    seeded = [SamplingParams(max_new_tokens=24, temperature=1.0, seed=100 + i)
+              for i in range(len(prompts))]
+    alone = [await engine.generate(f"a{i}", p, seeded[i]) for i, p in enumerate(prompts[:4])]
+    unseeded = SamplingParams(max_new_tokens=24, temperature=1.0)
+    crowd = await asyncio.gather(
+        *(engine.generate(f"b{i}", p, seeded[i]) for i, p in enumerate(prompts)),
+        *(engine.generate(f"c{i}", p, unseeded) for i, p in enumerate(prompts)))
+    for prompt, single, batched in zip(prompts, alone, crowd, strict=False):
+        assert single.token_ids == batched.token_ids
+        assert_close(single.logprobs, batched.logprobs, atol=ATOL, what="alone vs batched")
+        assert_close(batched.logprobs, recompute_logprobs(reference_models[0], prompt,
+                                                          batched.token_ids, temperature=1.0),
+                     atol=ATOL, what="seeded draws vs forward")
+    other = await engine.generate("d", prompts[0], SamplingParams(max_new_tokens=24, seed=7))
+    assert other.token_ids != alone[0].token_ids
+    assert crowd[len(prompts)].token_ids != crowd[0].token_ids  # the unseeded draw of prompt 0
+
+
+async def test_seeded_draws_follow_the_sampled_distribution(make_engine, reference_models):
+    """Inverting the CDF at u(seed, 0) over many seeds draws the first token with the model's
+    probabilities (temperature 0.7, top-p 0.9: the processed distribution)."""
+    engine = await make_engine()
+    prompt = random_prompts(1, min_len=5, max_len=6, seed=22)[0]
+    num = 3000
+    outs = await asyncio.gather(*(engine.generate(
+        f"s{i}", prompt, SamplingParams(max_new_tokens=1, temperature=0.7, top_p=0.9, seed=i))
+        for i in range(num)))
+    with torch.no_grad():
+        logits = reference_models[0](torch.tensor([prompt])).logits[0, -1].float() / 0.7
+    probs = torch.softmax(logits, -1)
+    order = probs.argsort(descending=True)
+    keep = order[:int((probs[order].cumsum(0) < 0.9).sum()) + 1]
+    nucleus = torch.zeros_like(probs)
+    nucleus[keep] = probs[keep] / probs[keep].sum()
+    counts = torch.bincount(torch.tensor([o.token_ids[0] for o in outs]), minlength=len(probs))
+    assert int(counts[nucleus == 0].sum()) == 0  # nothing outside the nucleus
+    expected = nucleus * num
+    frequent = expected > 5
+    chi2 = float((((counts - expected) ** 2)[frequent] / expected[frequent]).sum())
+    dof = int(frequent.sum()) - 1
+    assert dof >= 3, "the distribution should spread over several tokens"
+    assert chi2 < dof + 5 * (2 * dof) ** 0.5, (chi2, dof)  # ~5 sigma of a chi-square

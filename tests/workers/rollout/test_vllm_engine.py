@@ -123,6 +123,22 @@ async def test_greedy_equals_argmax_with_zero_logprobs(engine, reference_models)
         assert out.logprobs == [0.0] * 20
 
 
+async def test_a_seeded_request_samples_the_same_tokens_whatever_shares_its_batches(engine):
+    """SamplingParams.seed reaches vLLM's per-request generator: alone or among others, the
+    same seed draws the same tokens; another seed other tokens."""
+    prompts = random_prompts(12, min_len=2, max_len=60, seed=23)
+    params = [SamplingParams(max_new_tokens=24, temperature=1.0, seed=300 + i)
+              for i in range(len(prompts))]
+    alone = [await engine.generate(f"a{i}", p, params[i]) for i, p in enumerate(prompts[:3])]
+    crowd = await asyncio.gather(*(engine.generate(f"b{i}", p, params[i])
+                                   for i, p in enumerate(prompts)))
+    for single, batched in zip(alone, crowd, strict=False):
+        assert single.token_ids == batched.token_ids
+        assert_close(single.logprobs, batched.logprobs, atol=ATOL, what="alone vs batched")
+    other = await engine.generate("c", prompts[0], SamplingParams(max_new_tokens=24, seed=9))
+    assert other.token_ids != alone[0].token_ids
+
+
 @pytest.mark.parametrize("kind", ["disk", "tensors"])
 async def test_update_matches_trainer_under_new_weights_and_differs_from_before(
         engine, weights_dirs, reference_models, kind):
