@@ -47,6 +47,7 @@ Pure tensor code over already-selected loss tokens; sequence membership comes fr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -130,11 +131,12 @@ def surrogate(theta: torch.Tensor, prox: torch.Tensor, adv: torch.Tensor, keep: 
 @torch.no_grad()
 def clip_sides(theta: torch.Tensor, prox: torch.Tensor, adv: torch.Tensor, keep: torch.Tensor,
                clip_active: torch.Tensor, segments: Segments | None, *, kind: str,
-               eps_low: float, eps_high: float) -> dict[str, int | float]:
+               eps_low: float, eps_high: float) -> dict[str, Any]:
     """Which side of the clip range each of the U kept tokens (of [L] loss tokens) is on
     (`PPOStats`): clipped below / above, outside but unclipped, and the largest ratio.
     The ratio is the one the surrogate clips (the sequence's for 'gspo')."""
     if kind == "gspo":
+        assert segments is not None, "gspo ratios are per sequence: segments needed"
         ratio = torch.exp(segments.mean(theta - prox))[keep]
     else:
         ratio = torch.exp(theta[keep] - prox[keep])

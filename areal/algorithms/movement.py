@@ -32,7 +32,7 @@ W_BINS = (0.5, 0.8, 0.95, 1.05, 1.2, 2.0)
 
 def bin_labels() -> list[str]:
     edges = [f"{e:g}" for e in W_BINS]
-    return [f"<{edges[0]}", *(f"{a}-{b}" for a, b in zip(edges, edges[1:])), f">={edges[-1]}"]
+    return [f"<{edges[0]}", *(f"{a}-{b}" for a, b in zip(edges, edges[1:], strict=False)), f">={edges[-1]}"]
 
 
 SUM_FIELDS = ("num_tokens", "num_new_tokens", "sum_kl_behav_prox", "sum_kl_behav_new",

@@ -52,7 +52,7 @@ def test_quick_run_trains_both_arms_and_records_the_mechanism(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     cells = json.loads((tmp_path / "cells.json").read_text())
     assert set(cells) == {"decoupled", "naive"}
-    for arm, (result,) in cells.items():
+    for result, in cells.values():
         assert result["seed"] == 1 and result["steps"] == 3 and len(result["per_step"]) == 3
         for step in result["per_step"]:
             assert step["train/kl_prox_new"] >= 0 and "train/kl_behav_prox" in step, step

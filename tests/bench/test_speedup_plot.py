@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import speedup  # noqa: E402
+import speedup
 
 
 def _runs(mode_shift: float, evaluate_versions: bool) -> list[tuple[dict, list[dict]]]:

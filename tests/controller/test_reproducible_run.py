@@ -33,7 +33,7 @@ NUMERIC_RTOL = 1e-4
 
 
 def _timing(key: str) -> bool:
-    return key.startswith("perf/") or key.endswith("_s") or key.endswith("_s_mean") or key in (
+    return key.startswith("perf/") or key.endswith(("_s", "_s_mean")) or key in (
         "time", "trained_tokens_per_s", "run_dir", "rollout/in_flight", "reward/queue",
         "buffer/trajectories", "eval/seconds")
 

@@ -42,7 +42,7 @@ _NO_SEED = float("nan")
 class SeededDraws(ContinuousBatchingLogitsProcessor):
     """Per-request uniform draws (the `seed` request keyword); scores pass unchanged."""
 
-    supported_kwargs: dict[str, type] = {"seed": int}
+    supported_kwargs: dict[str, type] = {"seed": int}  # noqa: RUF012 (the base declares it per instance)
     ignored_kwargs: tuple[str, ...] = ()
 
     def __init__(self) -> None:
@@ -61,7 +61,7 @@ class SeededDraws(ContinuousBatchingLogitsProcessor):
                          else uniform(seed, len(request.state.generated_tokens)))
         return torch.tensor(draws, dtype=torch.float32).view(dtype=torch.int32)
 
-    def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
+    def __call__(self, scores: torch.FloatTensor, tensor_arg: torch.Tensor) -> torch.FloatTensor:
         self.draws = tensor_arg[: scores.size(0)].view(dtype=torch.float32).clone()
         return scores
 
@@ -90,7 +90,13 @@ def install_sampler(manager: Any, draws: SeededDraws) -> None:
     runner = manager.batch_processor.model_runner
     if not runner.do_sample or not runner.return_logprobs:
         raise RuntimeError("seeded sampling expects do_sample and return_logprobs")
-    runner._sample = lambda scores, output_ids: seeded_sample(draws.draws, scores, output_ids)
+
+    def sample(scores: torch.Tensor, output_ids: torch.Tensor) -> Any:
+        if draws.draws is None:
+            raise RuntimeError("sampling before SeededDraws saw the forward's requests")
+        return seeded_sample(draws.draws, scores, output_ids)
+
+    runner._sample = sample
 
 
 def seeded_sample(draws: torch.Tensor, scores: torch.Tensor, output_ids: torch.Tensor) -> None:
