@@ -99,8 +99,10 @@ def add_client(directory: str | Path, name: str) -> Path:
     """A new client pair DIR/clients/NAME.key_secret, authorised; returns its path."""
     directory = Path(directory)
     if not (directory / f"{SERVER}.key_secret").is_file():
-        raise KeyFileError(f"{directory} has no {SERVER}.key_secret; run "
-                        f"`python -m areal.auth init {directory}` first")
+        raise KeyFileError(
+            f"{directory} has no {SERVER}.key_secret; run "
+            f"`python -m areal.auth init {directory}` first"
+        )
     clients = directory / "clients"
     clients.mkdir(exist_ok=True)
     public, secret = create_certificates(clients, name)
@@ -120,8 +122,10 @@ def load_server_keys(directory: str | Path) -> ServerKeys:
     public, secret = _load(directory / f"{SERVER}.key_secret", "the controller's key pair")
     authorized_dir = directory / AUTHORIZED
     if not authorized_dir.is_dir():
-        raise KeyFileError(f"{authorized_dir} does not exist: no client could be admitted; run "
-                        f"`python -m areal.auth init {directory}`")
+        raise KeyFileError(
+            f"{authorized_dir} does not exist: no client could be admitted; run "
+            f"`python -m areal.auth init {directory}`"
+        )
     assert secret is not None  # _load refuses a file without one
     return ServerKeys(public=public, secret=secret, authorized_dir=authorized_dir)
 
@@ -129,8 +133,9 @@ def load_server_keys(directory: str | Path) -> ServerKeys:
 def load_client_keys(directory: str | Path) -> ClientKeys:
     """A worker's keys: DIR/server.key and DIR/client.key_secret."""
     directory = Path(directory)
-    server_public, _ = _load(directory / f"{SERVER}.key", "the controller's public key",
-                             secret=False)
+    server_public, _ = _load(
+        directory / f"{SERVER}.key", "the controller's public key", secret=False
+    )
     public, secret = _load(directory / f"{CLIENT}.key_secret", "this worker's client key pair")
     assert secret is not None  # _load refuses a file without one
     return ClientKeys(server_public=server_public, public=public, secret=secret)
@@ -148,8 +153,10 @@ def client_keys_from_text(text: str) -> ClientKeys:
     """The inverse of `client_keys_text`."""
     parts = text.split()
     if len(parts) != 3 or not all(len(part) == 40 for part in parts):
-        raise KeyFileError(f"${KEYS_TEXT_ENV} must hold three 40-character z85 keys (server "
-                           "public, client public, client secret), as the launcher writes them")
+        raise KeyFileError(
+            f"${KEYS_TEXT_ENV} must hold three 40-character z85 keys (server "
+            "public, client public, client secret), as the launcher writes them"
+        )
     try:
         for part in parts:
             z85.decode(part.encode())
@@ -161,9 +168,11 @@ def client_keys_from_text(text: str) -> ClientKeys:
 
 def _load(path: Path, what: str, secret: bool = True) -> tuple[bytes, bytes | None]:
     if not path.is_file():
-        raise KeyFileError(f"{path} ({what}) does not exist; keys are made with `python -m "
-                        "areal.auth init DIR` on the controller node and copied from there "
-                        "(see areal/auth.py)")
+        raise KeyFileError(
+            f"{path} ({what}) does not exist; keys are made with `python -m "
+            "areal.auth init DIR` on the controller node and copied from there "
+            "(see areal/auth.py)"
+        )
     try:
         public, secret_key = load_certificate(path)
     except (OSError, ValueError) as err:
@@ -230,15 +239,22 @@ class ZapHandler:
 
     def _answer(self, request: list[bytes]) -> list[bytes]:
         if len(request) < 6:
-            return [b"1.0", request[1] if len(request) > 1 else b"", b"400", b"bad request",
-                    b"", b""]
+            return [
+                b"1.0",
+                request[1] if len(request) > 1 else b"",
+                b"400",
+                b"bad request",
+                b"",
+                b"",
+            ]
         version, request_id, domain, address, _identity, mechanism = request[:6]
         credentials = request[6:]
         key = z85.encode(credentials[0]) if mechanism == b"CURVE" and credentials else b""
         if domain == ZAP_DOMAIN and mechanism == b"CURVE" and key in self.authorized():
             return [version, request_id, b"200", b"OK", key, b""]
-        self._refuse(address.decode(errors="replace"), mechanism.decode(errors="replace"),
-                     key.decode())
+        self._refuse(
+            address.decode(errors="replace"), mechanism.decode(errors="replace"), key.decode()
+        )
         return [version, request_id, b"400", b"not authorised", b"", b""]
 
     def _refuse(self, address: str, mechanism: str, key: str) -> None:
@@ -248,16 +264,23 @@ class ZapHandler:
             log.debug("refused %s again (%s key %s)", address, mechanism, key or "-")
             return
         self.refused.append(entry)
-        log.warning("refused a connection from %s: %s key %s is not authorised (add its public "
-                    "key to the controller's authorized/ directory to admit it)", address,
-                    mechanism, key or "-")
+        log.warning(
+            "refused a connection from %s: %s key %s is not authorised (add its public "
+            "key to the controller's authorized/ directory to admit it)",
+            address,
+            mechanism,
+            key or "-",
+        )
 
 
 async def watch_handshakes(socket: zmq.Socket, failures: list[str]) -> None:
     """Log peers whose handshake failed before ZAP (e.g. plain TCP against CURVE); `failures`
     collects each distinct reason once."""
-    events = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-              | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    events = (
+        zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    )
     monitor = socket.get_monitor_socket(events)
     try:
         while True:
@@ -271,9 +294,12 @@ async def watch_handshakes(socket: zmq.Socket, failures: list[str]) -> None:
                 reason = _protocol_reason(event["value"])
             if reason not in failures:  # a refused peer keeps reconnecting: log once
                 failures.append(reason)
-                log.warning("refused a connection on %s: handshake failed (%s); peers must "
-                            "use CurveZMQ with the controller's server key",
-                            event["endpoint"].decode(errors="replace"), reason)
+                log.warning(
+                    "refused a connection on %s: handshake failed (%s); peers must "
+                    "use CurveZMQ with the controller's server key",
+                    event["endpoint"].decode(errors="replace"),
+                    reason,
+                )
     finally:
         socket.disable_monitor()
         monitor.close(0)
@@ -292,7 +318,8 @@ def _protocol_reason(value: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m areal.auth",
-        description="CurveZMQ keys for a controller and its remote workers (see the module doc).")
+        description="CurveZMQ keys for a controller and its remote workers (see the module doc).",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     init = sub.add_parser("init", help="server key pair + a shared, authorised client pair")
     init.add_argument("directory")
@@ -303,13 +330,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "init":
             directory = init_keys(args.directory)
-            print(f"keys in {directory}: copy {directory / 'server.key'} and "
-                  f"{directory / 'client.key_secret'} to each worker node (into one "
-                  "directory, passed as --keys DIR); server.key_secret never leaves this node")
+            print(
+                f"keys in {directory}: copy {directory / 'server.key'} and "
+                f"{directory / 'client.key_secret'} to each worker node (into one "
+                "directory, passed as --keys DIR); server.key_secret never leaves this node"
+            )
         else:
             path = add_client(args.directory, args.name)
-            print(f"client key {path}: copy it to that node as client.key_secret, next to "
-                  f"{Path(args.directory) / 'server.key'}")
+            print(
+                f"client key {path}: copy it to that node as client.key_secret, next to "
+                f"{Path(args.directory) / 'server.key'}"
+            )
     except KeyFileError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -40,15 +40,33 @@ import numpy as np
 
 from areal.codec_fast import decode_header
 from areal.messages import (
-    DEFAULT_MAX_BYTES, MAX_DEPTH, SCHEMAS, Generate, MessageError, MsgType, Tensor,
+    DEFAULT_MAX_BYTES,
+    MAX_DEPTH,
+    SCHEMAS,
+    Generate,
+    MessageError,
+    MsgType,
+    Tensor,
     header_limit,
 )
 
 _ARRAY_EXT = 1
 """msgpack extension code of an array reference: packb([dtype, shape, frame index])."""
 
-_NUMPY_DTYPES = ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64",
-                 "uint64", "float16", "float32", "float64")
+_NUMPY_DTYPES = (
+    "bool",
+    "int8",
+    "uint8",
+    "int16",
+    "uint16",
+    "int32",
+    "uint32",
+    "int64",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+)
 _TORCH_ONLY_DTYPES = ("bfloat16",)
 
 
@@ -154,27 +172,41 @@ is not reused while it is kept. Bounded: emptied when full."""
 def _encode_generate(msg: Any) -> list[Any]:
     """`_encode(msg)`, from the template of its prompt's Generate when it has one: the same
     frames, byte for byte (tests/areal/test_messages.py)."""
-    rest = (msg.max_new_tokens, msg.temperature, msg.top_p, msg.stop_token_ids,
-            msg.prompt_id, msg.reference)
+    rest = (
+        msg.max_new_tokens,
+        msg.temperature,
+        msg.top_p,
+        msg.stop_token_ids,
+        msg.prompt_id,
+        msg.reference,
+    )
     entry = _GENERATES.get(id(msg.prompt_ids))
-    if entry is None or entry[0] is not msg.prompt_ids or entry[1] != rest \
-            or type(msg.request_id) is not str:
+    if (
+        entry is None
+        or entry[0] is not msg.prompt_ids
+        or entry[1] != rest
+        or type(msg.request_id) is not str
+    ):
         frames = _encode(msg)
         if type(msg.request_id) is not str:
             return frames
         # The header is a small map whose first key is request_id: cut out its value.
         key, value = _packer().pack("request_id"), _packer().pack(msg.request_id)
         start = 1 + len(key)
-        if frames[1][1:start] != key or frames[1][start:start + len(value)] != value:
+        if frames[1][1:start] != key or frames[1][start : start + len(value)] != value:
             return frames
         if len(_GENERATES) >= _GENERATES_ITEMS:
             _GENERATES.clear()
-        _GENERATES[id(msg.prompt_ids)] = (msg.prompt_ids, rest, frames[1][:start],
-                                          frames[1][start + len(value):], frames[2:])
+        _GENERATES[id(msg.prompt_ids)] = (
+            msg.prompt_ids,
+            rest,
+            frames[1][:start],
+            frames[1][start + len(value) :],
+            frames[2:],
+        )
         return frames
     _, _, before, after, arrays = entry
-    return [bytes([MsgType.GENERATE]), before + _packer().pack(msg.request_id) + after,
-            *arrays]
+    return [bytes([MsgType.GENERATE]), before + _packer().pack(msg.request_id) + after, *arrays]
 
 
 _PACKERS = threading.local()
@@ -204,8 +236,9 @@ def _array_ext(dtype: str, shape: tuple[int, ...], index: int) -> msgpack.ExtTyp
     if ext is None:
         if len(_EXT_CACHE) >= _EXT_CACHE_ITEMS:
             _EXT_CACHE.clear()
-        ext = _EXT_CACHE[key] = msgpack.ExtType(_ARRAY_EXT, _packer().pack([dtype, list(shape),
-                                                                            index]))
+        ext = _EXT_CACHE[key] = msgpack.ExtType(
+            _ARRAY_EXT, _packer().pack([dtype, list(shape), index])
+        )
     return ext
 
 
@@ -327,8 +360,7 @@ def _build_array(ref: _ArrayRef, frames: Sequence[Any], as_tensor: bool, where: 
         return torch.frombuffer(buf, dtype=dtype, count=count).reshape(ref.shape)
 
 
-def _numpy_view(buf: memoryview, dtype: np.dtype, count: int, shape: tuple[int, ...]
-                ) -> np.ndarray:
+def _numpy_view(buf: memoryview, dtype: np.dtype, count: int, shape: tuple[int, ...]) -> np.ndarray:
     """`buf` (checked to hold `count` items) as an array of `shape`, no copy. Positional
     arguments: keywords made `frombuffer` take twice as long."""
     array = np.frombuffer(buf, dtype, count)
@@ -378,7 +410,8 @@ def _check(value: Any, annotation: Any, frames: Sequence[Any], where: str, used:
     if annotation in (int, float, str, bool, bytes):
         if type(value) is not annotation:
             raise MessageError(
-                f"{where}: expected {annotation.__name__}, got {type(value).__name__}")
+                f"{where}: expected {annotation.__name__}, got {type(value).__name__}"
+            )
         return value
     raise MessageError(f"{where}: unsupported annotation {annotation!r}")
 
@@ -400,23 +433,29 @@ def _field_check(annotation: Any) -> FieldCheck:
 
     origin, args = _origin_args(annotation)
     if annotation in (int, float, str, bool, bytes):
+
         def scalar(value, frames, where, used):
             return value if type(value) is annotation else general(value, frames, where, used)
+
         return scalar
     if annotation is np.ndarray:
+
         def array(value, frames, where, used):
             # A reference to an unused frame of a numpy dtype, of the size it says: a view
             # of it. Anything else, `_check` decides (and words the refusal).
-            if type(value) is _ArrayRef and value.index not in used \
-                    and value.index < len(frames):
+            if type(value) is _ArrayRef and value.index not in used and value.index < len(frames):
                 dtype = _NUMPY_DTYPE_OBJECTS.get(value.dtype)
                 buf = frames[value.index]
                 count = math.prod(value.shape)
-                if dtype is not None and type(buf) is memoryview \
-                        and buf.nbytes == count * dtype.itemsize:
+                if (
+                    dtype is not None
+                    and type(buf) is memoryview
+                    and buf.nbytes == count * dtype.itemsize
+                ):
                     used.add(value.index)
                     return _numpy_view(buf, dtype, count, value.shape)
             return general(value, frames, where, used)
+
         return array
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
         members = {m.value: m for m in annotation if type(m.value) is str}
@@ -424,6 +463,7 @@ def _field_check(annotation: Any) -> FieldCheck:
         def member(value, frames, where, used):
             found = members.get(value) if type(value) is str else None
             return found if found is not None else general(value, frames, where, used)
+
         return member
     if origin in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
         (inner,) = [a for a in args if a is not type(None)]
@@ -431,6 +471,7 @@ def _field_check(annotation: Any) -> FieldCheck:
 
         def optional(value, frames, where, used):
             return None if value is None else inner_check(value, frames, where, used)
+
         return optional
     if origin is list and args[0] in _SCALARS:
         (inner,) = args
@@ -440,6 +481,7 @@ def _field_check(annotation: Any) -> FieldCheck:
             if type(value) is list and only_inner.issuperset(map(type, value)):
                 return value
             return general(value, frames, where, used)
+
         return scalars
     return general
 
@@ -458,8 +500,13 @@ def _plain(value: Any, where: str, depth: int = 0) -> Any:
     return value
 
 
-def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_BYTES, *,
-           only: Collection[MsgType] | None = None, compiled: bool = True) -> Any:
+def decode(
+    frames: Sequence[Any],
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    *,
+    only: Collection[MsgType] | None = None,
+    compiled: bool = True,
+) -> Any:
     """Rebuild a message from its frames (without the ROUTER identity). Raises MessageError.
     `only`: the kinds accepted; any other is refused on its type byte, nothing else read.
     `compiled`: try msgspec's checks first (areal.codec_fast), which accept and refuse what
@@ -471,31 +518,46 @@ def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_BYTES, *,
     if kind is None:
         raise MessageError(f"unknown message type {first[:8].tobytes()!r}")
     if only is not None and kind not in only:
-        raise MessageError(f"{kind.name} refused unread: only "
-                           f"{', '.join(k.name for k in only)} accepted here", reason="not accepted")
+        raise MessageError(
+            f"{kind.name} refused unread: only {', '.join(k.name for k in only)} accepted here",
+            reason="not accepted",
+        )
     limit = header_limit(kind)
     if len(frames) - 2 > limit.max_items:
-        raise MessageError(f"{kind.name}: {len(frames) - 2} array frames; at most {limit.max_items}",
-                           reason="too large")
+        raise MessageError(
+            f"{kind.name}: {len(frames) - 2} array frames; at most {limit.max_items}",
+            reason="too large",
+        )
     raw = list(map(_view, frames))
     total = sum(map(_NBYTES, raw))
     if total > max_bytes:
-        raise MessageError(f"{kind.name}: message of {total} bytes exceeds the {max_bytes}-byte "
-                           "limit", reason="too large")
+        raise MessageError(
+            f"{kind.name}: message of {total} bytes exceeds the {max_bytes}-byte limit",
+            reason="too large",
+        )
     if raw[1].nbytes > limit.max_bytes:
-        raise MessageError(f"{kind.name}: header of {raw[1].nbytes} bytes exceeds the "
-                           f"{limit.max_bytes}-byte limit of its kind", reason="too large")
+        raise MessageError(
+            f"{kind.name}: header of {raw[1].nbytes} bytes exceeds the "
+            f"{limit.max_bytes}-byte limit of its kind",
+            reason="too large",
+        )
     schema = SCHEMAS[kind]
     if compiled:
-        message = decode_header(schema, raw[1], raw[2:], limit, _NUMPY_DTYPE_OBJECTS,
-                                _ext_hook)
+        message = decode_header(schema, raw[1], raw[2:], limit, _NUMPY_DTYPE_OBJECTS, _ext_hook)
         if message is not None:
             return message
     try:
-        header = msgpack.unpackb(raw[1], ext_hook=_ext_hook, raw=False, strict_map_key=True,
-                                 max_map_len=limit.max_items, max_array_len=limit.max_items,
-                                 max_str_len=limit.max_bytes, max_bin_len=limit.max_bytes,
-                                 max_ext_len=1024)
+        header = msgpack.unpackb(
+            raw[1],
+            ext_hook=_ext_hook,
+            raw=False,
+            strict_map_key=True,
+            max_map_len=limit.max_items,
+            max_array_len=limit.max_items,
+            max_str_len=limit.max_bytes,
+            max_bin_len=limit.max_bytes,
+            max_ext_len=1024,
+        )
     except MessageError as err:
         raise MessageError(f"{kind.name}: {err}") from None
     except (ValueError, TypeError, msgpack.UnpackException) as err:
@@ -510,15 +572,22 @@ _NBYTES = operator.attrgetter("nbytes")
 
 
 @functools.cache
-def _schema_fields(schema: Any) -> tuple[list[tuple[str, FieldCheck, bool, str, frozenset]],
-                                          frozenset[str]]:
+def _schema_fields(
+    schema: Any,
+) -> tuple[list[tuple[str, FieldCheck, bool, str, frozenset]], frozenset[str]]:
     """([(field, its check, required, where, types taken as they are)], names) of a schema,
     resolved once: `get_type_hints` alone cost about two thirds of decoding a small message."""
     hints = typing.get_type_hints(schema)
-    fields = [(f.name, _field_check(hints[f.name]), f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING, f"{schema.KIND.name}.{f.name}",
-               _taken_as_is(hints[f.name]))
-              for f in dataclasses.fields(schema)]
+    fields = [
+        (
+            f.name,
+            _field_check(hints[f.name]),
+            f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+            f"{schema.KIND.name}.{f.name}",
+            _taken_as_is(hints[f.name]),
+        )
+        for f in dataclasses.fields(schema)
+    ]
     return fields, frozenset(f[0] for f in fields)
 
 
@@ -551,8 +620,7 @@ def _build(schema: type, header: dict[str, Any], frames: Sequence[memoryview]) -
         try:
             for fname, value in header.items():
                 check, where, as_is = by_name[fname]
-                values[fname] = value if type(value) in as_is else check(value, frames, where,
-                                                                         used)
+                values[fname] = value if type(value) in as_is else check(value, frames, where, used)
         except (KeyError, MessageError):
             pass  # an unknown field or a refused value: worded below
         else:
@@ -562,12 +630,15 @@ def _build(schema: type, header: dict[str, Any], frames: Sequence[memoryview]) -
 
 
 @functools.cache
-def _schema_lookup(schema: type) -> tuple[dict[str, tuple[FieldCheck, str, frozenset]],
-                                          frozenset[str]]:
+def _schema_lookup(
+    schema: type,
+) -> tuple[dict[str, tuple[FieldCheck, str, frozenset]], frozenset[str]]:
     """({field: (its check, where, types taken as they are)}, required fields)."""
     fields, _ = _schema_fields(schema)
-    return ({name: (check, where, as_is) for name, check, _, where, as_is in fields},
-            frozenset(name for name, _, required, _, _ in fields if required))
+    return (
+        {name: (check, where, as_is) for name, check, _, where, as_is in fields},
+        frozenset(name for name, _, required, _, _ in fields if required),
+    )
 
 
 def _build_checked(schema: Any, header: dict[str, Any], frames: Sequence[memoryview]) -> Any:

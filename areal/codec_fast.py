@@ -38,8 +38,9 @@ _NO_COUNTERPART = object()
 
 
 @functools.cache
-def wire_struct(schema: type) -> tuple[msgspec.msgpack.Decoder, tuple[str, ...],
-                                       tuple[str, ...]] | None:
+def wire_struct(
+    schema: type,
+) -> tuple[msgspec.msgpack.Decoder, tuple[str, ...], tuple[str, ...]] | None:
     """(a decoder of `schema`'s header, its array fields, its list and map fields), or None
     when a field has no exact counterpart."""
     hints = typing.get_type_hints(schema)
@@ -61,8 +62,9 @@ def wire_struct(schema: type) -> tuple[msgspec.msgpack.Decoder, tuple[str, ...],
             fields.append((f.name, wire, msgspec.field(default_factory=f.default_factory)))
         else:
             fields.append((f.name, wire))
-    struct = msgspec.defstruct(f"{schema.__name__}Header", fields, kw_only=True,
-                               forbid_unknown_fields=True)
+    struct = msgspec.defstruct(
+        f"{schema.__name__}Header", fields, kw_only=True, forbid_unknown_fields=True
+    )
     return msgspec.msgpack.Decoder(struct), tuple(arrays), tuple(sized)
 
 
@@ -77,8 +79,12 @@ def _wire_type(annotation: Any) -> Any:
     if origin in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
         (inner,) = [a for a in args if a is not type(None)]
         wire = _wire_type(inner)
-        return _NO_COUNTERPART if wire is _NO_COUNTERPART or (inner is not np.ndarray \
-            and typing.get_origin(inner) is not None) else wire | None
+        return (
+            _NO_COUNTERPART
+            if wire is _NO_COUNTERPART
+            or (inner is not np.ndarray and typing.get_origin(inner) is not None)
+            else wire | None
+        )
     if origin is list and _scalar_or_enum(args[0]):
         return types.GenericAlias(list, (args[0],))
     if origin is dict and args[0] is str and args[1] in (int, float, str, bool):
@@ -87,13 +93,19 @@ def _wire_type(annotation: Any) -> Any:
 
 
 def _scalar_or_enum(annotation: Any) -> bool:
-    return annotation in (int, float, str, bool) or (isinstance(annotation, type) \
-        and issubclass(annotation, enum.Enum))
+    return annotation in (int, float, str, bool) or (
+        isinstance(annotation, type) and issubclass(annotation, enum.Enum)
+    )
 
 
-def decode_header(schema: type, header: memoryview, frames: Sequence[memoryview],
-                  limit: HeaderLimit, dtypes: dict[str, np.dtype],
-                  array_ref: Callable[[int, Any], Any]) -> Any:
+def decode_header(
+    schema: type,
+    header: memoryview,
+    frames: Sequence[memoryview],
+    limit: HeaderLimit,
+    dtypes: dict[str, np.dtype],
+    array_ref: Callable[[int, Any], Any],
+) -> Any:
     """The message, or None when this path does not accept it (the codec then decides).
     `dtypes`: the numpy dtypes a frame may hold, by name; `array_ref(code, data)`: the
     codec's reading of an array reference (dtype, shape, frame index), which raises
@@ -124,8 +136,13 @@ def decode_header(schema: type, header: memoryview, frames: Sequence[memoryview]
     return schema(**values)
 
 
-def _array(ext: msgspec.msgpack.Ext, frames: Sequence[memoryview], dtypes: dict[str, np.dtype],
-           array_ref: Callable[[int, Any], Any], used: set[int]) -> np.ndarray | None:
+def _array(
+    ext: msgspec.msgpack.Ext,
+    frames: Sequence[memoryview],
+    dtypes: dict[str, np.dtype],
+    array_ref: Callable[[int, Any], Any],
+    used: set[int],
+) -> np.ndarray | None:
     """A view of the frame `ext` refers to, when the reference is one the codec accepts
     and its frame is unused and of the size it says; else None."""
     try:

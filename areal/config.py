@@ -28,8 +28,9 @@ class ConfigError(ValueError):
     """A configuration value is missing, unknown, of the wrong type or out of range."""
 
 
-def opt(default: Any, help: str, choices: Sequence[str] | None = None, *,
-        secret: bool = False) -> Any:
+def opt(
+    default: Any, help: str, choices: Sequence[str] | None = None, *, secret: bool = False
+) -> Any:
     """A dataclass field with its help text (and allowed values) attached. `secret`: the
     value is replaced by null wherever the config is written out."""
     metadata = {"help": help, "choices": tuple(choices) if choices else None, "secret": secret}
@@ -63,8 +64,10 @@ def parse_cpu_list(text: str) -> set[int]:
 
 def _check_cpus(cpus: list[str], count: int, key: str, count_key: str) -> None:
     if cpus and len(cpus) != count:
-        raise ConfigError(f"{key} lists {len(cpus)} CPU sets for {count_key}={count}; give "
-                          "one per process or none")
+        raise ConfigError(
+            f"{key} lists {len(cpus)} CPU sets for {count_key}={count}; give "
+            "one per process or none"
+        )
     for item in cpus:
         try:
             parse_cpu_list(item)
@@ -120,8 +123,9 @@ class ModelConfig:
         None, "Hugging Face causal-LM directory (safetensors); null builds the embedded tiny model"
     )
     tokenizer_path: str | None = opt(None, "tokenizer directory; null uses model.path")
-    dtype: str = opt("float32", "weights dtype for training and rollout",
-                     ["float32", "bfloat16", "float16"])
+    dtype: str = opt(
+        "float32", "weights dtype for training and rollout", ["float32", "bfloat16", "float16"]
+    )
     trust_remote_code: bool = opt(False, "allow custom modelling code from the model directory")
     tiny: TinyModelConfig = opt(TinyModelConfig(), "embedded model shape (model.path=null only)")
     warmstart: WarmStartConfig = opt(WarmStartConfig(), "embedded model SFT (model.path=null only)")
@@ -152,21 +156,34 @@ class EpisodeConfig:
     (tool results) in one trajectory (areal.tasks.environment, docs/design.md section 10)."""
 
     environment: str | None = opt(
-        None, "null: one completion per sample; a built-in environment ('tools': the "
-        "calculator and Python tools of episode.params.tools) or 'package.module:Class'")
+        None,
+        "null: one completion per sample; a built-in environment ('tools': the "
+        "calculator and Python tools of episode.params.tools) or 'package.module:Class'",
+    )
     params: dict[str, Any] = opt({}, "keyword arguments for the environment class")
-    max_turns: int = opt(4, "model turns per episode; an episode still unfinished after them "
-                         "ends with reward 0 (turn_limit)")
-    max_turn_tokens: int | None = opt(None, "token budget of one model turn; null: what is "
-                                      "left of rollout.max_new_tokens, the budget of the whole "
-                                      "episode (model and observation tokens)")
-    step_timeout_s: float = opt(60.0, "time the environment may take to answer one turn; "
-                                "over it the episode ends with reward 0 (verdict timeout)")
+    max_turns: int = opt(
+        4,
+        "model turns per episode; an episode still unfinished after them "
+        "ends with reward 0 (turn_limit)",
+    )
+    max_turn_tokens: int | None = opt(
+        None,
+        "token budget of one model turn; null: what is "
+        "left of rollout.max_new_tokens, the budget of the whole "
+        "episode (model and observation tokens)",
+    )
+    step_timeout_s: float = opt(
+        60.0,
+        "time the environment may take to answer one turn; "
+        "over it the episode ends with reward 0 (verdict timeout)",
+    )
 
     def check(self, key: str) -> None:
         if self.environment is not None and not self.environment.strip():
-            raise ConfigError(f"{key}.environment={self.environment!r} is empty; give null, "
-                              "'tools' or 'package.module:Class'")
+            raise ConfigError(
+                f"{key}.environment={self.environment!r} is empty; give null, "
+                "'tools' or 'package.module:Class'"
+            )
         _positive(self.max_turns, f"{key}.max_turns")
         if self.max_turn_tokens is not None:
             _positive(self.max_turn_tokens, f"{key}.max_turn_tokens")
@@ -184,54 +201,81 @@ class AgentConfig:
     section 11, docs/guides/agents.md)."""
 
     function: str | None = opt(
-        None, "null: no agent; 'package.module:function' (async def run(client, sample)) or "
-        "'package.module:Class' (instances have that method; built with agent.params)")
-    params: dict[str, Any] = opt({}, "keyword arguments of an agent class; given to every "
-                                 "agent as sample.params")
-    discount: float = opt(1.0, "rewards propagate back through earlier calls: a call's "
-                          "return is its reward + discount x the next call's return")
-    timeout_s: float = opt(600.0, "time one episode's agent may take; over it the episode "
-                           "ends with verdict timeout (reward.on_error)")
-    max_calls: int = opt(32, "chat calls per episode; later calls are refused (400) and the "
-                         "episode ends at its turn limit unless the agent returns a reward")
+        None,
+        "null: no agent; 'package.module:function' (async def run(client, sample)) or "
+        "'package.module:Class' (instances have that method; built with agent.params)",
+    )
+    params: dict[str, Any] = opt(
+        {}, "keyword arguments of an agent class; given to every agent as sample.params"
+    )
+    discount: float = opt(
+        1.0,
+        "rewards propagate back through earlier calls: a call's "
+        "return is its reward + discount x the next call's return",
+    )
+    timeout_s: float = opt(
+        600.0,
+        "time one episode's agent may take; over it the episode "
+        "ends with verdict timeout (reward.on_error)",
+    )
+    max_calls: int = opt(
+        32,
+        "chat calls per episode; later calls are refused (400) and the "
+        "episode ends at its turn limit unless the agent returns a reward",
+    )
     max_request_bytes: int = opt(8 << 20, "larger request bodies are refused (400)")
-    max_request_tokens: int = opt(1 << 16, "largest max_tokens / max_completion_tokens a "
-                                  "request may ask for (400 above it); a request asking more "
-                                  "than its segment has left is cut to what is left")
-    tool_format: str = opt("auto", "how tool calls are written: 'chat' (the chat template's "
-                           "tools and Qwen2.5's <tool_call> JSON), 'bracket' ([argument] "
-                           "of the first tool; tokenizers without a chat template); auto: "
-                           "chat when the tokenizer has a chat template",
-                           ["auto", "chat", "bracket"])
+    max_request_tokens: int = opt(
+        1 << 16,
+        "largest max_tokens / max_completion_tokens a "
+        "request may ask for (400 above it); a request asking more "
+        "than its segment has left is cut to what is left",
+    )
+    tool_format: str = opt(
+        "auto",
+        "how tool calls are written: 'chat' (the chat template's "
+        "tools and Qwen2.5's <tool_call> JSON), 'bracket' ([argument] "
+        "of the first tool; tokenizers without a chat template); auto: "
+        "chat when the tokenizer has a chat template",
+        ["auto", "chat", "bracket"],
+    )
     observation_template: str | None = opt(
-        None, "bracket format: how a tool message is rendered, {result} its content; null: "
-        "'=' {result} and a newline (what the tool-arithmetic warm start reads)")
-    chat_template_kwargs: dict[str, Any] = opt({}, "extra variables of the chat template "
-                                               "(e.g. {enable_thinking: false})")
-    request_sampling: bool = opt(False, "a request's temperature and top_p replace the run's "
-                                 "(rollout.temperature / eval.temperature); off: the run's "
-                                 "always apply and the request's are ignored")
+        None,
+        "bracket format: how a tool message is rendered, {result} its content; null: "
+        "'=' {result} and a newline (what the tool-arithmetic warm start reads)",
+    )
+    chat_template_kwargs: dict[str, Any] = opt(
+        {}, "extra variables of the chat template (e.g. {enable_thinking: false})"
+    )
+    request_sampling: bool = opt(
+        False,
+        "a request's temperature and top_p replace the run's "
+        "(rollout.temperature / eval.temperature); off: the run's "
+        "always apply and the request's are ignored",
+    )
     model_name: str = opt("policy", "the model id GET /v1/models lists (requests may name any)")
     host: str = opt("127.0.0.1", "address each rollout worker's endpoint binds")
     port: int = opt(0, "port of the endpoint (rollout worker i binds port + i); 0: a free one")
 
     def check(self, key: str) -> None:
         if self.function is not None and ":" not in self.function:
-            raise ConfigError(f"{key}.function={self.function!r} is not an import path "
-                              "'package.module:function'")
+            raise ConfigError(
+                f"{key}.function={self.function!r} is not an import path 'package.module:function'"
+            )
         if not 0 <= self.discount <= 1:
             raise ConfigError(f"{key}.discount={self.discount!r} must be in [0, 1]")
         _positive(self.timeout_s, f"{key}.timeout_s")
         if not 1 <= self.max_calls <= MAX_AGENT_CALLS:
-            raise ConfigError(f"{key}.max_calls={self.max_calls!r} must be in [1, "
-                              f"{MAX_AGENT_CALLS}] (a finished episode reports one segment "
-                              "per call at most)")
+            raise ConfigError(
+                f"{key}.max_calls={self.max_calls!r} must be in [1, "
+                f"{MAX_AGENT_CALLS}] (a finished episode reports one segment "
+                "per call at most)"
+            )
         _positive(self.max_request_bytes, f"{key}.max_request_bytes")
         _positive(self.max_request_tokens, f"{key}.max_request_tokens")
-        if self.observation_template is not None \
-                and "{result}" not in self.observation_template:
-            raise ConfigError(f"{key}.observation_template={self.observation_template!r} has "
-                              "no {result}")
+        if self.observation_template is not None and "{result}" not in self.observation_template:
+            raise ConfigError(
+                f"{key}.observation_template={self.observation_template!r} has no {{result}}"
+            )
         if not 0 <= self.port < 65536:
             raise ConfigError(f"{key}.port={self.port!r} must be in [0, 65535]")
 
@@ -255,20 +299,32 @@ class VllmConfig:
 
 @dataclass(kw_only=True)
 class RolloutConfig:
-    engine: str = opt("torch", "inference engine: built-in torch, vLLM, or auto (vLLM if "
-                      "importable, else torch)", ["auto", "torch", "vllm"])
+    engine: str = opt(
+        "torch",
+        "inference engine: built-in torch, vLLM, or auto (vLLM if importable, else torch)",
+        ["auto", "torch", "vllm"],
+    )
     num_workers: int = opt(1, "rollout worker processes started by the controller")
     max_new_tokens: int = opt(64, "completion token budget per sample")
     temperature: float = opt(1.0, "sampling temperature (behaviour log-probs include it)")
     top_p: float = opt(1.0, "nucleus sampling mass")
     max_concurrent: int = opt(128, "sequences a worker decodes at once")
-    interrupt: bool = opt(True, "on new weights, interrupt in-flight sequences and continue "
-                          "them under the new weights (async mode only)")
+    interrupt: bool = opt(
+        True,
+        "on new weights, interrupt in-flight sequences and continue "
+        "them under the new weights (async mode only)",
+    )
     threads: int = opt(1, "torch intra-op threads per worker (CPU)")
-    devices: list[str] = opt([], "device per worker, e.g. ['cuda:0', 'cuda:1']; empty: cpu, or "
-                             "cuda:i for worker i when CUDA is present")
-    cpus: list[str] = opt([], "CPU cores per local worker, e.g. ['0-3', '4-7'] (pinned with "
-                          "sched_setaffinity); empty: not pinned")
+    devices: list[str] = opt(
+        [],
+        "device per worker, e.g. ['cuda:0', 'cuda:1']; empty: cpu, or "
+        "cuda:i for worker i when CUDA is present",
+    )
+    cpus: list[str] = opt(
+        [],
+        "CPU cores per local worker, e.g. ['0-3', '4-7'] (pinned with "
+        "sched_setaffinity); empty: not pinned",
+    )
     vllm: VllmConfig = opt(VllmConfig(), "vLLM engine options")
 
     def check(self, key: str) -> None:
@@ -292,38 +348,57 @@ class RolloutConfig:
 class PPOConfig:
     """The decoupled PPO objective (docs/design.md section 6)."""
 
-    eps_clip: float = opt(0.2, "clip range of r = pi_theta/pi_prox (low side, and high side "
-                          "unless eps_clip_high is set)")
+    eps_clip: float = opt(
+        0.2,
+        "clip range of r = pi_theta/pi_prox (low side, and high side unless eps_clip_high is set)",
+    )
     eps_clip_high: float | None = opt(None, "separate upper clip range (DAPO 'clip higher')")
-    behav_imp_cap: float | None = opt(
-        5.0, "cap on w = pi_prox/pi_behav; null: no cap")
-    behav_cap_mode: str = opt("mask", "tokens with w above the cap: 'mask' drops them from the "
-                              "loss, 'clamp' clips w to the cap", ["mask", "clamp"])
-    prox_logp: str = opt("recompute", "proximal log-probs: 'recompute' (a forward pass), "
-                         "'loglinear' (interpolated from per-token versions), or 'behav': "
-                         "naive PPO, the behaviour policy is the anchor (w = 1; for ablations)",
-                         ["recompute", "loglinear", "behav"])
+    behav_imp_cap: float | None = opt(5.0, "cap on w = pi_prox/pi_behav; null: no cap")
+    behav_cap_mode: str = opt(
+        "mask",
+        "tokens with w above the cap: 'mask' drops them from the loss, 'clamp' clips w to the cap",
+        ["mask", "clamp"],
+    )
+    prox_logp: str = opt(
+        "recompute",
+        "proximal log-probs: 'recompute' (a forward pass), "
+        "'loglinear' (interpolated from per-token versions), or 'behav': "
+        "naive PPO, the behaviour policy is the anchor (w = 1; for ablations)",
+        ["recompute", "loglinear", "behav"],
+    )
     # Off-policy corrections beyond the paper's (areal.algorithms.corrections; recipes in
     # docs/concepts/decoupled-ppo.md).
     behav_imp_floor: float | None = opt(
-        None, "lower bound on w, handled like the cap by behav_cap_mode (with 'mask' and a cap: "
-        "IcePop's two-sided mask); null: none")
+        None,
+        "lower bound on w, handled like the cap by behav_cap_mode (with 'mask' and a cap: "
+        "IcePop's two-sided mask); null: none",
+    )
     behav_imp_level: str = opt(
-        "token", "w per token, or per sequence (the geometric mean of its tokens' w, shared "
-        "by all of them: a bound then masks or clamps whole sequences)", ["token", "sequence"])
+        "token",
+        "w per token, or per sequence (the geometric mean of its tokens' w, shared "
+        "by all of them: a bound then masks or clamps whole sequences)",
+        ["token", "sequence"],
+    )
     policy_loss: str = opt(
-        "ppo", "surrogate: 'ppo' (token ratio r, clipped), 'gspo' (GSPO's length-normalised "
+        "ppo",
+        "surrogate: 'ppo' (token ratio r, clipped), 'gspo' (GSPO's length-normalised "
         "sequence ratio, clipped), 'cispo' (CISPO: the clipped ratio as a stop-gradient "
-        "weight on log pi_theta)", ["ppo", "gspo", "cispo"])
+        "weight on log pi_theta)",
+        ["ppo", "gspo", "cispo"],
+    )
     loss_agg_mode: str = opt(
-        "token-mean", "how token terms become the loss (verl's names): 'token-mean' over all "
+        "token-mean",
+        "how token terms become the loss (verl's names): 'token-mean' over all "
         "loss tokens of the batch, 'seq-mean-token-mean' (mean over sequences of their token "
         "mean; GRPO), 'seq-mean-token-sum-norm' (mean over sequences of their token sum / "
-        "loss_agg_norm; Dr.GRPO)", ["token-mean", "seq-mean-token-mean",
-                                    "seq-mean-token-sum-norm"])
+        "loss_agg_norm; Dr.GRPO)",
+        ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
+    )
     loss_agg_norm: int | None = opt(
-        None, "seq-mean-token-sum-norm: the constant token count each sequence's sum is "
-        "divided by; null: rollout.max_new_tokens")
+        None,
+        "seq-mean-token-sum-norm: the constant token count each sequence's sum is "
+        "divided by; null: rollout.max_new_tokens",
+    )
 
     def check(self, key: str) -> None:
         _positive(self.eps_clip, f"{key}.eps_clip")
@@ -332,35 +407,51 @@ class PPOConfig:
         if self.behav_imp_cap is not None and not self.behav_imp_cap > 1:
             raise ConfigError(f"{key}.behav_imp_cap={self.behav_imp_cap!r} must be > 1 or null")
         if self.behav_imp_floor is not None and not 0 < self.behav_imp_floor < 1:
-            raise ConfigError(f"{key}.behav_imp_floor={self.behav_imp_floor!r} must be in "
-                              "(0, 1) or null: w = 1 (no drift) must stay inside the bounds")
+            raise ConfigError(
+                f"{key}.behav_imp_floor={self.behav_imp_floor!r} must be in "
+                "(0, 1) or null: w = 1 (no drift) must stay inside the bounds"
+            )
         if self.loss_agg_norm is not None:
             _positive(self.loss_agg_norm, f"{key}.loss_agg_norm")
 
 
 @dataclass(kw_only=True)
 class AdvantageConfig:
-    estimator: str = opt("grpo", "grpo: group mean/std; drgrpo: group mean only; rloo: "
-                         "leave-one-out mean", ["grpo", "drgrpo", "rloo"])
+    estimator: str = opt(
+        "grpo",
+        "grpo: group mean/std; drgrpo: group mean only; rloo: leave-one-out mean",
+        ["grpo", "drgrpo", "rloo"],
+    )
     reward_scale: float = opt(1.0, "rewards are scaled, then biased, then clipped")
     reward_bias: float = opt(0.0, "added to scaled rewards")
     reward_clip: float | None = opt(None, "clip rewards to [-c, c]; null: no clipping")
     batch_norm: bool = opt(False, "normalise advantages over the whole batch afterwards")
     # DAPO's batch and length shaping (areal.algorithms.shaping, controller/dynamic_sampling.py).
     dynamic_sampling: bool = opt(
-        False, "drop prompt groups whose advantages are all zero (equal rewards) before "
-        "training; admission replaces them, so batches stay full (DAPO dynamic sampling)")
+        False,
+        "drop prompt groups whose advantages are all zero (equal rewards) before "
+        "training; admission replaces them, so batches stay full (DAPO dynamic sampling)",
+    )
     dynamic_sampling_max_drops: int = opt(
-        200, "with dynamic_sampling, fail the run after this many groups in a row were "
-        "dropped (the task is solved or unsolvable for the model); 0: never")
+        200,
+        "with dynamic_sampling, fail the run after this many groups in a row were "
+        "dropped (the task is solved or unsolvable for the model); 0: never",
+    )
     overlong_buffer: int = opt(
-        0, "DAPO soft overlong punishment: completions longer than rollout.max_new_tokens - "
-        "overlong_buffer lose reward linearly, overlong_penalty at the limit; 0: off")
-    overlong_penalty: float = opt(1.0, "reward lost by a completion that reaches "
-                                  "rollout.max_new_tokens (with overlong_buffer > 0)")
+        0,
+        "DAPO soft overlong punishment: completions longer than rollout.max_new_tokens - "
+        "overlong_buffer lose reward linearly, overlong_penalty at the limit; 0: off",
+    )
+    overlong_penalty: float = opt(
+        1.0,
+        "reward lost by a completion that reaches "
+        "rollout.max_new_tokens (with overlong_buffer > 0)",
+    )
     mask_truncated: bool = opt(
-        False, "completions cut by the token budget (finish reason 'length') keep their reward "
-        "in the group baseline but get loss mask 0 (DAPO overlong filtering)")
+        False,
+        "completions cut by the token budget (finish reason 'length') keep their reward "
+        "in the group baseline but get loss mask 0 (DAPO overlong filtering)",
+    )
 
     def check(self, key: str) -> None:
         if self.reward_clip is not None:
@@ -370,8 +461,7 @@ class AdvantageConfig:
         _non_negative(self.overlong_penalty, f"{key}.overlong_penalty")
 
 
-LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                       "down_proj"]
+LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 """Every linear layer of a Qwen2/Llama decoder block (attention and MLP), not the embedding
 or the head: what vLLM serves adapters for on these architectures."""
 
@@ -383,10 +473,15 @@ class LoraConfig:
 
     rank: int = opt(0, "LoRA rank r; 0: full fine-tuning (no adapters)")
     alpha: float = opt(16.0, "LoRA scaling numerator: the update is (alpha / rank) * B A")
-    dropout: float = opt(0.0, "dropout on the adapters' input while training (the engines "
-                         "and the proximal recompute run without it)")
-    target_modules: list[str] = opt(LORA_TARGET_MODULES, "names of the linear layers that "
-                                    "get adapters (suffixes of module names, as in PEFT)")
+    dropout: float = opt(
+        0.0,
+        "dropout on the adapters' input while training (the engines "
+        "and the proximal recompute run without it)",
+    )
+    target_modules: list[str] = opt(
+        LORA_TARGET_MODULES,
+        "names of the linear layers that get adapters (suffixes of module names, as in PEFT)",
+    )
 
     @property
     def enabled(self) -> bool:
@@ -395,19 +490,22 @@ class LoraConfig:
     def check(self, key: str) -> None:
         _non_negative(self.rank, f"{key}.rank")
         if self.rank > 512:
-            raise ConfigError(f"{key}.rank={self.rank} is above 512, the largest rank vLLM "
-                              "serves")
+            raise ConfigError(f"{key}.rank={self.rank} is above 512, the largest rank vLLM serves")
         _positive(self.alpha, f"{key}.alpha")
         if not 0 <= self.dropout < 1:
             raise ConfigError(f"{key}.dropout={self.dropout!r} must be in [0, 1)")
         if self.enabled and not self.target_modules:
-            raise ConfigError(f"{key}.target_modules is empty; name the linear layers that get "
-                              f"adapters, e.g. {LORA_TARGET_MODULES}")
+            raise ConfigError(
+                f"{key}.target_modules is empty; name the linear layers that get "
+                f"adapters, e.g. {LORA_TARGET_MODULES}"
+            )
         bad = [m for m in self.target_modules if m in ("lm_head", "embed_tokens")]
         if bad:
-            raise ConfigError(f"{key}.target_modules: {bad[0]!r} is not supported (adapters on "
-                              "the embedding or the head are not published); give linear "
-                              "layers of the decoder blocks")
+            raise ConfigError(
+                f"{key}.target_modules: {bad[0]!r} is not supported (adapters on "
+                "the embedding or the head are not published); give linear "
+                "layers of the decoder blocks"
+            )
 
 
 @dataclass(kw_only=True)
@@ -423,35 +521,55 @@ class TrainerConfig:
     num_ranks: int = opt(1, "data-parallel trainer processes")
     threads: int = opt(1, "torch intra-op threads per trainer rank (CPU)")
     devices: list[str] = opt([], "device per rank, e.g. ['cuda:6', 'cuda:7']; empty: cpu")
-    cpus: list[str] = opt([], "CPU cores per local rank, e.g. ['8-11', '12-15']; empty: not "
-                          "pinned")
-    data_parallel: str = opt("auto", "how ranks combine gradients: FSDP2 'fsdp' (shards "
-                             "weights, gradients and optimiser state) or a plain gradient "
-                             "'allreduce' (DDP-equivalent); auto: fsdp on GPUs, allreduce on CPU",
-                             ["auto", "allreduce", "fsdp"])
-    dist_backend: str = opt("auto", "torch.distributed backend of the ranks; auto: nccl on GPUs, "
-                            "gloo on CPU", ["auto", "gloo", "nccl"])
+    cpus: list[str] = opt([], "CPU cores per local rank, e.g. ['8-11', '12-15']; empty: not pinned")
+    data_parallel: str = opt(
+        "auto",
+        "how ranks combine gradients: FSDP2 'fsdp' (shards "
+        "weights, gradients and optimiser state) or a plain gradient "
+        "'allreduce' (DDP-equivalent); auto: fsdp on GPUs, allreduce on CPU",
+        ["auto", "allreduce", "fsdp"],
+    )
+    dist_backend: str = opt(
+        "auto",
+        "torch.distributed backend of the ranks; auto: nccl on GPUs, gloo on CPU",
+        ["auto", "gloo", "nccl"],
+    )
     dist_timeout_s: float = opt(600.0, "rendezvous and collective timeout of the trainer group")
-    store_host: str | None = opt(None, "address other nodes use to reach trainer rank 0 (its "
-                                 "TCPStore, where process groups meet); null: the address of "
-                                 "its interface that routes to the controller")
+    store_host: str | None = opt(
+        None,
+        "address other nodes use to reach trainer rank 0 (its "
+        "TCPStore, where process groups meet); null: the address of "
+        "its interface that routes to the controller",
+    )
     store_port: int = opt(0, "port of trainer rank 0's TCPStore; 0 picks a free one")
-    checkpoint_every: int = opt(10, "save the trainer's state (weights + optimiser, "
-                                "<run_dir>/checkpoints) every N steps; a lost trainer rank is "
-                                "restarted from the latest one and the controller replays the "
-                                "batches trained since; 0: never, and a lost rank fails the run")
-    keep_checkpoints: int = opt(2, "trainer checkpoints kept on disk (the newest; at least 2, "
-                                "so that the one the controller last heard of is never gone)")
-    measure_movement: bool = opt(False, "after each step, a no-grad forward of the batch "
-                                 "under the updated weights (and one under the starting weights "
-                                 "unless ppo.prox_logp=recompute): the step's policy movement "
-                                 "(train/kl_prox_new, train/kl_behav_new) and the behaviour "
-                                 "weights of any objective (train/behav_w_frac/*); 1-2 forwards "
-                                 "per step")
-    audit_steps: list[int] = opt([], "steps whose batch the trainer saves with the proximal "
-                                 "log-probs its loss used and its weights at the start of the "
-                                 "step, to <run_dir>/audit/step_<n>/ (an end-to-end check of the "
-                                 "objective's inputs: tests/controller/test_pipeline_check.py)")
+    checkpoint_every: int = opt(
+        10,
+        "save the trainer's state (weights + optimiser, "
+        "<run_dir>/checkpoints) every N steps; a lost trainer rank is "
+        "restarted from the latest one and the controller replays the "
+        "batches trained since; 0: never, and a lost rank fails the run",
+    )
+    keep_checkpoints: int = opt(
+        2,
+        "trainer checkpoints kept on disk (the newest; at least 2, "
+        "so that the one the controller last heard of is never gone)",
+    )
+    measure_movement: bool = opt(
+        False,
+        "after each step, a no-grad forward of the batch "
+        "under the updated weights (and one under the starting weights "
+        "unless ppo.prox_logp=recompute): the step's policy movement "
+        "(train/kl_prox_new, train/kl_behav_new) and the behaviour "
+        "weights of any objective (train/behav_w_frac/*); 1-2 forwards "
+        "per step",
+    )
+    audit_steps: list[int] = opt(
+        [],
+        "steps whose batch the trainer saves with the proximal "
+        "log-probs its loss used and its weights at the start of the "
+        "step, to <run_dir>/audit/step_<n>/ (an end-to-end check of the "
+        "objective's inputs: tests/controller/test_pipeline_check.py)",
+    )
     ppo: PPOConfig = opt(PPOConfig(), "decoupled PPO objective")
     advantage: AdvantageConfig = opt(AdvantageConfig(), "advantage estimator")
     lora: LoraConfig = opt(LoraConfig(), "low-rank adapters (rank 0: full fine-tuning)")
@@ -472,8 +590,10 @@ class TrainerConfig:
         _positive(self.threads, f"{key}.threads")
         _non_negative(self.checkpoint_every, f"{key}.checkpoint_every")
         if self.keep_checkpoints < 2:
-            raise ConfigError(f"{key}.keep_checkpoints={self.keep_checkpoints!r} must be >= 2: a "
-                              "trainer lost while saving a checkpoint resumes from the one before")
+            raise ConfigError(
+                f"{key}.keep_checkpoints={self.keep_checkpoints!r} must be >= 2: a "
+                "trainer lost while saving a checkpoint resumes from the one before"
+            )
         if self.devices and len(self.devices) != self.num_ranks:
             raise ConfigError(
                 f"{key}.devices lists {len(self.devices)} devices for "
@@ -492,16 +612,25 @@ class TrainerConfig:
 class RewardConfig:
     num_workers: int = opt(1, "reward worker processes")
     max_concurrency: int = opt(8, "checks a reward worker runs at once")
-    timeout_s: float = opt(10.0, "per-trajectory reward time limit; over it the check is an "
-                           "infrastructure failure (verdict 'timeout'): see reward.retries")
-    retries: int = opt(2, "a check that fails for want of infrastructure (verifier or sandbox "
-                       "error, over reward.timeout_s, reward worker lost) is run again this "
-                       "many times; a wrong answer or a program over its own time limit is a "
-                       "verdict, never retried")
-    on_error: str = opt("drop", "after the retries: 'drop' the training group (counted as "
-                        "rollout/dropped_groups/reward_error and replaced; no false zeros) or "
-                        "score the sample 'zero' with the failure's verdict",
-                        ["drop", "zero"])
+    timeout_s: float = opt(
+        10.0,
+        "per-trajectory reward time limit; over it the check is an "
+        "infrastructure failure (verdict 'timeout'): see reward.retries",
+    )
+    retries: int = opt(
+        2,
+        "a check that fails for want of infrastructure (verifier or sandbox "
+        "error, over reward.timeout_s, reward worker lost) is run again this "
+        "many times; a wrong answer or a program over its own time limit is a "
+        "verdict, never retried",
+    )
+    on_error: str = opt(
+        "drop",
+        "after the retries: 'drop' the training group (counted as "
+        "rollout/dropped_groups/reward_error and replaced; no false zeros) or "
+        "score the sample 'zero' with the failure's verdict",
+        ["drop", "zero"],
+    )
 
     def check(self, key: str) -> None:
         _positive(self.num_workers, f"{key}.num_workers")
@@ -512,13 +641,19 @@ class RewardConfig:
 
 @dataclass(kw_only=True)
 class StalenessConfig:
-    eta: int = opt(2, "max policy versions a trajectory may lag the trainer (async mode); "
-                   "0 is synchronous-equivalent")
-    strict: bool = opt(False, "also hold the bound where batches are consumed: no trained "
-                       "token was sampled more than eta versions before the version trained; "
-                       "groups that cannot make it are dropped and generated again (cost: "
-                       "rollout/dropped_groups/stale, rollout/dropped_tokens). Off: the bound "
-                       "holds at admission only, and late completions may be staler")
+    eta: int = opt(
+        2,
+        "max policy versions a trajectory may lag the trainer (async mode); "
+        "0 is synchronous-equivalent",
+    )
+    strict: bool = opt(
+        False,
+        "also hold the bound where batches are consumed: no trained "
+        "token was sampled more than eta versions before the version trained; "
+        "groups that cannot make it are dropped and generated again (cost: "
+        "rollout/dropped_groups/stale, rollout/dropped_tokens). Off: the bound "
+        "holds at admission only, and late completions may be staler",
+    )
 
     def check(self, key: str) -> None:
         _non_negative(self.eta, f"{key}.eta")
@@ -526,36 +661,53 @@ class StalenessConfig:
 
 @dataclass(kw_only=True)
 class WeightSyncConfig:
-    mode: str = opt("disk", "how new weights reach rollout workers: safetensors on a shared "
-                    "'disk', 'stream' over ZeroMQ, a 'collective' broadcast group, or 'shm': "
-                    "slots in shared memory that trainer rank 0 and the rollout workers of "
-                    "one host map (no copy on the reading side; one host only)",
-                    ["disk", "stream", "collective", "shm"])
+    mode: str = opt(
+        "disk",
+        "how new weights reach rollout workers: safetensors on a shared "
+        "'disk', 'stream' over ZeroMQ, a 'collective' broadcast group, or 'shm': "
+        "slots in shared memory that trainer rank 0 and the rollout workers of "
+        "one host map (no copy on the reading side; one host only)",
+        ["disk", "stream", "collective", "shm"],
+    )
     bucket_mb: int = opt(64, "tensor bucket size for stream/collective (MiB)")
-    keep_versions: int = opt(2, "weight versions kept: directories on disk (disk mode), "
-                             "slots in shared memory (shm mode)")
-    shm_dir: str = opt("/dev/shm", "shm mode: the shared-memory file system holding the "
-                       "slots (a tmpfs; they take keep_versions x the weights' size in RAM)")
-    backend: str = opt("auto", "collective mode: process-group backend of trainer rank 0 and "
-                       "the rollout workers; auto: nccl when both sides use GPUs, else gloo",
-                       ["auto", "gloo", "nccl"])
-    timeout_s: float = opt(60.0, "collective mode: rendezvous and broadcast timeout; after a "
-                           "failure the group is re-formed without the members that left")
+    keep_versions: int = opt(
+        2,
+        "weight versions kept: directories on disk (disk mode), slots in shared memory (shm mode)",
+    )
+    shm_dir: str = opt(
+        "/dev/shm",
+        "shm mode: the shared-memory file system holding the "
+        "slots (a tmpfs; they take keep_versions x the weights' size in RAM)",
+    )
+    backend: str = opt(
+        "auto",
+        "collective mode: process-group backend of trainer rank 0 and "
+        "the rollout workers; auto: nccl when both sides use GPUs, else gloo",
+        ["auto", "gloo", "nccl"],
+    )
+    timeout_s: float = opt(
+        60.0,
+        "collective mode: rendezvous and broadcast timeout; after a "
+        "failure the group is re-formed without the members that left",
+    )
 
     def check(self, key: str) -> None:
         _positive(self.bucket_mb, f"{key}.bucket_mb")
         _positive(self.keep_versions, f"{key}.keep_versions")
         if self.mode == "shm" and self.keep_versions < 2:
-            raise ConfigError(f"{key}.keep_versions={self.keep_versions} with {key}.mode='shm' "
-                              "must be >= 2: a version is written into another slot than the "
-                              "one being served, so that a crash mid-write leaves it loadable")
+            raise ConfigError(
+                f"{key}.keep_versions={self.keep_versions} with {key}.mode='shm' "
+                "must be >= 2: a version is written into another slot than the "
+                "one being served, so that a crash mid-write leaves it loadable"
+            )
         _positive(self.timeout_s, f"{key}.timeout_s")
 
 
 @dataclass(kw_only=True)
 class EvalConfig:
-    every_steps: int = opt(10, "held-out evaluation every N training steps (0: only at the "
-                           "start and the end)")
+    every_steps: int = opt(
+        10, "held-out evaluation every N training steps (0: only at the start and the end)"
+    )
     temperature: float = opt(0.0, "sampling temperature of evaluation (0: greedy)")
     num_samples: int = opt(1, "samples per held-out prompt (pass@k for k <= num_samples)")
     max_prompts: int | None = opt(None, "evaluate on at most this many held-out prompts")
@@ -570,15 +722,20 @@ class EvalConfig:
 
 @dataclass(kw_only=True)
 class LoggingConfig:
-    progress: bool = opt(True, "progress on the console: a live bar on a terminal, a plain "
-                         "line every progress_every steps otherwise (a log file)")
-    progress_every: int = opt(10, "steps between progress lines when the console is not a "
-                              "terminal")
+    progress: bool = opt(
+        True,
+        "progress on the console: a live bar on a terminal, a plain "
+        "line every progress_every steps otherwise (a log file)",
+    )
+    progress_every: int = opt(10, "steps between progress lines when the console is not a terminal")
     tensorboard: bool = opt(True, "TensorBoard event files in the run directory")
     wandb_project: str | None = opt(None, "Weights & Biases project (needs wandb installed)")
     level: str = opt("INFO", "log level", ["DEBUG", "INFO", "WARNING", "ERROR"])
-    save_batches: bool = opt(False, "save every trained batch (tokens, behaviour log-probs, "
-                             "versions, rewards) to <run_dir>/batches/step_<n>.npz")
+    save_batches: bool = opt(
+        False,
+        "save every trained batch (tokens, behaviour log-probs, "
+        "versions, rewards) to <run_dir>/batches/step_<n>.npz",
+    )
 
     def check(self, key: str) -> None:
         _positive(self.progress_every, f"{key}.progress_every")
@@ -586,40 +743,60 @@ class LoggingConfig:
 
 @dataclass(kw_only=True)
 class ControllerConfig:
-    host: str = opt("127.0.0.1", "address the controller binds (loopback unless remote "
-                    "workers must join)")
+    host: str = opt(
+        "127.0.0.1", "address the controller binds (loopback unless remote workers must join)"
+    )
     port: int = opt(0, "port of the controller socket; 0 picks a free one")
     heartbeat_interval_s: float = opt(1.0, "how often workers report alive")
     heartbeat_timeout_s: float = opt(30.0, "a worker silent this long is declared lost")
-    secret: str | None = opt(None, "shared secret workers must present to join; null: a "
-                             "random one per run, passed to spawned workers privately. Never "
-                             "written to the run directory (give it again with --resume); "
-                             "prefer a 0600 config file to the command line, which other "
-                             "local users can read", secret=True)
+    secret: str | None = opt(
+        None,
+        "shared secret workers must present to join; null: a "
+        "random one per run, passed to spawned workers privately. Never "
+        "written to the run directory (give it again with --resume); "
+        "prefer a 0600 config file to the command line, which other "
+        "local users can read",
+        secret=True,
+    )
     max_message_mb: int = opt(2048, "larger incoming messages are refused")
-    auth: str = opt("auto", "how peers are authenticated: 'curve' (CurveZMQ: only holders of an "
-                    "authorised client key can connect; traffic encrypted), 'secret' (the "
-                    "shared secret in Register, plain TCP); auto: curve when the controller "
-                    "binds a non-loopback address or expects remote workers, else secret",
-                    ["auto", "curve", "secret"])
-    keys_dir: str | None = opt(None, "CurveZMQ key directory (python -m areal.auth init DIR); "
-                               "null: a fresh one in <run_dir>/keys")
-    remote_kinds: list[str] = opt([], "worker kinds the controller does not start; it waits "
-                                  "for rollout.num_workers / reward.num_workers / "
-                                  "trainer.num_ranks of them to join with --connect")
-    gc_thresholds: list[int] = opt([50000, 20, 100], "the controller process's cyclic "
-                                   "garbage-collector thresholds while a run goes (Python's "
-                                   "gc.set_threshold; with its default 700, 10, 10 full "
-                                   "collections walk every live sample often: "
-                                   "areal.controller.collector); []: leave them as they are")
+    auth: str = opt(
+        "auto",
+        "how peers are authenticated: 'curve' (CurveZMQ: only holders of an "
+        "authorised client key can connect; traffic encrypted), 'secret' (the "
+        "shared secret in Register, plain TCP); auto: curve when the controller "
+        "binds a non-loopback address or expects remote workers, else secret",
+        ["auto", "curve", "secret"],
+    )
+    keys_dir: str | None = opt(
+        None,
+        "CurveZMQ key directory (python -m areal.auth init DIR); "
+        "null: a fresh one in <run_dir>/keys",
+    )
+    remote_kinds: list[str] = opt(
+        [],
+        "worker kinds the controller does not start; it waits "
+        "for rollout.num_workers / reward.num_workers / "
+        "trainer.num_ranks of them to join with --connect",
+    )
+    gc_thresholds: list[int] = opt(
+        [50000, 20, 100],
+        "the controller process's cyclic "
+        "garbage-collector thresholds while a run goes (Python's "
+        "gc.set_threshold; with its default 700, 10, 10 full "
+        "collections walk every live sample often: "
+        "areal.controller.collector); []: leave them as they are",
+    )
 
     def check(self, key: str) -> None:
-        if self.gc_thresholds and (len(self.gc_thresholds) != 3
-                                   or not all(type(n) is int and n > 0
-                                              for n in self.gc_thresholds)):
-            raise ConfigError(f"{key}.gc_thresholds={self.gc_thresholds!r}: three positive "
-                              "integers (generation 0 allocations, then generations 1 and 2 "
-                              "per collection of the one below), or [] for Python's own")
+        if self.gc_thresholds and (
+            len(self.gc_thresholds) != 3
+            or not all(type(n) is int and n > 0 for n in self.gc_thresholds)
+        ):
+            raise ConfigError(
+                f"{key}.gc_thresholds={self.gc_thresholds!r}: three positive "
+                "integers (generation 0 allocations, then generations 1 and 2 "
+                "per collection of the one below), or [] for Python's own"
+            )
         if not 0 <= self.port < 65536:
             raise ConfigError(f"{key}.port={self.port!r} must be in [0, 65535]")
         _positive(self.heartbeat_interval_s, f"{key}.heartbeat_interval_s")
@@ -637,7 +814,8 @@ class ControllerConfig:
             raise ConfigError(
                 f"{key}.remote_kinds={self.remote_kinds} with {key}.auth='secret' needs a "
                 f"{key}.secret that the remote workers are given ($AREAL_SECRET); or use "
-                f"{key}.auth=curve")
+                f"{key}.auth=curve"
+            )
 
     @property
     def uses_curve(self) -> bool:
@@ -652,8 +830,11 @@ class RayResources:
     """What Ray reserves for one worker of a kind: one placement-group bundle, on one node."""
 
     num_cpus: float = opt(1.0, "logical CPUs reserved per worker")
-    num_gpus: float = opt(0.0, "GPUs per worker; a rollout server's GPUs are one bundle, so "
-                          "they are always on one node (vLLM: rollout.vllm.tensor_parallel_size)")
+    num_gpus: float = opt(
+        0.0,
+        "GPUs per worker; a rollout server's GPUs are one bundle, so "
+        "they are always on one node (vLLM: rollout.vllm.tensor_parallel_size)",
+    )
     memory_gb: float = opt(0.0, "memory reserved per worker (GiB); 0: none reserved")
     resources: dict[str, float] = opt({}, "custom Ray resources per worker, e.g. {gpu_node: 1}")
 
@@ -664,13 +845,19 @@ class RayResources:
         for name, amount in self.resources.items():
             _non_negative(amount, f"{key}.resources.{name}")
         if not self.bundle():
-            raise ConfigError(f"{key} reserves nothing (num_cpus, num_gpus, memory_gb and "
-                              "resources all 0): Ray places only bundles that hold something")
+            raise ConfigError(
+                f"{key} reserves nothing (num_cpus, num_gpus, memory_gb and "
+                "resources all 0): Ray places only bundles that hold something"
+            )
 
     def bundle(self) -> dict[str, float]:
         """The placement-group bundle of one worker (Ray's resource names)."""
-        bundle = {"CPU": self.num_cpus, "GPU": self.num_gpus,
-                  "memory": self.memory_gb * 2**30, **self.resources}
+        bundle = {
+            "CPU": self.num_cpus,
+            "GPU": self.num_gpus,
+            "memory": self.memory_gb * 2**30,
+            **self.resources,
+        }
         return {name: amount for name, amount in bundle.items() if amount > 0}
 
 
@@ -681,30 +868,49 @@ PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 class RayConfig:
     """launcher=ray: every worker is a Ray actor in a placement group (controller/launch)."""
 
-    address: str | None = opt(None, "Ray cluster to join: 'auto' (the one `ray start` made "
-                              "on this node, or $RAY_ADDRESS), 'HOST:PORT', or null to start "
-                              "a Ray instance on this machine")
+    address: str | None = opt(
+        None,
+        "Ray cluster to join: 'auto' (the one `ray start` made "
+        "on this node, or $RAY_ADDRESS), 'HOST:PORT', or null to start "
+        "a Ray instance on this machine",
+    )
     namespace: str = opt("areal", "Ray namespace of the run's actors")
     rollout: RayResources = opt(RayResources(), "per rollout worker")
     reward: RayResources = opt(RayResources(), "per reward worker")
     trainer: RayResources = opt(RayResources(), "per trainer rank")
-    trainer_strategy: str = opt("PACK", "placement of the trainer ranks' bundles (one placement "
-                                "group, reserved all at once): PACK on as few nodes as "
-                                "possible, SPREAD over nodes, STRICT_*: must", PLACEMENT_STRATEGIES)
-    placement_timeout_s: float = opt(120.0, "how long a placement may wait for resources; then "
-                                     "the run fails naming the resources missing (at the "
-                                     "start), or the worker counts as failed (a replacement)")
-    max_failures_per_node: int = opt(2, "a worker that failed this many times on one node is "
-                                     "started elsewhere from then on (a node lost is not a "
-                                     "failure of the worker)")
-    network_interface: str | None = opt(None, "interface of the network the nodes share, "
-                                        "e.g. eth0: the controller binds its address, and "
-                                        "workers' gloo/NCCL use it (GLOO_/NCCL_SOCKET_IFNAME); "
-                                        "null: Ray's node address, and gloo/NCCL pick the "
-                                        "interface that routes to the controller")
-    env_vars: dict[str, str] = opt({}, "environment of every worker (Ray runtime environment), "
-                                   "e.g. {PYTHONPATH: /shared/tasks}; never credentials: the "
-                                   "runtime environment is shown on Ray's dashboard")
+    trainer_strategy: str = opt(
+        "PACK",
+        "placement of the trainer ranks' bundles (one placement "
+        "group, reserved all at once): PACK on as few nodes as "
+        "possible, SPREAD over nodes, STRICT_*: must",
+        PLACEMENT_STRATEGIES,
+    )
+    placement_timeout_s: float = opt(
+        120.0,
+        "how long a placement may wait for resources; then "
+        "the run fails naming the resources missing (at the "
+        "start), or the worker counts as failed (a replacement)",
+    )
+    max_failures_per_node: int = opt(
+        2,
+        "a worker that failed this many times on one node is "
+        "started elsewhere from then on (a node lost is not a "
+        "failure of the worker)",
+    )
+    network_interface: str | None = opt(
+        None,
+        "interface of the network the nodes share, "
+        "e.g. eth0: the controller binds its address, and "
+        "workers' gloo/NCCL use it (GLOO_/NCCL_SOCKET_IFNAME); "
+        "null: Ray's node address, and gloo/NCCL pick the "
+        "interface that routes to the controller",
+    )
+    env_vars: dict[str, str] = opt(
+        {},
+        "environment of every worker (Ray runtime environment), "
+        "e.g. {PYTHONPATH: /shared/tasks}; never credentials: the "
+        "runtime environment is shown on Ray's dashboard",
+    )
 
     def check(self, key: str) -> None:
         for kind in ("rollout", "reward", "trainer"):
@@ -713,8 +919,10 @@ class RayConfig:
         _positive(self.max_failures_per_node, f"{key}.max_failures_per_node")
         for name in self.env_vars:
             if name.startswith("AREAL_"):
-                raise ConfigError(f"{key}.env_vars.{name}: AREAL_* variables are set by the "
-                                  "launcher (credentials, parent, log level); remove it")
+                raise ConfigError(
+                    f"{key}.env_vars.{name}: AREAL_* variables are set by the "
+                    "launcher (credentials, parent, log level); remove it"
+                )
 
 
 def is_loopback(host: str) -> bool:
@@ -733,20 +941,30 @@ def is_loopback(host: str) -> bool:
 class RunConfig:
     """Everything a run needs; the controller sends it to every worker that joins."""
 
-    launcher: str = opt("local", "where the controller starts its workers: 'local' child "
-                        "processes, or 'ray' actors on a Ray cluster (the ray.* options; "
-                        "pip install -e '.[ray]')", ["local", "ray"])
-    mode: str = opt("async", "async: generation and training overlap (bounded by "
-                    "staleness.eta); sync: generate a whole batch, then train", ["async", "sync"])
+    launcher: str = opt(
+        "local",
+        "where the controller starts its workers: 'local' child "
+        "processes, or 'ray' actors on a Ray cluster (the ray.* options; "
+        "pip install -e '.[ray]')",
+        ["local", "ray"],
+    )
+    mode: str = opt(
+        "async",
+        "async: generation and training overlap (bounded by "
+        "staleness.eta); sync: generate a whole batch, then train",
+        ["async", "sync"],
+    )
     seed: int = opt(1, "seed of data order, sampling and initialisation")
     run_dir: str | None = opt(None, "output directory; null: runs/<timestamp>")
-    cache_dir: str = opt("~/.cache/areal", "where the warm-started embedded model is kept, and "
-                         "which tokenizer class a model directory needs (areal.models.tokenizer)")
+    cache_dir: str = opt(
+        "~/.cache/areal",
+        "where the warm-started embedded model is kept, and "
+        "which tokenizer class a model directory needs (areal.models.tokenizer)",
+    )
     model: ModelConfig = opt(ModelConfig(), "policy model")
     task: TaskConfig = opt(TaskConfig(), "prompts, references and reward")
     episode: EpisodeConfig = opt(EpisodeConfig(), "multi-turn episodes with tools")
-    agent: AgentConfig = opt(AgentConfig(), "your own agent through an OpenAI-compatible "
-                             "endpoint")
+    agent: AgentConfig = opt(AgentConfig(), "your own agent through an OpenAI-compatible endpoint")
     rollout: RolloutConfig = opt(RolloutConfig(), "generation")
     trainer: TrainerConfig = opt(TrainerConfig(), "optimisation")
     reward: RewardConfig = opt(RewardConfig(), "reward workers")
@@ -766,14 +984,16 @@ class RunConfig:
             raise ConfigError(
                 f"trainer.advantage.overlong_buffer={self.trainer.advantage.overlong_buffer} "
                 f"exceeds rollout.max_new_tokens={self.rollout.max_new_tokens}: the penalty "
-                "zone lies within the completion budget")
+                "zone lies within the completion budget"
+            )
         if self.launcher == "ray":
             self._check_ray()
         if self.agent.function is not None and self.episode.environment is not None:
             raise ConfigError(
                 f"agent.function={self.agent.function!r} and episode.environment="
                 f"{self.episode.environment!r} are both set: an agent talks to its own tools "
-                "through the endpoint; set episode.environment=null")
+                "through the endpoint; set episode.environment=null"
+            )
         if self.weight_sync.mode == "shm":
             self._check_shm()
         if self.trainer.batch_size % self.task.group_size:
@@ -789,17 +1009,21 @@ class RunConfig:
             raise ConfigError(
                 f"ray.rollout.num_gpus={gpus} but rollout.vllm.tensor_parallel_size={tp}: a "
                 "rollout server needs one GPU per tensor-parallel rank, all on one node; set "
-                f"ray.rollout.num_gpus={tp}")
+                f"ray.rollout.num_gpus={tp}"
+            )
         for key in ("rollout", "trainer"):
             if getattr(self, key).cpus:
-                raise ConfigError(f"{key}.cpus names this machine's cores; with launcher=ray, "
-                                  f"Ray assigns them (ray.{key}.num_cpus): remove it")
+                raise ConfigError(
+                    f"{key}.cpus names this machine's cores; with launcher=ray, "
+                    f"Ray assigns them (ray.{key}.num_cpus): remove it"
+                )
             for device in getattr(self, key).devices:
                 if device not in ("cpu", "cuda:0"):
                     raise ConfigError(
                         f"{key}.devices: {device!r} with launcher=ray; a worker sees only the "
                         f"GPUs Ray gave it (ray.{key}.num_gpus), the first as cuda:0: use "
-                        "cuda:0 or cpu, or leave it empty (filled from the resources)")
+                        "cuda:0 or cpu, or leave it empty (filled from the resources)"
+                    )
 
     def _check_shm(self) -> None:
         remote = [k for k in self.controller.remote_kinds if k in ("rollout", "trainer")]
@@ -807,12 +1031,14 @@ class RunConfig:
             raise ConfigError(
                 f"weight_sync.mode='shm' shares memory on one host, but "
                 f"controller.remote_kinds={self.controller.remote_kinds} has {remote[0]} "
-                "workers join from elsewhere; use 'disk', 'stream' or 'collective'")
+                "workers join from elsewhere; use 'disk', 'stream' or 'collective'"
+            )
         if self.launcher != "local":
             raise ConfigError(
                 f"weight_sync.mode='shm' shares memory on one host, but launcher="
                 f"{self.launcher!r} may place workers on other nodes; use 'disk', 'stream' "
-                "or 'collective'")
+                "or 'collective'"
+            )
 
     @property
     def eta(self) -> int:
@@ -863,7 +1089,9 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             raise _wrap(err, str(path)) from None
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. trainer.lr=1e-5)")
+            raise ConfigError(
+                f"override {item!r} is not of the form key=value (e.g. trainer.lr=1e-5)"
+            )
         try:
             node = OmegaConf.merge(node, OmegaConf.from_dotlist([item]))
         except OmegaConfBaseException as err:
@@ -913,4 +1141,8 @@ def describe_options(cls: type = RunConfig, prefix: str = "") -> Iterator[tuple[
         choices = f.metadata.get("choices")
         if choices:
             help_text = f"{help_text} [{'|'.join(choices)}]"
-        yield key, yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("\n..."), help_text
+        yield (
+            key,
+            yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("\n..."),
+            help_text,
+        )

@@ -83,8 +83,9 @@ def _sections(cls: type, prefix: str) -> list[tuple[str, str, list[list[str]]]]:
             help_text = f"{help_text} (one of: {', '.join(f'`{c}`' for c in choices)})"
         shown = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("\n...")
         # The type outside a code span: a table splits cells at a '|' even inside one.
-        rows.append([f"`{key}`", _cell(_type_name(hints[field.name])), f"`{shown}`",
-                     _cell(help_text)])
+        rows.append(
+            [f"`{key}`", _cell(_type_name(hints[field.name])), f"`{shown}`", _cell(help_text)]
+        )
     return [(prefix.rstrip("."), "", rows), *nested]
 
 
@@ -109,18 +110,23 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m areal.config_docs", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true",
-                        help="exit 1 if the page differs from what would be generated")
+    parser = argparse.ArgumentParser(
+        prog="python -m areal.config_docs",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="exit 1 if the page differs from what would be generated",
+    )
     parser.add_argument("--out", type=Path, default=PAGE, help="where the page is written")
     args = parser.parse_args(argv)
     page = render()
     if args.check:
         current = args.out.read_text() if args.out.exists() else ""
         if current != page:
-            print(f"{args.out} is not current: run `python -m areal.config_docs`",
-                  file=sys.stderr)
+            print(f"{args.out} is not current: run `python -m areal.config_docs`", file=sys.stderr)
             return 1
         return 0
     args.out.parent.mkdir(parents=True, exist_ok=True)

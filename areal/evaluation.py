@@ -23,23 +23,29 @@ def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
     if num_samples - num_correct < k:
         return 1.0
     # 1 - prod_{i=n-c+1}^{n} (1 - k/i): numerically stable form of the binomial ratio.
-    return 1.0 - math.prod(1.0 - k / i for i in range(num_samples - num_correct + 1,
-                                                        num_samples + 1))
+    return 1.0 - math.prod(
+        1.0 - k / i for i in range(num_samples - num_correct + 1, num_samples + 1)
+    )
 
 
-def summarize(verdicts_per_problem: Sequence[Sequence[Verdict]],
-              rewards_per_problem: Sequence[Sequence[float]]) -> dict[str, float]:
+def summarize(
+    verdicts_per_problem: Sequence[Sequence[Verdict]],
+    rewards_per_problem: Sequence[Sequence[float]],
+) -> dict[str, float]:
     """eval/ metrics over problems: pass@k for k = 1, 2, 4, ... up to the sample count,
     mean reward, and the fraction of samples the checker could not judge."""
     if not verdicts_per_problem:
         raise ValueError("no problems to summarize")
     num_samples = min(len(v) for v in verdicts_per_problem)
-    out: dict[str, float] = {"eval/num_problems": float(len(verdicts_per_problem)),
-                             "eval/num_samples": float(num_samples)}
+    out: dict[str, float] = {
+        "eval/num_problems": float(len(verdicts_per_problem)),
+        "eval/num_samples": float(num_samples),
+    }
     k = 1
     while k <= num_samples:
-        scores = [pass_at_k(len(v), sum(x is Verdict.OK for x in v), k)
-                  for v in verdicts_per_problem]
+        scores = [
+            pass_at_k(len(v), sum(x is Verdict.OK for x in v), k) for v in verdicts_per_problem
+        ]
         out[f"eval/pass@{k}"] = sum(scores) / len(scores)
         k *= 2
     flat_rewards = [r for rs in rewards_per_problem for r in rs]

@@ -103,13 +103,15 @@ def paired_t_test(a: Sequence[float], b: Sequence[float], alpha: float = 0.05) -
         return PairedTest(ci, sd, math.nan, "undecided (too few seeds)")
     t = ci.mean / (sd / math.sqrt(len(diffs)))
     p = float(2 * stats.t.sf(abs(t), len(diffs) - 1))
-    verdict = (f"a {'>' if ci.mean > 0 else '<'} b (p = {p:.3f})" if p < alpha
-               else f"no difference shown (p = {p:.3f})")
+    verdict = (
+        f"a {'>' if ci.mean > 0 else '<'} b (p = {p:.3f})"
+        if p < alpha
+        else f"no difference shown (p = {p:.3f})"
+    )
     return PairedTest(ci, sd, p, verdict)
 
 
-def tost(a: Sequence[float], b: Sequence[float], margin: float,
-         alpha: float = 0.05) -> PairedTest:
+def tost(a: Sequence[float], b: Sequence[float], margin: float, alpha: float = 0.05) -> PairedTest:
     """Two one-sided tests of equivalence: 'a - b lies within (-margin, +margin)' is shown
     when both one-sided tests reject at `alpha`, i.e. the (1 - 2 alpha) interval of the mean
     difference lies inside the margin. p is the larger one-sided p-value."""
@@ -121,41 +123,61 @@ def tost(a: Sequence[float], b: Sequence[float], margin: float,
     if len(diffs) < 2 or sd == 0:
         return PairedTest(ci, sd, math.nan, "undecided (too few seeds)")
     se, dof = sd / math.sqrt(len(diffs)), len(diffs) - 1
-    p = float(max(stats.t.sf((ci.mean + margin) / se, dof),
-                  stats.t.sf((margin - ci.mean) / se, dof)))
-    verdict = (f"equivalent within +-{margin:g} (p = {p:.3f})" if p < alpha
-               else f"equivalence within +-{margin:g} not shown (p = {p:.3f})")
+    p = float(
+        max(stats.t.sf((ci.mean + margin) / se, dof), stats.t.sf((margin - ci.mean) / se, dof))
+    )
+    verdict = (
+        f"equivalent within +-{margin:g} (p = {p:.3f})"
+        if p < alpha
+        else f"equivalence within +-{margin:g} not shown (p = {p:.3f})"
+    )
     return PairedTest(ci, sd, p, verdict)
 
 
-def seeds_for_difference(sd: float, delta: float, alpha: float = 0.05,
-                         power: float = 0.8, max_seeds: int = 10_000) -> int:
+def seeds_for_difference(
+    sd: float, delta: float, alpha: float = 0.05, power: float = 0.8, max_seeds: int = 10_000
+) -> int:
     """Seeds (pairs) a two-sided paired t-test needs to detect a true difference `delta` with
     probability `power`, for differences of standard deviation `sd`: the smallest n with
     t_{1-alpha/2, n-1} + t_{power, n-1} <= delta sqrt(n) / sd (the usual approximation)."""
-    return _smallest_n(lambda n: stats.t.ppf(1 - alpha / 2, n - 1) + stats.t.ppf(power, n - 1)
-                       <= delta * math.sqrt(n) / sd, max_seeds)
+    return _smallest_n(
+        lambda n: (
+            stats.t.ppf(1 - alpha / 2, n - 1) + stats.t.ppf(power, n - 1)
+            <= delta * math.sqrt(n) / sd
+        ),
+        max_seeds,
+    )
 
 
-def seeds_for_equivalence(sd: float, margin: float, true_difference: float = 0.0,
-                          alpha: float = 0.05, power: float = 0.8,
-                          max_seeds: int = 10_000) -> int:
+def seeds_for_equivalence(
+    sd: float,
+    margin: float,
+    true_difference: float = 0.0,
+    alpha: float = 0.05,
+    power: float = 0.8,
+    max_seeds: int = 10_000,
+) -> int:
     """Seeds TOST needs to show equivalence within +-`margin` with probability `power` when
     the true difference is `true_difference` (|d| < margin): the smallest n with
     t_{1-alpha, n-1} + t_{1-beta', n-1} <= (margin - |d|) sqrt(n) / sd, beta' = (1 - power)/2
     at d = 0 (both tests must reject), (1 - power) otherwise."""
     beta = (1 - power) / 2 if true_difference == 0 else 1 - power
     room = margin - abs(true_difference)
-    return _smallest_n(lambda n: stats.t.ppf(1 - alpha, n - 1) + stats.t.ppf(1 - beta, n - 1)
-                       <= room * math.sqrt(n) / sd, max_seeds)
+    return _smallest_n(
+        lambda n: (
+            stats.t.ppf(1 - alpha, n - 1) + stats.t.ppf(1 - beta, n - 1) <= room * math.sqrt(n) / sd
+        ),
+        max_seeds,
+    )
 
 
 def detectable_difference(sd: float, n: int, alpha: float = 0.05, power: float = 0.8) -> float:
     """The smallest true difference n paired seeds detect with probability `power`."""
     if n < 2:
         return math.inf
-    return float((stats.t.ppf(1 - alpha / 2, n - 1) + stats.t.ppf(power, n - 1)) * sd
-                 / math.sqrt(n))
+    return float(
+        (stats.t.ppf(1 - alpha / 2, n - 1) + stats.t.ppf(power, n - 1)) * sd / math.sqrt(n)
+    )
 
 
 def provable_margin(sd: float, n: int, alpha: float = 0.05, power: float = 0.8) -> float:
@@ -163,8 +185,11 @@ def provable_margin(sd: float, n: int, alpha: float = 0.05, power: float = 0.8) 
     the true difference is 0."""
     if n < 2:
         return math.inf
-    return float((stats.t.ppf(1 - alpha, n - 1) + stats.t.ppf(1 - (1 - power) / 2, n - 1)) * sd
-                 / math.sqrt(n))
+    return float(
+        (stats.t.ppf(1 - alpha, n - 1) + stats.t.ppf(1 - (1 - power) / 2, n - 1))
+        * sd
+        / math.sqrt(n)
+    )
 
 
 def _smallest_n(enough, max_seeds: int) -> int:

@@ -48,45 +48,96 @@ from areal.records import read_records
 
 PANELS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
     # name: (y label, [(record kind, key, legend label)])
-    "reward": ("mean reward", [("step", "rollout/reward_mean", "train samples"),
-                               ("eval", "eval/reward_mean", "held-out")]),
-    "accuracy": ("accuracy", [("step", "rollout/accuracy", "train samples"),
-                              ("eval", "eval/pass@1", "held-out pass@1")]),
-    "staleness": ("policy versions behind", [("step", "staleness/mean", "mean"),
-                                             ("step", "staleness/max", "max")]),
-    "throughput": ("tokens / s", [("step", "perf/gen_tokens_per_s", "generated"),
-                                  ("step", "perf/train_tokens_per_s", "trainer (in step)"),
-                                  ("step", "perf/trained_tokens_per_s", "trained (end to end)")]),
+    "reward": (
+        "mean reward",
+        [
+            ("step", "rollout/reward_mean", "train samples"),
+            ("eval", "eval/reward_mean", "held-out"),
+        ],
+    ),
+    "accuracy": (
+        "accuracy",
+        [("step", "rollout/accuracy", "train samples"), ("eval", "eval/pass@1", "held-out pass@1")],
+    ),
+    "staleness": (
+        "policy versions behind",
+        [("step", "staleness/mean", "mean"), ("step", "staleness/max", "max")],
+    ),
+    "throughput": (
+        "tokens / s",
+        [
+            ("step", "perf/gen_tokens_per_s", "generated"),
+            ("step", "perf/train_tokens_per_s", "trainer (in step)"),
+            ("step", "perf/trained_tokens_per_s", "trained (end to end)"),
+        ],
+    ),
     "interruptions": ("interrupted sequences / step", [("step", "rollout/interruptions", "")]),
     "loss": ("loss", [("step", "train/loss", "")]),
     "length": ("completion tokens", [("step", "rollout/completion_len_mean", "mean")]),
-    "tool_use": ("fraction", [("step", "episode/tool_use_fraction", "episodes calling a tool"),
-                              ("eval", "eval/tool_use_fraction", "held-out, calling a tool"),
-                              ("step", "episode/tool_error_rate", "failed tool calls")]),
-    "turns": ("per episode", [("step", "episode/turns_mean", "model turns"),
-                              ("step", "episode/tool_calls_mean", "tool calls")]),
-    "episode_tokens": ("tokens per episode", [
-        ("step", "episode/model_tokens_mean", "model (trained)"),
-        ("step", "episode/observation_tokens_mean", "observation (context only)")]),
+    "tool_use": (
+        "fraction",
+        [
+            ("step", "episode/tool_use_fraction", "episodes calling a tool"),
+            ("eval", "eval/tool_use_fraction", "held-out, calling a tool"),
+            ("step", "episode/tool_error_rate", "failed tool calls"),
+        ],
+    ),
+    "turns": (
+        "per episode",
+        [
+            ("step", "episode/turns_mean", "model turns"),
+            ("step", "episode/tool_calls_mean", "tool calls"),
+        ],
+    ),
+    "episode_tokens": (
+        "tokens per episode",
+        [
+            ("step", "episode/model_tokens_mean", "model (trained)"),
+            ("step", "episode/observation_tokens_mean", "observation (context only)"),
+        ],
+    ),
     "tool_time": ("seconds per episode", [("step", "episode/tool_s_mean", "environment")]),
-    "agent": ("per agent episode", [("step", "episode/calls_mean", "chat calls"),
-                                    ("step", "episode/segments_mean", "training segments"),
-                                    ("step", "episode/retries_coalesced", "retries coalesced "
-                                                                          "(per step)")]),
-    "endpoint": ("seconds per chat call", [
-        ("step", "episode/endpoint_queue_s_mean", "queueing (render, tokenize, weights)"),
-        ("step", "episode/endpoint_decode_s_mean", "generation")]),
-    "drift": ("|log pi_prox - log pi_behav|", [
-        ("step", "train/logprob_diff_fresh", "fresh tokens (engine numerics)"),
-        ("step", "train/logprob_diff_stale", "stale tokens (+ policy change)")]),
-    "drift_max": ("max |log pi_prox - log pi_behav|", [
-        ("step", "train/logprob_diff_fresh_max", "fresh"),
-        ("step", "train/logprob_diff_stale_max", "stale")]),
-    "drift_kl": ("k3 KL(pi_behav || pi_prox)", [("step", "train/behav_kl_fresh", "fresh"),
-                                               ("step", "train/behav_kl_stale", "stale")]),
-    "corrections": ("fraction of loss tokens", [
-        ("step", f"train/{what}_frac_{split}", f"{what.replace('_', ' ')}, {split}")
-        for what in ("behav_masked", "behav_clamped", "clipped") for split in ("fresh", "stale")]),
+    "agent": (
+        "per agent episode",
+        [
+            ("step", "episode/calls_mean", "chat calls"),
+            ("step", "episode/segments_mean", "training segments"),
+            ("step", "episode/retries_coalesced", "retries coalesced (per step)"),
+        ],
+    ),
+    "endpoint": (
+        "seconds per chat call",
+        [
+            ("step", "episode/endpoint_queue_s_mean", "queueing (render, tokenize, weights)"),
+            ("step", "episode/endpoint_decode_s_mean", "generation"),
+        ],
+    ),
+    "drift": (
+        "|log pi_prox - log pi_behav|",
+        [
+            ("step", "train/logprob_diff_fresh", "fresh tokens (engine numerics)"),
+            ("step", "train/logprob_diff_stale", "stale tokens (+ policy change)"),
+        ],
+    ),
+    "drift_max": (
+        "max |log pi_prox - log pi_behav|",
+        [
+            ("step", "train/logprob_diff_fresh_max", "fresh"),
+            ("step", "train/logprob_diff_stale_max", "stale"),
+        ],
+    ),
+    "drift_kl": (
+        "k3 KL(pi_behav || pi_prox)",
+        [("step", "train/behav_kl_fresh", "fresh"), ("step", "train/behav_kl_stale", "stale")],
+    ),
+    "corrections": (
+        "fraction of loss tokens",
+        [
+            ("step", f"train/{what}_frac_{split}", f"{what.replace('_', ' ')}, {split}")
+            for what in ("behav_masked", "behav_clamped", "clipped")
+            for split in ("fresh", "stale")
+        ],
+    ),
 }
 
 
@@ -118,11 +169,17 @@ def series(run: Run, kind: str, key: str, x_axis: str) -> tuple[list[float], lis
     points = []
     for record in records:
         value = record.get(key)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) \
-                or not math.isfinite(value):
+        if (
+            not isinstance(value, (int, float))
+            or isinstance(value, bool)
+            or not math.isfinite(value)
+        ):
             continue
-        x = record["step"] if x_axis == "step" else \
-            (0.0 if record["step"] == 0 else time_of.get(record["step"]))
+        x = (
+            record["step"]
+            if x_axis == "step"
+            else (0.0 if record["step"] == 0 else time_of.get(record["step"]))
+        )
         if x is not None:
             points.append((float(x), float(value)))
     points.sort()
@@ -139,8 +196,11 @@ def draw_panel(ax: Any, name: str, runs: list[Run], x_axis: str) -> bool:
             if not xs:
                 continue
             parts = [p for p in (run.label if len(runs) > 1 else "", label or key) if p]
-            style = dict(marker="o", linestyle="--") if kind == "eval" else \
-                dict(marker="." if len(xs) < 50 else None)
+            style = (
+                dict(marker="o", linestyle="--")
+                if kind == "eval"
+                else dict(marker="." if len(xs) < 50 else None)
+            )
             ax.plot(xs, ys, label=": ".join(parts), **style)
             drawn = True
     ax.set_title(name)
@@ -177,7 +237,7 @@ def plot_runs(run_dirs: list[Path], out_dir: Path, x_axis: str = "step") -> list
     fig, axes = plt.subplots(rows, cols, figsize=(12, 3.6 * rows), squeeze=False)
     for ax, name in zip(axes.flat, names, strict=False):
         draw_panel(ax, name, runs, x_axis)
-    for ax in list(axes.flat)[len(names):]:
+    for ax in list(axes.flat)[len(names) :]:
         ax.set_visible(False)
     fig.suptitle(" vs ".join(r.label for r in runs))
     fig.tight_layout()
@@ -187,11 +247,15 @@ def plot_runs(run_dirs: list[Path], out_dir: Path, x_axis: str = "step") -> list
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m areal.plot",
-                                     description="Training curves of runs, from metrics.jsonl.")
+    parser = argparse.ArgumentParser(
+        prog="python -m areal.plot", description="Training curves of runs, from metrics.jsonl."
+    )
     parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
-    parser.add_argument("--out", type=Path, help="output directory (default: RUN_DIR/plots "
-                        "for one run; required for several)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="output directory (default: RUN_DIR/plots for one run; required for several)",
+    )
     parser.add_argument("--x", choices=("step", "time"), default="step", help="x axis")
     args = parser.parse_args(argv)
     if args.out is None and len(args.run_dirs) > 1:

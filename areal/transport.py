@@ -40,8 +40,14 @@ log = logging.getLogger(__name__)
 class RouterChannel:
     """The controller's end: receives (identity, message), sends to one identity."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, host: str, port: int,
-                 max_bytes: int = DEFAULT_MAX_BYTES, curve: ServerKeys | None = None) -> None:
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        host: str,
+        port: int,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        curve: ServerKeys | None = None,
+    ) -> None:
         self.socket = ctx.socket(zmq.ROUTER)
         if curve is not None:
             make_server(self.socket, curve)  # before bind: every peer then goes through ZAP
@@ -109,8 +115,14 @@ def worker_identity(worker_id: str, credential: bytes) -> bytes:
 class DealerChannel:
     """A worker's end: one connection to the controller."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, identity: bytes,
-                 max_bytes: int = DEFAULT_MAX_BYTES, curve: ClientKeys | None = None) -> None:
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        address: str,
+        identity: bytes,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        curve: ClientKeys | None = None,
+    ) -> None:
         self.socket = ctx.socket(zmq.DEALER)
         if curve is not None:
             make_client(self.socket, curve)

@@ -41,11 +41,21 @@ class Trajectory:
     the step record, after thousands of other completions, it would be a cache miss per
     trajectory)."""
 
-    def __init__(self, *, prompt_id: str, group_id: int, token_ids: np.ndarray,
-                 logprobs: np.ndarray, versions: np.ndarray, loss_mask: np.ndarray,
-                 num_prompt_tokens: int, reward: float = 0.0, finish_reason: str = "length",
-                 timings: dict[str, float] | None = None,
-                 episode: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        prompt_id: str,
+        group_id: int,
+        token_ids: np.ndarray,
+        logprobs: np.ndarray,
+        versions: np.ndarray,
+        loss_mask: np.ndarray,
+        num_prompt_tokens: int,
+        reward: float = 0.0,
+        finish_reason: str = "length",
+        timings: dict[str, float] | None = None,
+        episode: dict[str, Any] | None = None,
+    ) -> None:
         lengths = {len(token_ids), len(logprobs), len(versions), len(loss_mask)}
         if len(lengths) != 1:
             raise ValueError(
@@ -54,16 +64,22 @@ class Trajectory:
                 f"versions={len(versions)}, loss_mask={len(loss_mask)})"
             )
         _check_num_prompt(prompt_id, num_prompt_tokens, len(token_ids))
-        self._init(prompt_id, group_id, num_prompt_tokens, reward, finish_reason, timings,
-                   episode)
+        self._init(prompt_id, group_id, num_prompt_tokens, reward, finish_reason, timings, episode)
         # Exactly one of the two forms is set (None the other), which mypy cannot follow:
         # typed Any rather than checked on every read of the controller's hot path.
         self._joined: Any = (token_ids, logprobs, versions, loss_mask)
         self._parts: Any = None
 
-    def _init(self, prompt_id: str, group_id: int, num_prompt_tokens: int, reward: float,
-              finish_reason: str, timings: dict[str, float] | None,
-              episode: dict[str, Any] | None) -> None:
+    def _init(
+        self,
+        prompt_id: str,
+        group_id: int,
+        num_prompt_tokens: int,
+        reward: float,
+        finish_reason: str,
+        timings: dict[str, float] | None,
+        episode: dict[str, Any] | None,
+    ) -> None:
         self.prompt_id = prompt_id
         self.group_id = group_id
         """Index of the prompt group (the samples of one prompt, one advantage group) in the
@@ -80,9 +96,11 @@ class Trajectory:
         self._oldest: int | None = None
 
     def __repr__(self) -> str:
-        return (f"Trajectory(prompt_id={self.prompt_id!r}, group_id={self.group_id}, "
-                f"num_tokens={self.num_tokens}, num_prompt_tokens={self.num_prompt_tokens}, "
-                f"reward={self.reward}, finish_reason={self.finish_reason!r})")
+        return (
+            f"Trajectory(prompt_id={self.prompt_id!r}, group_id={self.group_id}, "
+            f"num_tokens={self.num_tokens}, num_prompt_tokens={self.num_prompt_tokens}, "
+            f"reward={self.reward}, finish_reason={self.finish_reason!r})"
+        )
 
     @classmethod
     def from_generation(
@@ -105,22 +123,30 @@ class Trajectory:
         if not num_out == len(output_logprobs) == len(output_versions):
             raise ValueError(
                 f"trajectory {prompt_id!r}: per-token arrays differ in length (output_ids="
-                f"{num_out}, logprobs={len(output_logprobs)}, versions={len(output_versions)})")
+                f"{num_out}, logprobs={len(output_logprobs)}, versions={len(output_versions)})"
+            )
         # A single completion (no mask) is all sampled tokens: nothing to check or build.
         out_mask: Any = True if output_loss_mask is None else np.asarray(output_loss_mask, bool)
         if out_mask is not True and len(out_mask) == num_out and not out_mask.all():
             observed = np.asarray(output_versions)[~out_mask]
             if (observed != PROMPT_VERSION).any():
-                raise ValueError(f"trajectory {prompt_id!r}: observation tokens (loss mask "
-                                 f"False) must have version {PROMPT_VERSION}, got "
-                                 f"{sorted(set(observed.tolist()))}")
+                raise ValueError(
+                    f"trajectory {prompt_id!r}: observation tokens (loss mask "
+                    f"False) must have version {PROMPT_VERSION}, got "
+                    f"{sorted(set(observed.tolist()))}"
+                )
         if _kept_as_is(prompt_ids, output_ids, output_logprobs, output_versions, out_mask):
             _check_num_prompt(prompt_id, num_prompt, num_prompt + num_out)
             kept = cls.__new__(cls)
             kept._init(prompt_id, group_id, num_prompt, 0.0, finish_reason, None, None)
             kept._joined = None
-            kept._parts = (prompt_ids, output_ids, output_logprobs, output_versions,
-                           None if out_mask is True else out_mask)
+            kept._parts = (
+                prompt_ids,
+                output_ids,
+                output_logprobs,
+                output_versions,
+                None if out_mask is True else out_mask,
+            )
             kept._oldest = _oldest_sampled(output_versions)  # type: ignore[arg-type]  # now, while it is in the cache
             return kept
         # Anything else (lists, other dtypes, a mask of another length) is converted as
@@ -133,9 +159,16 @@ class Trajectory:
         versions[:num_prompt], versions[num_prompt:] = PROMPT_VERSION, output_versions
         loss_mask = np.empty(num_prompt + num_out, bool)
         loss_mask[:num_prompt], loss_mask[num_prompt:] = False, out_mask
-        return cls(prompt_id=prompt_id, group_id=group_id, token_ids=token_ids,
-                   logprobs=logprobs, versions=versions, loss_mask=loss_mask,
-                   num_prompt_tokens=num_prompt, finish_reason=finish_reason)
+        return cls(
+            prompt_id=prompt_id,
+            group_id=group_id,
+            token_ids=token_ids,
+            logprobs=logprobs,
+            versions=versions,
+            loss_mask=loss_mask,
+            num_prompt_tokens=num_prompt,
+            finish_reason=finish_reason,
+        )
 
     def _arrays(self) -> tuple[np.ndarray, ...]:
         """(token_ids, logprobs, versions, loss_mask), each [T]; joined once if kept apart."""
@@ -146,8 +179,10 @@ class Trajectory:
                 np.concatenate([prompt, ids]),
                 np.concatenate([np.zeros(n, np.float32), logprobs]),
                 np.concatenate([np.full(n, PROMPT_VERSION, np.int32), versions]),
-                np.concatenate([np.zeros(n, bool),
-                                np.ones(len(ids), bool) if mask is None else mask]))
+                np.concatenate(
+                    [np.zeros(n, bool), np.ones(len(ids), bool) if mask is None else mask]
+                ),
+            )
             self._parts = None
         return self._joined
 
@@ -181,7 +216,7 @@ class Trajectory:
     def output_ids(self) -> np.ndarray:
         if self._parts is not None:
             return self._parts[1]
-        return self._joined[0][self.num_prompt_tokens:]
+        return self._joined[0][self.num_prompt_tokens :]
 
     @property
     def num_model_tokens(self) -> int:
@@ -189,7 +224,7 @@ class Trajectory:
         if self._parts is not None:
             mask = self._parts[4]
             return len(self._parts[1]) if mask is None else int(np.count_nonzero(mask))
-        return int(np.count_nonzero(self._joined[3][self.num_prompt_tokens:]))
+        return int(np.count_nonzero(self._joined[3][self.num_prompt_tokens :]))
 
     @property
     def num_loss_tokens(self) -> int:
@@ -208,13 +243,20 @@ class Trajectory:
         if self._parts is not None:  # kept apart: the prompt is all PROMPT_VERSION
             return _oldest_sampled(self._parts[3])
         versions = self._joined[2]
-        prompt = versions[:self.num_prompt_tokens]
+        prompt = versions[: self.num_prompt_tokens]
         if prompt.min() == prompt.max() == PROMPT_VERSION:  # all but episodes' built ones
-            return _oldest_sampled(versions[self.num_prompt_tokens:])
+            return _oldest_sampled(versions[self.num_prompt_tokens :])
         return _oldest_sampled(versions)
 
-    def _write(self, start: int, token_ids: np.ndarray, logprobs: np.ndarray,
-               versions: np.ndarray, loss_mask: np.ndarray, trained: bool) -> None:
+    def _write(
+        self,
+        start: int,
+        token_ids: np.ndarray,
+        logprobs: np.ndarray,
+        versions: np.ndarray,
+        loss_mask: np.ndarray,
+        trained: bool,
+    ) -> None:
         """Write this trajectory into [start, start + T) of packed arrays (`pack_arrays`),
         each token of each array once. `trained` False: its loss mask is all False."""
         if self._parts is None:
@@ -253,17 +295,17 @@ def _check_num_prompt(prompt_id: str, num_prompt_tokens: int, num_tokens: int) -
         )
 
 
-def _kept_as_is(prompt_ids: Any, output_ids: Any, logprobs: Any, versions: Any,
-                mask: Any) -> bool:
+def _kept_as_is(prompt_ids: Any, output_ids: Any, logprobs: Any, versions: Any, mask: Any) -> bool:
     """The arrays have the trajectory's own types (1-D int32 ids and versions, float32
     log-probs, a bool mask per token or none): `from_generation` keeps them without a copy,
     and every reader sees what the copy would have held."""
-    return (type(prompt_ids) is type(output_ids) is type(logprobs) is type(versions)
-            is np.ndarray
-            and prompt_ids.dtype == output_ids.dtype == versions.dtype == np.int32
-            and logprobs.dtype == np.float32
-            and prompt_ids.ndim == output_ids.ndim == logprobs.ndim == versions.ndim == 1
-            and (mask is True or (mask.ndim == 1 and len(mask) == len(output_ids))))
+    return (
+        type(prompt_ids) is type(output_ids) is type(logprobs) is type(versions) is np.ndarray
+        and prompt_ids.dtype == output_ids.dtype == versions.dtype == np.int32
+        and logprobs.dtype == np.float32
+        and prompt_ids.ndim == output_ids.ndim == logprobs.ndim == versions.ndim == 1
+        and (mask is True or (mask.ndim == 1 and len(mask) == len(output_ids)))
+    )
 
 
 @dataclass(kw_only=True)
@@ -317,8 +359,9 @@ class PackedBatch:
             logprobs=self.logprobs[token_index],
             versions=self.versions[token_index],
             loss_mask=self.loss_mask[token_index],
-            cu_seqlens=torch.cat([torch.zeros(1, dtype=torch.int32),
-                                  torch.cumsum(lengths, 0, dtype=torch.int32)]),
+            cu_seqlens=torch.cat(
+                [torch.zeros(1, dtype=torch.int32), torch.cumsum(lengths, 0, dtype=torch.int32)]
+            ),
             rewards=self.rewards[idx],
             group_ids=self.group_ids[idx],
         )
@@ -334,8 +377,9 @@ def pack(trajectories: Sequence[Trajectory]) -> PackedBatch:
         logprobs=torch.from_numpy(np.concatenate([t.logprobs for t in trajectories])).float(),
         versions=torch.from_numpy(np.concatenate([t.versions for t in trajectories])).long(),
         loss_mask=torch.from_numpy(np.concatenate([t.loss_mask for t in trajectories])).bool(),
-        cu_seqlens=torch.cat([torch.zeros(1, dtype=torch.int32),
-                              torch.cumsum(lengths, 0, dtype=torch.int32)]),
+        cu_seqlens=torch.cat(
+            [torch.zeros(1, dtype=torch.int32), torch.cumsum(lengths, 0, dtype=torch.int32)]
+        ),
         rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
         group_ids=torch.tensor([t.group_id for t in trajectories], dtype=torch.long),
     )
@@ -353,8 +397,9 @@ class PackedArrays(TypedDict):
     group_ids: np.ndarray
 
 
-def pack_arrays(trajectories: Sequence[Trajectory],
-                masked: Sequence[bool] | None = None) -> PackedArrays:
+def pack_arrays(
+    trajectories: Sequence[Trajectory], masked: Sequence[bool] | None = None
+) -> PackedArrays:
     """`pack` as the numpy arrays of a Train message (areal.messages.Train): token_ids,
     versions and cu_seqlens int32, logprobs and rewards float32, loss_mask bool, group_ids
     int64. One copy of each trajectory's arrays, none of the whole batch in int64: the
@@ -367,12 +412,20 @@ def pack_arrays(trajectories: Sequence[Trajectory],
     # Each token of each field written once (Trajectory._write, prompts' constants
     # included): filling the arrays beforehand would be a second pass over every token of
     # the batch, for the few that are prompts.
-    arrays = {"token_ids": np.empty(total, np.int32), "logprobs": np.empty(total, np.float32),
-              "versions": np.empty(total, np.int32), "loss_mask": np.empty(total, bool)}
+    arrays = {
+        "token_ids": np.empty(total, np.int32),
+        "logprobs": np.empty(total, np.float32),
+        "versions": np.empty(total, np.int32),
+        "loss_mask": np.empty(total, bool),
+    }
     for i, (t, start) in enumerate(zip(trajectories, cu_seqlens[:-1].tolist(), strict=True)):
         t._write(start, **arrays, trained=masked is None or not masked[i])
     return PackedArrays(
-        token_ids=arrays["token_ids"], logprobs=arrays["logprobs"], versions=arrays["versions"],
-        loss_mask=arrays["loss_mask"], cu_seqlens=cu_seqlens,
+        token_ids=arrays["token_ids"],
+        logprobs=arrays["logprobs"],
+        versions=arrays["versions"],
+        loss_mask=arrays["loss_mask"],
+        cu_seqlens=cu_seqlens,
         rewards=np.array([t.reward for t in trajectories], dtype=np.float32),
-        group_ids=np.array([t.group_id for t in trajectories], dtype=np.int64))
+        group_ids=np.array([t.group_id for t in trajectories], dtype=np.int64),
+    )

@@ -43,13 +43,22 @@ from results_page import publish, write_results
 
 DEFAULT_OUT = Path("bench/results/ablation")
 
-COLUMNS = {"naive": "naive PPO", "recompute": "decoupled, recomputed prox",
-           "loglinear": "decoupled, log-linear prox"}
+COLUMNS = {
+    "naive": "naive PPO",
+    "recompute": "decoupled, recomputed prox",
+    "loglinear": "decoupled, log-linear prox",
+}
 PROX_LOGP = {"naive": "behav", "recompute": "recompute", "loglinear": "loglinear"}
 ETAS = ("0", "1", "2", "4", "8", "unbounded")
 
-SETTING = ["trainer.lr=3e-4", "trainer.num_minibatches=2", "rollout.num_workers=3",
-           "eval.temperature=1.0", "eval.num_samples=4", "trainer.measure_movement=true"]
+SETTING = [
+    "trainer.lr=3e-4",
+    "trainer.num_minibatches=2",
+    "rollout.num_workers=3",
+    "eval.temperature=1.0",
+    "eval.num_samples=4",
+    "trainer.measure_movement=true",
+]
 """Overrides of every cell: the embedded model and arithmetic task of the default run, with
 
 - lr 3e-4 (3x the default) and 2 PPO minibatches per step: the policy moves enough per
@@ -68,20 +77,36 @@ SETTING = ["trainer.lr=3e-4", "trainer.num_minibatches=2", "rollout.num_workers=
 STEPS = 20
 QUICK_CELLS = [("0", "naive"), ("2", "recompute")]
 """--quick: two rows and two columns in two cells, run at once, one seed, 3 steps."""
-QUICK = ["trainer.batch_size=16", "task.group_size=4", "eval.max_prompts=16",
-         "rollout.max_new_tokens=32", "model.warmstart.steps=40", "rollout.num_workers=1"]
+QUICK = [
+    "trainer.batch_size=16",
+    "task.group_size=4",
+    "eval.max_prompts=16",
+    "rollout.max_new_tokens=32",
+    "model.warmstart.steps=40",
+    "rollout.num_workers=1",
+]
 """--quick: small batches, a short warm start and a small held-out set; a smoke test only."""
 
 
-def _cell_overrides(args: argparse.Namespace, model_dir: Path, eta: str, column: str,
-                    seed: int) -> list[str]:
+def _cell_overrides(
+    args: argparse.Namespace, model_dir: Path, eta: str, column: str, seed: int
+) -> list[str]:
     eta_value = args.steps if eta == "unbounded" else int(eta)
     run_dir = args.out / "runs" / f"eta{eta}-{column}-seed{seed}"
-    return [*args.setting, f"model.path={model_dir}", f"seed={seed}",
-            f"staleness.eta={eta_value}", f"trainer.ppo.prox_logp={PROX_LOGP[column]}",
-            f"trainer.total_steps={args.steps}", "eval.every_steps=0",
-            f"run_dir={run_dir}", "trainer.checkpoint_every=0", "logging.progress=false",
-            "logging.tensorboard=false", *args.overrides]
+    return [
+        *args.setting,
+        f"model.path={model_dir}",
+        f"seed={seed}",
+        f"staleness.eta={eta_value}",
+        f"trainer.ppo.prox_logp={PROX_LOGP[column]}",
+        f"trainer.total_steps={args.steps}",
+        "eval.every_steps=0",
+        f"run_dir={run_dir}",
+        "trainer.checkpoint_every=0",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        *args.overrides,
+    ]
 
 
 def run_all(args: argparse.Namespace) -> dict[str, dict[str, list[dict]]]:
@@ -98,8 +123,13 @@ def run_all(args: argparse.Namespace) -> dict[str, dict[str, list[dict]]]:
     return cells
 
 
-async def _run_cells(args: argparse.Namespace, model_dir: Path, todo: list[tuple[str, str, int]],
-                     cells: dict, cells_path: Path) -> None:
+async def _run_cells(
+    args: argparse.Namespace,
+    model_dir: Path,
+    todo: list[tuple[str, str, int]],
+    cells: dict,
+    cells_path: Path,
+) -> None:
     """Run the (eta, column, seed) cells, `args.parallel` at a time; save after each."""
     slots = asyncio.Semaphore(args.parallel)
 
@@ -112,9 +142,12 @@ async def _run_cells(args: argparse.Namespace, model_dir: Path, todo: list[tuple
         done.append(result)
         done.sort(key=lambda r: r["seed"])
         cells_path.write_text(json.dumps(cells, indent=1))
-        print(f"eta={eta} {column} seed {seed}: pass@1 {result['pass@1']:.3f}, "
-              f"staleness {result['staleness']}, {time.monotonic() - start:.0f} s",
-              file=sys.stderr, flush=True)
+        print(
+            f"eta={eta} {column} seed {seed}: pass@1 {result['pass@1']:.3f}, "
+            f"staleness {result['staleness']}, {time.monotonic() - start:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
 
     await asyncio.gather(*(one(*cell) for cell in todo))
 
@@ -129,8 +162,10 @@ def table(cells: dict[str, dict[str, list[dict]]], columns: list[str]) -> str:
     lines = [head, "-" * len(head)]
     for eta, row in cells.items():
         acc = [_interval(row[c], "pass@1").format() if row.get(c) else "" for c in columns]
-        times = [f"train {_interval(row[c], 'train_time_s').mean:.0f} s" if row.get(c) else ""
-                 for c in columns]
+        times = [
+            f"train {_interval(row[c], 'train_time_s').mean:.0f} s" if row.get(c) else ""
+            for c in columns
+        ]
         lines.append(f"{eta:<10}" + "".join(f"{a:>{width}}" for a in acc))
         lines.append(f"{'':<10}" + "".join(f"{t:>{width}}" for t in times))
     seeds = sorted({len(r) for row in cells.values() for r in row.values()})
@@ -140,9 +175,18 @@ def table(cells: dict[str, dict[str, list[dict]]], columns: list[str]) -> str:
         for column in columns:
             if row.get(column):
                 lines.append(f"  eta={eta:<9} {column:<9}  {staleness_line(row[column])}")
-    lines += ["", "mechanism: means over steps, then seeds (train/... step-record keys)",
-              mechanism_table({f"eta={eta} {column}": row[column] for eta, row in cells.items()
-                               for column in columns if row.get(column)})]
+    lines += [
+        "",
+        "mechanism: means over steps, then seeds (train/... step-record keys)",
+        mechanism_table(
+            {
+                f"eta={eta} {column}": row[column]
+                for eta, row in cells.items()
+                for column in columns
+                if row.get(column)
+            }
+        ),
+    ]
     return "\n".join(lines)
 
 
@@ -165,13 +209,22 @@ def plot(cells: dict[str, dict[str, list[dict]]], columns: list[str], path: Path
             means.append(ci.mean)
             errors[0].append(0.0 if ci.n < 2 else ci.mean - ci.low)
             errors[1].append(0.0 if ci.n < 2 else ci.high - ci.mean)
-            ax.scatter([xs[-1]] * len(results), [r["pass@1"] for r in results], s=8,
-                       alpha=0.4, color=f"C{offset}")
-        ax.errorbar(xs, means, yerr=errors, marker="o", capsize=3, label=COLUMNS[column],
-                    color=f"C{offset}")
+            ax.scatter(
+                [xs[-1]] * len(results),
+                [r["pass@1"] for r in results],
+                s=8,
+                alpha=0.4,
+                color=f"C{offset}",
+            )
+        ax.errorbar(
+            xs, means, yerr=errors, marker="o", capsize=3, label=COLUMNS[column], color=f"C{offset}"
+        )
     ax.set_xticks(range(len(etas)), etas)
-    ax.set(xlabel="staleness bound eta", ylabel="held-out pass@1 after training",
-           title="staleness ablation: mean and 95% t-interval over seeds")
+    ax.set(
+        xlabel="staleness bound eta",
+        ylabel="held-out pass@1 after training",
+        title="staleness ablation: mean and 95% t-interval over seeds",
+    )
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -184,16 +237,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=STEPS, help="training steps per run")
     parser.add_argument("--etas", nargs="+", default=list(ETAS), choices=ETAS)
     parser.add_argument("--columns", nargs="+", default=list(COLUMNS), choices=list(COLUMNS))
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke test: two cells (eta 0 naive, eta 2 recompute) at once, "
-                        "1 seed, 3 steps")
-    parser.add_argument("--parallel", type=int, default=1,
-                        help="cells run at once (their training times then share the CPU)")
-    parser.add_argument("--resume", action="store_true",
-                        help="keep the results already in --out/cells.json, run the rest")
-    parser.add_argument("--out", type=Path, default=None,
-                        help=f"results folder (default {DEFAULT_OUT}; only a full run there "
-                        "writes the docs' results page, docs/results/ablation.md)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke test: two cells (eta 0 naive, eta 2 recompute) at once, 1 seed, 3 steps",
+    )
+    parser.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        help="cells run at once (their training times then share the CPU)",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the results already in --out/cells.json, run the rest",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"results folder (default {DEFAULT_OUT}; only a full run there "
+        "writes the docs' results page, docs/results/ablation.md)",
+    )
     parser.add_argument("overrides", nargs="*", help="key=value applied to every run")
     args = parser.parse_args(argv)
     args.publish = publish(args.quick, args.out) and not args.overrides
@@ -220,14 +286,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"plot: {args.out / 'ablation.png'}")
     if args.publish:
         page = write_results(
-            "ablation", title="Staleness ablation: naive PPO against decoupled PPO "
-            "(bench/ablation.py)", command=" ".join(["python", *(sys.argv if argv is None else ["bench/ablation.py", *argv])]), table=text,
-            data={"setting": args.setting, "seeds": args.seeds, "steps": args.steps,
-                  "cells": cells},
+            "ablation",
+            title="Staleness ablation: naive PPO against decoupled PPO (bench/ablation.py)",
+            command=" ".join(
+                ["python", *(sys.argv if argv is None else ["bench/ablation.py", *argv])]
+            ),
+            table=text,
+            data={
+                "setting": args.setting,
+                "seeds": args.seeds,
+                "steps": args.steps,
+                "cells": cells,
+            },
             notes="Rows: staleness.eta (admission bound); columns: the PPO anchor "
-                  "(trainer.ppo.prox_logp). Each cell: held-out pass@1 after training, mean "
-                  "and 95% t-interval over seeds. The setting and why: the SETTING docstring "
-                  "of bench/ablation.py.")
+            "(trainer.ppo.prox_logp). Each cell: held-out pass@1 after training, mean "
+            "and 95% t-interval over seeds. The setting and why: the SETTING docstring "
+            "of bench/ablation.py.",
+        )
         print(f"results page: {page}")
     return 0
 

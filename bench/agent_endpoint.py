@@ -81,13 +81,15 @@ class TimedClient:
     """An OpenAI client whose chat calls are timed as the agent sees them."""
 
     def __init__(self, client: Any, call_s: list[float]) -> None:
-        self.chat = type("Chat", (), {"completions": _TimedCompletions(client.chat.completions,
-                                                                        call_s)})()
+        self.chat = type(
+            "Chat", (), {"completions": _TimedCompletions(client.chat.completions, call_s)}
+        )()
 
 
 def build_config(args: argparse.Namespace) -> RunConfig:
-    cfg = load_config(CONFIG, [f"rollout.engine={args.engine}", "rollout.max_concurrent=256",
-                               *args.overrides])
+    cfg = load_config(
+        CONFIG, [f"rollout.engine={args.engine}", "rollout.max_concurrent=256", *args.overrides]
+    )
     if args.quick:
         from areal.models.tiny import save_tiny_model
 
@@ -113,35 +115,46 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     generator = TimedGenerator(engine)
     tokenizer = load_tokenizer(cfg.model.path, cache_dir=cfg.cache_dir)
     task = load_task(cfg.task.name, cfg.task.params)
-    environment = ToolEnvironment(task=task, tokenizer=tokenizer, tools=["calculator"],
-                                  format="bracket")
-    episodes = EpisodeRunner(generator, environment, tokenizer,
-                             EpisodeLimits(max_turns=cfg.agent.max_calls))
+    environment = ToolEnvironment(
+        task=task, tokenizer=tokenizer, tools=["calculator"], format="bracket"
+    )
+    episodes = EpisodeRunner(
+        generator, environment, tokenizer, EpisodeLimits(max_turns=cfg.agent.max_calls)
+    )
     agent_calls: list[float] = []
 
     async def timed_agent(client, sample):
         return await calculator.run(TimedClient(client, agent_calls), sample)
 
-    agents = await start_agents(cfg, generator, rank=0,
-                                context_len=getattr(engine, "max_seq_len", None))
+    agents = await start_agents(
+        cfg, generator, rank=0, context_len=getattr(engine, "max_seq_len", None)
+    )
     agents.agent = timed_agent
-    prompts = task.eval_prompts()[:args.episodes]
+    prompts = task.eval_prompts()[: args.episodes]
     ids = [tokenizer(p.text, add_special_tokens=False)["input_ids"] for p in prompts]
     eos = [tokenizer.eos_token_id]
     bracket = tokenizer("]", add_special_tokens=False)["input_ids"]
-    params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0,
-                            stop_token_ids=eos + bracket)
-    agent_params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0,
-                                  stop_token_ids=eos)
+    params = SamplingParams(
+        max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0, stop_token_ids=eos + bracket
+    )
+    agent_params = SamplingParams(
+        max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0, stop_token_ids=eos
+    )
 
     async def in_process(i: int) -> int:
-        result = await episodes.run(f"e{i}", ids[i], params, prompt_id=prompts[i].prompt_id,
-                                    reference=prompts[i].reference)
+        result = await episodes.run(
+            f"e{i}", ids[i], params, prompt_id=prompts[i].prompt_id, reference=prompts[i].reference
+        )
         return sum(result.loss_mask)
 
     async def endpoint(i: int) -> int:
-        result = await agents.run(f"a{i}", agent_params, prompt_id=prompts[i].prompt_id,
-                                  prompt_text=prompts[i].text, reference=prompts[i].reference)
+        result = await agents.run(
+            f"a{i}",
+            agent_params,
+            prompt_id=prompts[i].prompt_id,
+            prompt_text=prompts[i].text,
+            reference=prompts[i].reference,
+        )
         return result.num_model_tokens
 
     rows: list[dict[str, Any]] = []
@@ -151,11 +164,19 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         await endpoint(0)
         for concurrency in args.concurrency:
             for repeat in range(args.repeats):
-                for side, run, calls in (("in-process", in_process, generator.call_s),
-                                         ("endpoint", endpoint, agent_calls)):
+                for side, run, calls in (
+                    ("in-process", in_process, generator.call_s),
+                    ("endpoint", endpoint, agent_calls),
+                ):
                     calls.clear()
-                    rows.append({"concurrency": concurrency, "repeat": repeat, "side": side,
-                                 **await timed(run, len(prompts), concurrency, calls)})
+                    rows.append(
+                        {
+                            "concurrency": concurrency,
+                            "repeat": repeat,
+                            "side": side,
+                            **await timed(run, len(prompts), concurrency, calls),
+                        }
+                    )
     finally:
         await agents.close()
         await episodes.close()
@@ -174,46 +195,69 @@ async def timed(run, num: int, concurrency: int, calls: list[float]) -> dict[str
     tokens = sum(await asyncio.gather(*(one(i) for i in range(num))))
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     ordered = sorted(calls)
-    return {"episodes": num, "calls": len(calls), "model_tokens": tokens, "wall_s": wall,
-            "cpu_ms_per_call": 1000 * cpu / len(calls),
-            "tokens_per_s": tokens / wall, "call_ms_mean": 1000 * statistics.fmean(calls),
-            "call_ms_p50": 1000 * ordered[len(ordered) // 2],
-            "call_ms_p90": 1000 * ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]}
+    return {
+        "episodes": num,
+        "calls": len(calls),
+        "model_tokens": tokens,
+        "wall_s": wall,
+        "cpu_ms_per_call": 1000 * cpu / len(calls),
+        "tokens_per_s": tokens / wall,
+        "call_ms_mean": 1000 * statistics.fmean(calls),
+        "call_ms_p50": 1000 * ordered[len(ordered) // 2],
+        "call_ms_p90": 1000 * ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
+    }
 
 
 def summarize(data: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
     """The table: per concurrency and side, means over repeats; then the ratios."""
-    keys = ("calls", "model_tokens", "wall_s", "tokens_per_s", "call_ms_mean", "call_ms_p50",
-            "call_ms_p90", "cpu_ms_per_call")
-    head = (f"{'conc':>4} {'side':>10} {'episodes':>8} {'calls':>6} {'model tok':>9} "
-            f"{'wall s':>7} {'tok/s':>7} {'call ms mean':>12} {'p50':>7} {'p90':>7} "
-            f"{'CPU ms/call':>11}")
+    keys = (
+        "calls",
+        "model_tokens",
+        "wall_s",
+        "tokens_per_s",
+        "call_ms_mean",
+        "call_ms_p50",
+        "call_ms_p90",
+        "cpu_ms_per_call",
+    )
+    head = (
+        f"{'conc':>4} {'side':>10} {'episodes':>8} {'calls':>6} {'model tok':>9} "
+        f"{'wall s':>7} {'tok/s':>7} {'call ms mean':>12} {'p50':>7} {'p90':>7} "
+        f"{'CPU ms/call':>11}"
+    )
     lines, ratios = [head, "-" * len(head)], []
     for concurrency in sorted({r["concurrency"] for r in data["rows"]}):
         mean = {}
         for side in ("in-process", "endpoint"):
-            rows = [r for r in data["rows"] if r["concurrency"] == concurrency
-                    and r["side"] == side]
+            rows = [
+                r for r in data["rows"] if r["concurrency"] == concurrency and r["side"] == side
+            ]
             mean[side] = {k: statistics.fmean(r[k] for r in rows) for k in keys}
             m = mean[side]
-            lines.append(f"{concurrency:>4} {side:>10} {data['episodes']:>8} {m['calls']:>6.0f} "
-                         f"{m['model_tokens']:>9.0f} {m['wall_s']:>7.2f} "
-                         f"{m['tokens_per_s']:>7.0f} {m['call_ms_mean']:>12.1f} "
-                         f"{m['call_ms_p50']:>7.1f} {m['call_ms_p90']:>7.1f} "
-                         f"{m['cpu_ms_per_call']:>11.1f}")
+            lines.append(
+                f"{concurrency:>4} {side:>10} {data['episodes']:>8} {m['calls']:>6.0f} "
+                f"{m['model_tokens']:>9.0f} {m['wall_s']:>7.2f} "
+                f"{m['tokens_per_s']:>7.0f} {m['call_ms_mean']:>12.1f} "
+                f"{m['call_ms_p50']:>7.1f} {m['call_ms_p90']:>7.1f} "
+                f"{m['cpu_ms_per_call']:>11.1f}"
+            )
         a, b = mean["endpoint"], mean["in-process"]
-        ratio = {"concurrency": concurrency,
-                 "tokens_per_s": a["tokens_per_s"] / b["tokens_per_s"],
-                 "call_ms_mean": a["call_ms_mean"] / b["call_ms_mean"],
-                 "cpu_ms_per_call_added": a["cpu_ms_per_call"] - b["cpu_ms_per_call"],
-                 "same_tokens": a["model_tokens"] == b["model_tokens"]}
+        ratio = {
+            "concurrency": concurrency,
+            "tokens_per_s": a["tokens_per_s"] / b["tokens_per_s"],
+            "call_ms_mean": a["call_ms_mean"] / b["call_ms_mean"],
+            "cpu_ms_per_call_added": a["cpu_ms_per_call"] - b["cpu_ms_per_call"],
+            "same_tokens": a["model_tokens"] == b["model_tokens"],
+        }
         ratios.append(ratio)
     lines.append("")
     for r in ratios:
-        lines.append(f"concurrency {r['concurrency']}: endpoint / in-process tokens/s "
-                     f"{r['tokens_per_s']:.2f}x, per-call latency {r['call_ms_mean']:.2f}x; "
-                     f"+{r['cpu_ms_per_call_added']:.1f} ms of process CPU per call"
-                     + ("" if r["same_tokens"] else "  (model tokens differ between sides!)"))
+        lines.append(
+            f"concurrency {r['concurrency']}: endpoint / in-process tokens/s "
+            f"{r['tokens_per_s']:.2f}x, per-call latency {r['call_ms_mean']:.2f}x; "
+            f"+{r['cpu_ms_per_call_added']:.1f} ms of process CPU per call"
+            + ("" if r["same_tokens"] else "  (model tokens differ between sides!)")
+        )
     return "\n".join(lines), ratios
 
 
@@ -224,8 +268,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--engine", default="torch", choices=["torch", "vllm"])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="write results.json there instead of publishing the page")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="write results.json there instead of publishing the page",
+    )
     parser.add_argument("overrides", nargs="*", help="config overrides key=value")
     args = parser.parse_args()
     if args.quick:
@@ -241,12 +289,16 @@ def main() -> None:
         (args.out / "results.json").write_text(json.dumps(data, indent=1))
     if publish(args.quick, args.out):
         path = write_results(
-            "agent_endpoint", title="Agent endpoint overhead", command=" ".join(sys.argv),
-            table=table, data=data,
+            "agent_endpoint",
+            title="Agent endpoint overhead",
+            command=" ".join(sys.argv),
+            table=table,
+            data=data,
             notes="Greedy decoding on both sides, so both sample the same tokens; the "
-                  "difference is the endpoint's own work (HTTP, JSON, chat template, "
-                  "tokenizing, parsing, the agent's client) on the rollout worker's event "
-                  "loop and tokenizer thread.")
+            "difference is the endpoint's own work (HTTP, JSON, chat template, "
+            "tokenizing, parsing, the agent's client) on the rollout worker's event "
+            "loop and tokenizer thread.",
+        )
         print(f"results page: {path}")
 
 

@@ -47,10 +47,16 @@ from results_page import publish, write_results
 from areal.intervals import proportion_interval
 from areal.records import read_records
 
-LABELS = {"kill_rollout": "kill -9 rollout", "kill_reward": "kill -9 reward",
-          "kill_trainer": "kill -9 trainer", "stop_rollout": "SIGSTOP rollout",
-          "stop_reward": "SIGSTOP reward", "stop_trainer": "SIGSTOP trainer",
-          "weight_load": "failed weight load", "kill_controller": "kill -9 controller"}
+LABELS = {
+    "kill_rollout": "kill -9 rollout",
+    "kill_reward": "kill -9 reward",
+    "kill_trainer": "kill -9 trainer",
+    "stop_rollout": "SIGSTOP rollout",
+    "stop_reward": "SIGSTOP reward",
+    "stop_trainer": "SIGSTOP trainer",
+    "weight_load": "failed weight load",
+    "kill_controller": "kill -9 controller",
+}
 QUICK_KINDS = ("kill_reward", "kill_trainer", "stop_rollout", "kill_controller")
 """--quick (the test suite): the suite tests kill -9 of a rollout worker
 (tests/controller/test_runtime.py) and failed weight loads (test_weight_load_failure.py)
@@ -67,23 +73,44 @@ def schedule(num_faults: int, seed: int, kinds: tuple[str, ...] = KINDS) -> list
 
 
 def overrides(args: argparse.Namespace, run_dir: Path) -> list[str]:
-    base = [f"run_dir={run_dir}", f"seed={args.seed}", "logging.progress=false",
-            "logging.tensorboard=false", "controller.heartbeat_interval_s=0.5"]
+    base = [
+        f"run_dir={run_dir}",
+        f"seed={args.seed}",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        "controller.heartbeat_interval_s=0.5",
+    ]
     if args.quick:
-        return [*base, "trainer.batch_size=16", "trainer.total_steps=100000",
-                "trainer.checkpoint_every=4", "eval.max_prompts=32", "eval.every_steps=0",
-                "controller.heartbeat_timeout_s=8", *args.overrides]
-    return [*base, "trainer.batch_size=64", "trainer.total_steps=100000",
-            "controller.heartbeat_timeout_s=8", *args.overrides]
+        return [
+            *base,
+            "trainer.batch_size=16",
+            "trainer.total_steps=100000",
+            "trainer.checkpoint_every=4",
+            "eval.max_prompts=32",
+            "eval.every_steps=0",
+            "controller.heartbeat_timeout_s=8",
+            *args.overrides,
+        ]
+    return [
+        *base,
+        "trainer.batch_size=64",
+        "trainer.total_steps=100000",
+        "controller.heartbeat_timeout_s=8",
+        *args.overrides,
+    ]
 
 
 def run_chaos(args: argparse.Namespace, run_dir: Path, log: Path) -> tuple[list[Fault], int]:
     """Inject the scheduled faults into one run; (the faults, the controller's exit code)."""
     settings = dict(o.split("=", 1) for o in overrides(args, run_dir))
-    run = RunUnderTest(run_dir=run_dir, overrides=overrides(args, run_dir), log=log,
-                       deadline_s=args.deadline,
-                       heartbeat_timeout_s=float(settings["controller.heartbeat_timeout_s"]),
-                       batch_size=int(settings["trainer.batch_size"]))
+    run = RunUnderTest(
+        run_dir=run_dir,
+        overrides=overrides(args, run_dir),
+        log=log,
+        deadline_s=args.deadline,
+        heartbeat_timeout_s=float(settings["controller.heartbeat_timeout_s"]),
+        batch_size=int(settings["trainer.batch_size"]),
+    )
     rng = random.Random(args.seed)
     kinds = QUICK_KINDS if args.quick else KINDS
     faults = [Fault(kind=kind) for kind in schedule(args.faults, args.seed, kinds)]
@@ -92,8 +119,7 @@ def run_chaos(args: argparse.Namespace, run_dir: Path, log: Path) -> tuple[list[
         for fault in faults:
             run.wait_steps(rng.randint(1, 3))
             if fault.kind == "kill_controller":  # it needs a checkpoint to resume from
-                run.wait_for(lambda: run.find(0, event="checkpoint") is not None,
-                             "a checkpoint")
+                run.wait_for(lambda: run.find(0, event="checkpoint") is not None, "a checkpoint")
             print(f"  {time.strftime('%H:%M:%S')} {LABELS[fault.kind]}", flush=True)
             try:
                 run.inject(fault)
@@ -119,15 +145,22 @@ def check_records(run_dir: Path) -> dict:
     seen = collections.Counter(trained + dropped + untrained)
     evals = [r for r in kept if r["kind"] == "eval"]
     return {
-        "steps": [r["step"] for r in steps], "drawn": summary["num_drawn"],
-        "trained": len(trained), "dropped": len(dropped), "untrained": len(untrained),
+        "steps": [r["step"] for r in steps],
+        "drawn": summary["num_drawn"],
+        "trained": len(trained),
+        "dropped": len(dropped),
+        "untrained": len(untrained),
         "dropped_reasons": summary["dropped_groups"],
         "lost": len(set(range(summary["num_drawn"])) - set(seen)),
         "duplicated": sum(n - 1 for n in seen.values() if n > 1),
-        "before": summary["eval_pass@1_before"], "after": summary["eval_pass@1_after"],
+        "before": summary["eval_pass@1_before"],
+        "after": summary["eval_pass@1_after"],
         "num_problems": int(evals[-1]["eval/num_problems"]) if evals else 0,
-        "superseded_steps": sum(1 for r in read_records(run_dir, superseded=True)
-                                if r["kind"] == "step" and r.get("superseded")),
+        "superseded_steps": sum(
+            1
+            for r in read_records(run_dir, superseded=True)
+            if r["kind"] == "step" and r.get("superseded")
+        ),
     }
 
 
@@ -140,12 +173,15 @@ def table(faults: list[Fault], done: dict, code: int, seed: int) -> str:
     for kind in KINDS:
         group = by_kind.get(kind, [])
         times = [f.recovery_s for f in group if f.survived]
-        lines.append(f"{LABELS[kind]:<22} {sum(f.injected for f in group):>8} "
-                     f"{sum(f.survived for f in group):>8} "
-                     f"{(sum(times) / len(times) if times else 0):>15.1f} "
-                     f"{max(times, default=0):>6.1f}")
-    lines.append(f"{'all':<22} {sum(f.injected for f in faults):>8} "
-                 f"{sum(f.survived for f in faults):>8}")
+        lines.append(
+            f"{LABELS[kind]:<22} {sum(f.injected for f in group):>8} "
+            f"{sum(f.survived for f in group):>8} "
+            f"{(sum(times) / len(times) if times else 0):>15.1f} "
+            f"{max(times, default=0):>6.1f}"
+        )
+    lines.append(
+        f"{'all':<22} {sum(f.injected for f in faults):>8} {sum(f.survived for f in faults):>8}"
+    )
     lines.append("-" * len(head))
     hangs = sum(f.detail.startswith("HANG") for f in faults)
     n = done["num_problems"]
@@ -166,23 +202,40 @@ def table(faults: list[Fault], done: dict, code: int, seed: int) -> str:
 
 
 def passed(faults: list[Fault], done: dict, code: int, quick: bool) -> bool:
-    return (code == STOPPED and all(f.survived for f in faults) and done["lost"] == 0
-            and done["duplicated"] == 0 and done["steps"] == list(range(1, len(done["steps"]) + 1))
-            and (quick or done["after"] > done["before"]))
+    return (
+        code == STOPPED
+        and all(f.survived for f in faults)
+        and done["lost"] == 0
+        and done["duplicated"] == 0
+        and done["steps"] == list(range(1, len(done["steps"]) + 1))
+        and (quick or done["after"] > done["before"])
+    )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--faults", type=int, default=24)
-    parser.add_argument("--final-steps", type=int, default=10,
-                        help="steps trained after the last fault, before SIGTERM ends the run")
-    parser.add_argument("--deadline", type=float, default=600.0,
-                        help="seconds without progress after a fault that count as a hang")
+    parser.add_argument(
+        "--final-steps",
+        type=int,
+        default=10,
+        help="steps trained after the last fault, before SIGTERM ends the run",
+    )
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        default=600.0,
+        help="seconds without progress after a fault that count as a hang",
+    )
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="results folder (default bench/results/chaos; only a full run "
-                        "there writes the docs' results page, docs/results/chaos.md)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="results folder (default bench/results/chaos; only a full run "
+        "there writes the docs' results page, docs/results/chaos.md)",
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args()
     page = publish(args.quick, args.out) and not args.overrides
@@ -195,27 +248,53 @@ def main() -> int:
         faults, code = run_chaos(args, run_dir, log)
         if code != STOPPED:
             print(log.read_text(errors="replace")[-6000:], file=sys.stderr)
-            done = {"steps": [], "drawn": 0, "trained": 0, "dropped": 0, "untrained": 0,
-                    "dropped_reasons": {}, "lost": -1, "duplicated": -1, "before": 0.0,
-                    "after": 0.0, "num_problems": 0, "superseded_steps": 0}
+            done = {
+                "steps": [],
+                "drawn": 0,
+                "trained": 0,
+                "dropped": 0,
+                "untrained": 0,
+                "dropped_reasons": {},
+                "lost": -1,
+                "duplicated": -1,
+                "before": 0.0,
+                "after": 0.0,
+                "num_problems": 0,
+                "superseded_steps": 0,
+            }
         else:
             done = check_records(run_dir)
     text = table(faults, done, code, args.seed)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
-    data = {"seed": args.seed, "overrides": args.overrides, "exit_code": code, "records": done,
-            "faults": [vars(f) for f in faults]}
+    data = {
+        "seed": args.seed,
+        "overrides": args.overrides,
+        "exit_code": code,
+        "records": done,
+        "faults": [vars(f) for f in faults],
+    }
     (args.out / ("quick.json" if args.quick else "chaos.json")).write_text(
-        json.dumps(data, indent=1))
+        json.dumps(data, indent=1)
+    )
     ok = passed(faults, done, code, args.quick)
     print("chaos check: " + ("PASSED" if ok else "FAILED"))
     if page:
-        print("results page: " + str(write_results(
-            "chaos", title="Faults injected into one run (bench/chaos.py)",
-            command=" ".join(["python", *sys.argv]), table=text, data=data,
-            notes=f"Check: {'PASSED' if ok else 'FAILED'}. Recovery is the time from the fault "
-                  "to the first step trained after the repair; every prompt group drawn must "
-                  "be trained exactly once, dropped with a reason, or in flight at the end.")))
+        print(
+            "results page: "
+            + str(
+                write_results(
+                    "chaos",
+                    title="Faults injected into one run (bench/chaos.py)",
+                    command=" ".join(["python", *sys.argv]),
+                    table=text,
+                    data=data,
+                    notes=f"Check: {'PASSED' if ok else 'FAILED'}. Recovery is the time from the fault "
+                    "to the first step trained after the repair; every prompt group drawn must "
+                    "be trained exactly once, dropped with a reason, or in flight at the end.",
+                )
+            )
+        )
     return 0 if ok else 1
 
 

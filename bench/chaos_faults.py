@@ -30,8 +30,16 @@ from collections.abc import Callable
 
 import psutil
 
-KINDS = ("kill_rollout", "kill_reward", "kill_trainer", "stop_rollout", "stop_reward",
-         "stop_trainer", "weight_load", "kill_controller")
+KINDS = (
+    "kill_rollout",
+    "kill_reward",
+    "kill_trainer",
+    "stop_rollout",
+    "stop_reward",
+    "stop_trainer",
+    "weight_load",
+    "kill_controller",
+)
 
 
 class Hang(RuntimeError):
@@ -67,8 +75,11 @@ class RunUnderTest:
     def start(self, resume: bool = False) -> None:
         args = ["--resume", str(self.run_dir)] if resume else self.overrides
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "areal.controller", *args],
-                                         stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "areal.controller", *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
 
     def workers(self) -> dict[str, psutil.Process]:
         out = {}
@@ -107,8 +118,9 @@ class RunUnderTest:
                 return index
         return None
 
-    def wait_for(self, condition: Callable[[], Any], what: str, timeout_s: float | None = None
-                 ) -> Any:
+    def wait_for(
+        self, condition: Callable[[], Any], what: str, timeout_s: float | None = None
+    ) -> Any:
         deadline = time.monotonic() + (timeout_s or self.deadline_s)
         while True:
             self.poll()
@@ -124,8 +136,10 @@ class RunUnderTest:
     def wait_steps(self, count: int) -> int:
         """Wait until `count` more step records were appended; returns the last's index."""
         since = len(self.records)
-        self.wait_for(lambda: sum(r["kind"] == "step" for r in self.records[since:]) >= count,
-                      f"{count} more training steps")
+        self.wait_for(
+            lambda: sum(r["kind"] == "step" for r in self.records[since:]) >= count,
+            f"{count} more training steps",
+        )
         return len(self.records) - 1
 
     # -- faults ---------------------------------------------------------------------------------
@@ -134,8 +148,9 @@ class RunUnderTest:
         """Inject `fault` and wait for the run to repair it and train a step after it."""
         start, mark = time.monotonic(), len(self.records)
         repaired = getattr(self, f"_{fault.kind.split('_', 1)[0]}")(fault, mark)
-        self.wait_for(lambda: self.find(repaired + 1, "step") is not None,
-                      f"training step after {fault.kind}")
+        self.wait_for(
+            lambda: self.find(repaired + 1, "step") is not None, f"training step after {fault.kind}"
+        )
         fault.survived, fault.recovery_s = True, time.monotonic() - start
 
     def _target(self, fault: Fault) -> psutil.Process:
@@ -145,15 +160,20 @@ class RunUnderTest:
         return proc
 
     def _lost_then_back(self, fault: Fault, mark: int, reason: str | None = None) -> int:
-        lost = self.wait_for(lambda: self.find(mark, worker_id=fault.target, event="worker_lost"),
-                             f"worker_lost of {fault.target}")
+        lost = self.wait_for(
+            lambda: self.find(mark, worker_id=fault.target, event="worker_lost"),
+            f"worker_lost of {fault.target}",
+        )
         if reason is not None and self.records[lost].get("reason") != reason:
             fault.detail = f"lost as {self.records[lost].get('reason')!r}"
         if fault.target.startswith("trainer"):
-            return self.wait_for(lambda: self.find(lost, event="trainer_restored"),
-                                 "trainer_restored")
-        return self.wait_for(lambda: self.find(lost, worker_id=fault.target,
-                                               event="worker_ready"), f"{fault.target} ready")
+            return self.wait_for(
+                lambda: self.find(lost, event="trainer_restored"), "trainer_restored"
+            )
+        return self.wait_for(
+            lambda: self.find(lost, worker_id=fault.target, event="worker_ready"),
+            f"{fault.target} ready",
+        )
 
     def _kill(self, fault: Fault, mark: int) -> int:
         if fault.kind == "kill_controller":
@@ -175,12 +195,18 @@ class RunUnderTest:
     def _weight(self, fault: Fault, mark: int) -> int:
         for _ in range(5):  # the trainer may not publish while the worker is frozen: again
             # the lambdas are called within this iteration (wait_for), so `mark` is current
-            self.wait_for(lambda: any(r["kind"] == "step" and r["buffer/trajectories"]
-                                      >= self.batch_size for r in self.records[mark:]),  # noqa: B023
-                          "a full batch buffered")
+            self.wait_for(
+                lambda: any(
+                    r["kind"] == "step" and r["buffer/trajectories"] >= self.batch_size
+                    for r in self.records[mark:]  # noqa: B023
+                ),
+                "a full batch buffered",
+            )
             if self._delete_while_frozen(fault):
-                return self.wait_for(lambda: self.find(mark, event="weights_load_failed"),  # noqa: B023
-                                     "weights_load_failed")
+                return self.wait_for(
+                    lambda: self.find(mark, event="weights_load_failed"),  # noqa: B023
+                    "weights_load_failed",
+                )
             mark = len(self.records)
         raise Hang("the trainer published no version while the rollout worker was frozen")
 
@@ -195,9 +221,15 @@ class RunUnderTest:
         try:
             try:
                 newest = self.wait_for(
-                    lambda: [f for p in sorted(weights.iterdir()) if p.name > before
-                             for f in p.glob("*.safetensors")],
-                    "a new weight version", timeout_s=self.heartbeat_timeout_s / 2)
+                    lambda: [
+                        f
+                        for p in sorted(weights.iterdir())
+                        if p.name > before
+                        for f in p.glob("*.safetensors")
+                    ],
+                    "a new weight version",
+                    timeout_s=self.heartbeat_timeout_s / 2,
+                )
             except Hang:
                 return False
             time.sleep(0.2)  # the controller relays UpdateWeights to the frozen worker

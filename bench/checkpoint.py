@@ -43,9 +43,15 @@ def build(name: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     hidden, layers, inter, vocab, heads, kv = MODELS[name]
-    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
-                         num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=kv, tie_word_embeddings=True)
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -69,8 +75,11 @@ def measure(name: str, repeats: int, root: Path) -> dict[str, float]:
     model, optimizer = build(name)
     weights = [p.detach() for p in model.parameters()]
     # What a checkpoint writes: weights + AdamW state (DCP), and the weights again (safetensors).
-    tensors = weights + [t for state in optimizer.state.values() for t in state.values()
-                         if t.dim() > 0] + weights
+    tensors = (
+        weights
+        + [t for state in optimizer.state.values() for t in state.values() if t.dim() > 0]
+        + weights
+    )
     copies = [torch.empty_like(t) for t in tensors]
     params = sum(p.numel() for p in model.parameters())
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
@@ -79,19 +88,31 @@ def measure(name: str, repeats: int, root: Path) -> dict[str, float]:
     step = iter(range(1, 1000))
 
     def save():
-        save_checkpoint(model, optimizer, root, next(step), 0, keep=2,
-                        write_weights=lambda d: save_tensors(d, named))
+        save_checkpoint(
+            model,
+            optimizer,
+            root,
+            next(step),
+            0,
+            keep=2,
+            write_weights=lambda d: save_tensors(d, named),
+        )
 
     row = {
-        "params": params, "gb": nbytes / 1e9,
-        "memcpy": _best(lambda: [c.copy_(t) for c, t in zip(copies, tensors, strict=True)], repeats),
+        "params": params,
+        "gb": nbytes / 1e9,
+        "memcpy": _best(
+            lambda: [c.copy_(t) for c, t in zip(copies, tensors, strict=True)], repeats
+        ),
         "publish": _best(lambda: publish_to_disk(named, cfg, 1), repeats),
         "save": _best(save, repeats),
     }
     latest = sorted((root / "checkpoints").iterdir())[-1]
     fresh, fresh_optimizer = build(name)
     row["load"] = _best(lambda: load_checkpoint(fresh, fresh_optimizer, latest), repeats)
-    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters(), strict=True))
+    same = all(
+        torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters(), strict=True)
+    )
     if not same:
         raise AssertionError("the loaded weights differ from the saved ones")
     return row
@@ -108,17 +129,22 @@ def main() -> None:
     for name in args.sizes.split(","):
         with tempfile.TemporaryDirectory(prefix="areal-ckpt-bench-") as root:
             rows[name] = measure(name, args.repeats, Path(root))
-    header = (f"{'model':>6} {'params':>7} {'ckpt GB':>8} {'memcpy s':>9} {'publish s':>10} "
-              f"{'save s':>8} {'load s':>8} {'save/memcpy':>12} {'load/memcpy':>12}")
+    header = (
+        f"{'model':>6} {'params':>7} {'ckpt GB':>8} {'memcpy s':>9} {'publish s':>10} "
+        f"{'save s':>8} {'load s':>8} {'save/memcpy':>12} {'load/memcpy':>12}"
+    )
     print(header)
     print("-" * len(header))
     for name, r in rows.items():
-        print(f"{name:>6} {r['params'] / 1e6:>6.1f}M {r['gb']:>8.3f} {r['memcpy']:>9.3f} "
-              f"{r['publish']:>10.3f} {r['save']:>8.3f} {r['load']:>8.3f} "
-              f"{r['save'] / r['memcpy']:>11.1f}x {r['load'] / r['memcpy']:>11.1f}x")
+        print(
+            f"{name:>6} {r['params'] / 1e6:>6.1f}M {r['gb']:>8.3f} {r['memcpy']:>9.3f} "
+            f"{r['publish']:>10.3f} {r['save']:>8.3f} {r['load']:>8.3f} "
+            f"{r['save'] / r['memcpy']:>11.1f}x {r['load'] / r['memcpy']:>11.1f}x"
+        )
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "checkpoint.json").write_text(json.dumps(
-        {"args": {k: str(v) for k, v in vars(args).items()}, "results": rows}, indent=2))
+    (args.out / "checkpoint.json").write_text(
+        json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": rows}, indent=2)
+    )
     print(f"saved {args.out / 'checkpoint.json'}")
 
 

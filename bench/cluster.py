@@ -126,8 +126,11 @@ class Bench:
         self.seed = seed
         self.batch = QUICK_BATCH if quick else BATCH
         self.jobs = jobs
-        self._pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context(
-            "spawn")) if jobs > 1 else None
+        self._pool = (
+            ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
+            if jobs > 1
+            else None
+        )
         """Spawned, not forked: the pool starts its processes from the tables' threads."""
         self._runs: dict[str, Future[SimResult]] = {}
         self._lock = threading.Lock()
@@ -138,13 +141,15 @@ class Bench:
         self.unshared = 0
         """Simulations a table ran itself, one after the other (table r's repeats)."""
 
-    def run(self, mode: str, wire: bool = False, ablation: bool = False,
-            **values: Any) -> SimResult:
+    def run(
+        self, mode: str, wire: bool = False, ablation: bool = False, **values: Any
+    ) -> SimResult:
         """Simulate one configuration and wait for it (see `start`)."""
         return self.start(mode, wire, ablation, **values).result()
 
-    def start(self, mode: str, wire: bool = False, ablation: bool = False,
-              **values: Any) -> Future[SimResult]:
+    def start(
+        self, mode: str, wire: bool = False, ablation: bool = False, **values: Any
+    ) -> Future[SimResult]:
         """Queue one configuration's simulation (once: runs with the same resolved
         configuration are shared). `wire`: messages go through the real codec (the
         controller's cost of table f); it changes no simulated number. `ablation`: the
@@ -163,22 +168,38 @@ class Bench:
             if self._pool is None:  # one job: right here, in order
                 run.set_result(_simulate(config))
                 return run
-            heapq.heappush(self._queue, (wire, -estimated_cost(config), len(self._runs),
-                                         config, run))
+            heapq.heappush(
+                self._queue, (wire, -estimated_cost(config), len(self._runs), config, run)
+            )
             startable = self._take_startable()
         self._launch(startable)
         return run
 
-    def config(self, mode: str, wire: bool = False, ablation: bool = False,
-               **values: Any) -> SimConfig:
+    def config(
+        self, mode: str, wire: bool = False, ablation: bool = False, **values: Any
+    ) -> SimConfig:
         """The resolved configuration of a table's run (see `start`)."""
         batch = ABLATION_BATCH if ablation and not self.quick else self.batch
-        steps = SYNC_STEPS if mode == "sync" else QUICK_ASYNC_STEPS if self.quick \
-            else ABLATION_ASYNC_STEPS if ablation else ASYNC_STEPS
-        return sim_config(**{**batch, **steps,
-                             "seed": self.seed, "mode": mode, "wire": wire,
-                             "placement": "colocated" if mode == "sync" else "split",
-                             **values})
+        steps = (
+            SYNC_STEPS
+            if mode == "sync"
+            else QUICK_ASYNC_STEPS
+            if self.quick
+            else ABLATION_ASYNC_STEPS
+            if ablation
+            else ASYNC_STEPS
+        )
+        return sim_config(
+            **{
+                **batch,
+                **steps,
+                "seed": self.seed,
+                "mode": mode,
+                "wire": wire,
+                "placement": "colocated" if mode == "sync" else "split",
+                **values,
+            }
+        )
 
     def _take_startable(self) -> list[tuple[SimConfig, Future[SimResult], bool]]:
         """The queued simulations to start now, counted as running (caller holds the lock):
@@ -196,10 +217,10 @@ class Bench:
     def _launch(self, startable: list[tuple[SimConfig, Future[SimResult], bool]]) -> None:
         for config, run, measured in startable:
             self._start(config).add_done_callback(
-                lambda done, run=run, measured=measured: self._finished(done, run, measured))
+                lambda done, run=run, measured=measured: self._finished(done, run, measured)
+            )
 
-    def _finished(self, done: Future[SimResult], run: Future[SimResult],
-                  measured: bool) -> None:
+    def _finished(self, done: Future[SimResult], run: Future[SimResult], measured: bool) -> None:
         with self._lock:
             self._running.remove(measured)
             startable = self._take_startable()
@@ -251,13 +272,20 @@ def estimated_cost(config: SimConfig) -> float:
 def _simulate(config: SimConfig) -> SimResult:
     start = time.perf_counter()
     result = simulate(config)
-    settings = {k: v for k, v in dataclasses.asdict(config).items()
-                if k in ("eta", "interrupt", "max_new_tokens") and (k == "max_new_tokens"
-                                                                    or config.mode == "async")}
+    settings = {
+        k: v
+        for k, v in dataclasses.asdict(config).items()
+        if k in ("eta", "interrupt", "max_new_tokens")
+        and (k == "max_new_tokens" or config.mode == "async")
+    }
     if config.strict:  # table (s): otherwise the same line as its non-strict run
         settings["strict"] = True
-    print(f"  simulated {config.model} {config.mode} x{config.num_accelerators} {settings} "
-          f"in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    print(
+        f"  simulated {config.model} {config.mode} x{config.num_accelerators} {settings} "
+        f"in {time.perf_counter() - start:.0f} s",
+        file=sys.stderr,
+        flush=True,
+    )
     return result
 
 
@@ -282,44 +310,63 @@ def table_a(bench: Bench) -> str:
     runs = []  # all queued before the first is awaited
     for p, n in zip(paper, counts, strict=True):
         common = dict(model=p.model, num_accelerators=n, rollout_tp=p.rollout_tp)
-        runs.append((_shared_start(bench, "sync", **common),
-                     bench.start("sync", switch_costs=True, **common),
-                     _shared_start(bench, "async", eta=p.eta, **common)))
+        runs.append(
+            (
+                _shared_start(bench, "sync", **common),
+                bench.start("sync", switch_costs=True, **common),
+                _shared_start(bench, "async", eta=p.eta, **common),
+            )
+        )
     with ThreadPoolExecutor(len(paper), thread_name_prefix="plan") as threads:
-        plans = list(threads.map(lambda pn: planned_best(bench, *pn), zip(paper, counts, strict=True)))
+        plans = list(
+            threads.map(lambda pn: planned_best(bench, *pn), zip(paper, counts, strict=True))
+        )
     rows = []
     for p, n, (sync_run, paid_run, async_run), best in zip(paper, counts, runs, plans, strict=True):
         sync, paid, async_ = sync_run.result(), paid_run.result(), async_run.result()
         c = best.candidate
-        rows.append(f"{p.model:>5} {n:>5} {p.eta:>4} {sync.step_s / 60:>8.2f} "
-                    f"{paid.step_s / 60:>8.2f} {async_.step_s / 60:>9.2f} "
-                    f"{sync.step_s / async_.step_s:>6.2f}x {paid.step_s / async_.step_s:>5.2f}x "
-                    f"{c.gen_fraction:>6.2f} {c.rollout_tp:>3} {best.step_s / 60:>8.2f} "
-                    f"{sync.step_s / best.step_s:>6.2f}x {paid.step_s / best.step_s:>5.2f}x "
-                    f"{p.sync_h:>7.1f} {p.async_h:>5.1f} {p.sync_h / p.async_h:>6.2f}x "
-                    f"{async_.max_staleness:>5}")
-    head = (f"{'model':>5} {'accel':>5} {'eta':>4} {'sync min':>8} {'+switch':>8} "
-            f"{'async min':>9} {'ratio':>7} {'paid':>6} {'plan':>6} {'tp':>3} {'plan min':>8} "
-            f"{'ratio':>7} {'paid':>6} {'paper h':>7} {'':>5} {'paper':>7} {'stale':>5}")
+        rows.append(
+            f"{p.model:>5} {n:>5} {p.eta:>4} {sync.step_s / 60:>8.2f} "
+            f"{paid.step_s / 60:>8.2f} {async_.step_s / 60:>9.2f} "
+            f"{sync.step_s / async_.step_s:>6.2f}x {paid.step_s / async_.step_s:>5.2f}x "
+            f"{c.gen_fraction:>6.2f} {c.rollout_tp:>3} {best.step_s / 60:>8.2f} "
+            f"{sync.step_s / best.step_s:>6.2f}x {paid.step_s / best.step_s:>5.2f}x "
+            f"{p.sync_h:>7.1f} {p.async_h:>5.1f} {p.sync_h / p.async_h:>6.2f}x "
+            f"{async_.max_staleness:>5}"
+        )
+    head = (
+        f"{'model':>5} {'accel':>5} {'eta':>4} {'sync min':>8} {'+switch':>8} "
+        f"{'async min':>9} {'ratio':>7} {'paid':>6} {'plan':>6} {'tp':>3} {'plan min':>8} "
+        f"{'ratio':>7} {'paid':>6} {'paper h':>7} {'':>5} {'paper':>7} {'stale':>5}"
+    )
     return _lines(head, rows) + (
         "\n(sim: minutes per training step, steady state; sync: colocated, idealised; "
         "+switch: the same paying its switches between generation and training (costs.yaml "
         "colocation); async: 3/4 of the accelerators generating, the paper's tp; ratio: "
         "sync over async step time, paid: +switch over async; plan: the planner's best split "
         "(share generating, rollout tp) at the paper's eta (python -m areal.sim plan); paper: "
-        "hours of the whole run, sync then async)")
+        "hours of the whole run, sync then async)"
+    )
 
 
 def planned_best(bench: Bench, row: PaperRow, n: int) -> Outcome:
     """The planner's best asynchronous configuration for a row of (a), at the paper's eta
     (placements and interruption searched), its simulations run by the bench's pool."""
     steps = QUICK_ASYNC_STEPS if bench.quick else ASYNC_STEPS
-    plan = load_plan_config(overrides=[
-        "accelerator=h800", f"model={row.model}", f"num_accelerators={n}",
-        *(f"{key}={value}" for key, value in bench.batch.items()),
-        f"eta_min={row.eta}", f"eta_max={row.eta}", f"coarse_eta={row.eta}",
-        f"steps={steps['steps']}", f"measure_from={steps['measure_from']}",
-        f"seed={bench.seed}"])
+    plan = load_plan_config(
+        overrides=[
+            "accelerator=h800",
+            f"model={row.model}",
+            f"num_accelerators={n}",
+            *(f"{key}={value}" for key, value in bench.batch.items()),
+            f"eta_min={row.eta}",
+            f"eta_max={row.eta}",
+            f"coarse_eta={row.eta}",
+            f"steps={steps['steps']}",
+            f"measure_from={steps['measure_from']}",
+            f"seed={bench.seed}",
+        ]
+    )
     return search(plan, Evaluator(plan, jobs=1, submit=bench.submit), baselines=False).best
 
 
@@ -334,11 +381,16 @@ def table_b(bench: Bench) -> tuple[str, dict[str, list[float]]]:
     rows = []
     for i, n in enumerate(counts):
         eff = {m: tput[m][i] / n / (tput[m][0] / counts[0]) for m in tput}
-        rows.append(f"{n:>5} {tput['sync'][i]:>12.0f} {eff['sync']:>8.0%} "
-                    f"{tput['async'][i]:>12.0f} {eff['async']:>8.0%} "
-                    f"{tput['async'][i] / tput['sync'][i]:>7.2f}x")
-    return _lines(f"{'accel':>5} {'sync tok/s':>12} {'par.eff':>8} {'async tok/s':>12} "
-                  f"{'par.eff':>8} {'ratio':>8}", rows), tput
+        rows.append(
+            f"{n:>5} {tput['sync'][i]:>12.0f} {eff['sync']:>8.0%} "
+            f"{tput['async'][i]:>12.0f} {eff['async']:>8.0%} "
+            f"{tput['async'][i] / tput['sync'][i]:>7.2f}x"
+        )
+    return _lines(
+        f"{'accel':>5} {'sync tok/s':>12} {'par.eff':>8} {'async tok/s':>12} "
+        f"{'par.eff':>8} {'ratio':>8}",
+        rows,
+    ), tput
 
 
 def _scale_run(bench: Bench, mode: str, n: int) -> Future[SimResult]:
@@ -364,8 +416,11 @@ def _large_run(bench: Bench, n: int, **values: Any) -> Future[SimResult]:
 
 def _large_values(bench: Bench, n: int) -> dict[str, Any]:
     factor = n // scale_counts(bench)[-1]
-    return dict(_scale_values("async", n), num_prompts=bench.batch["num_prompts"] * factor,
-                max_concurrent_prompts=512 * factor)
+    return dict(
+        _scale_values("async", n),
+        num_prompts=bench.batch["num_prompts"] * factor,
+        max_concurrent_prompts=512 * factor,
+    )
 
 
 def _shared_start(bench: Bench, mode: str, **values: Any) -> Future[SimResult]:
@@ -373,8 +428,9 @@ def _shared_start(bench: Bench, mode: str, **values: Any) -> Future[SimResult]:
     goes through the codec as (b)'s do (which changes no simulated number), so that it is
     simulated once, not twice."""
     n = values["num_accelerators"]
-    shared = n in scale_counts(bench) and \
-        bench.config(mode, True, **values) == bench.config(mode, True, **_scale_values(mode, n))
+    shared = n in scale_counts(bench) and bench.config(mode, True, **values) == bench.config(
+        mode, True, **_scale_values(mode, n)
+    )
     return bench.start(mode, shared, **values)
 
 
@@ -382,34 +438,55 @@ def table_c(bench: Bench) -> str:
     rows = []
     n = ABLATION_ACCELERATORS
     lengths = [4096, 8192] if bench.quick else [16384, 32768]
-    runs = [(bench.start("sync", ablation=True, num_accelerators=n, max_new_tokens=length),
-             bench.start("async", ablation=True, num_accelerators=n, max_new_tokens=length,
-                         eta=8)) for length in lengths]
+    runs = [
+        (
+            bench.start("sync", ablation=True, num_accelerators=n, max_new_tokens=length),
+            bench.start("async", ablation=True, num_accelerators=n, max_new_tokens=length, eta=8),
+        )
+        for length in lengths
+    ]
     for length, (sync_run, async_run) in zip(lengths, runs, strict=True):
         sync, async_ = sync_run.result(), async_run.result()
-        rows.append(f"{length:>7} {sync.step_s / 60:>9.2f} {async_.step_s / 60:>9.2f} "
-                    f"{sync.trained_tokens_per_s:>11.0f} {async_.trained_tokens_per_s:>11.0f} "
-                    f"{sync.step_s / async_.step_s:>7.2f}x")
-    return _lines(f"{'max len':>7} {'sync min':>9} {'async min':>9} {'sync tok/s':>11} "
-                  f"{'async tok/s':>11} {'ratio':>8}", rows) + f"\n(1.5B, {n} accelerators, {_batch(bench)})"
+        rows.append(
+            f"{length:>7} {sync.step_s / 60:>9.2f} {async_.step_s / 60:>9.2f} "
+            f"{sync.trained_tokens_per_s:>11.0f} {async_.trained_tokens_per_s:>11.0f} "
+            f"{sync.step_s / async_.step_s:>7.2f}x"
+        )
+    return (
+        _lines(
+            f"{'max len':>7} {'sync min':>9} {'async min':>9} {'sync tok/s':>11} "
+            f"{'async tok/s':>11} {'ratio':>8}",
+            rows,
+        )
+        + f"\n(1.5B, {n} accelerators, {_batch(bench)})"
+    )
 
 
 def table_d(bench: Bench) -> str:
     n = ABLATION_ACCELERATORS
     rows = []
-    runs = {flag: bench.start("async", ablation=True, num_accelerators=n, eta=8, interrupt=flag)
-            for flag in (False, True)}
+    runs = {
+        flag: bench.start("async", ablation=True, num_accelerators=n, eta=8, interrupt=flag)
+        for flag in (False, True)
+    }
     results = {flag: run.result() for flag, run in runs.items()}
     for flag, r in results.items():
-        rows.append(f"{'on' if flag else 'off':>9} {r.step_s / 60:>9.2f} "
-                    f"{r.generated_tokens_per_s:>12.0f} {r.trained_tokens_per_s:>11.0f} "
-                    f"{r.interrupted_in_window:>8}")
+        rows.append(
+            f"{'on' if flag else 'off':>9} {r.step_s / 60:>9.2f} "
+            f"{r.generated_tokens_per_s:>12.0f} {r.trained_tokens_per_s:>11.0f} "
+            f"{r.interrupted_in_window:>8}"
+        )
     gain = results[True].generated_tokens_per_s / results[False].generated_tokens_per_s - 1
-    return _lines(f"{'interrupt':>9} {'step min':>9} {'gen tok/s':>12} {'train tok/s':>11} "
-                  f"{'interr.':>8}", rows) + \
-        f"\ngeneration throughput with interruption: {gain:+.1%} (paper: +12 to 17%); " \
-        f"1.5B, {n} accelerators, {_batch(bench)}, eta 8\n(interr.: sequences interrupted " \
+    return (
+        _lines(
+            f"{'interrupt':>9} {'step min':>9} {'gen tok/s':>12} {'train tok/s':>11} "
+            f"{'interr.':>8}",
+            rows,
+        )
+        + f"\ngeneration throughput with interruption: {gain:+.1%} (paper: +12 to 17%); "
+        f"1.5B, {n} accelerators, {_batch(bench)}, eta 8\n(interr.: sequences interrupted "
         f"by weight updates in the measured steps, finished or not)"
+    )
 
 
 def _batch(bench: Bench) -> str:
@@ -430,14 +507,20 @@ def table_e(bench: Bench) -> tuple[str, list[float]]:
     for eta, run in zip(etas, runs, strict=True):
         r = run.result()
         tput.append(r.trained_tokens_per_s)
-        rows.append(f"{'inf' if eta is None else eta:>5} {r.step_s / 60:>9.2f} "
-                    f"{r.trained_tokens_per_s:>11.0f} {r.trained_tokens_per_s / sync.trained_tokens_per_s:>9.2f}x "
-                    f"{r.max_staleness:>9}")
-    return _lines(f"{'eta':>5} {'step min':>9} {'train tok/s':>11} {'vs sync':>10} "
-                  f"{'max stale':>9}", rows) + \
-        f"\n(1.5B, {n} accelerators, {_batch(bench)}, async with a 3/4 generation split; " \
-        f"sync colocated: " \
-        f"{sync.trained_tokens_per_s:.0f} tok/s)", tput
+        rows.append(
+            f"{'inf' if eta is None else eta:>5} {r.step_s / 60:>9.2f} "
+            f"{r.trained_tokens_per_s:>11.0f} {r.trained_tokens_per_s / sync.trained_tokens_per_s:>9.2f}x "
+            f"{r.max_staleness:>9}"
+        )
+    return (
+        _lines(
+            f"{'eta':>5} {'step min':>9} {'train tok/s':>11} {'vs sync':>10} {'max stale':>9}", rows
+        )
+        + f"\n(1.5B, {n} accelerators, {_batch(bench)}, async with a 3/4 generation split; "
+        f"sync colocated: "
+        f"{sync.trained_tokens_per_s:.0f} tok/s)",
+        tput,
+    )
 
 
 STRICT_ETAS = [1, 2, 4]
@@ -447,22 +530,34 @@ def table_s(bench: Bench) -> str:
     """What `staleness.strict` costs: the same async runs as (e), with and without it."""
     n = ABLATION_ACCELERATORS
     etas = STRICT_ETAS[:2] if bench.quick else STRICT_ETAS
-    runs = [(eta, bench.start("async", ablation=True, num_accelerators=n, eta=eta),
-             bench.start("async", ablation=True, num_accelerators=n, eta=eta, strict=True))
-            for eta in etas]
+    runs = [
+        (
+            eta,
+            bench.start("async", ablation=True, num_accelerators=n, eta=eta),
+            bench.start("async", ablation=True, num_accelerators=n, eta=eta, strict=True),
+        )
+        for eta in etas
+    ]
     rows = []
     for eta, loose_run, strict_run in runs:
         loose, strict = loose_run.result(), strict_run.result()
-        rows.append(f"{eta:>5} {loose.trained_tokens_per_s:>11.0f} "
-                    f"{strict.trained_tokens_per_s:>11.0f} "
-                    f"{strict.trained_tokens_per_s / loose.trained_tokens_per_s:>7.2f}x "
-                    f"{loose.max_staleness:>6} {strict.max_staleness:>6} "
-                    f"{strict.dropped_groups:>8} {strict.dropped_tokens:>12}")
-    return _lines(f"{'eta':>5} {'tok/s':>11} {'strict':>11} {'ratio':>8} {'stale':>6} "
-                  f"{'strict':>6} {'dropped':>8} {'dropped tok':>12}", rows) + \
-        f"\n(1.5B, {n} accelerators, {_batch(bench)}, async with a 3/4 generation split; " \
-        "stale: the largest trained staleness; dropped: groups too stale to train and their " \
+        rows.append(
+            f"{eta:>5} {loose.trained_tokens_per_s:>11.0f} "
+            f"{strict.trained_tokens_per_s:>11.0f} "
+            f"{strict.trained_tokens_per_s / loose.trained_tokens_per_s:>7.2f}x "
+            f"{loose.max_staleness:>6} {strict.max_staleness:>6} "
+            f"{strict.dropped_groups:>8} {strict.dropped_tokens:>12}"
+        )
+    return (
+        _lines(
+            f"{'eta':>5} {'tok/s':>11} {'strict':>11} {'ratio':>8} {'stale':>6} "
+            f"{'strict':>6} {'dropped':>8} {'dropped tok':>12}",
+            rows,
+        )
+        + f"\n(1.5B, {n} accelerators, {_batch(bench)}, async with a 3/4 generation split; "
+        "stale: the largest trained staleness; dropped: groups too stale to train and their "
         "generated tokens, over the whole run)"
+    )
 
 
 ALONE_REPEATS = 3
@@ -477,19 +572,26 @@ def table_r(bench: Bench) -> str:
     for i in range(2 if bench.quick else ALONE_REPEATS):
         r = _simulate(config)
         bench.unshared += 1
-        rows.append(f"{i + 1:>5} {r.controller_cpu_s_per_step:>9.2f} "
-                    f"{r.controller_gc_s_per_step:>5.2f} {r.controller_share:>7.1%} "
-                    f"{r.controller_alone_cpu_s_per_step:>9.2f} "
-                    f"{r.controller_alone_gc_s_per_step:>5.2f} {r.controller_alone_share:>7.1%} "
-                    f"{r.controller_alone_cpu_s_per_step / r.controller_cpu_s_per_step:>8.2f} "
-                    f"{r.reference_decode_us:>6.1f}")
-    return _lines(f"{'run':>5} {'in sim s':>9} {'gc s':>5} {'share':>7} {'alone s':>9} "
-                  f"{'gc s':>5} {'share':>7} {'alone/in':>8} {'ref us':>6}", rows) + \
-        f"\n(1.5B async, eta 8, {n} accelerators, batch {config.num_prompts} x " \
-        f"{bench.batch['group_size']}, step {r.step_s:.1f} s " \
-        "simulated; CPU seconds per step inside the controller's tasks: in the simulation " \
-        f"(its messages recorded), and alone with the same messages replayed; {GC_NOTE}; " \
+        rows.append(
+            f"{i + 1:>5} {r.controller_cpu_s_per_step:>9.2f} "
+            f"{r.controller_gc_s_per_step:>5.2f} {r.controller_share:>7.1%} "
+            f"{r.controller_alone_cpu_s_per_step:>9.2f} "
+            f"{r.controller_alone_gc_s_per_step:>5.2f} {r.controller_alone_share:>7.1%} "
+            f"{r.controller_alone_cpu_s_per_step / r.controller_cpu_s_per_step:>8.2f} "
+            f"{r.reference_decode_us:>6.1f}"
+        )
+    return (
+        _lines(
+            f"{'run':>5} {'in sim s':>9} {'gc s':>5} {'share':>7} {'alone s':>9} "
+            f"{'gc s':>5} {'share':>7} {'alone/in':>8} {'ref us':>6}",
+            rows,
+        )
+        + f"\n(1.5B async, eta 8, {n} accelerators, batch {config.num_prompts} x "
+        f"{bench.batch['group_size']}, step {r.step_s:.1f} s "
+        "simulated; CPU seconds per step inside the controller's tasks: in the simulation "
+        f"(its messages recorded), and alone with the same messages replayed; {GC_NOTE}; "
         f"{REF_NOTE})"
+    )
 
 
 def table_f(bench: Bench) -> str:
@@ -500,37 +602,55 @@ def table_f(bench: Bench) -> str:
     for n, mode, run in runs:
         r = run.result()
         top = max(r.controller_cpu_by_loop.items(), key=lambda kv: kv[1], default=("-", 0))
-        rows.append(f"{n:>5} {mode:>6} {r.step_s:>9.1f} {r.controller_cpu_s_per_step:>9.2f} "
-                    f"{r.controller_gc_s_per_step:>5.2f} {r.controller_share:>7.1%} "
-                    f"{r.controller_pack_cpu_s_per_step:>6.2f} "
-                    f"{r.trajectories_per_cpu_s:>9.0f} {r.peak_rss_mb / 1024:>6.1f} "
-                    f"{r.reference_decode_us:>6.1f} {top[0]}:{top[1]:.2f}")
-    return _lines(f"{'accel':>5} {'mode':>6} {'step s':>9} {'ctl cpu s':>9} {'gc s':>5} "
-                  f"{'share':>7} {'pack s':>6} {'traj/cpus':>9} {'rss GB':>6} {'ref us':>6} "
-                  "largest loop (cpu s/step)", rows) + \
-        "\n(ctl cpu s: real CPU seconds inside the controller's tasks per simulated step, " \
-        "message decoding and encoding included; share: of the simulated step time; " \
-        "pack s: CPU seconds a step of the thread that packs the Train messages, beside " \
-        "the controller's event loop (not in ctl cpu s); " \
+        rows.append(
+            f"{n:>5} {mode:>6} {r.step_s:>9.1f} {r.controller_cpu_s_per_step:>9.2f} "
+            f"{r.controller_gc_s_per_step:>5.2f} {r.controller_share:>7.1%} "
+            f"{r.controller_pack_cpu_s_per_step:>6.2f} "
+            f"{r.trajectories_per_cpu_s:>9.0f} {r.peak_rss_mb / 1024:>6.1f} "
+            f"{r.reference_decode_us:>6.1f} {top[0]}:{top[1]:.2f}"
+        )
+    return (
+        _lines(
+            f"{'accel':>5} {'mode':>6} {'step s':>9} {'ctl cpu s':>9} {'gc s':>5} "
+            f"{'share':>7} {'pack s':>6} {'traj/cpus':>9} {'rss GB':>6} {'ref us':>6} "
+            "largest loop (cpu s/step)",
+            rows,
+        )
+        + "\n(ctl cpu s: real CPU seconds inside the controller's tasks per simulated step, "
+        "message decoding and encoding included; share: of the simulated step time; "
+        "pack s: CPU seconds a step of the thread that packs the Train messages, beside "
+        "the controller's event loop (not in ctl cpu s); "
         f"{GC_NOTE}; {REF_NOTE}; {_large_note(bench)})"
+    )
 
 
 def _large_note(bench: Bench) -> str:
     large = large_counts(bench)
     group = bench.batch["group_size"]
     batches = ", ".join(f"{_large_values(bench, n)['num_prompts']} x {group}" for n in large)
-    return (f"{', '.join(map(str, large))} accelerators: async, the batch scaled with the "
-            f"cluster ({batches}), as the prompts in flight")
+    return (
+        f"{', '.join(map(str, large))} accelerators: async, the batch scaled with the "
+        f"cluster ({batches}), as the prompts in flight"
+    )
 
 
-GC_NOTE = ("gc s: of the CPU seconds, garbage collections that ran in the controller's "
-           "steps (in a simulation they walk the simulated cluster's objects too)")
-REF_NOTE = ("ref us: this machine's speed when the run started, microseconds to decode a "
-            "3,000-token completion (sim/speed.py): CPU seconds of runs compare in its units")
+GC_NOTE = (
+    "gc s: of the CPU seconds, garbage collections that ran in the controller's "
+    "steps (in a simulation they walk the simulated cluster's objects too)"
+)
+REF_NOTE = (
+    "ref us: this machine's speed when the run started, microseconds to decode a "
+    "3,000-token completion (sim/speed.py): CPU seconds of runs compare in its units"
+)
 
 
-def _plot(out: Path, counts: list[int], tput: dict[str, list[float]],
-          etas: list[int | None], eta_tput: list[float]) -> None:
+def _plot(
+    out: Path,
+    counts: list[int],
+    tput: dict[str, list[float]],
+    etas: list[int | None],
+    eta_tput: list[float],
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -539,10 +659,20 @@ def _plot(out: Path, counts: list[int], tput: dict[str, list[float]],
     fig, (ax_b, ax_e) = plt.subplots(1, 2, figsize=(11, 4))
     for mode, values in tput.items():
         ax_b.plot(counts, values, marker="o", label=mode)
-    ax_b.plot(counts, [tput["async"][0] * n / counts[0] for n in counts], "k--", alpha=0.4,
-              label="linear (async)")
-    ax_b.set(xscale="log", yscale="log", xlabel="accelerators", ylabel="trained tokens/s",
-             title="(b) throughput vs accelerators")
+    ax_b.plot(
+        counts,
+        [tput["async"][0] * n / counts[0] for n in counts],
+        "k--",
+        alpha=0.4,
+        label="linear (async)",
+    )
+    ax_b.set(
+        xscale="log",
+        yscale="log",
+        xlabel="accelerators",
+        ylabel="trained tokens/s",
+        title="(b) throughput vs accelerators",
+    )
     labels = ["inf" if e is None else str(e) for e in etas]
     ax_e.plot(labels, eta_tput, marker="o")
     ax_e.set(xlabel="eta", ylabel="trained tokens/s", title="(e) throughput vs eta")
@@ -571,19 +701,32 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small subset (smoke test)")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--only", default=None,
-                        help="the tables to run, e.g. f (the controller's cost alone); "
-                             "default a-g (a-f with --quick); s (the cost of "
-                             "staleness.strict) and r (the controller alone) only when asked")
-    parser.add_argument("--calibrate", action="store_true",
-                        help="the same as --only g: only the check of the simulator against "
-                             "real runs on this machine")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="default: bench/results/cluster (bench/results/calibration "
-                             "with --calibrate)")
-    parser.add_argument("--jobs", type=int, default=None,
-                        help="simulations run at once, one per process (default: one per "
-                             f"core, as many as free memory holds at {SIM_MEMORY_GB} GB each)")
+    parser.add_argument(
+        "--only",
+        default=None,
+        help="the tables to run, e.g. f (the controller's cost alone); "
+        "default a-g (a-f with --quick); s (the cost of "
+        "staleness.strict) and r (the controller alone) only when asked",
+    )
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="the same as --only g: only the check of the simulator against "
+        "real runs on this machine",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="default: bench/results/cluster (bench/results/calibration with --calibrate)",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="simulations run at once, one per process (default: one per "
+        f"core, as many as free memory holds at {SIM_MEMORY_GB} GB each)",
+    )
     args = parser.parse_args()
     if args.jobs is not None and args.jobs < 1:
         parser.error(f"--jobs={args.jobs}: at least 1")
@@ -612,8 +755,9 @@ def main() -> int:
     made: dict[str, Future[Any]] = {}
     for measured in (False, True):  # measured runs alone, after the others
         letters = [letter for letter in TABLES if letter in only and TABLES[letter][3] is measured]
-        made.update(zip(letters, bench.tables([TABLES[letter][1] for letter in letters]),
-                           strict=True))
+        made.update(
+            zip(letters, bench.tables([TABLES[letter][1] for letter in letters]), strict=True)
+        )
         futures.wait(made.values())
     for letter, future in sorted(made.items()):
         title, _, has_data, _ = TABLES[letter]
@@ -621,8 +765,11 @@ def main() -> int:
         show(f"{letter}. {title}", text)
         if page:
             _results_page(letter, title, text, plotted[letter])
-    print(f"\n{bench.simulations} simulations in {time.perf_counter() - start:.0f} s "
-          f"({bench.jobs} at once)", file=sys.stderr)
+    print(
+        f"\n{bench.simulations} simulations in {time.perf_counter() - start:.0f} s "
+        f"({bench.jobs} at once)",
+        file=sys.stderr,
+    )
     bench.close()  # the simulations' memory, before the real runs of (g)
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.quick and {"b", "e"} <= set(only):
@@ -644,11 +791,14 @@ CALIBRATION_TITLE = "calibration against this machine (bench/speedup.py's runs)"
 def _results_page(letter: str, title: str, text: str, values: Any) -> None:
     """docs/results/cluster-<letter>.md: one table of a full run, as printed."""
     page = write_results(
-        f"cluster-{letter}", title=f"Cluster simulation, table ({letter}): {title}",
-        command=" ".join(["python", *sys.argv]), table=text,
+        f"cluster-{letter}",
+        title=f"Cluster simulation, table ({letter}): {title}",
+        command=" ".join(["python", *sys.argv]),
+        table=text,
         data={"table": letter, "values": json.loads(json.dumps(values, default=str))},
         notes="The real controller drives simulated workers on a virtual clock, priced by "
-              "the cost model of sim/costs.yaml (docs/guides/simulation.md says how to read it).")
+        "the cost model of sim/costs.yaml (docs/guides/simulation.md says how to read it).",
+    )
     print(f"results page: {page}", file=sys.stderr)
 
 

@@ -35,10 +35,15 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("/tmp/controller.prof"))
     parser.add_argument("overrides", nargs="*", help="more simulation options (key=value)")
     args = parser.parse_args()
-    config = sim_config(num_accelerators=args.accelerators, num_prompts=args.prompts,
-                        eta=8, steps=args.steps, measure_from=args.steps - 2,
-                        measure_alone=True,
-                        **dict(item.split("=", 1) for item in args.overrides))
+    config = sim_config(
+        num_accelerators=args.accelerators,
+        num_prompts=args.prompts,
+        eta=8,
+        steps=args.steps,
+        measure_from=args.steps - 2,
+        measure_alone=True,
+        **dict(item.split("=", 1) for item in args.overrides),
+    )
     profiler = cProfile.Profile()
     real_replay = sim_run.replay
 
@@ -52,10 +57,12 @@ def main() -> int:
     sim_run.replay = profiled_replay
     start = time.perf_counter()
     result = sim_run.simulate(config)
-    print(f"simulated and replayed in {time.perf_counter() - start:.0f} s; step "
-          f"{result.step_s:.1f} s; controller alone {result.controller_alone_cpu_s_per_step:.2f}"
-          f" CPU s a step (profiled: inflated), by loop {result.controller_alone_by_loop}",
-          file=sys.stderr)
+    print(
+        f"simulated and replayed in {time.perf_counter() - start:.0f} s; step "
+        f"{result.step_s:.1f} s; controller alone {result.controller_alone_cpu_s_per_step:.2f}"
+        f" CPU s a step (profiled: inflated), by loop {result.controller_alone_by_loop}",
+        file=sys.stderr,
+    )
     profiler.dump_stats(args.out)
     text = io.StringIO()
     stats = pstats.Stats(profiler, stream=text).sort_stats("tottime")

@@ -89,8 +89,11 @@ async def trial(overrides: list[str]) -> dict[str, float]:
         (rollout,) = controller.core.pool.ready(WorkerKind.ROLLOUT)
         old_pid = rollout.pid
         os.kill(old_pid, signal.SIGKILL)
-        replace = await _until(lambda: any(h.pid != old_pid for h in controller.core.pool.ready(
-            WorkerKind.ROLLOUT)), "the replacement rollout worker", run)
+        replace = await _until(
+            lambda: any(h.pid != old_pid for h in controller.core.pool.ready(WorkerKind.ROLLOUT)),
+            "the replacement rollout worker",
+            run,
+        )
         controller.stop()
         await run
     finally:
@@ -102,9 +105,14 @@ async def trial(overrides: list[str]) -> dict[str, float]:
 
 
 def job_overrides(run_dir: Path, model: str | None, quick: bool) -> list[str]:
-    out = [f"run_dir={run_dir}", "trainer.total_steps=1000", "eval.every_steps=0",
-           "logging.progress=false", "logging.tensorboard=false",
-           f"eval.max_prompts={4 if quick else 32}"]
+    out = [
+        f"run_dir={run_dir}",
+        "trainer.total_steps=1000",
+        "eval.every_steps=0",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        f"eval.max_prompts={4 if quick else 32}",
+    ]
     if model:
         out.append(f"model.path={model}")
     if quick:
@@ -133,19 +141,30 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, list[dict[str, fl
                 if launcher == "ray":
                     overrides.append(f"ray.address={cluster.address}")
                 times = asyncio.run(trial(overrides))
-                print(f"{launcher} trial {repeat + 1}: " + ", ".join(
-                    f"{k} {v:.1f}" for k, v in times.items()), flush=True)
+                print(
+                    f"{launcher} trial {repeat + 1}: "
+                    + ", ".join(f"{k} {v:.1f}" for k, v in times.items()),
+                    flush=True,
+                )
                 results[launcher].append(times)
     return results
 
 
 def table(results: dict[str, list[dict[str, float]]]) -> tuple[str, dict[str, Any]]:
-    medians = {launcher: {key: statistics.median(t[key] for t in trials)
-                          for key in trials[0]} for launcher, trials in results.items()}
-    rows = [("start-up (workers ready)", "startup_s"), ("first step", "first_step_s"),
-            ("replace a lost rollout worker", "replace_s")]
-    lines = [f"{'seconds (median of ' + str(len(results['local'])) + ')':32} {'local':>8} "
-             f"{'ray':>8} {'ray/local':>10}", "-" * 62]
+    medians = {
+        launcher: {key: statistics.median(t[key] for t in trials) for key in trials[0]}
+        for launcher, trials in results.items()
+    }
+    rows = [
+        ("start-up (workers ready)", "startup_s"),
+        ("first step", "first_step_s"),
+        ("replace a lost rollout worker", "replace_s"),
+    ]
+    lines = [
+        f"{'seconds (median of ' + str(len(results['local'])) + ')':32} {'local':>8} "
+        f"{'ray':>8} {'ray/local':>10}",
+        "-" * 62,
+    ]
     for label, key in rows:
         local, ray = medians["local"][key], medians["ray"][key]
         lines.append(f"{label:32} {local:8.1f} {ray:8.1f} {ray / local:9.2f}x")
@@ -156,8 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one trial each, tiny model")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=None,
-                        help="keep the runs here (default: a temporary directory)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="keep the runs here (default: a temporary directory)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.repeats = 1
@@ -172,13 +192,16 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if publish(args.quick, args.out):
         page = write_results(
-            "launchers", title="Launchers: local processes and Ray actors",
+            "launchers",
+            title="Launchers: local processes and Ray actors",
             command="python bench/launchers.py " + " ".join(argv or sys.argv[1:]),
-            table=text, data=data,
+            table=text,
+            data=data,
             notes="Ray trials join a running cluster of this machine (a head and two worker "
-                  "nodes, started once, not timed). Start-up: from run() until every worker "
-                  "is ready; replace: from kill -9 of the rollout worker's process until "
-                  "its replacement is ready.")
+            "nodes, started once, not timed). Start-up: from run() until every worker "
+            "is ready; replace: from kill -9 of the rollout worker's process until "
+            "its replacement is ready.",
+        )
         print(f"results: {page}")
     return 0
 

@@ -61,15 +61,28 @@ async def run_training(overrides: list[str]) -> dict[str, Any]:
     async for record in ctl.events():
         if record["kind"] == "step":
             staleness.update({int(k): v for k, v in record["staleness/hist"].items()})
-            kept = {"step": record["step"], "reward": record["rollout/reward_mean"],
-                    "staleness": record["staleness/mean"]}
-            kept.update({k: v for k, v in record.items()
-                         if k.startswith("train/") and (k[6:] in MECHANISM or W_FRACS in k)})
+            kept = {
+                "step": record["step"],
+                "reward": record["rollout/reward_mean"],
+                "staleness": record["staleness/mean"],
+            }
+            kept.update(
+                {
+                    k: v
+                    for k, v in record.items()
+                    if k.startswith("train/") and (k[6:] in MECHANISM or W_FRACS in k)
+                }
+            )
             steps.append(kept)
     summary = await run
-    return {"pass@1": summary["eval_pass@1_after"], "pass@1_before": summary["eval_pass@1_before"],
-            "train_time_s": summary["train_time_s"], "steps": summary["steps"],
-            "staleness": dict(sorted(staleness.items())), "per_step": steps}
+    return {
+        "pass@1": summary["eval_pass@1_after"],
+        "pass@1_before": summary["eval_pass@1_before"],
+        "train_time_s": summary["train_time_s"],
+        "steps": summary["steps"],
+        "staleness": dict(sorted(staleness.items())),
+        "per_step": steps,
+    }
 
 
 def staleness_line(results: list[dict]) -> str:
@@ -86,8 +99,9 @@ def staleness_line(results: list[dict]) -> str:
 def mechanism_means(results: list[dict]) -> dict[str, float]:
     """Per mechanism key: the mean over steps of each run, then over runs (NaN if absent)."""
     out = {}
-    keys = list(MECHANISM) + sorted({k[6:] for r in results for s in r.get("per_step", [])
-                                     for k in s if W_FRACS in k})
+    keys = list(MECHANISM) + sorted(
+        {k[6:] for r in results for s in r.get("per_step", []) for k in s if W_FRACS in k}
+    )
     for key in keys:
         per_run = []
         for result in results:
@@ -102,21 +116,23 @@ def mechanism_table(rows: dict[str, list[dict]]) -> str:
     """One row per label: the mechanism's means (over steps, then seeds)."""
     means = {label: mechanism_means(results) for label, results in rows.items()}
     keys = [k for k in MECHANISM if any(not math.isnan(m[k]) for m in means.values())]
-    bins = sorted({k for m in means.values() for k in m if W_FRACS in k},
-                  key=_bin_order)
+    bins = sorted({k for m in means.values() for k in m if W_FRACS in k}, key=_bin_order)
     width = max([len(label) for label in rows] + [10])
     head = f"{'':<{width}}" + "".join(f"{MECHANISM[k]:>17}" for k in keys)
     lines = [head, "-" * len(head)]
     for label, m in means.items():
         lines.append(f"{label:<{width}}" + "".join(f"{_fmt(m[k]):>17}" for k in keys))
     if bins:
-        lines += ["", "behaviour weight w = pi_prox / pi_behav (recomputed): fraction of loss "
-                  "tokens per bin"]
-        head = f"{'':<{width}}" + "".join(f"{b[len(W_FRACS):]:>11}" for b in bins)
+        lines += [
+            "",
+            "behaviour weight w = pi_prox / pi_behav (recomputed): fraction of loss tokens per bin",
+        ]
+        head = f"{'':<{width}}" + "".join(f"{b[len(W_FRACS) :]:>11}" for b in bins)
         lines += [head, "-" * len(head)]
         for label, m in means.items():
-            lines.append(f"{label:<{width}}" + "".join(f"{_fmt(m.get(b, math.nan)):>11}"
-                                                       for b in bins))
+            lines.append(
+                f"{label:<{width}}" + "".join(f"{_fmt(m.get(b, math.nan)):>11}" for b in bins)
+            )
     return "\n".join(lines)
 
 

@@ -44,14 +44,23 @@ TRAIN_LENGTHS = [160, 96, 128, 128]
 """Sequences of the training batch (512 tokens, the first 32 of each a prompt)."""
 
 
-def publication(size: str, rank: int, modes: list[str], dtype: str, repeats: int,
-                keys: str) -> dict:
-    full_bytes = sum(t.numel() * t.element_size()
-                     for _, t in build_tensors(size, getattr(torch, dtype)))
-    lora_bytes = sum(t.numel() * t.element_size()
-                     for _, t in build_tensors(f"{size}+lora{rank}", getattr(torch, dtype)))
-    row = {"model": size, "rank": rank, "full_bytes": full_bytes, "lora_bytes": lora_bytes,
-           "seconds": {}}
+def publication(
+    size: str, rank: int, modes: list[str], dtype: str, repeats: int, keys: str
+) -> dict:
+    full_bytes = sum(
+        t.numel() * t.element_size() for _, t in build_tensors(size, getattr(torch, dtype))
+    )
+    lora_bytes = sum(
+        t.numel() * t.element_size()
+        for _, t in build_tensors(f"{size}+lora{rank}", getattr(torch, dtype))
+    )
+    row = {
+        "model": size,
+        "rank": rank,
+        "full_bytes": full_bytes,
+        "lora_bytes": lora_bytes,
+        "seconds": {},
+    }
     for mode in modes:
         times = {}
         for what, name in (("full", size), ("lora", f"{size}+lora{rank}")):
@@ -67,20 +76,27 @@ def _batch(vocab: int) -> PackedBatch:
     cu = torch.tensor([0, *TRAIN_LENGTHS], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     mask = torch.ones(total, dtype=torch.bool)
     for start in cu[:-1].tolist():
-        mask[start:start + 32] = False
-    return PackedBatch(token_ids=torch.randint(3, vocab, (total,), generator=gen),
-                       logprobs=torch.where(mask, -8.0 - torch.rand(total, generator=gen), 0.0),
-                       versions=torch.where(mask, 0, -1), loss_mask=mask, cu_seqlens=cu,
-                       rewards=torch.tensor([1.0, 0.0, 1.0, 0.0]),
-                       group_ids=torch.tensor([0, 0, 1, 1]))
+        mask[start : start + 32] = False
+    return PackedBatch(
+        token_ids=torch.randint(3, vocab, (total,), generator=gen),
+        logprobs=torch.where(mask, -8.0 - torch.rand(total, generator=gen), 0.0),
+        versions=torch.where(mask, 0, -1),
+        loss_mask=mask,
+        cu_seqlens=cu,
+        rewards=torch.tensor([1.0, 0.0, 1.0, 0.0]),
+        group_ids=torch.tensor([0, 0, 1, 1]),
+    )
 
 
 def trainer_costs(size: str, rank: int, repeats: int) -> dict:
     row = {"model": size, "rank": rank}
     vocab = MODELS[size][3]
     for what in ("full", "lora"):
-        overrides = [f"trainer.lora.rank={rank if what == 'lora' else 0}",
-                     f"trainer.lora.alpha={2 * rank}", "trainer.micro_batch_tokens=8192"]
+        overrides = [
+            f"trainer.lora.rank={rank if what == 'lora' else 0}",
+            f"trainer.lora.alpha={2 * rank}",
+            "trainer.micro_batch_tokens=8192",
+        ]
         trainer = PPOTrainer(build_model(size, torch.float32), load_config(overrides=overrides))
         batch = _batch(vocab)
         seconds = []
@@ -92,9 +108,12 @@ def trainer_costs(size: str, rank: int, repeats: int) -> dict:
         row[what] = {
             "param_bytes": sum(p.numel() * p.element_size() for p in params),
             "trainable_bytes": sum(p.numel() * p.element_size() for p in trainer.params),
-            "optimizer_bytes": sum(t.numel() * t.element_size()
-                                   for state in trainer.optimizer.state.values()
-                                   for t in state.values() if torch.is_tensor(t)),
+            "optimizer_bytes": sum(
+                t.numel() * t.element_size()
+                for state in trainer.optimizer.state.values()
+                for t in state.values()
+                if torch.is_tensor(t)
+            ),
             "step_s": statistics.median(seconds[1:]),
         }
         print(f"  {size} {what} trainer: {row[what]}", file=sys.stderr, flush=True)
@@ -107,31 +126,44 @@ def _mb(num_bytes: float) -> str:
 
 
 def tables(pub: list[dict], train: list[dict], modes: list[str], dtype: str) -> str:
-    lines = [f"1. one published version ({dtype}): MB, and seconds from the trainer to a "
-             "rollout-worker process (best of repeats)"]
+    lines = [
+        f"1. one published version ({dtype}): MB, and seconds from the trainer to a "
+        "rollout-worker process (best of repeats)"
+    ]
     head = f"{'model':>6} {'rank':>4} {'MB full':>9} {'MB LoRA':>9} {'ratio':>8}" + "".join(
-        f" {m + ' full':>11} {m + ' LoRA':>11} {'ratio':>7}" for m in modes)
+        f" {m + ' full':>11} {m + ' LoRA':>11} {'ratio':>7}" for m in modes
+    )
     lines += [head]
     for row in pub:
-        cells = "".join(f" {row['seconds'][m]['full']:>10.4f}s {row['seconds'][m]['lora']:>10.4f}s "
-                        f"{row['seconds'][m]['lora'] / row['seconds'][m]['full']:>7.3f}"
-                        for m in modes)
-        lines.append(f"{row['model']:>6} {row['rank']:>4} {_mb(row['full_bytes']):>9} "
-                     f"{_mb(row['lora_bytes']):>9} {row['lora_bytes'] / row['full_bytes']:>8.4f}"
-                     + cells)
-    lines += ["", "2. the trainer (fp32, AdamW, one PPO step on 512 tokens, one thread): MB of "
-              "parameters + optimiser state, gradients at the peak, seconds per step"]
-    head = (f"{'model':>6} {'rank':>4} {'MB full':>9} {'MB LoRA':>9} {'ratio':>7} "
-            f"{'grad MB full':>13} {'LoRA':>7} {'step s full':>12} {'LoRA':>8} {'ratio':>6}")
+        cells = "".join(
+            f" {row['seconds'][m]['full']:>10.4f}s {row['seconds'][m]['lora']:>10.4f}s "
+            f"{row['seconds'][m]['lora'] / row['seconds'][m]['full']:>7.3f}"
+            for m in modes
+        )
+        lines.append(
+            f"{row['model']:>6} {row['rank']:>4} {_mb(row['full_bytes']):>9} "
+            f"{_mb(row['lora_bytes']):>9} {row['lora_bytes'] / row['full_bytes']:>8.4f}" + cells
+        )
+    lines += [
+        "",
+        "2. the trainer (fp32, AdamW, one PPO step on 512 tokens, one thread): MB of "
+        "parameters + optimiser state, gradients at the peak, seconds per step",
+    ]
+    head = (
+        f"{'model':>6} {'rank':>4} {'MB full':>9} {'MB LoRA':>9} {'ratio':>7} "
+        f"{'grad MB full':>13} {'LoRA':>7} {'step s full':>12} {'LoRA':>8} {'ratio':>6}"
+    )
     lines += [head]
     for row in train:
         full, lora = row["full"], row["lora"]
         f_mem = full["param_bytes"] + full["optimizer_bytes"]
         l_mem = lora["param_bytes"] + lora["optimizer_bytes"]
-        lines.append(f"{row['model']:>6} {row['rank']:>4} {_mb(f_mem):>9} {_mb(l_mem):>9} "
-                     f"{l_mem / f_mem:>7.3f} {_mb(full['trainable_bytes']):>13} "
-                     f"{_mb(lora['trainable_bytes']):>7} {full['step_s']:>11.2f}s "
-                     f"{lora['step_s']:>7.2f}s {lora['step_s'] / full['step_s']:>6.2f}")
+        lines.append(
+            f"{row['model']:>6} {row['rank']:>4} {_mb(f_mem):>9} {_mb(l_mem):>9} "
+            f"{l_mem / f_mem:>7.3f} {_mb(full['trainable_bytes']):>13} "
+            f"{_mb(lora['trainable_bytes']):>7} {full['step_s']:>11.2f}s "
+            f"{lora['step_s']:>7.2f}s {lora['step_s'] / full['step_s']:>6.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -154,10 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--dtype", default="bfloat16", help="published dtype (table 1)")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke test: 10M, disk mode, one repeat")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="also write table.txt here (default: nowhere)")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke test: 10M, disk mode, one repeat"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="also write table.txt here (default: nowhere)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.sizes, args.train_sizes, args.modes, args.repeats = "10M", "10M", "disk", 1
@@ -167,8 +201,10 @@ def main(argv: list[str] | None = None) -> int:
 
     init_keys(keys)
     modes = args.modes.split(",")
-    pub = [publication(size, args.rank, modes, args.dtype, args.repeats, keys)
-           for size in args.sizes.split(",")]
+    pub = [
+        publication(size, args.rank, modes, args.dtype, args.repeats, keys)
+        for size in args.sizes.split(",")
+    ]
     train = [trainer_costs(size, args.rank, args.repeats) for size in args.train_sizes.split(",")]
     text = tables(pub, train, modes, args.dtype)
     print(text)
@@ -176,10 +212,14 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "table.txt").write_text(text + "\n")
     if publish(args.quick, args.out):
-        page = write_results("lora", title="LoRA against full fine-tuning: publication and "
-                             "trainer", command="python " + " ".join(sys.argv), table=text,
-                             data={"publication": pub, "trainer": train, "dtype": args.dtype},
-                             notes=NOTES)
+        page = write_results(
+            "lora",
+            title="LoRA against full fine-tuning: publication and trainer",
+            command="python " + " ".join(sys.argv),
+            table=text,
+            data={"publication": pub, "trainer": train, "dtype": args.dtype},
+            notes=NOTES,
+        )
         print(f"results page: {page}")
     return 0
 

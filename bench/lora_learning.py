@@ -52,18 +52,32 @@ ARMS = {
     "lora-vllm": [*LORA, "rollout.engine=vllm", "rollout.vllm.cpu_kvcache_space_gb=0.5"],
 }
 STEPS = 60
-QUICK = ["trainer.batch_size=16", "task.group_size=4", "eval.max_prompts=16",
-         "rollout.max_new_tokens=32", "model.warmstart.steps=40"]
+QUICK = [
+    "trainer.batch_size=16",
+    "task.group_size=4",
+    "eval.max_prompts=16",
+    "rollout.max_new_tokens=32",
+    "model.warmstart.steps=40",
+]
 """--quick: small batches, a short warm start, a small held-out set; a smoke test only."""
 QUICK_ARMS = ["lora-torch"]
 
 
 def _overrides(args: argparse.Namespace, model_dir: Path, arm: str, seed: int) -> list[str]:
     run_dir = args.out / "runs" / f"{arm}-seed{seed}"
-    return [*args.setting, *ARMS[arm], f"model.path={model_dir}", f"seed={seed}",
-            f"trainer.total_steps={args.steps}", "eval.every_steps=0", f"run_dir={run_dir}",
-            "trainer.checkpoint_every=0", "logging.progress=false",
-            "logging.tensorboard=false", *args.overrides]
+    return [
+        *args.setting,
+        *ARMS[arm],
+        f"model.path={model_dir}",
+        f"seed={seed}",
+        f"trainer.total_steps={args.steps}",
+        "eval.every_steps=0",
+        f"run_dir={run_dir}",
+        "trainer.checkpoint_every=0",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        *args.overrides,
+    ]
 
 
 async def _run(overrides: list[str]) -> dict[str, Any]:
@@ -79,14 +93,16 @@ async def _run(overrides: list[str]) -> dict[str, Any]:
             publish_bytes.append(record.get("train/publish_bytes", 0.0))
     summary = await run
     steps = max(summary["steps"], 1)
-    return {"pass@1": summary["eval_pass@1_after"],
-            "pass@1_before": summary["eval_pass@1_before"],
-            "gain": summary["eval_pass@1_gain"],
-            "wall_per_step_s": summary["train_time_s"] / steps,
-            "trainer_step_s": fmean(step_s) if step_s else 0.0,
-            "publish_s": fmean(publish_s) if publish_s else 0.0,
-            "publish_bytes": fmean(publish_bytes) if publish_bytes else 0.0,
-            "steps": summary["steps"]}
+    return {
+        "pass@1": summary["eval_pass@1_after"],
+        "pass@1_before": summary["eval_pass@1_before"],
+        "gain": summary["eval_pass@1_gain"],
+        "wall_per_step_s": summary["train_time_s"] / steps,
+        "trainer_step_s": fmean(step_s) if step_s else 0.0,
+        "publish_s": fmean(publish_s) if publish_s else 0.0,
+        "publish_bytes": fmean(publish_bytes) if publish_bytes else 0.0,
+        "steps": summary["steps"],
+    }
 
 
 def run_all(args: argparse.Namespace) -> dict[str, list[dict]]:
@@ -106,15 +122,20 @@ def run_all(args: argparse.Namespace) -> dict[str, list[dict]]:
             done.append(result)
             done.sort(key=lambda r: r["seed"])
             path.write_text(json.dumps(cells, indent=1))
-            print(f"{arm} seed {seed}: pass@1 {result['pass@1_before']:.3f} -> "
-                  f"{result['pass@1']:.3f}, {time.monotonic() - start:.0f} s",
-                  file=sys.stderr, flush=True)
+            print(
+                f"{arm} seed {seed}: pass@1 {result['pass@1_before']:.3f} -> "
+                f"{result['pass@1']:.3f}, {time.monotonic() - start:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
     return cells
 
 
 def table(cells: dict[str, list[dict]]) -> str:
-    head = (f"{'arm':<11} {'seeds':>5} {'pass@1 after':>22} {'gain (points)':>24} "
-            f"{'trainer step':>13} {'publish':>9} {'MB/version':>11} {'wall/step':>10}")
+    head = (
+        f"{'arm':<11} {'seeds':>5} {'pass@1 after':>22} {'gain (points)':>24} "
+        f"{'trainer step':>13} {'publish':>9} {'MB/version':>11} {'wall/step':>10}"
+    )
     lines = [head, "-" * len(head)]
     for arm, results in cells.items():
         if not results:
@@ -126,9 +147,12 @@ def table(cells: dict[str, list[dict]]) -> str:
             f"{fmean(r['trainer_step_s'] for r in results):>12.2f}s "
             f"{1e3 * fmean(r['publish_s'] for r in results):>7.1f}ms "
             f"{fmean(r['publish_bytes'] for r in results) / 2**20:>11.3f} "
-            f"{fmean(r['wall_per_step_s'] for r in results):>9.2f}s")
-    lines.append("mean [95% t-interval] over seeds; pass@1: greedy, held-out; times: means "
-                 "over steps and seeds")
+            f"{fmean(r['wall_per_step_s'] for r in results):>9.2f}s"
+        )
+    lines.append(
+        "mean [95% t-interval] over seeds; pass@1: greedy, held-out; times: means "
+        "over steps and seeds"
+    )
     return "\n".join(lines)
 
 
@@ -137,12 +161,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, default=3, help="runs (seeds 1..N) per arm")
     parser.add_argument("--steps", type=int, default=STEPS, help="training steps per run")
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke test: lora-torch, 1 seed, 3 small steps")
-    parser.add_argument("--resume", action="store_true",
-                        help="keep the results already in --out/cells.json, run the rest")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="default: bench/results/lora_learning (quick: a temporary one)")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke test: lora-torch, 1 seed, 3 small steps"
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the results already in --out/cells.json, run the rest",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="default: bench/results/lora_learning (quick: a temporary one)",
+    )
     parser.add_argument("overrides", nargs="*", help="key=value applied to every run")
     args = parser.parse_args(argv)
     args.publish = publish(args.quick or bool(args.overrides), args.out)
@@ -169,10 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     (args.out / "table.txt").write_text(text + "\n")
     if args.publish:
-        page = write_results("lora_learning", title="LoRA vs full fine-tuning on the default task",
-                             command="python " + " ".join(sys.argv), table=text,
-                             data={"arms": {a: ARMS[a] for a in cells}, "steps": args.steps,
-                                   "cells": cells})
+        page = write_results(
+            "lora_learning",
+            title="LoRA vs full fine-tuning on the default task",
+            command="python " + " ".join(sys.argv),
+            table=text,
+            data={"arms": {a: ARMS[a] for a in cells}, "steps": args.steps, "cells": cells},
+        )
         print(f"results page: {page}")
     return 0
 

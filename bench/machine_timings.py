@@ -58,21 +58,32 @@ batch."""
 class Plan:
     """What to measure (the full calibration, or `quick` for the test suite)."""
 
-    decode_grid: tuple[tuple[int, int], ...] = ((1, 16), (1, 192), (8, 16), (8, 192),
-                                                (32, 16), (32, 192), (64, 16), (64, 192),
-                                                (128, 16), (128, 192))
+    decode_grid: tuple[tuple[int, int], ...] = (
+        (1, 16),
+        (1, 192),
+        (8, 16),
+        (8, 192),
+        (32, 16),
+        (32, 192),
+        (64, 16),
+        (64, 192),
+        (128, 16),
+        (128, 192),
+    )
     """(batch, prompt tokens) pairs."""
     decode_tokens: tuple[int, int] = (8, 72)
-    train_grid: tuple[tuple[int, int], ...] = ((16, 32), (64, 24), (64, 64), (64, 120),
-                                               (128, 96))
+    train_grid: tuple[tuple[int, int], ...] = ((16, 32), (64, 24), (64, 64), (64, 120), (128, 96))
     """(sequences, tokens each) of the packed training batches."""
     repeats: int = 3
 
     @classmethod
     def quick(cls) -> Plan:
-        return cls(decode_grid=((1, 16), (32, 16), (32, 192), (128, 16)),
-                   decode_tokens=(8, 72), train_grid=((16, 32), (64, 24), (64, 64)),
-                   repeats=1)
+        return cls(
+            decode_grid=((1, 16), (32, 16), (32, 192), (128, 16)),
+            decode_tokens=(8, 72),
+            train_grid=((16, 32), (64, 24), (64, 64)),
+            repeats=1,
+        )
 
 
 @dataclass(kw_only=True)
@@ -104,12 +115,14 @@ async def _generate_s(engine: TorchEngine, batch: int, prompt: int, new_tokens: 
     prompts = torch.randint(3, 90, (batch, prompt), generator=generator).tolist()
     params = SamplingParams(max_new_tokens=new_tokens)  # no stop token: exactly new_tokens
     start = time.perf_counter()
-    outputs = await asyncio.gather(*(engine.generate(f"m{i}", ids, params)
-                                     for i, ids in enumerate(prompts)))
+    outputs = await asyncio.gather(
+        *(engine.generate(f"m{i}", ids, params) for i, ids in enumerate(prompts))
+    )
     seconds = time.perf_counter() - start
     if any(len(o.token_ids) != new_tokens for o in outputs):
-        raise RuntimeError("a timed request stopped early: the decode timing is not of "
-                           f"{new_tokens} steps")
+        raise RuntimeError(
+            f"a timed request stopped early: the decode timing is not of {new_tokens} steps"
+        )
     return seconds
 
 
@@ -124,24 +137,39 @@ async def _generation(cfg: RunConfig, plan: Plan, timings: Timings) -> None:
         await _generate_s(engine, 8, 16, 8)  # warm-up: first calls pay one-off costs
         n1, n2 = plan.decode_tokens
         for batch, prompt in plan.decode_grid:  # each lambda is awaited in its own iteration
-            first = await _median_async(lambda: _generate_s(engine, batch, prompt, 1),  # noqa: B023
-                                        plan.repeats)
-            short = await _median_async(lambda: _generate_s(engine, batch, prompt, n1),  # noqa: B023
-                                        plan.repeats)
-            long = await _median_async(lambda: _generate_s(engine, batch, prompt, n2),  # noqa: B023
-                                       plan.repeats)
+            first = await _median_async(
+                lambda: _generate_s(engine, batch, prompt, 1),  # noqa: B023
+                plan.repeats,
+            )
+            short = await _median_async(
+                lambda: _generate_s(engine, batch, prompt, n1),  # noqa: B023
+                plan.repeats,
+            )
+            long = await _median_async(
+                lambda: _generate_s(engine, batch, prompt, n2),  # noqa: B023
+                plan.repeats,
+            )
             timings.prefill.append(PrefillSample(lengths=(prompt,) * batch, seconds=first))
-            timings.decode.append(DecodeSample(batch=batch, context=batch * (prompt + n1),
-                                               steps=n2 - n1, seconds=long - short))
-            print(f"  decode b={batch:>3} p={prompt:>3}: prefill {first * 1e3:.1f} ms, "
-                  f"{(long - short) / (n2 - n1) * 1e3:.2f} ms/step", file=sys.stderr, flush=True)
+            timings.decode.append(
+                DecodeSample(
+                    batch=batch, context=batch * (prompt + n1), steps=n2 - n1, seconds=long - short
+                )
+            )
+            print(
+                f"  decode b={batch:>3} p={prompt:>3}: prefill {first * 1e3:.1f} ms, "
+                f"{(long - short) / (n2 - n1) * 1e3:.2f} ms/step",
+                file=sys.stderr,
+                flush=True,
+            )
         timings.weight_update_s = await _median_async(
-            lambda: _weight_update_s(engine, cfg), plan.repeats)
+            lambda: _weight_update_s(engine, cfg), plan.repeats
+        )
         batch, prompt, new = CONTENDED_DECODE
         alone = [await _generate_s(engine, batch, prompt, new) for _ in range(plan.repeats)]
         with _background(cfg, "train"):
-            loaded = await _median_async(lambda: _generate_s(engine, batch, prompt, new),
-                                         plan.repeats)
+            loaded = await _median_async(
+                lambda: _generate_s(engine, batch, prompt, new), plan.repeats
+            )
         alone += [await _generate_s(engine, batch, prompt, new) for _ in range(plan.repeats)]
         timings.decode_contention = loaded / statistics.median(alone)
     finally:
@@ -179,7 +207,8 @@ def packed_batch(num_seqs: int, length: int, prompt: int = 10) -> PackedBatch:
         loss_mask=completion.repeat(num_seqs),
         cu_seqlens=torch.arange(num_seqs + 1, dtype=torch.int32) * length,
         rewards=(torch.rand(num_seqs, generator=generator) > 0.5).float(),
-        group_ids=torch.arange(num_seqs) // 8)
+        group_ids=torch.arange(num_seqs) // 8,
+    )
 
 
 class TimedTrainer:
@@ -188,8 +217,9 @@ class TimedTrainer:
     def __init__(self, cfg: RunConfig) -> None:
         torch.set_num_threads(cfg.trainer.threads)
         self.cfg = cfg
-        self.trainer = PPOTrainer(load_model(cfg.model.path, dtype=cfg.model.dtype,
-                                             device="cpu"), cfg)
+        self.trainer = PPOTrainer(
+            load_model(cfg.model.path, dtype=cfg.model.dtype, device="cpu"), cfg
+        )
         self.version = 0
 
     def step_s(self, batch: PackedBatch) -> float:
@@ -213,12 +243,21 @@ def _training(cfg: RunConfig, plan: Plan, timings: Timings) -> None:
         batch = packed_batch(num_seqs, length)
         seconds = _median(lambda: trainer.step_s(batch), plan.repeats)  # noqa: B023 (called here)
         timings.train.append(TrainSample(lengths=(length,) * num_seqs, seconds=seconds))
-        print(f"  train {num_seqs:>3} x {length:>3} tokens: {seconds * 1e3:.0f} ms",
-              file=sys.stderr, flush=True)
+        print(
+            f"  train {num_seqs:>3} x {length:>3} tokens: {seconds * 1e3:.0f} ms",
+            file=sys.stderr,
+            flush=True,
+        )
     timings.publish_s = _median(trainer.publish_s, max(plan.repeats, 3))
     start = time.perf_counter()
-    save_checkpoint(trainer.trainer.model, trainer.trainer.optimizer, cfg.run_dir, 10,
-                    trainer.version, cfg.trainer.keep_checkpoints)
+    save_checkpoint(
+        trainer.trainer.model,
+        trainer.trainer.optimizer,
+        cfg.run_dir,
+        10,
+        trainer.version,
+        cfg.trainer.keep_checkpoints,
+    )
     timings.checkpoint_s = time.perf_counter() - start
 
 
@@ -230,8 +269,14 @@ class _background:
     from its first finished step until the block ends."""
 
     def __init__(self, cfg: RunConfig, kind: str) -> None:
-        self.command = [sys.executable, __file__, "--background", kind, str(cfg.model.path),
-                        *cfg_overrides(cfg)]
+        self.command = [
+            sys.executable,
+            __file__,
+            "--background",
+            kind,
+            str(cfg.model.path),
+            *cfg_overrides(cfg),
+        ]
 
     def __enter__(self) -> _background:
         self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, text=True)
@@ -246,8 +291,11 @@ class _background:
 
 
 def cfg_overrides(cfg: RunConfig) -> list[str]:
-    return [f"rollout.threads={cfg.rollout.threads}", f"trainer.threads={cfg.trainer.threads}",
-            f"rollout.max_concurrent={cfg.rollout.max_concurrent}"]
+    return [
+        f"rollout.threads={cfg.rollout.threads}",
+        f"trainer.threads={cfg.trainer.threads}",
+        f"rollout.max_concurrent={cfg.rollout.max_concurrent}",
+    ]
 
 
 def _background_main(model_dir: str, overrides: list[str]) -> None:

@@ -61,8 +61,12 @@ class Config:
     eta: int = 2
 
     def overrides(self) -> list[str]:
-        return [f"mode={self.mode}", f"rollout.num_workers={self.workers}",
-                f"rollout.threads={self.threads}", f"staleness.eta={self.eta}"]
+        return [
+            f"mode={self.mode}",
+            f"rollout.num_workers={self.workers}",
+            f"rollout.threads={self.threads}",
+            f"staleness.eta={self.eta}",
+        ]
 
     def candidate(self) -> Candidate:
         if self.mode == "sync":
@@ -83,29 +87,48 @@ CONFIGS = [
 
 def job_overrides(model_dir: Path, run_dir: Path, steps: int, seed: int) -> list[str]:
     """The default job, `steps` steps, evaluated only at its start and end."""
-    return [f"model.path={model_dir}", f"seed={seed}", f"trainer.total_steps={steps}",
-            "eval.every_steps=0", f"eval.max_prompts={EVAL_PROMPTS}",
-            f"weight_sync.keep_versions={steps + 1}", f"run_dir={run_dir}",
-            "logging.progress=false", "logging.tensorboard=false"]
+    return [
+        f"model.path={model_dir}",
+        f"seed={seed}",
+        f"trainer.total_steps={steps}",
+        "eval.every_steps=0",
+        f"eval.max_prompts={EVAL_PROMPTS}",
+        f"weight_sync.keep_versions={steps + 1}",
+        f"run_dir={run_dir}",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+    ]
 
 
 def real_run(overrides: list[str]) -> tuple[float, int]:
     """(seconds, trained tokens) after step 1 of one real run."""
     _, records = uvloop.run(speedup._run(overrides))
     steps = [r for r in records if r["kind"] == "step"]
-    return after_first([r["perf/train_elapsed_s"] for r in steps],
-                       [r["perf/trained_tokens"] for r in steps])
+    return after_first(
+        [r["perf/train_elapsed_s"] for r in steps], [r["perf/trained_tokens"] for r in steps]
+    )
 
 
 def plan_options(probe_dir: Path, steps: int) -> list[str]:
     cfg = load_config(probe_dir / "config.yaml")
-    return ["accelerator=cpu-2core", "model=tiny", "num_accelerators=2",
-            f"num_prompts={cfg.trainer.batch_size // cfg.task.group_size}",
-            f"group_size={cfg.task.group_size}", f"max_new_tokens={cfg.rollout.max_new_tokens}",
-            f"num_minibatches={cfg.trainer.num_minibatches}",
-            f"max_concurrent_per_worker={cfg.rollout.max_concurrent}",
-            f"steps={steps}", "measure_from=1", "sync_steps=null", f"replay={probe_dir}",
-            f"eval_prompts={EVAL_PROMPTS}", "eta_min=1", "eta_max=4", "jobs=1"]
+    return [
+        "accelerator=cpu-2core",
+        "model=tiny",
+        "num_accelerators=2",
+        f"num_prompts={cfg.trainer.batch_size // cfg.task.group_size}",
+        f"group_size={cfg.task.group_size}",
+        f"max_new_tokens={cfg.rollout.max_new_tokens}",
+        f"num_minibatches={cfg.trainer.num_minibatches}",
+        f"max_concurrent_per_worker={cfg.rollout.max_concurrent}",
+        f"steps={steps}",
+        "measure_from=1",
+        "sync_steps=null",
+        f"replay={probe_dir}",
+        f"eval_prompts={EVAL_PROMPTS}",
+        "eta_min=1",
+        "eta_max=4",
+        "jobs=1",
+    ]
 
 
 def main() -> int:
@@ -113,10 +136,12 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--out", type=Path, default=Path("bench/results/plan_check"))
-    parser.add_argument("--max-runs", type=int, default=None,
-                        help="real runs to do in this invocation, then stop")
-    parser.add_argument("--quick", action="store_true", help="3 steps, two configurations, "
-                        "one seed (a smoke test)")
+    parser.add_argument(
+        "--max-runs", type=int, default=None, help="real runs to do in this invocation, then stop"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="3 steps, two configurations, one seed (a smoke test)"
+    )
     args = parser.parse_args()
     configs = CONFIGS[:1] + CONFIGS[5:6] if args.quick else CONFIGS
     steps, seeds = (3, [1]) if args.quick else (args.steps, args.seeds)
@@ -138,8 +163,9 @@ def main() -> int:
         if runs_left <= 0:
             return 0
         start = time.monotonic()
-        real_run([*job_overrides(model_dir, probe_dir, steps, PROBE_SEED),
-                  "logging.save_batches=true"])
+        real_run(
+            [*job_overrides(model_dir, probe_dir, steps, PROBE_SEED), "logging.save_batches=true"]
+        )
         print(f"probe: {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
         runs_left -= 1
     if "predicted" not in state:
@@ -155,21 +181,26 @@ def main() -> int:
                 return 0
             start = time.monotonic()
             run_dir = args.out / f"run-{configs.index(config)}-seed{seed}"
-            seconds, tokens = real_run([*job_overrides(model_dir, run_dir, steps, seed),
-                                        *config.overrides()])
+            seconds, tokens = real_run(
+                [*job_overrides(model_dir, run_dir, steps, seed), *config.overrides()]
+            )
             measured[key] = {"seconds": seconds, "tokens": tokens}
             runs_left -= 1
             save()
-            print(f"{key}: {tokens / seconds:.0f} tok/s ({time.monotonic() - start:.0f} s)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"{key}: {tokens / seconds:.0f} tok/s ({time.monotonic() - start:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
     text = report(state, configs, seeds)
     print(text)
     (args.out / ("table-quick.txt" if args.quick else "table.txt")).write_text(text + "\n")
     return 0
 
 
-def predict(probe_dir: Path, steps: int, configs: list[Config]
-            ) -> tuple[dict[str, float], dict[str, object]]:
+def predict(
+    probe_dir: Path, steps: int, configs: list[Config]
+) -> tuple[dict[str, float], dict[str, object]]:
     """The planner's throughput for each configuration, and its own search's first choice."""
     plan = load_plan_config(overrides=plan_options(probe_dir, steps))
     evaluator = Evaluator(plan)
@@ -179,41 +210,58 @@ def predict(probe_dir: Path, steps: int, configs: list[Config]
     finally:
         evaluator.close()
     best = planned.best
-    return ({c.name: o.trained_tokens_per_s for c, o in zip(configs, outcomes, strict=True)},
-            {"first_choice": best.candidate.describe(),
-             "tokens_per_s": best.trained_tokens_per_s, "simulations": sum(planned.stages),
-             "candidate": asdict(best.candidate)})
+    return (
+        {c.name: o.trained_tokens_per_s for c, o in zip(configs, outcomes, strict=True)},
+        {
+            "first_choice": best.candidate.describe(),
+            "tokens_per_s": best.trained_tokens_per_s,
+            "simulations": sum(planned.stages),
+            "candidate": asdict(best.candidate),
+        },
+    )
 
 
 def report(state: dict, configs: list[Config], seeds: list[int]) -> str:
     predicted = state["predicted"]
-    measured = {c.name: [state["measured"][f"{c.name} | seed {s}"] for s in seeds]
-                for c in configs}
-    tput = {name: statistics.mean(r["tokens"] / r["seconds"] for r in runs)
-            for name, runs in measured.items()}
+    measured = {c.name: [state["measured"][f"{c.name} | seed {s}"] for s in seeds] for c in configs}
+    tput = {
+        name: statistics.mean(r["tokens"] / r["seconds"] for r in runs)
+        for name, runs in measured.items()
+    }
     by_predicted = sorted(predicted, key=lambda n: -predicted[n])
     by_measured = sorted(tput, key=lambda n: -tput[n])
-    head = (f"{'configuration':<30} {'predicted tok/s':>15} {'measured tok/s':>15} "
-            f"{'error':>7} {'rank pred':>9} {'rank meas':>9}")
+    head = (
+        f"{'configuration':<30} {'predicted tok/s':>15} {'measured tok/s':>15} "
+        f"{'error':>7} {'rank pred':>9} {'rank meas':>9}"
+    )
     rows = [head, "-" * len(head)]
     for c in configs:
         per_seed = ", ".join(f"{r['tokens'] / r['seconds']:.0f}" for r in measured[c.name])
-        rows.append(f"{c.name:<30} {predicted[c.name]:>15.0f} {tput[c.name]:>15.0f} "
-                    f"{predicted[c.name] / tput[c.name] - 1:>+7.1%} "
-                    f"{by_predicted.index(c.name) + 1:>9} {by_measured.index(c.name) + 1:>9}"
-                    f"   (seeds: {per_seed})")
+        rows.append(
+            f"{c.name:<30} {predicted[c.name]:>15.0f} {tput[c.name]:>15.0f} "
+            f"{predicted[c.name] / tput[c.name] - 1:>+7.1%} "
+            f"{by_predicted.index(c.name) + 1:>9} {by_measured.index(c.name) + 1:>9}"
+            f"   (seeds: {per_seed})"
+        )
     names = [c.name for c in configs]
-    rho = spearmanr([predicted[n] for n in names], [tput[n] for n in names]).statistic \
-        if len(names) > 2 else float("nan")
+    rho = (
+        spearmanr([predicted[n] for n in names], [tput[n] for n in names]).statistic
+        if len(names) > 2
+        else float("nan")
+    )
     first = by_predicted[0]
-    rows.append(f"Spearman's rank correlation, predicted vs measured: {rho:.2f}; the planner's "
-                f"first choice among these, {first!r}, measured "
-                f"{'best' if first == by_measured[0] else f'#{by_measured.index(first) + 1}'}")
+    rows.append(
+        f"Spearman's rank correlation, predicted vs measured: {rho:.2f}; the planner's "
+        f"first choice among these, {first!r}, measured "
+        f"{'best' if first == by_measured[0] else f'#{by_measured.index(first) + 1}'}"
+    )
     search_ = state["search"]
-    rows.append(f"(the planner's own search over {search_['simulations']} configurations "
-                f"chose: {search_['first_choice']}, {search_['tokens_per_s']:.0f} tok/s "
-                f"predicted; the CPU default job, {state['steps']} steps, seeds "
-                f"{', '.join(map(str, seeds))}; throughput after step 1)")
+    rows.append(
+        f"(the planner's own search over {search_['simulations']} configurations "
+        f"chose: {search_['first_choice']}, {search_['tokens_per_s']:.0f} tok/s "
+        f"predicted; the CPU default job, {state['steps']} steps, seeds "
+        f"{', '.join(map(str, seeds))}; throughput after step 1)"
+    )
     return "\n".join(rows)
 
 

@@ -108,23 +108,32 @@ def summarize(series: dict[str, Series]) -> list[dict[str, float | str]]:
         for key, values in (("rss_mb", s.rss_mb), ("fds", s.fds)):
             slope = slope_per_hour(s.minutes, values)
             mean = float(np.mean(values[half:])) if values else 0.0
-            row.update({f"{key}_start": values[0], f"{key}_end": values[-1],
-                        f"{key}_max": max(values), f"{key}_slope_h": slope,
-                        f"{key}_slope_pct_h": 100 * slope / mean if mean else 0.0})
+            row.update(
+                {
+                    f"{key}_start": values[0],
+                    f"{key}_end": values[-1],
+                    f"{key}_max": max(values),
+                    f"{key}_slope_h": slope,
+                    f"{key}_slope_pct_h": 100 * slope / mean if mean else 0.0,
+                }
+            )
         rows.append(row)
     return rows
 
 
 def table(rows: list[dict[str, float | str]], minutes: float) -> str:
-    head = (f"{'process':<12} {'RSS MB start':>12} {'end':>7} {'max':>7} {'MB/h 2nd half':>14} "
-            f"{'%/h':>6} {'fds start':>9} {'end':>5} {'max':>5} {'fds/h':>7}")
+    head = (
+        f"{'process':<12} {'RSS MB start':>12} {'end':>7} {'max':>7} {'MB/h 2nd half':>14} "
+        f"{'%/h':>6} {'fds start':>9} {'end':>5} {'max':>5} {'fds/h':>7}"
+    )
     lines = [f"soak: {minutes:.1f} minutes sampled", head, "-" * len(head)]
     for r in rows:
         lines.append(
             f"{r['process']:<12} {r['rss_mb_start']:>12.0f} {r['rss_mb_end']:>7.0f} "
             f"{r['rss_mb_max']:>7.0f} {r['rss_mb_slope_h']:>+14.1f} {r['rss_mb_slope_pct_h']:>+6.1f} "
             f"{r['fds_start']:>9.0f} {r['fds_end']:>5.0f} {r['fds_max']:>5.0f} "
-            f"{r['fds_slope_h']:>+7.1f}")
+            f"{r['fds_slope_h']:>+7.1f}"
+        )
     return "\n".join(lines)
 
 
@@ -155,8 +164,15 @@ def _first_step_seen(run_dir: Path) -> bool:
 
 def soak(args: argparse.Namespace, run_dir: Path) -> tuple[dict[str, Series], int, float]:
     """Run, sample, stop; returns the series, the controller's exit code, minutes sampled."""
-    command = [sys.executable, "-m", "areal.controller", f"run_dir={run_dir}",
-               "trainer.total_steps=1000000", "logging.progress=false", *args.overrides]
+    command = [
+        sys.executable,
+        "-m",
+        "areal.controller",
+        f"run_dir={run_dir}",
+        "trainer.total_steps=1000000",
+        "logging.progress=false",
+        *args.overrides,
+    ]
     log = open(run_dir.parent / "controller.log", "w")  # noqa: SIM115 (the child's, for its life)
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     controller = psutil.Process(proc.pid)
@@ -177,8 +193,10 @@ def soak(args: argparse.Namespace, run_dir: Path) -> tuple[dict[str, Series], in
                     s.fds.append(fds)
             time.sleep(args.interval if started is not None else 1.0)
         if proc.poll() is not None:
-            raise SystemExit(f"the controller exited early ({proc.returncode}); see "
-                             f"{run_dir.parent / 'controller.log'}")
+            raise SystemExit(
+                f"the controller exited early ({proc.returncode}); see "
+                f"{run_dir.parent / 'controller.log'}"
+            )
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=600)
     finally:
@@ -193,9 +211,13 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=60.0)
     parser.add_argument("--interval", type=float, default=10.0, help="seconds between samples")
     parser.add_argument("--quick", action="store_true", help="2 minutes, a sample every 5 s")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="results folder (default bench/results/soak; only a full run "
-                        "there writes the docs' results page, docs/results/soak.md)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="results folder (default bench/results/soak; only a full run "
+        "there writes the docs' results page, docs/results/soak.md)",
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args()
     page = publish(args.quick, args.out) and not args.overrides
@@ -209,23 +231,41 @@ def main() -> None:
         steps = json.loads(summary.read_text())["steps"] if summary.is_file() else None
     rows = summarize(series)
     text = table(rows, minutes)
-    ending = (f"controller stopped by SIGTERM: exit code {code}, summary.json "
-              + (f"written after {steps} training steps" if steps is not None else "MISSING"))
+    ending = f"controller stopped by SIGTERM: exit code {code}, summary.json " + (
+        f"written after {steps} training steps" if steps is not None else "MISSING"
+    )
     print(text)
     print(ending)
-    (args.out / "samples.json").write_text(json.dumps(
-        {"minutes": minutes, "steps": steps, "overrides": args.overrides, "rows": rows,
-         "series": {k: vars(v) for k, v in series.items()}}, indent=1))
+    (args.out / "samples.json").write_text(
+        json.dumps(
+            {
+                "minutes": minutes,
+                "steps": steps,
+                "overrides": args.overrides,
+                "rows": rows,
+                "series": {k: vars(v) for k, v in series.items()},
+            },
+            indent=1,
+        )
+    )
     plot(series, args.out / "soak.png")
     print(f"saved {args.out / 'samples.json'} and {args.out / 'soak.png'}")
     if page:
-        print("results page: " + str(write_results(
-            "soak", title="Memory and open files over a long run (bench/soak.py)",
-            command=" ".join(["python", *sys.argv]), table=text + "\n" + ending,
-            data={"minutes": minutes, "steps": steps, "rows": rows},
-            notes="Resident memory and open descriptors of every process of the default job, "
-                  "sampled through the run; the slopes are fitted over its second half, after "
-                  "start-up, the first steps and the first checkpoint.")))
+        print(
+            "results page: "
+            + str(
+                write_results(
+                    "soak",
+                    title="Memory and open files over a long run (bench/soak.py)",
+                    command=" ".join(["python", *sys.argv]),
+                    table=text + "\n" + ending,
+                    data={"minutes": minutes, "steps": steps, "rows": rows},
+                    notes="Resident memory and open descriptors of every process of the default job, "
+                    "sampled through the run; the slopes are fitted over its second half, after "
+                    "start-up, the first steps and the first checkpoint.",
+                )
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -47,23 +47,36 @@ from results_page import publish, write_results
 DEFAULT_OUT = Path("bench/results/speedup")
 
 LONG_TAIL = {key: ArithmeticTask.long_tail().params()[key] for key in ("min_k", "max_k", "k_alpha")}
-LONG_TAIL_TASK = [*(f"task.params.{key}={value}" for key, value in LONG_TAIL.items()),
-                  "rollout.max_new_tokens=384"]
+LONG_TAIL_TASK = [
+    *(f"task.params.{key}={value}" for key, value in LONG_TAIL.items()),
+    "rollout.max_new_tokens=384",
+]
 """The arithmetic task with a long tail of trace lengths (ArithmeticTask.long_tail(): most
 completions short, a few ~15x longer), and a token budget that fits the longest."""
 
 
-MODES = {"sync": ["mode=sync"], "async": ["mode=async"],
-         "strict": ["mode=async", "staleness.strict=true"]}
+MODES = {
+    "sync": ["mode=sync"],
+    "async": ["mode=async"],
+    "strict": ["mode=async", "staleness.strict=true"],
+}
 
 
-def _overrides(args: argparse.Namespace, model_dir: Path, run_dir: Path, mode: str,
-               seed: int) -> list[str]:
+def _overrides(
+    args: argparse.Namespace, model_dir: Path, run_dir: Path, mode: str, seed: int
+) -> list[str]:
     return [
-        *LONG_TAIL_TASK, *MODES[mode], f"model.path={model_dir}", f"seed={seed}",
-        f"staleness.eta={args.eta}", f"trainer.total_steps={args.steps}",
-        "eval.every_steps=0", f"weight_sync.keep_versions={args.steps + 1}",
-        f"run_dir={run_dir}", "logging.progress=false", "logging.tensorboard=false",
+        *LONG_TAIL_TASK,
+        *MODES[mode],
+        f"model.path={model_dir}",
+        f"seed={seed}",
+        f"staleness.eta={args.eta}",
+        f"trainer.total_steps={args.steps}",
+        "eval.every_steps=0",
+        f"weight_sync.keep_versions={args.steps + 1}",
+        f"run_dir={run_dir}",
+        "logging.progress=false",
+        "logging.tensorboard=false",
         *args.overrides,
     ]
 
@@ -97,11 +110,15 @@ def _evaluate_versions(run_dir: Path, step_records: list[dict], every: int) -> l
                 if item.name != "model.safetensors":
                     (Path(tmp) / item.name).symlink_to(item)
             (Path(tmp) / "model.safetensors").symlink_to(weights)
-            record = evaluate(load_config(run_dir / "config.yaml", [f"model.path={tmp}"]),
-                              step=version).record
+            record = evaluate(
+                load_config(run_dir / "config.yaml", [f"model.path={tmp}"]), step=version
+            ).record
         record.update(kind="eval", version=version, **{"perf/train_elapsed_s": stamps[version]})
-        print(f"  {run_dir.name} version {version}: pass@1 {record['eval/pass@1']:.3f}",
-              file=sys.stderr, flush=True)
+        print(
+            f"  {run_dir.name} version {version}: pass@1 {record['eval/pass@1']:.3f}",
+            file=sys.stderr,
+            flush=True,
+        )
         records.append(record)
     return records
 
@@ -119,32 +136,46 @@ Runs = dict[str, list[tuple[dict, list[dict]]]]
 
 def _table(results: Runs, target: float) -> str:
     reach_head = "s to " + format(target, ".0%")
-    head = (f"{'mode':<6} {'seeds':>5} {'steps':>5} {'trained tok':>11} {'train s':>22} "
-            f"{'tok/s':>20} {'pass@1 end':>22} {reach_head:>22}")
+    head = (
+        f"{'mode':<6} {'seeds':>5} {'steps':>5} {'trained tok':>11} {'train s':>22} "
+        f"{'tok/s':>20} {'pass@1 end':>22} {reach_head:>22}"
+    )
     lines = [head, "-" * len(head)]
     for mode, runs in results.items():
         summaries = [summary for summary, _ in runs]
         reached = [_time_to_target(records, target) for _, records in runs]
-        reach = ("n/a" if not any(r["kind"] == "eval" and r["version"] > 0 for r in runs[0][1])
-                 else "never" if None in reached else t_interval(reached).format(1))
+        reach = (
+            "n/a"
+            if not any(r["kind"] == "eval" and r["version"] > 0 for r in runs[0][1])
+            else "never"
+            if None in reached
+            else t_interval(reached).format(1)
+        )
         lines.append(
             f"{mode:<6} {len(runs):>5} {summaries[0]['steps']:>5} "
             f"{round(sum(s['trained_tokens'] for s in summaries) / len(runs)):>11} "
             f"{t_interval([s['train_time_s'] for s in summaries]).format(1):>22} "
             f"{t_interval([s['trained_tokens_per_s'] for s in summaries]).format(0):>20} "
             f"{t_interval([s['eval_pass@1_after'] for s in summaries]).format():>22} "
-            f"{reach:>22}")
-    before = {s['eval_pass@1_before'] for runs in results.values() for s, _ in runs}
-    lines.append(f"mean [95% t-interval] over seeds; held-out pass@1 before training: "
-                 f"{', '.join(f'{b:.3f}' for b in sorted(before))}")
+            f"{reach:>22}"
+        )
+    before = {s["eval_pass@1_before"] for runs in results.values() for s, _ in runs}
+    lines.append(
+        f"mean [95% t-interval] over seeds; held-out pass@1 before training: "
+        f"{', '.join(f'{b:.3f}' for b in sorted(before))}"
+    )
     if "sync" in results:
         sync = [s["trained_tokens_per_s"] for s, _ in results["sync"]]
         for mode, runs in results.items():
             if mode != "sync":
-                ratios = [s["trained_tokens_per_s"] / base
-                          for (s, _), base in zip(runs, sync, strict=True)]
-                lines.append(f"{mode} / sync effective training throughput (per seed): "
-                             f"{t_interval(ratios).format(2)}x")
+                ratios = [
+                    s["trained_tokens_per_s"] / base
+                    for (s, _), base in zip(runs, sync, strict=True)
+                ]
+                lines.append(
+                    f"{mode} / sync effective training throughput (per seed): "
+                    f"{t_interval(ratios).format(2)}x"
+                )
     return "\n".join(lines)
 
 
@@ -172,18 +203,34 @@ def _plot(results: Runs, path: Path) -> Any:
     import matplotlib.pyplot as plt
 
     fig, (acc, rew) = plt.subplots(1, 2, figsize=(11, 4))
-    curves = any(r["kind"] == "eval" and r["version"] > 0
-                 for runs in results.values() for _, records in runs for r in records)
+    curves = any(
+        r["kind"] == "eval" and r["version"] > 0
+        for runs in results.values()
+        for _, records in runs
+        for r in records
+    )
     for index, (mode, runs) in enumerate(results.items()):
         color, label = f"C{index}", f"{mode} ({len(runs)} seeds)"
-        steps = [[(r["perf/train_elapsed_s"], r["rollout/reward_mean"]) for r in records
-                  if r["kind"] == "step"] for _, records in runs]
+        steps = [
+            [
+                (r["perf/train_elapsed_s"], r["rollout/reward_mean"])
+                for r in records
+                if r["kind"] == "step"
+            ]
+            for _, records in runs
+        ]
         xs, mean, low, high = _mean_band(steps)
         rew.plot(xs, mean, color=color, label=label)
         rew.fill_between(xs, low, high, color=color, alpha=0.2)
         if curves:
-            evals = [[(r["perf/train_elapsed_s"], r["eval/pass@1"]) for r in records
-                      if r["kind"] == "eval"] for _, records in runs]
+            evals = [
+                [
+                    (r["perf/train_elapsed_s"], r["eval/pass@1"])
+                    for r in records
+                    if r["kind"] == "eval"
+                ]
+                for _, records in runs
+            ]
             xs, mean, low, high = _mean_band(evals)
             acc.plot(xs, mean, marker="o", ms=3, color=color, label=label)
             acc.fill_between(xs, low, high, color=color, alpha=0.2)
@@ -191,16 +238,29 @@ def _plot(results: Runs, path: Path) -> Any:
         for offset, key in enumerate(("eval_pass@1_before", "eval_pass@1_after")):
             ci = t_interval([summary[key] for summary, _ in runs])
             error = [[ci.mean - ci.low], [ci.high - ci.mean]] if ci.n > 1 else None
-            acc.bar(offset + (index - (len(results) - 1) / 2) * 0.35, ci.mean, width=0.35,
-                    yerr=error, capsize=4, color=color, label=label if offset else None)
+            acc.bar(
+                offset + (index - (len(results) - 1) / 2) * 0.35,
+                ci.mean,
+                width=0.35,
+                yerr=error,
+                capsize=4,
+                color=color,
+                label=label if offset else None,
+            )
     if curves:
-        acc.set(xlabel="training wall time (s)", ylabel="held-out pass@1",
-                title="accuracy: mean over seeds, 95% band")
+        acc.set(
+            xlabel="training wall time (s)",
+            ylabel="held-out pass@1",
+            title="accuracy: mean over seeds, 95% band",
+        )
     else:
         acc.set_xticks([0, 1], ["before training", "after training"])
         acc.set(ylabel="held-out pass@1", title="accuracy: mean over seeds, 95% interval")
-    rew.set(xlabel="training wall time (s)", ylabel="mean reward",
-            title="training reward: mean over seeds, 95% band")
+    rew.set(
+        xlabel="training wall time (s)",
+        ylabel="mean reward",
+        title="training reward: mean over seeds, 95% band",
+    )
     for ax in (acc, rew):
         ax.grid(alpha=0.3)
         ax.legend()
@@ -209,14 +269,14 @@ def _plot(results: Runs, path: Path) -> Any:
     return fig
 
 
-def _run_and_evaluate(args: argparse.Namespace, model_dir: Path, mode: str,
-                      seed: int) -> tuple[dict, list[dict]]:
+def _run_and_evaluate(
+    args: argparse.Namespace, model_dir: Path, mode: str, seed: int
+) -> tuple[dict, list[dict]]:
     """One timed run, then the held-out accuracy of its published versions."""
     run_dir = args.out / (mode if args.seeds == 1 else f"{mode}-seed{seed}")
     start = time.monotonic()
     summary, records = uvloop.run(_run(_overrides(args, model_dir, run_dir, mode, seed)))
-    print(f"{mode} seed {seed} run finished in {time.monotonic() - start:.0f} s",
-          file=sys.stderr)
+    print(f"{mode} seed {seed} run finished in {time.monotonic() - start:.0f} s", file=sys.stderr)
     before = [r for r in records if r["kind"] == "eval"][:1]  # version 0, before training
     steps = [r for r in records if r["kind"] == "step"]
     if args.eval_every > 0:
@@ -228,17 +288,30 @@ def _run_and_evaluate(args: argparse.Namespace, model_dir: Path, mode: str,
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=1, help="runs (seeds 1..N) per mode")
-    parser.add_argument("--modes", nargs="+", default=["sync", "async"], choices=list(MODES),
-                        help="strict: async with staleness.strict=true")
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=["sync", "async"],
+        choices=list(MODES),
+        help="strict: async with staleness.strict=true",
+    )
     parser.add_argument("--steps", type=int, default=40, help="training steps of each run")
     parser.add_argument("--eta", type=int, default=2, help="staleness bound of the async run")
-    parser.add_argument("--eval-every", type=int, default=5,
-                        help="held-out eval interval (after the runs, for the time to the "
-                        "target); 0: none, the table then has only the final accuracy")
+    parser.add_argument(
+        "--eval-every",
+        type=int,
+        default=5,
+        help="held-out eval interval (after the runs, for the time to the "
+        "target); 0: none, the table then has only the final accuracy",
+    )
     parser.add_argument("--target", type=float, default=0.6, help="held-out pass@1 target")
-    parser.add_argument("--out", type=Path, default=None,
-                        help=f"results folder (default {DEFAULT_OUT}; only a run there writes "
-                        "the docs' results page, docs/results/speedup.md)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"results folder (default {DEFAULT_OUT}; only a run there writes "
+        "the docs' results page, docs/results/speedup.md)",
+    )
     parser.add_argument("overrides", nargs="*", help="key=value applied to both runs")
     args = parser.parse_args()
     if args.seeds < 1 or args.eval_every < 0:
@@ -258,11 +331,14 @@ def main() -> int:
     (args.out / "summaries.json").write_text(json.dumps(summaries, indent=2))
     if page:
         written = write_results(
-            "speedup", title="Synchronous vs asynchronous training (bench/speedup.py)",
-            command=" ".join(["python", *sys.argv]), table=table,
+            "speedup",
+            title="Synchronous vs asynchronous training (bench/speedup.py)",
+            command=" ".join(["python", *sys.argv]),
+            table=table,
             data={"args": {k: str(v) for k, v in vars(args).items()}, "summaries": summaries},
             notes="Both modes run the same task and model on the same machine; the ratio is "
-                  "of effective training throughput (trained tokens per second).")
+            "of effective training throughput (trained tokens per second).",
+        )
         print(f"results page: {written}")
     _plot(results, args.out / "speedup.png")
     print(f"plot: {args.out / 'speedup.png'}")

@@ -52,14 +52,17 @@ def main() -> int:
                 continue
             in_run = record["train/step_s"] + record.get("train/publish_s", 0.0)
             lengths = np.diff(batch.cu_seqlens.numpy())
-            model = cost.train_s(lengths, cfg.trainer.num_minibatches, 1, recompute,
-                                 cfg.trainer.micro_batch_tokens) + cost.publish_s(False)
+            model = cost.train_s(
+                lengths, cfg.trainer.num_minibatches, 1, recompute, cfg.trainer.micro_batch_tokens
+            ) + cost.publish_s(False)
             totals += (in_run, alone, model)
             print(f"{index:>4} {int(lengths.sum()):>7} {in_run:>9.3f} {alone:>8.3f} {model:>8.3f}")
     in_run, alone, model = totals
-    print(f"steps 2-{len(records)}: in run {in_run:.3f} s, alone {alone:.3f} s, model "
-          f"{model:.3f} s; in run / alone {in_run / alone:.3f}, alone / model "
-          f"{alone / model:.3f}")
+    print(
+        f"steps 2-{len(records)}: in run {in_run:.3f} s, alone {alone:.3f} s, model "
+        f"{model:.3f} s; in run / alone {in_run / alone:.3f}, alone / model "
+        f"{alone / model:.3f}"
+    )
     return 0
 
 

@@ -60,9 +60,15 @@ def build_model(name: str, dtype: torch.dtype) -> torch.nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     hidden, layers, inter, vocab, heads, kv = MODELS[name]
-    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
-                         num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=kv, tie_word_embeddings=True)
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     return Qwen2ForCausalLM(config).to(dtype)
 
@@ -97,17 +103,23 @@ def _config(run_dir: str, mode: str = "disk", model: str = ""):
     from areal.config import load_config
 
     shm = mode.startswith("shm")
-    return load_config(overrides=[f"run_dir={run_dir}", "weight_sync.bucket_mb=64",
-                                  f"weight_sync.keep_versions={2 if shm else 1}",
-                                  f"weight_sync.mode={'shm' if shm else 'disk'}",
-                                  f"trainer.lora.rank={lora_rank(model)}"])
+    return load_config(
+        overrides=[
+            f"run_dir={run_dir}",
+            "weight_sync.bucket_mb=64",
+            f"weight_sync.keep_versions={2 if shm else 1}",
+            f"weight_sync.mode={'shm' if shm else 'disk'}",
+            f"trainer.lora.rank={lora_rank(model)}",
+        ]
+    )
 
 
 # -- the trainer side (one process per measurement) -----------------------------------------------
 
 
-def _sender(_: int, mode: str, model: str, dtype: str, run_dir: str, address: str,
-            keys: str, start_queue) -> None:
+def _sender(
+    _: int, mode: str, model: str, dtype: str, run_dir: str, address: str, keys: str, start_queue
+) -> None:
     torch.set_num_threads(1)
     tensors = build_tensors(model, getattr(torch, dtype))
     cfg = _config(run_dir, mode, model)
@@ -117,16 +129,16 @@ def _sender(_: int, mode: str, model: str, dtype: str, run_dir: str, address: st
         start_queue.put(time.time())
         start_queue.put(publish_to_disk(tensors, cfg, 1))
     elif mode.startswith("stream"):
-        asyncio.run(_stream_send(tensors, cfg, address, keys if mode.endswith("curve") else "",
-                                 start_queue))
+        asyncio.run(
+            _stream_send(tensors, cfg, address, keys if mode.endswith("curve") else "", start_queue)
+        )
     else:
         from areal.workers.collective import WeightsGroup, host_store
         from areal.workers.trainer.publish import collective_snapshot
 
         store, _ = host_store("127.0.0.1", int(address), timeout_s=120)
         group = WeightsGroup()
-        group.join(store=store, generation=1, rank=0, world_size=2, backend="gloo",
-                   timeout_s=120)
+        group.join(store=store, generation=1, rank=0, world_size=2, backend="gloo", timeout_s=120)
         start_queue.put(time.time())
         snapshot = collective_snapshot(tensors, cfg, 1)
         start_queue.put(snapshot.manifest)
@@ -142,8 +154,9 @@ async def _stream_send(tensors, cfg, address: str, keys: str, start_queue) -> No
     from areal.workers.trainer.publish import stream_chunks
 
     ctx = zmq.asyncio.Context()
-    channel = DealerChannel(ctx, address, b"trainer", curve=load_client_keys(keys) if keys
-                            else None)
+    channel = DealerChannel(
+        ctx, address, b"trainer", curve=load_client_keys(keys) if keys else None
+    )
     await channel.socket.send(b"hello")  # let the relay learn this identity
     await channel.socket.recv()
     start_queue.put(time.time())
@@ -154,8 +167,9 @@ async def _stream_send(tensors, cfg, address: str, keys: str, start_queue) -> No
     ctx.term()
 
 
-def _shm_sender(_: int, mode: str, model: str, dtype: str, run_dir: str, to_receiver, acks,
-                start_queue) -> None:
+def _shm_sender(
+    _: int, mode: str, model: str, dtype: str, run_dir: str, to_receiver, acks, start_queue
+) -> None:
     from areal.workers.trainer.publish import ShmPublisher
 
     torch.set_num_threads(1)
@@ -201,8 +215,14 @@ def _receiver(_: int, mode: str, address: str, keys: str, info_queue, done_queue
         from areal.workers.collective import WeightsGroup
 
         group = WeightsGroup()
-        group.join(store=f"127.0.0.1:{address}", generation=1, rank=1, world_size=2,
-                   backend="gloo", timeout_s=120)
+        group.join(
+            store=f"127.0.0.1:{address}",
+            generation=1,
+            rank=1,
+            world_size=2,
+            backend="gloo",
+            timeout_s=120,
+        )
         manifest = info_queue.get()
         tensors = group.receive(manifest, 1)
     done_queue.put((time.time(), sum(t.numel() * t.element_size() for t in tensors.values())))
@@ -216,8 +236,9 @@ async def _stream_receive(address: str, keys: str) -> dict[str, torch.Tensor]:
     from areal.transport import DealerChannel
 
     ctx = zmq.asyncio.Context()
-    channel = DealerChannel(ctx, address, b"rollout", curve=load_client_keys(keys) if keys
-                            else None)
+    channel = DealerChannel(
+        ctx, address, b"rollout", curve=load_client_keys(keys) if keys else None
+    )
     await channel.socket.send(b"hello")
     tensors: dict[str, torch.Tensor] = {}
     while True:
@@ -274,10 +295,12 @@ def measure_shm(mode: str, model: str, dtype: str) -> tuple[float, int]:
     run_dir = tempfile.mkdtemp(prefix="areal-bench-")
     to_receiver, acks, done_queue, start_queue = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
     num_versions = 1 if mode == "shm-first" else SHM_VERSIONS
-    receiver = ctx.Process(target=_shm_receiver, args=(0, num_versions, to_receiver, acks,
-                                                       done_queue))
-    sender = ctx.Process(target=_shm_sender, args=(0, mode, model, dtype, run_dir, to_receiver,
-                                                   acks, start_queue))
+    receiver = ctx.Process(
+        target=_shm_receiver, args=(0, num_versions, to_receiver, acks, done_queue)
+    )
+    sender = ctx.Process(
+        target=_shm_sender, args=(0, mode, model, dtype, run_dir, to_receiver, acks, start_queue)
+    )
     receiver.start()
     sender.start()
     start = start_queue.get()
@@ -301,14 +324,16 @@ def measure(mode: str, model: str, dtype: str, keys: str) -> tuple[float, int]:
         import threading
 
         ready = threading.Event()
-        relay = threading.Thread(target=lambda: asyncio.run(_relay(
-            port, keys if mode.endswith("curve") else "", ready)), daemon=True)
+        relay = threading.Thread(
+            target=lambda: asyncio.run(_relay(port, keys if mode.endswith("curve") else "", ready)),
+            daemon=True,
+        )
         relay.start()
         ready.wait()
-    receiver = ctx.Process(target=_receiver, args=(0, mode, address, keys, info_queue,
-                                                   done_queue))
-    sender = ctx.Process(target=_sender, args=(0, mode, model, dtype, run_dir, address, keys,
-                                               start_queue))
+    receiver = ctx.Process(target=_receiver, args=(0, mode, address, keys, info_queue, done_queue))
+    sender = ctx.Process(
+        target=_sender, args=(0, mode, model, dtype, run_dir, address, keys, start_queue)
+    )
     receiver.start()
     sender.start()
     start = start_queue.get()
@@ -347,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     init_keys(keys)
     modes = args.modes.split(",")
     header = f"{'model':>6} {'params':>8} {'MB':>7} {'memcpy':>8} " + " ".join(
-        f"{m:>20}" for m in modes)
+        f"{m:>20}" for m in modes
+    )
     rows, data = [], []
     for size in args.sizes.split(","):
         params = sum(t.numel() for _, t in build_tensors(size, getattr(torch, args.dtype)))
@@ -360,24 +386,38 @@ def main(argv: list[str] | None = None) -> int:
             results[mode] = best
             print(f"  {size} {mode}: {best:.3f} s", file=sys.stderr, flush=True)
         copy = memcpy_seconds(num_bytes, args.repeats)
-        rows.append(f"{size:>6} {params / 1e6:>7.1f}M {num_bytes / 2**20:>7.0f} {copy:>7.3f}s "
-                    + " ".join(f"{results[m]:>10.3f}s ({results[m] / copy:>5.1f}x)"
-                               for m in modes))
-        data.append({"model": size, "params": params, "bytes": num_bytes, "memcpy_s": copy,
-                     "seconds": results, "ratio_to_memcpy": {m: results[m] / copy
-                                                             for m in modes}})
-    title = (f"seconds to publish one weight version ({args.dtype}, sender and receiver "
-             f"processes on one machine, {os.cpu_count()} CPUs; best of {args.repeats}; in "
-             "parentheses: time / memcpy of the same bytes)")
+        rows.append(
+            f"{size:>6} {params / 1e6:>7.1f}M {num_bytes / 2**20:>7.0f} {copy:>7.3f}s "
+            + " ".join(f"{results[m]:>10.3f}s ({results[m] / copy:>5.1f}x)" for m in modes)
+        )
+        data.append(
+            {
+                "model": size,
+                "params": params,
+                "bytes": num_bytes,
+                "memcpy_s": copy,
+                "seconds": results,
+                "ratio_to_memcpy": {m: results[m] / copy for m in modes},
+            }
+        )
+    title = (
+        f"seconds to publish one weight version ({args.dtype}, sender and receiver "
+        f"processes on one machine, {os.cpu_count()} CPUs; best of {args.repeats}; in "
+        "parentheses: time / memcpy of the same bytes)"
+    )
     table = "\n".join([title, header, *rows])
     print(table)
     defaults = parser.parse_args([])
     full = (args.sizes, args.modes) == (defaults.sizes, defaults.modes)
     if publish(quick=not full):
-        page = write_results("weight_sync", title="Weight publication per weight_sync mode",
-                             command="python " + " ".join(sys.argv), table=table,
-                             data={"dtype": args.dtype, "repeats": args.repeats, "rows": data},
-                             notes=NOTES)
+        page = write_results(
+            "weight_sync",
+            title="Weight publication per weight_sync mode",
+            command="python " + " ".join(sys.argv),
+            table=table,
+            data={"dtype": args.dtype, "repeats": args.repeats, "rows": data},
+            notes=NOTES,
+        )
         print(f"results page: {page}")
     return 0
 

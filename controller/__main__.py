@@ -23,8 +23,9 @@ def _options_help() -> str:
     lines = ["options (set in the YAML file or as key=value; defaults shown):", ""]
     for key, default, help_text in describe_options():
         lines.append(f"  {key} = {default}")
-        lines.extend(textwrap.wrap(help_text, 88, initial_indent="      ",
-                                   subsequent_indent="      "))
+        lines.extend(
+            textwrap.wrap(help_text, 88, initial_indent="      ", subsequent_indent="      ")
+        )
     return "\n".join(lines)
 
 
@@ -32,15 +33,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m areal.controller",
         description="Train a language model with fully asynchronous RL. With no arguments: "
-                    "the embedded tiny model on the synthetic arithmetic task, on this CPU.",
-        epilog=_options_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+        "the embedded tiny model on the synthetic arithmetic task, on this CPU.",
+        epilog=_options_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--config", metavar="FILE", help="YAML file with any of the options")
-    source.add_argument("--resume", metavar="RUN_DIR",
-                        help="continue the run in RUN_DIR from its newest checkpoint, with its "
-                             "config.yaml (overrides still apply, e.g. trainer.total_steps=200)")
-    parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="dotted overrides, applied after the file (e.g. trainer.lr=1e-5)")
+    source.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR from its newest checkpoint, with its "
+        "config.yaml (overrides still apply, e.g. trainer.total_steps=200)",
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="dotted overrides, applied after the file (e.g. trainer.lr=1e-5)",
+    )
     return parser.parse_args(argv)
 
 
@@ -56,8 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=cfg.logging.level, stream=sys.stderr,
-                        format="%(asctime)s controller %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=cfg.logging.level,
+        stream=sys.stderr,
+        format="%(asctime)s controller %(levelname)s %(name)s: %(message)s",
+    )
     import uvloop
 
     from areal.controller.controller import Controller, RunFailed
@@ -101,9 +114,11 @@ async def _run_until_signalled(controller, signals: list[int]) -> None:
         if len(signals) > 1:
             main.cancel()
             return
-        print(f"\n{signal.Signals(signum).name}: stopping after the current step (the final "
-              "evaluation and the summary follow; send it again to end at once)",
-              file=sys.stderr)
+        print(
+            f"\n{signal.Signals(signum).name}: stopping after the current step (the final "
+            "evaluation and the summary follow; send it again to end at once)",
+            file=sys.stderr,
+        )
         controller.stop()
 
     for signum in (signal.SIGTERM, signal.SIGINT):

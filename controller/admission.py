@@ -31,8 +31,14 @@ NextPrompt = Callable[[], Awaitable[tuple[int, Prompt, np.ndarray]]]
 
 
 class Admission:
-    def __init__(self, cfg: RunConfig, ledger: Ledger, changed: Changed,
-                 version: Callable[[], int], stopping: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        ledger: Ledger,
+        changed: Changed,
+        version: Callable[[], int],
+        stopping: Callable[[], bool],
+    ) -> None:
         """`version`: the policy version in force; `stopping`: whether the run was asked to
         stop (no more admissions then)."""
         self.group_size = cfg.task.group_size
@@ -43,15 +49,17 @@ class Admission:
         self.staleness = StalenessController(cfg.trainer.batch_size, cfg.eta)
         self.open = True
         """False once training has ended: the final evaluation needs no training data."""
-        self.log: collections.deque[dict[str, int]] = collections.deque(
-            maxlen=ADMISSION_LOG_SIZE)
+        self.log: collections.deque[dict[str, int]] = collections.deque(maxlen=ADMISSION_LOG_SIZE)
         """One entry per admitted training group (the newest ADMISSION_LOG_SIZE): its id,
         the version at admission, the trajectories generated or in flight after admitting it
         (N_r), and the prompt's draw position in the task's stream."""
 
     def can_admit(self) -> bool:
-        return self.open and not self.stopping() \
+        return (
+            self.open
+            and not self.stopping()
             and self.staleness.capacity(self.version()) >= self.group_size
+        )
 
     async def run(self, next_prompt: NextPrompt) -> None:
         """Admit a group of each next training prompt whenever the bound allows."""
@@ -65,10 +73,17 @@ class Admission:
         """A group of `prompt` into the ledger, counted in the staleness window."""
         version = self.version()
         self.staleness.admit(self.group_size, version)
-        group = self.ledger.add_group(prompt, prompt_ids, self.group_size, version,
-                                      position=position)
-        self.log.append({"group_id": group.group_id, "version": version,
-                         "num_admitted": self.staleness.num_live, "position": position})
+        group = self.ledger.add_group(
+            prompt, prompt_ids, self.group_size, version, position=position
+        )
+        self.log.append(
+            {
+                "group_id": group.group_id,
+                "version": version,
+                "num_admitted": self.staleness.num_live,
+                "position": position,
+            }
+        )
         return group
 
     def close(self) -> None:

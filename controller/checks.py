@@ -24,18 +24,33 @@ from typing import Any
 import numpy as np
 
 from areal.messages import (
-    Generated, GroupName, GroupStatus, Heartbeat, Ready, Register, Scored, Trained,
-    WeightsChunk, WeightsUpdated, WorkerError, WorkerKind,
+    Generated,
+    GroupName,
+    GroupStatus,
+    Heartbeat,
+    Ready,
+    Register,
+    Scored,
+    Trained,
+    WeightsChunk,
+    WeightsUpdated,
+    WorkerError,
+    WorkerKind,
 )
 from areal.types import PROMPT_VERSION
 from areal.controller.pool import WorkerHandle
 
 _ANY = frozenset(WorkerKind)
 _SENDERS: dict[type, frozenset[WorkerKind]] = {
-    Register: _ANY, Ready: _ANY, Heartbeat: _ANY, WorkerError: _ANY,
-    Generated: frozenset({WorkerKind.ROLLOUT}), WeightsUpdated: frozenset({WorkerKind.ROLLOUT}),
+    Register: _ANY,
+    Ready: _ANY,
+    Heartbeat: _ANY,
+    WorkerError: _ANY,
+    Generated: frozenset({WorkerKind.ROLLOUT}),
+    WeightsUpdated: frozenset({WorkerKind.ROLLOUT}),
     Scored: frozenset({WorkerKind.REWARD}),
-    Trained: frozenset({WorkerKind.TRAINER}), WeightsChunk: frozenset({WorkerKind.TRAINER}),
+    Trained: frozenset({WorkerKind.TRAINER}),
+    WeightsChunk: frozenset({WorkerKind.TRAINER}),
     GroupStatus: frozenset({WorkerKind.ROLLOUT, WorkerKind.TRAINER}),
 }
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -58,26 +73,32 @@ def sender_problem(msg: Any, handle: WorkerHandle | None) -> str:
         return f"Trained for rank {msg.rank} from rank {handle.rank}"
     if isinstance(msg, WeightsChunk) and handle.rank != 0:
         return f"WeightsChunk from trainer rank {handle.rank}; only rank 0 publishes"
-    if isinstance(msg, GroupStatus) and msg.group is GroupName.TRAINER \
-            and handle.kind is not WorkerKind.TRAINER:
+    if (
+        isinstance(msg, GroupStatus)
+        and msg.group is GroupName.TRAINER
+        and handle.kind is not WorkerKind.TRAINER
+    ):
         return f"trainer-group status from a {handle.kind.value} worker"
     return ""
 
 
-def generated_problem(msg: Generated, *, max_new_tokens: int, version: int,
-                      vocab_size: int | None) -> str:
+def generated_problem(
+    msg: Generated, *, max_new_tokens: int, version: int, vocab_size: int | None
+) -> str:
     if msg.segment_prompt_lens or msg.prompt_ids is not None:
-        return _segments_problem(msg, max_new_tokens=max_new_tokens, version=version,
-                                 vocab_size=vocab_size)
-    if msg.loss_mask is None and _plain_completion_fits(msg, max_new_tokens, version,
-                                                         vocab_size):
+        return _segments_problem(
+            msg, max_new_tokens=max_new_tokens, version=version, vocab_size=vocab_size
+        )
+    if msg.loss_mask is None and _plain_completion_fits(msg, max_new_tokens, version, vocab_size):
         return ""
-    return _generated_problem(msg, max_new_tokens=max_new_tokens, version=version,
-                              vocab_size=vocab_size)
+    return _generated_problem(
+        msg, max_new_tokens=max_new_tokens, version=version, vocab_size=vocab_size
+    )
 
 
-def _segments_problem(msg: Generated, *, max_new_tokens: int, version: int,
-                      vocab_size: int | None) -> str:
+def _segments_problem(
+    msg: Generated, *, max_new_tokens: int, version: int, vocab_size: int | None
+) -> str:
     """An agent episode's segments: lists that pair up, lengths that add up, prompts in the
     vocabulary, finite rewards, and each segment's tokens checked as one completion
     (versions never decrease within a segment; segments may run side by side)."""
@@ -85,40 +106,58 @@ def _segments_problem(msg: Generated, *, max_new_tokens: int, version: int,
     if msg.prompt_ids is None or msg.loss_mask is None:
         return "a segmented episode without prompt_ids or loss_mask"
     if not len(prompt_lens) == len(output_lens) == len(msg.segment_rewards) >= 1:
-        return (f"segment_prompt_lens, segment_output_lens, segment_rewards have lengths "
-                f"{[len(prompt_lens), len(output_lens), len(msg.segment_rewards)]}: one of "
-                "each per segment")
+        return (
+            f"segment_prompt_lens, segment_output_lens, segment_rewards have lengths "
+            f"{[len(prompt_lens), len(output_lens), len(msg.segment_rewards)]}: one of "
+            "each per segment"
+        )
     if min(prompt_lens) < 1 or min(output_lens) < 0:
         return "a segment with an empty prompt or a negative length"
     if msg.prompt_ids.ndim != 1 or sum(prompt_lens) != len(msg.prompt_ids):
-        return (f"segment prompts of {sum(prompt_lens)} tokens but prompt_ids holds "
-                f"{len(msg.prompt_ids)}")
-    if msg.prompt_ids.dtype.kind not in "iu" or msg.prompt_ids.min() < 0 or (
-            vocab_size is not None and msg.prompt_ids.max() >= vocab_size):
+        return (
+            f"segment prompts of {sum(prompt_lens)} tokens but prompt_ids holds "
+            f"{len(msg.prompt_ids)}"
+        )
+    if (
+        msg.prompt_ids.dtype.kind not in "iu"
+        or msg.prompt_ids.min() < 0
+        or (vocab_size is not None and msg.prompt_ids.max() >= vocab_size)
+    ):
         return "prompt_ids are not token ids of the vocabulary"
-    if not all(math.isfinite(r) for r in msg.segment_rewards) \
-            or msg.segment_rewards[-1] != msg.reward:
+    if (
+        not all(math.isfinite(r) for r in msg.segment_rewards)
+        or msg.segment_rewards[-1] != msg.reward
+    ):
         return "segment rewards must be finite, the last equal to the episode's reward"
     arrays = (msg.output_ids, msg.logprobs, msg.versions, msg.loss_mask)
     if any(a.ndim != 1 or len(a) != sum(output_lens) for a in arrays):
-        return (f"segments of {sum(output_lens)} tokens but per-token arrays of lengths "
-                f"{[len(a) for a in arrays]}")
+        return (
+            f"segments of {sum(output_lens)} tokens but per-token arrays of lengths "
+            f"{[len(a) for a in arrays]}"
+        )
     start = 0
     for i, length in enumerate(output_lens):
         span = slice(start, start + length)
-        part = Generated(request_id=msg.request_id, output_ids=msg.output_ids[span],
-                         logprobs=msg.logprobs[span], versions=msg.versions[span],
-                         loss_mask=msg.loss_mask[span], finish_reason=msg.finish_reason)
-        problem = _generated_problem(part, max_new_tokens=max_new_tokens, version=version,
-                                     vocab_size=vocab_size)
+        part = Generated(
+            request_id=msg.request_id,
+            output_ids=msg.output_ids[span],
+            logprobs=msg.logprobs[span],
+            versions=msg.versions[span],
+            loss_mask=msg.loss_mask[span],
+            finish_reason=msg.finish_reason,
+        )
+        problem = _generated_problem(
+            part, max_new_tokens=max_new_tokens, version=version, vocab_size=vocab_size
+        )
         if problem:
             return f"segment {i}: {problem}"
         start += length
     return ""
 
 
-def _plain_completion_fits(msg: Generated, max_new_tokens: int, version: int,
-                           vocab_size: int | None) -> bool:
+def _plain_completion_fits(
+    msg: Generated, max_new_tokens: int, version: int, vocab_size: int | None
+) -> bool:
     """True only when `_generated_problem` finds nothing in a single completion (no loss
     mask), with fewer numpy calls: every Generated a rollout worker sends passes here
     (thousands per step at cluster scale). Versions that never decrease have their least and
@@ -133,8 +172,7 @@ def _plain_completion_fits(msg: Generated, max_new_tokens: int, version: int,
     n = len(ids)
     if not 0 < n <= max_new_tokens or len(logprobs) != n or len(versions) != n:
         return False
-    if ids.dtype.kind not in "iu" or versions.dtype.kind not in "iu" \
-            or logprobs.dtype.kind != "f":
+    if ids.dtype.kind not in "iu" or versions.dtype.kind not in "iu" or logprobs.dtype.kind != "f":
         return False
     if vocab_size is not None:  # one pass for both bounds: a negative id read unsigned is
         if _MAX(ids.view(_UNSIGNED[ids.dtype.itemsize])) >= vocab_size:  # above any vocabulary
@@ -148,9 +186,9 @@ def _plain_completion_fits(msg: Generated, max_new_tokens: int, version: int,
     return bool(_MAX(logprobs) <= LOGPROB_SLACK and _MIN(logprobs) > -math.inf)
 
 
-
-def _generated_problem(msg: Generated, *, max_new_tokens: int, version: int,
-                       vocab_size: int | None) -> str:
+def _generated_problem(
+    msg: Generated, *, max_new_tokens: int, version: int, vocab_size: int | None
+) -> str:
     arrays = {"output_ids": msg.output_ids, "logprobs": msg.logprobs, "versions": msg.versions}
     for name, array in arrays.items():
         if array.ndim != 1:
@@ -160,10 +198,15 @@ def _generated_problem(msg: Generated, *, max_new_tokens: int, version: int,
         return f"output_ids, logprobs, versions have lengths {lengths}: one of each per token"
     if lengths[0] > max_new_tokens:
         return f"{lengths[0]} tokens for a request of at most {max_new_tokens}"
-    if msg.output_ids.dtype.kind not in "iu" or msg.versions.dtype.kind not in "iu" \
-            or msg.logprobs.dtype.kind != "f":
-        return (f"dtypes {msg.output_ids.dtype}, {msg.logprobs.dtype}, {msg.versions.dtype}: "
-                "token ids and versions are integers, log-probs floats")
+    if (
+        msg.output_ids.dtype.kind not in "iu"
+        or msg.versions.dtype.kind not in "iu"
+        or msg.logprobs.dtype.kind != "f"
+    ):
+        return (
+            f"dtypes {msg.output_ids.dtype}, {msg.logprobs.dtype}, {msg.versions.dtype}: "
+            "token ids and versions are integers, log-probs floats"
+        )
     if not lengths[0]:
         return ""
     ids, versions, logprobs = msg.output_ids, msg.versions, msg.logprobs
@@ -185,28 +228,35 @@ def _generated_problem(msg: Generated, *, max_new_tokens: int, version: int,
     return ""
 
 
-def _observation_problem(loss_mask: np.ndarray, versions: np.ndarray,
-                         logprobs: np.ndarray) -> str:
+def _observation_problem(loss_mask: np.ndarray, versions: np.ndarray, logprobs: np.ndarray) -> str:
     """An episode's observation tokens (loss_mask False) carry PROMPT_VERSION and log-prob 0;
     the checks on versions and log-probs then apply to the sampled tokens only."""
     if loss_mask.shape != versions.shape or loss_mask.dtype != np.bool_:
-        return (f"loss_mask has shape {list(loss_mask.shape)} and dtype {loss_mask.dtype}: "
-                f"one bool per token ({len(versions)})")
+        return (
+            f"loss_mask has shape {list(loss_mask.shape)} and dtype {loss_mask.dtype}: "
+            f"one bool per token ({len(versions)})"
+        )
     observed = ~loss_mask
     if np.any(versions[observed] != PROMPT_VERSION) or np.any(logprobs[observed] != 0):
-        return (f"observation tokens (loss_mask False) carry version {PROMPT_VERSION} and "
-                "log-prob 0")
+        return f"observation tokens (loss_mask False) carry version {PROMPT_VERSION} and log-prob 0"
     return ""
 
 
 def scored_problem(msg: Scored) -> str:
     """What makes a whole Scored unusable: lists that do not pair an outcome with each
     request."""
-    lengths = [len(msg.request_ids), len(msg.rewards), len(msg.verdicts), len(msg.details),
-               len(msg.check_s)]
+    lengths = [
+        len(msg.request_ids),
+        len(msg.rewards),
+        len(msg.verdicts),
+        len(msg.details),
+        len(msg.check_s),
+    ]
     if len(set(lengths)) != 1:
-        return (f"request_ids, rewards, verdicts, details, check_s have lengths {lengths}: "
-                "one of each per request")
+        return (
+            f"request_ids, rewards, verdicts, details, check_s have lengths {lengths}: "
+            "one of each per request"
+        )
     return ""
 
 

@@ -32,11 +32,20 @@ from areal.controller.trainers import Trainers
 from areal.controller.weight_sync import WeightSync, make_weight_sync
 
 
-def build_core(cfg: RunConfig, setup: RunSetup, pool: WorkerPool, metrics: MetricsSink, *,
-               changed: Changed, send: Callable[[Outbox], Awaitable[None]], address: str,
-               group_filters: list[Callable[[Group], str | None]],
-               stopping: Callable[[], bool], vocab_size: int | None,
-               started: float) -> Core:
+def build_core(
+    cfg: RunConfig,
+    setup: RunSetup,
+    pool: WorkerPool,
+    metrics: MetricsSink,
+    *,
+    changed: Changed,
+    send: Callable[[Outbox], Awaitable[None]],
+    address: str,
+    group_filters: list[Callable[[Group], str | None]],
+    stopping: Callable[[], bool],
+    vocab_size: int | None,
+    started: float,
+) -> Core:
     """Every component of a run, wired: the one place they are made. `send`: carries out an
     Outbox (the shell's); `address`: where remote workers connect; `stopping`: whether the
     run was asked to stop; `started`: when it started (clock.now())."""
@@ -51,24 +60,70 @@ def build_core(cfg: RunConfig, setup: RunSetup, pool: WorkerPool, metrics: Metri
     ledger = Ledger()
     peer_log = PeerLog(record_event, clock=clock.now)
     report = StepReport()
-    trainers = Trainers(cfg, pool, changed, send, address, record_event, metrics.console,
-                        lambda worker_id: setup.run_dir / "logs" / f"{worker_id}.log",
-                        lambda: weights.trainers_lost())
-    weights: WeightSync = make_weight_sync(cfg, setup.run_dir, pool, record_event,
-                                           lambda: trainers.group.store)
+    trainers = Trainers(
+        cfg,
+        pool,
+        changed,
+        send,
+        address,
+        record_event,
+        metrics.console,
+        lambda worker_id: setup.run_dir / "logs" / f"{worker_id}.log",
+        lambda: weights.trainers_lost(),
+    )
+    weights: WeightSync = make_weight_sync(
+        cfg, setup.run_dir, pool, record_event, lambda: trainers.group.store
+    )
     admission = Admission(cfg, ledger, changed, lambda: weights.version, stopping)
     generation = Generation(cfg, ledger, pool, setup.stop_token_ids)
-    scoring = Scoring(cfg, ledger, report,
-                      refuse=lambda identity, reason, detail: core.refuse(identity, reason,
-                                                                          detail),
-                      on_complete=lambda group, out: core.group_done(group, out), drop=drop)
+    scoring = Scoring(
+        cfg,
+        ledger,
+        report,
+        refuse=lambda identity, reason, detail: core.refuse(identity, reason, detail),
+        on_complete=lambda group, out: core.group_done(group, out),
+        drop=drop,
+    )
     evaluations = Evaluations(ledger, setup.eval_prompts, cfg.eval.num_samples)
-    driver = TrainDriver(cfg, setup, ledger, admission, generation, scoring, evaluations,
-                         trainers, pool, metrics, peer_log, changed, report,
-                         version=lambda: weights.version, stopping=stopping, send=send,
-                         drop=drop, malformed=lambda: core.num_malformed,
-                         record_event=record_event, started=started)
-    core = Core(cfg, setup, ledger, pool, admission, generation, scoring, evaluations, weights,
-                trainers, driver, peer_log, changed, record_event, group_filters, vocab_size)
+    driver = TrainDriver(
+        cfg,
+        setup,
+        ledger,
+        admission,
+        generation,
+        scoring,
+        evaluations,
+        trainers,
+        pool,
+        metrics,
+        peer_log,
+        changed,
+        report,
+        version=lambda: weights.version,
+        stopping=stopping,
+        send=send,
+        drop=drop,
+        malformed=lambda: core.num_malformed,
+        record_event=record_event,
+        started=started,
+    )
+    core = Core(
+        cfg,
+        setup,
+        ledger,
+        pool,
+        admission,
+        generation,
+        scoring,
+        evaluations,
+        weights,
+        trainers,
+        driver,
+        peer_log,
+        changed,
+        record_event,
+        group_filters,
+        vocab_size,
+    )
     pool.on_refused = core.registration_refused
     return core

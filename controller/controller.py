@@ -80,8 +80,9 @@ class Controller:
     """Run one training job. Embeddable: `await Controller(cfg).run()` inside any event loop,
     with `events()` streaming every metrics record while it runs."""
 
-    def __init__(self, cfg: RunConfig, *, resume: bool = False,
-                 runtime: Runtime | None = None) -> None:
+    def __init__(
+        self, cfg: RunConfig, *, resume: bool = False, runtime: Runtime | None = None
+    ) -> None:
         """`resume`: continue the run in cfg.run_dir from its newest checkpoint (resume.py).
         `runtime`: where the workers live and how they are reached (runtime.py); by default
         the one of `cfg.launcher` (launch/: local processes and remote peers over ZeroMQ,
@@ -91,8 +92,9 @@ class Controller:
         self.runtime: Runtime = runtime or make_runtime(cfg)
         self.changed = Changed()
         """The loops' wake-up signal: every change of state they wait on notifies it."""
-        self.group_filters: list[Callable[[Group], str | None]] = \
-            dynamic_sampling.group_filters(cfg)
+        self.group_filters: list[Callable[[Group], str | None]] = dynamic_sampling.group_filters(
+            cfg
+        )
         """Checks of every training group once it is complete, in order: the first that
         names a reason drops the group instead of training on it (add your own before
         `run`)."""
@@ -159,8 +161,9 @@ class Controller:
         started = clock.now()
         setup, resumed = await self._prepare()
         self.cfg = setup.cfg
-        metrics = MetricsSink(self.cfg, setup.run_dir, self.cfg.trainer.total_steps,
-                              self._subscribers)
+        metrics = MetricsSink(
+            self.cfg, setup.run_dir, self.cfg.trainer.total_steps, self._subscribers
+        )
         vocab_size = await asyncio.to_thread(model_vocab_size, self.cfg.model.path)
         connection = self.runtime.connect(self.cfg, setup)
         channel, pool = connection.channel, connection.pool
@@ -168,8 +171,7 @@ class Controller:
             core = self._build(setup, metrics, channel, pool, vocab_size, started)
             if resumed is not None:
                 self._restore(core, resumed, metrics)
-            metrics.console(f"run directory: {setup.run_dir}  |  controller at "
-                            f"{channel.address}")
+            metrics.console(f"run directory: {setup.run_dir}  |  controller at {channel.address}")
             core.record_event("data_loaded", **getattr(setup.task, "counts", {}))
             self._spawn_local_workers(core.pool, channel.address, metrics)
             return await self._supervise(core, channel, connection.loops)
@@ -199,12 +201,28 @@ class Controller:
             self._close_subscribers()
             raise RunFailed(f"cannot resume: {err}") from err
 
-    def _build(self, setup: RunSetup, metrics: MetricsSink, channel: Any, pool: WorkerPool,
-               vocab_size: int | None, started: float) -> Core:
-        core = build_core(self.cfg, setup, pool, metrics, changed=self.changed, send=self._send,
-                          address=channel.address, group_filters=self.group_filters,
-                          stopping=lambda: self.stopping, vocab_size=vocab_size,
-                          started=started)
+    def _build(
+        self,
+        setup: RunSetup,
+        metrics: MetricsSink,
+        channel: Any,
+        pool: WorkerPool,
+        vocab_size: int | None,
+        started: float,
+    ) -> Core:
+        core = build_core(
+            self.cfg,
+            setup,
+            pool,
+            metrics,
+            changed=self.changed,
+            send=self._send,
+            address=channel.address,
+            group_filters=self.group_filters,
+            stopping=lambda: self.stopping,
+            vocab_size=vocab_size,
+            started=started,
+        )
         channel.registered = lambda identity: pool.get(identity) is not None
         self.core, self._channel = core, channel
         return core
@@ -220,14 +238,20 @@ class Controller:
         core.admission.resume(state.step * self.cfg.trainer.batch_size)
         core.report.dropped_total.update(kept_dropped_groups(run_dir, state))
         removed = clear_after(run_dir, state)
-        metrics.console(f"resuming after step {state.step} (version {state.version}) "
-                        f"from {state.path}; {len(state.untrained)} untrained prompt "
-                        "groups are generated again"
-                        + (f"; removed {len(removed)} newer weight versions and "
-                           "checkpoints" if removed else ""))
+        metrics.console(
+            f"resuming after step {state.step} (version {state.version}) "
+            f"from {state.path}; {len(state.untrained)} untrained prompt "
+            "groups are generated again"
+            + (f"; removed {len(removed)} newer weight versions and checkpoints" if removed else "")
+        )
         # Marks the records of the stopped run that this one supersedes (areal.records).
-        core.record_event("resumed", step=state.step, checkpoint=state.path,
-                          regenerated_groups=len(state.untrained), removed=removed)
+        core.record_event(
+            "resumed",
+            step=state.step,
+            checkpoint=state.path,
+            regenerated_groups=len(state.untrained),
+            removed=removed,
+        )
 
     def _close_subscribers(self) -> None:
         """The run ends before it started: end every `events()` iteration."""
@@ -252,8 +276,10 @@ class Controller:
         }
         try:
             async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(_forever(name, loop), name=name)
-                         for name, loop in loops.items()]
+                tasks = [
+                    group.create_task(_forever(name, loop), name=name)
+                    for name, loop in loops.items()
+                ]
                 summary = await group.create_task(core.driver.run(), name="train-driver")
                 for task in tasks:
                     task.cancel()
@@ -273,8 +299,9 @@ class Controller:
             for rank in range(self.cfg.trainer.num_ranks):
                 pool.spawn(WorkerKind.TRAINER, rank, rank=rank)
         if remote:
-            metrics.console(f"waiting for remote workers ({', '.join(sorted(remote))}) to join "
-                            f"at {address}")
+            metrics.console(
+                f"waiting for remote workers ({', '.join(sorted(remote))}) to join at {address}"
+            )
 
     async def _receive(self, core: Core, channel: Any) -> None:
         """Every message from the workers, decided on by the core; what it decides is sent
@@ -311,8 +338,12 @@ class Controller:
             for handle in pool.lost(cfg.heartbeat_timeout_s):
                 if handle not in pool.lost(cfg.heartbeat_timeout_s):
                     continue  # restarted meanwhile, with its trainer group
-                await self._lose(handle, "process exited" if handle.process is not None
-                                 and handle.process.poll() is not None else "silent")
+                await self._lose(
+                    handle,
+                    "process exited"
+                    if handle.process is not None and handle.process.poll() is not None
+                    else "silent",
+                )
             out = Outbox()
             for handle, why in weights.retry(out):
                 await self._lose(handle, why)
@@ -367,8 +398,10 @@ class Controller:
                 return
             await stop_process(handle)
             if handle.num_restarts >= MAX_RESTARTS:
-                raise RunFailed(f"{handle.worker_id} died {handle.num_restarts + 1} times; see "
-                                f"{self._log_of(core.setup, handle.worker_id)}")
+                raise RunFailed(
+                    f"{handle.worker_id} died {handle.num_restarts + 1} times; see "
+                    f"{self._log_of(core.setup, handle.worker_id)}"
+                )
             handle.num_restarts += 1
             index = int(handle.worker_id.rsplit("-", 1)[1])
             core.pool.spawn(handle.kind, index, handle.rank)
@@ -379,8 +412,10 @@ class Controller:
         """Shutdown to every worker; `final` (write final_model) only after a finished run."""
         final = core.driver.summary is not None
         for handle in list(core.pool.by_identity.values()):
-            await channel.send(handle.identity, Shutdown(
-                reason="run finished" if final else "run ended", final=final))
+            await channel.send(
+                handle.identity,
+                Shutdown(reason="run finished" if final else "run ended", final=final),
+            )
         await asyncio.to_thread(core.pool.stop_all)
 
 

@@ -52,8 +52,20 @@ from areal.controller.train_driver import TrainDriver
 from areal.controller.trainers import RunFailed, Trainers
 from areal.controller.weight_sync import WeightSync
 from areal.messages import (
-    Generated, GroupName, GroupStatus, Heartbeat, Ready, Register, Scored, Shutdown, Trained,
-    Welcome, WeightsChunk, WeightsUpdated, WorkerError, WorkerKind,
+    Generated,
+    GroupName,
+    GroupStatus,
+    Heartbeat,
+    Ready,
+    Register,
+    Scored,
+    Shutdown,
+    Trained,
+    Welcome,
+    WeightsChunk,
+    WeightsUpdated,
+    WorkerError,
+    WorkerKind,
 )
 from areal.transport import PeerMessageError
 
@@ -61,13 +73,25 @@ log = logging.getLogger("areal.controller")
 
 
 class Core:
-    def __init__(self, cfg: RunConfig, setup: RunSetup, ledger: Ledger, pool: WorkerPool,
-                 admission: Admission, generation: Generation, scoring: Scoring,
-                 evaluations: Evaluations, weights: WeightSync, trainers: Trainers,
-                 driver: TrainDriver, peer_log: PeerLog, changed: Changed,
-                 record_event: Callable[..., None],
-                 group_filters: list[Callable[[Group], str | None]],
-                 vocab_size: int | None) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        setup: RunSetup,
+        ledger: Ledger,
+        pool: WorkerPool,
+        admission: Admission,
+        generation: Generation,
+        scoring: Scoring,
+        evaluations: Evaluations,
+        weights: WeightSync,
+        trainers: Trainers,
+        driver: TrainDriver,
+        peer_log: PeerLog,
+        changed: Changed,
+        record_event: Callable[..., None],
+        group_filters: list[Callable[[Group], str | None]],
+        vocab_size: int | None,
+    ) -> None:
         """`changed`: the loops' wake-up signal (admission waits for dropped groups' slots
         and new versions)."""
         self.cfg = cfg
@@ -95,10 +119,17 @@ class Core:
         self.losing: set[str] = set()
         """Worker ids whose loss is being handled (until the shell has restarted them)."""
         self._handlers: dict[type, Callable[[bytes, Any, Any, list[bytes], Outbox], None]] = {
-            Register: self._on_register, Ready: self._on_ready, Heartbeat: self._on_heartbeat,
-            Generated: self._on_generated, Scored: self._on_scored, Trained: self._on_trained,
-            WeightsChunk: self._on_weights_chunk, WeightsUpdated: self._on_weights_updated,
-            WorkerError: self._on_worker_error, GroupStatus: self._on_group_status}
+            Register: self._on_register,
+            Ready: self._on_ready,
+            Heartbeat: self._on_heartbeat,
+            Generated: self._on_generated,
+            Scored: self._on_scored,
+            Trained: self._on_trained,
+            WeightsChunk: self._on_weights_chunk,
+            WeightsUpdated: self._on_weights_updated,
+            WorkerError: self._on_worker_error,
+            GroupStatus: self._on_group_status,
+        }
         self._rooms = {WorkerKind.ROLLOUT: generation.room, WorkerKind.REWARD: scoring.room}
 
     # -- routing --------------------------------------------------------------------------------
@@ -114,8 +145,9 @@ class Core:
                 return self.weights.candidates(joining=handle)
         return []
 
-    def on_message(self, identity: bytes, msg: Any, now: float,
-                   members: list[bytes] | None = None) -> Outbox:
+    def on_message(
+        self, identity: bytes, msg: Any, now: float, members: list[bytes] | None = None
+    ) -> Outbox:
         """Everything that follows from `msg` arriving from `identity` at `now`; `members`:
         the reachable ones of `probe`'s workers."""
         out = Outbox()
@@ -123,8 +155,11 @@ class Core:
         if handle is not None:
             handle.last_seen = now
         handler = self._handlers.get(type(msg))
-        problem = sender_problem(msg, handle) if handler is not None else \
-            f"{type(msg).__name__} is not a message to the controller"
+        problem = (
+            sender_problem(msg, handle)
+            if handler is not None
+            else f"{type(msg).__name__} is not a message to the controller"
+        )
         if handler is None or problem:
             self.refuse(identity, "unexpected message", problem)
             return out
@@ -146,9 +181,12 @@ class Core:
         self.peer_log.report(handle.worker_id if handle else peer_name(identity), reason, detail)
 
     def registration_refused(self, identity: bytes, msg: Register, why: str) -> None:
-        self.peer_log.report(peer_name(identity), "registration refused",
-                             f"{why}: worker_id={msg.worker_id[:100]!r} host={msg.host[:100]!r} "
-                             f"pid={msg.pid}", worker_id=msg.worker_id[:100])
+        self.peer_log.report(
+            peer_name(identity),
+            "registration refused",
+            f"{why}: worker_id={msg.worker_id[:100]!r} host={msg.host[:100]!r} pid={msg.pid}",
+            worker_id=msg.worker_id[:100],
+        )
 
     def can_dispatch(self) -> bool:
         return self.scoring.can_dispatch() or self.generation.can_dispatch()
@@ -160,49 +198,90 @@ class Core:
 
     # -- the messages ---------------------------------------------------------------------------
 
-    def _on_register(self, identity: bytes, handle: WorkerHandle | None, msg: Register,
-                     members: list[bytes], out: Outbox) -> None:
+    def _on_register(
+        self,
+        identity: bytes,
+        handle: WorkerHandle | None,
+        msg: Register,
+        members: list[bytes],
+        out: Outbox,
+    ) -> None:
         handle = self.pool.register(identity, msg)
         if handle is None:
             out.send(identity, Shutdown(reason="registration refused"))
             return
         trainer = handle.kind is WorkerKind.TRAINER
         version, weights_path = self.weights.welcome(handle)
-        out.send(identity, Welcome(
-            config=self.setup.config_dict, version=version, weights_path=weights_path,
-            run_dir=str(self.setup.run_dir),
-            checkpoint=self.trainers.recovery.checkpoint if trainer else ""))
+        out.send(
+            identity,
+            Welcome(
+                config=self.setup.config_dict,
+                version=version,
+                weights_path=weights_path,
+                run_dir=str(self.setup.run_dir),
+                checkpoint=self.trainers.recovery.checkpoint if trainer else "",
+            ),
+        )
         self.weights.after_welcome(handle, out)
 
-    def _on_ready(self, identity: bytes, handle: WorkerHandle, msg: Ready,
-                  members: list[bytes], out: Outbox) -> None:
+    def _on_ready(
+        self, identity: bytes, handle: WorkerHandle, msg: Ready, members: list[bytes], out: Outbox
+    ) -> None:
         self.trainers.group.on_ready(handle, msg.store)
         self.weights.on_ready(handle, members, out)
         handle.ready, handle.version = True, msg.version
         self.record_event("worker_ready", worker_id=handle.worker_id)
 
-    def _on_group_status(self, identity: bytes, handle: WorkerHandle, msg: GroupStatus,
-                         members: list[bytes], out: Outbox) -> None:
-        self.record_event(f"{msg.group.value}_group_{msg.state.value}",
-                          worker_id=handle.worker_id, generation=msg.generation,
-                          error=msg.error)
+    def _on_group_status(
+        self,
+        identity: bytes,
+        handle: WorkerHandle,
+        msg: GroupStatus,
+        members: list[bytes],
+        out: Outbox,
+    ) -> None:
+        self.record_event(
+            f"{msg.group.value}_group_{msg.state.value}",
+            worker_id=handle.worker_id,
+            generation=msg.generation,
+            error=msg.error,
+        )
         if msg.group is GroupName.TRAINER:
             self.trainers.group.on_status(handle, msg)
         else:
             self.weights.on_group_status(handle, msg)
 
-    def _on_heartbeat(self, identity: bytes, handle: WorkerHandle, msg: Heartbeat,
-                      members: list[bytes], out: Outbox) -> None:
+    def _on_heartbeat(
+        self,
+        identity: bytes,
+        handle: WorkerHandle,
+        msg: Heartbeat,
+        members: list[bytes],
+        out: Outbox,
+    ) -> None:
         pass  # last_seen is updated for every message
 
-    def _on_generated(self, identity: bytes, handle: WorkerHandle, msg: Generated,
-                      members: list[bytes], out: Outbox) -> None:
+    def _on_generated(
+        self,
+        identity: bytes,
+        handle: WorkerHandle,
+        msg: Generated,
+        members: list[bytes],
+        out: Outbox,
+    ) -> None:
         handle.in_flight.discard(msg.request_id)
-        problem = generated_problem(msg, max_new_tokens=self.cfg.rollout.max_new_tokens,
-                                    version=self.weights.version, vocab_size=self.vocab_size)
+        problem = generated_problem(
+            msg,
+            max_new_tokens=self.cfg.rollout.max_new_tokens,
+            version=self.weights.version,
+            vocab_size=self.vocab_size,
+        )
         if problem:
-            self.refuse(identity, "contradicts the ledger", f"Generated {msg.request_id[:60]!r}: "
-                        f"{problem}; generated again")
+            self.refuse(
+                identity,
+                "contradicts the ledger",
+                f"Generated {msg.request_id[:60]!r}: {problem}; generated again",
+            )
             held = self.ledger.held(msg.request_id, identity, Stage.GENERATING)
             if held is not None:
                 self.ledger.requeue(held)
@@ -217,7 +296,8 @@ class Core:
         if group.purpose is Purpose.TRAIN:
             self.admission.generated()
             if self.cfg.staleness.strict and strict_staleness.expired(
-                    group, self.weights.version, self.cfg.eta):
+                group, self.weights.version, self.cfg.eta
+            ):
                 self.drop_group(group, strict_staleness.STALE, out)
                 return
         if msg.episode_end is not None:  # an episode: its environment gave the reward
@@ -227,8 +307,9 @@ class Core:
         if unscored:  # the group's last generation: score them all in one message
             self.scoring.score(unscored, out)
 
-    def _on_scored(self, identity: bytes, handle: WorkerHandle, msg: Scored,
-                   members: list[bytes], out: Outbox) -> None:
+    def _on_scored(
+        self, identity: bytes, handle: WorkerHandle, msg: Scored, members: list[bytes], out: Outbox
+    ) -> None:
         self.scoring.on_scored(identity, handle, msg, out)
 
     def group_done(self, group: Group | None, out: Outbox) -> None:
@@ -244,11 +325,15 @@ class Core:
         else:
             self.evaluations.group_scored(group, out)
 
-    def _on_trained(self, identity: bytes, handle: WorkerHandle, msg: Trained,
-                    members: list[bytes], out: Outbox) -> None:
+    def _on_trained(
+        self, identity: bytes, handle: WorkerHandle, msg: Trained, members: list[bytes], out: Outbox
+    ) -> None:
         if not self.trainers.answer(msg):
-            self.refuse(identity, "unexpected message", f"Trained for step {msg.step}, which "
-                        "no step in progress expects")
+            self.refuse(
+                identity,
+                "unexpected message",
+                f"Trained for step {msg.step}, which no step in progress expects",
+            )
             return
         if not msg.replay:
             handle.num_restarts = 0  # it delivers: a later loss is not a crash loop
@@ -265,30 +350,58 @@ class Core:
         """The trainer published `trained.version`; strict bound: what it can no longer train
         is dropped first."""
         if self.cfg.staleness.strict:
-            self.driver.drop_expired([*self.ledger.buffer, *(
-                g for g in self.ledger.groups.values() if g.purpose is Purpose.TRAIN)], out,
-                version=trained.version)
+            self.driver.drop_expired(
+                [
+                    *self.ledger.buffer,
+                    *(g for g in self.ledger.groups.values() if g.purpose is Purpose.TRAIN),
+                ],
+                out,
+                version=trained.version,
+            )
         self.weights.publish(trained, members, out)
         out.wake(self.changed.notify)
 
-    def _on_weights_chunk(self, identity: bytes, handle: WorkerHandle, msg: WeightsChunk,
-                          members: list[bytes], out: Outbox) -> None:
+    def _on_weights_chunk(
+        self,
+        identity: bytes,
+        handle: WorkerHandle,
+        msg: WeightsChunk,
+        members: list[bytes],
+        out: Outbox,
+    ) -> None:
         problem = self.weights.on_chunk(msg, out)
         if problem:
             self.refuse(identity, "unexpected message", problem)
 
-    def _on_weights_updated(self, identity: bytes, handle: WorkerHandle, msg: WeightsUpdated,
-                            members: list[bytes], out: Outbox) -> None:
+    def _on_weights_updated(
+        self,
+        identity: bytes,
+        handle: WorkerHandle,
+        msg: WeightsUpdated,
+        members: list[bytes],
+        out: Outbox,
+    ) -> None:
         self.weights.on_updated(handle, msg)
         if not msg.error:
             self.report.on_weights_updated(msg)
 
-    def _on_worker_error(self, identity: bytes, handle: WorkerHandle, msg: WorkerError,
-                         members: list[bytes], out: Outbox) -> None:
-        log.error("%s reported: %s%s", handle.worker_id, msg.error,
-                  f" (request {msg.request_id})" if msg.request_id else "")
-        self.record_event("worker_error", worker_id=handle.worker_id, error=msg.error,
-                          fatal=msg.fatal)
+    def _on_worker_error(
+        self,
+        identity: bytes,
+        handle: WorkerHandle,
+        msg: WorkerError,
+        members: list[bytes],
+        out: Outbox,
+    ) -> None:
+        log.error(
+            "%s reported: %s%s",
+            handle.worker_id,
+            msg.error,
+            f" (request {msg.request_id})" if msg.request_id else "",
+        )
+        self.record_event(
+            "worker_error", worker_id=handle.worker_id, error=msg.error, fatal=msg.fatal
+        )
         if msg.fatal:
             self.lose(handle, f"fatal error: {msg.error}", out)
         elif msg.request_id and handle.kind is WorkerKind.TRAINER and self.trainers.busy:
@@ -299,8 +412,9 @@ class Core:
             # The engine refused or failed a generation (e.g. prompt + rollout.max_new_tokens
             # beyond the model's length): sent again it would fail again, and left alone its
             # group would never finish and the run would wait forever.
-            raise RunFailed(f"{handle.worker_id} could not generate request {msg.request_id}: "
-                            f"{msg.error}")
+            raise RunFailed(
+                f"{handle.worker_id} could not generate request {msg.request_id}: {msg.error}"
+            )
 
     # -- decisions spanning components ----------------------------------------------------------
 
@@ -326,10 +440,20 @@ class Core:
         requeued, rescore = [], []
         if handle.identity is not None:
             requeued, rescore = self.ledger.release_worker(handle.identity)
-        log.warning("lost %s (%s): re-queued %d generations, %d scorings", handle.worker_id,
-                    why, len(requeued), len(rescore))
-        self.record_event("worker_lost", worker_id=handle.worker_id, reason=why,
-                          requeued=len(requeued), rescored=len(rescore))
+        log.warning(
+            "lost %s (%s): re-queued %d generations, %d scorings",
+            handle.worker_id,
+            why,
+            len(requeued),
+            len(rescore),
+        )
+        self.record_event(
+            "worker_lost",
+            worker_id=handle.worker_id,
+            reason=why,
+            requeued=len(requeued),
+            rescored=len(rescore),
+        )
         self.weights.member_lost(handle)
         self.pool.forget(handle)
         self.scoring.worker_lost(rescore, out)

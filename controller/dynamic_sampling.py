@@ -46,7 +46,8 @@ class DynamicSampling:
                 f"with equal rewards within the group (the last: {rewards}): the model solves or "
                 "fails every prompt, so no batch can be filled. Use harder or easier prompts, "
                 "raise trainer.advantage.dynamic_sampling_max_drops, or turn "
-                "trainer.advantage.dynamic_sampling off")
+                "trainer.advantage.dynamic_sampling off"
+            )
         return REASON
 
 

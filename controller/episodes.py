@@ -32,8 +32,11 @@ def episode_fields(cfg: RunConfig, prompt: Prompt) -> dict[str, Any]:
     """Extra Generate fields: the prompt id and reference when episodes run (and the prompt
     text for an agent, which renders its own messages), else none."""
     if cfg.agent.function is not None:
-        return {"prompt_id": prompt.prompt_id, "reference": prompt.reference,
-                "prompt_text": prompt.text}
+        return {
+            "prompt_id": prompt.prompt_id,
+            "reference": prompt.reference,
+            "prompt_text": prompt.text,
+        }
     if cfg.episode.environment is None:
         return {}
     return {"prompt_id": prompt.prompt_id, "reference": prompt.reference}
@@ -42,11 +45,15 @@ def episode_fields(cfg: RunConfig, prompt: Prompt) -> dict[str, Any]:
 def episode_scored(msg: Generated) -> RewardOutcome:
     """The outcome of an episode that ended with its environment's reward."""
     if msg.verdict is None:  # a worker that does not follow the schema's contract
-        return RewardOutcome(reward=0.0, verdict=Verdict.ERROR,
-                             detail="the episode arrived without a verdict")
+        return RewardOutcome(
+            reward=0.0, verdict=Verdict.ERROR, detail="the episode arrived without a verdict"
+        )
     if not math.isfinite(msg.reward):
-        return RewardOutcome(reward=0.0, verdict=Verdict.ERROR,
-                             detail=f"the episode's reward {msg.reward!r} is not a finite number")
+        return RewardOutcome(
+            reward=0.0,
+            verdict=Verdict.ERROR,
+            detail=f"the episode's reward {msg.reward!r} is not a finite number",
+        )
     return RewardOutcome(reward=msg.reward, verdict=msg.verdict, detail=msg.detail)
 
 
@@ -60,10 +67,17 @@ def episode_metrics(trajectories: Sequence[Trajectory], prefix: str) -> dict[str
     errors = int(sum(t.episode["tool_errors"] for t in episodes))
     # An agent episode's counts cover all its segments (its last carries them).
     model = np.array([t.episode.get("model_tokens", t.num_model_tokens) for t in episodes])
-    observed = np.array([t.episode.get("observation_tokens", t.num_tokens - t.num_prompt_tokens
-                                       - t.num_model_tokens) for t in episodes])
+    observed = np.array(
+        [
+            t.episode.get(
+                "observation_tokens", t.num_tokens - t.num_prompt_tokens - t.num_model_tokens
+            )
+            for t in episodes
+        ]
+    )
     ends = collections.Counter(t.episode["end"] for t in episodes)
-    return {**_agent_metrics(episodes, prefix),
+    return {
+        **_agent_metrics(episodes, prefix),
         f"{prefix}turns_mean": float(turns.mean()),
         f"{prefix}turns_max": int(turns.max()),
         f"{prefix}tool_calls_mean": float(calls.mean()),
@@ -91,6 +105,5 @@ def _agent_metrics(episodes: Sequence[Trajectory], prefix: str) -> dict[str, Any
         f"{prefix}split_fraction": float(np.mean([e["segments"] > 1 for e in agents])),
         f"{prefix}retries_coalesced": int(sum(e["retries"] for e in agents)),
         f"{prefix}endpoint_queue_s_mean": sum(e["queue_s"] for e in agents) / max(num_calls, 1),
-        f"{prefix}endpoint_decode_s_mean": sum(e["decode_s"] for e in agents)
-        / max(num_calls, 1),
+        f"{prefix}endpoint_decode_s_mean": sum(e["decode_s"] for e in agents) / max(num_calls, 1),
     }

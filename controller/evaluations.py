@@ -36,8 +36,9 @@ class EvalRound:
 
 
 class Evaluations:
-    def __init__(self, ledger: Ledger, prompts: list[tuple[Prompt, np.ndarray]],
-                 num_samples: int) -> None:
+    def __init__(
+        self, ledger: Ledger, prompts: list[tuple[Prompt, np.ndarray]], num_samples: int
+    ) -> None:
         self.ledger = ledger
         self.prompts = prompts
         self.num_samples = num_samples
@@ -51,8 +52,15 @@ class Evaluations:
         self._num_started += 1
         self.rounds[round_.round_id] = round_
         for prompt, prompt_ids in self.prompts:
-            self.ledger.add_group(prompt, prompt_ids, self.num_samples, version, Purpose.EVAL,
-                                  eval_round=round_.round_id, front=True)
+            self.ledger.add_group(
+                prompt,
+                prompt_ids,
+                self.num_samples,
+                version,
+                Purpose.EVAL,
+                eval_round=round_.round_id,
+                front=True,
+            )
             round_.num_pending += 1
         return round_
 

@@ -24,8 +24,9 @@ from areal.seeds import eval_sample_seed, train_sample_seed
 
 
 class Generation:
-    def __init__(self, cfg: RunConfig, ledger: Ledger, pool: WorkerPool,
-                 stop_token_ids: list[int]) -> None:
+    def __init__(
+        self, cfg: RunConfig, ledger: Ledger, pool: WorkerPool, stop_token_ids: list[int]
+    ) -> None:
         self.cfg = cfg
         self.ledger = ledger
         self.pool = pool
@@ -51,12 +52,19 @@ class Generation:
         training = group.purpose is Purpose.TRAIN
         self.ledger.start_generation(sample, worker.identity, clock.now())
         worker.in_flight.add(sample.request_id)
-        out.send(worker.identity, Generate(
-            request_id=sample.request_id, prompt_ids=group.prompt_ids,
-            max_new_tokens=rollout.max_new_tokens,
-            temperature=rollout.temperature if training else self.cfg.eval.temperature,
-            top_p=rollout.top_p if training else 1.0, stop_token_ids=self.stop_token_ids,
-            seed=self._seed(group, sample), **episode_fields(self.cfg, group.prompt)))
+        out.send(
+            worker.identity,
+            Generate(
+                request_id=sample.request_id,
+                prompt_ids=group.prompt_ids,
+                max_new_tokens=rollout.max_new_tokens,
+                temperature=rollout.temperature if training else self.cfg.eval.temperature,
+                top_p=rollout.top_p if training else 1.0,
+                stop_token_ids=self.stop_token_ids,
+                seed=self._seed(group, sample),
+                **episode_fields(self.cfg, group.prompt),
+            ),
+        )
 
     def _seed(self, group: Group, sample: Sample) -> int:
         """The sample's sampling stream, named by what it is (areal.seeds): the same for

@@ -131,13 +131,27 @@ class Ledger:
 
     # -- admission ------------------------------------------------------------------------------
 
-    def add_group(self, prompt: Prompt, prompt_ids: np.ndarray, size: int, version: int,
-                  purpose: Purpose = Purpose.TRAIN, eval_round: int = -1,
-                  front: bool = False, position: int = -1) -> Group:
+    def add_group(
+        self,
+        prompt: Prompt,
+        prompt_ids: np.ndarray,
+        size: int,
+        version: int,
+        purpose: Purpose = Purpose.TRAIN,
+        eval_round: int = -1,
+        front: bool = False,
+        position: int = -1,
+    ) -> Group:
         """Admit a prompt group; its samples wait in `pending` (at the front if `front`)."""
-        group = Group(group_id=self._next_group_id, purpose=purpose, prompt=prompt,
-                      prompt_ids=prompt_ids, admitted_version=version, eval_round=eval_round,
-                      position=position)
+        group = Group(
+            group_id=self._next_group_id,
+            purpose=purpose,
+            prompt=prompt,
+            prompt_ids=prompt_ids,
+            admitted_version=version,
+            eval_round=eval_round,
+            position=position,
+        )
         self._next_group_id += 1
         group.samples = [Sample(group_id=group.group_id, index=i) for i in range(size)]
         self.groups[group.group_id] = group
@@ -153,7 +167,8 @@ class Ledger:
         """Samples of `purpose` waiting to be generated are never sent (training is over);
         they stay in their groups, which are never completed."""
         self.pending = collections.deque(
-            s for s in self.pending if self.groups[s.group_id].purpose is not purpose)
+            s for s in self.pending if self.groups[s.group_id].purpose is not purpose
+        )
 
     # -- generation -----------------------------------------------------------------------------
 
@@ -171,25 +186,37 @@ class Ledger:
             *sample.segments, sample.trajectory = _segments(msg, group)
         else:
             sample.trajectory = Trajectory.from_generation(
-                prompt_id=group.prompt.prompt_id, group_id=group.group_id,
-                prompt_ids=group.prompt_ids, output_ids=msg.output_ids,
-                output_logprobs=msg.logprobs, output_versions=msg.versions,
-                finish_reason=msg.finish_reason.value, output_loss_mask=msg.loss_mask)
-        sample.trajectory.timings.update(submitted=sample.submitted_at,
-                                         generation=msg.generation_s)
+                prompt_id=group.prompt.prompt_id,
+                group_id=group.group_id,
+                prompt_ids=group.prompt_ids,
+                output_ids=msg.output_ids,
+                output_logprobs=msg.logprobs,
+                output_versions=msg.versions,
+                finish_reason=msg.finish_reason.value,
+                output_loss_mask=msg.loss_mask,
+            )
+        sample.trajectory.timings.update(submitted=sample.submitted_at, generation=msg.generation_s)
         if msg.episode_end is not None:
             sample.trajectory.episode = {
-                "turns": msg.num_turns, "tool_calls": msg.num_tool_calls,
-                "tool_errors": msg.num_tool_errors, "tool_s": msg.tool_s,
-                "end": msg.episode_end.value}
+                "turns": msg.num_turns,
+                "tool_calls": msg.num_tool_calls,
+                "tool_errors": msg.num_tool_errors,
+                "tool_s": msg.tool_s,
+                "end": msg.episode_end.value,
+            }
             if msg.episode_end is EpisodeEnd.AGENT or msg.segment_prompt_lens:
                 sample.trajectory.episode.update(
-                    agent=True, segments=max(1, len(msg.segment_prompt_lens)),
-                    retries=msg.num_retries, queue_s=msg.queue_s, decode_s=msg.decode_s,
+                    agent=True,
+                    segments=max(1, len(msg.segment_prompt_lens)),
+                    retries=msg.num_retries,
+                    queue_s=msg.queue_s,
+                    decode_s=msg.decode_s,
                     model_tokens=sum(t.num_model_tokens for t in sample.trajectories()),
-                    observation_tokens=sum(t.num_tokens - t.num_prompt_tokens
-                                           - t.num_model_tokens
-                                           for t in sample.trajectories()))
+                    observation_tokens=sum(
+                        t.num_tokens - t.num_prompt_tokens - t.num_model_tokens
+                        for t in sample.trajectories()
+                    ),
+                )
         sample.trajectory.timings["interruptions"] = float(msg.num_interruptions)
         sample.stage, sample.worker = Stage.SCORING, None
         group.num_generated += 1
@@ -220,8 +247,9 @@ class Ledger:
             return []
         return [s for s in group.samples if s.stage is Stage.SCORING and s.worker is None]
 
-    def finish_scoring(self, request_id: str, outcome: RewardOutcome,
-                       worker: bytes | None) -> Group | None:
+    def finish_scoring(
+        self, request_id: str, outcome: RewardOutcome, worker: bytes | None
+    ) -> Group | None:
         """Record a reward; returns the group when this completed it."""
         sample = self.scoring(request_id, worker)
         if sample is None:
@@ -281,8 +309,9 @@ class Ledger:
     def num_buffered(self) -> int:
         return sum(len(g.samples) for g in self.buffer)
 
-    def take_batch(self, num_groups: int,
-                   priority: Callable[[Group], float] | None = None) -> list[Group]:
+    def take_batch(
+        self, num_groups: int, priority: Callable[[Group], float] | None = None
+    ) -> list[Group]:
         """`num_groups` complete training groups, each handed out once: the oldest in the
         buffer, or with `priority` those with the smallest value (ties: the oldest)."""
         if len(self.buffer) < num_groups:
@@ -291,8 +320,7 @@ class Ledger:
             order = sorted(range(len(self.buffer)), key=lambda i: (priority(self.buffer[i]), i))
             chosen = set(order[:num_groups])
             batch = [self.buffer[i] for i in order[:num_groups]]
-            self.buffer = collections.deque(g for i, g in enumerate(self.buffer)
-                                            if i not in chosen)
+            self.buffer = collections.deque(g for i, g in enumerate(self.buffer) if i not in chosen)
         else:
             batch = [self.buffer.popleft() for _ in range(num_groups)]
         self.trained_group_ids.extend(g.group_id for g in batch)
@@ -302,14 +330,17 @@ class Ledger:
         """Take a training group out of the run, wherever it is (pending, generating, scoring,
         or complete in the buffer); late answers for its requests are then stale."""
         if group.purpose is not Purpose.TRAIN:
-            raise ValueError(f"group {group.group_id} is an evaluation group; only training "
-                             "groups are dropped")
+            raise ValueError(
+                f"group {group.group_id} is an evaluation group; only training groups are dropped"
+            )
         buffered = any(g is group for g in self.buffer)
         if buffered:
             self.buffer = collections.deque(g for g in self.buffer if g is not group)
         elif self.groups.get(group.group_id) is not group:
-            raise ValueError(f"group {group.group_id} is neither running nor buffered (trained "
-                             "or dropped already)")
+            raise ValueError(
+                f"group {group.group_id} is neither running nor buffered (trained "
+                "or dropped already)"
+            )
         generating: dict[bytes, list[str]] = {}
         unfinished = finished = tokens = 0
         for sample in group.samples:
@@ -323,12 +354,18 @@ class Ledger:
                 finished += 1
                 tokens += sum(t.num_tokens - t.num_prompt_tokens for t in sample.trajectories())
         if unfinished:
-            self.pending = collections.deque(s for s in self.pending
-                                             if s.group_id != group.group_id)
+            self.pending = collections.deque(
+                s for s in self.pending if s.group_id != group.group_id
+            )
         self.groups.pop(group.group_id, None)
         self.dropped_group_ids.append(group.group_id)
-        return Dropped(group=group, generating=generating, num_unfinished=unfinished,
-                       num_finished=finished, num_tokens=tokens)
+        return Dropped(
+            group=group,
+            generating=generating,
+            num_unfinished=unfinished,
+            num_finished=finished,
+            num_tokens=tokens,
+        )
 
     def untrained_positions(self) -> list[int]:
         """Draw positions of the training groups admitted and not (yet) trained: those still
@@ -351,12 +388,17 @@ def _segments(msg: Generated, group: Group) -> list[Trajectory]:
     for i, (num_prompt, num_output) in enumerate(lengths):
         span = slice(output_at, output_at + num_output)
         trajectory = Trajectory.from_generation(
-            prompt_id=group.prompt.prompt_id, group_id=group.group_id,
-            prompt_ids=msg.prompt_ids[prompt_at:prompt_at + num_prompt],
-            output_ids=msg.output_ids[span], output_logprobs=msg.logprobs[span],
+            prompt_id=group.prompt.prompt_id,
+            group_id=group.group_id,
+            prompt_ids=msg.prompt_ids[prompt_at : prompt_at + num_prompt],
+            output_ids=msg.output_ids[span],
+            output_logprobs=msg.logprobs[span],
             output_versions=msg.versions[span],
-            finish_reason=msg.finish_reason.value if i == len(msg.segment_prompt_lens) - 1
-            else "stop", output_loss_mask=msg.loss_mask[span])
+            finish_reason=msg.finish_reason.value
+            if i == len(msg.segment_prompt_lens) - 1
+            else "stop",
+            output_loss_mask=msg.loss_mask[span],
+        )
         trajectory.reward = msg.segment_rewards[i]
         out.append(trajectory)
         prompt_at += num_prompt

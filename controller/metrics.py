@@ -34,8 +34,9 @@ _CLOSED = object()
 
 
 class MetricsSink:
-    def __init__(self, cfg: RunConfig, run_dir: Path, total_steps: int,
-                 subscribers: list[asyncio.Queue]) -> None:
+    def __init__(
+        self, cfg: RunConfig, run_dir: Path, total_steps: int, subscribers: list[asyncio.Queue]
+    ) -> None:
         """subscribers: the owner's list of queues; every record is put into each queue
         in it, including queues appended later."""
         self.run_dir = run_dir
@@ -43,8 +44,9 @@ class MetricsSink:
         self._subscribers = subscribers
         self._tb = self._open_tensorboard(cfg, run_dir)
         self._wandb = self._open_wandb(cfg, run_dir)
-        self._progress = ConsoleProgress(total_steps, enabled=cfg.logging.progress,
-                                         every=cfg.logging.progress_every)
+        self._progress = ConsoleProgress(
+            total_steps, enabled=cfg.logging.progress, every=cfg.logging.progress_every
+        )
 
     @staticmethod
     def _open_tensorboard(cfg: RunConfig, run_dir: Path) -> Any:
@@ -61,13 +63,19 @@ class MetricsSink:
         try:
             import wandb
         except ImportError:
-            log.warning("logging.wandb_project is set but wandb is not installed "
-                        "(pip install wandb); logging to JSONL and TensorBoard only")
+            log.warning(
+                "logging.wandb_project is set but wandb is not installed "
+                "(pip install wandb); logging to JSONL and TensorBoard only"
+            )
             return None
         from areal.config import config_to_dict
 
-        return wandb.init(project=cfg.logging.wandb_project, dir=str(run_dir),
-                          name=run_dir.name, config=config_to_dict(cfg))
+        return wandb.init(
+            project=cfg.logging.wandb_project,
+            dir=str(run_dir),
+            name=run_dir.name,
+            config=config_to_dict(cfg),
+        )
 
     def record(self, kind: str, values: dict[str, Any], step: int | None = None) -> None:
         record = {"kind": kind, **({"step": step} if step is not None else {}), **values}
@@ -76,8 +84,11 @@ class MetricsSink:
             queue.put_nowait(record)
         if step is None:
             return
-        scalars = {k: float(v) for k, v in values.items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+        scalars = {
+            k: float(v)
+            for k, v in values.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        }
         if self._tb is not None:
             for key, value in scalars.items():
                 self._tb.add_scalar(key, value, step)
@@ -107,15 +118,21 @@ class ConsoleProgress:
 
     `interactive` None: a terminal when both stdout (lines) and stderr (the bar) are one."""
 
-    def __init__(self, total_steps: int, *, enabled: bool, every: int,
-                 interactive: bool | None = None) -> None:
+    def __init__(
+        self, total_steps: int, *, enabled: bool, every: int, interactive: bool | None = None
+    ) -> None:
         if interactive is None:
             interactive = sys.stdout.isatty() and sys.stderr.isatty()
         self.total_steps = total_steps
         self.enabled = enabled
         self.every = every
-        self._bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True,
-                         disable=not (enabled and interactive))
+        self._bar = tqdm(
+            total=total_steps,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            disable=not (enabled and interactive),
+        )
         self._plain = enabled and not interactive
         self._started = time.monotonic()
 
@@ -124,8 +141,11 @@ class ConsoleProgress:
         if self._plain:
             if step % self.every == 0 or step == self.total_steps:
                 values = "".join(f"  {k} {v}" for k, v in shown.items())
-                print(f"train step {step}/{self.total_steps}{values}  "
-                      f"({time.monotonic() - self._started:.0f} s)", flush=True)
+                print(
+                    f"train step {step}/{self.total_steps}{values}  "
+                    f"({time.monotonic() - self._started:.0f} s)",
+                    flush=True,
+                )
             return
         self._bar.n = step
         self._bar.set_postfix(shown, refresh=False)

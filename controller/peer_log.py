@@ -32,9 +32,16 @@ def peer_name(identity: bytes) -> str:
 
 
 class PeerLog:
-    def __init__(self, record_event: Callable[..., None], *, per_peer: int = 3,
-                 per_reason: int = 20, window_s: float = 60.0, max_peers: int = 1024,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        record_event: Callable[..., None],
+        *,
+        per_peer: int = 3,
+        per_reason: int = 20,
+        window_s: float = 60.0,
+        max_peers: int = 1024,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.record_event = record_event
         self.per_peer = per_peer
         self.per_reason = per_reason
@@ -54,8 +61,11 @@ class PeerLog:
         self.flush_if_due()
         self.totals[reason] += 1
         key = (reason, peer)
-        if self._written[key] >= self.per_peer or self._written_by_reason[reason] >= self.per_reason \
-                or (key not in self._written and len(self._written) >= self.max_peers):
+        if (
+            self._written[key] >= self.per_peer
+            or self._written_by_reason[reason] >= self.per_reason
+            or (key not in self._written and len(self._written) >= self.max_peers)
+        ):
             self._suppressed[reason] += 1
             peers = self._suppressed_peers[reason]
             if len(peers) < self.max_peers:
@@ -76,11 +86,17 @@ class PeerLog:
         """Write what was suppressed in this window, and start a new one."""
         for reason, count in sorted(self._suppressed.items()):
             num_peers = len(self._suppressed_peers[reason])
-            log.warning("suppressed %d more '%s' reports from %s%d peers in the last %.0f s",
-                        count, reason, "at least " if num_peers >= self.max_peers else "",
-                        num_peers, self.clock() - self._window_start)
-            self.record_event("peer_refused_suppressed", reason=reason, count=count,
-                              num_peers=num_peers)
+            log.warning(
+                "suppressed %d more '%s' reports from %s%d peers in the last %.0f s",
+                count,
+                reason,
+                "at least " if num_peers >= self.max_peers else "",
+                num_peers,
+                self.clock() - self._window_start,
+            )
+            self.record_event(
+                "peer_refused_suppressed", reason=reason, count=count, num_peers=num_peers
+            )
         self._window_start = self.clock()
         self._written.clear()
         self._written_by_reason.clear()

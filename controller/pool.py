@@ -63,9 +63,15 @@ async def stop_process(handle: WorkerHandle) -> None:
 
 
 class WorkerPool:
-    def __init__(self, cfg: RunConfig, run_dir: Path, address: str, secret: str | None,
-                 keys_dir: Path | None = None,
-                 on_refused: Callable[[bytes, Register, str], None] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        run_dir: Path,
+        address: str,
+        secret: str | None,
+        keys_dir: Path | None = None,
+        on_refused: Callable[[bytes, Register, str], None] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
         self.address = address
@@ -77,17 +83,25 @@ class WorkerPool:
         """Local workers by id, registered or not yet."""
         self.refused: list[str] = []
         """Worker ids of refused registrations (the first MAX_REFUSED)."""
-        self.on_refused = on_refused or (lambda identity, msg, why: log.warning(
-            "refused %r from %r (pid %d): %s", msg.worker_id, msg.host, msg.pid, why))
+        self.on_refused = on_refused or (
+            lambda identity, msg, why: log.warning(
+                "refused %r from %r (pid %d): %s", msg.worker_id, msg.host, msg.pid, why
+            )
+        )
 
     # -- local processes ------------------------------------------------------------------------
 
     def spawn(self, kind: WorkerKind, index: int, rank: int = 0) -> WorkerHandle:
         worker_id = f"{kind.value}-{index}"
-        handle = self.expected.get(worker_id) or WorkerHandle(worker_id=worker_id, kind=kind,
-                                                              rank=rank)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", AREAL_LOG_LEVEL=self.cfg.logging.level,
-                   TOKENIZERS_PARALLELISM="false")
+        handle = self.expected.get(worker_id) or WorkerHandle(
+            worker_id=worker_id, kind=kind, rank=rank
+        )
+        env = dict(
+            os.environ,
+            PYTHONUNBUFFERED="1",
+            AREAL_LOG_LEVEL=self.cfg.logging.level,
+            TOKENIZERS_PARALLELISM="false",
+        )
         env[PARENT_ENV] = str(os.getpid())  # it dies with this process (workers/parent.py)
         if self.secret is not None:
             env["AREAL_SECRET"] = self.secret
@@ -98,9 +112,22 @@ class WorkerPool:
         logs.mkdir(parents=True, exist_ok=True)
         with open(logs / f"{worker_id}.log", "ab") as out:
             handle.process = subprocess.Popen(
-                [sys.executable, "-m", f"areal.workers.{kind.value}", "--connect", self.address,
-                 "--worker-id", worker_id, "--rank", str(rank)],
-                env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                [
+                    sys.executable,
+                    "-m",
+                    f"areal.workers.{kind.value}",
+                    "--connect",
+                    self.address,
+                    "--worker-id",
+                    worker_id,
+                    "--rank",
+                    str(rank),
+                ],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
         handle.ready, handle.identity, handle.last_seen = False, None, clock.now()
         self.expected[worker_id] = handle
         log.info("started %s (pid %d)", worker_id, handle.process.pid)
@@ -108,15 +135,21 @@ class WorkerPool:
 
     def _placement_env(self, kind: WorkerKind, index: int) -> dict[str, str]:
         """Thread counts, device visibility and CPU cores of one worker."""
-        threads = {WorkerKind.ROLLOUT: self.cfg.rollout.threads,
-                   WorkerKind.TRAINER: self.cfg.trainer.threads}.get(kind, 1)
+        threads = {
+            WorkerKind.ROLLOUT: self.cfg.rollout.threads,
+            WorkerKind.TRAINER: self.cfg.trainer.threads,
+        }.get(kind, 1)
         env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-        devices = {WorkerKind.ROLLOUT: self.cfg.rollout.devices,
-                   WorkerKind.TRAINER: self.cfg.trainer.devices}.get(kind, [])
+        devices = {
+            WorkerKind.ROLLOUT: self.cfg.rollout.devices,
+            WorkerKind.TRAINER: self.cfg.trainer.devices,
+        }.get(kind, [])
         if devices and devices[index].startswith("cuda:"):
             env["CUDA_VISIBLE_DEVICES"] = devices[index].removeprefix("cuda:")
-        cpus = {WorkerKind.ROLLOUT: self.cfg.rollout.cpus,
-                WorkerKind.TRAINER: self.cfg.trainer.cpus}.get(kind, [])
+        cpus = {
+            WorkerKind.ROLLOUT: self.cfg.rollout.cpus,
+            WorkerKind.TRAINER: self.cfg.trainer.cpus,
+        }.get(kind, [])
         if cpus:
             env["AREAL_CPUS"] = cpus[index]  # the worker pins itself (sched_setaffinity)
         return env
@@ -125,16 +158,17 @@ class WorkerPool:
 
     def register(self, identity: bytes, msg: Register) -> WorkerHandle | None:
         """Admit a peer presenting the right secret; None (and a log line) otherwise."""
-        if self.secret is not None \
-                and not hmac.compare_digest(msg.secret.encode(), self.secret.encode()):
+        if self.secret is not None and not hmac.compare_digest(
+            msg.secret.encode(), self.secret.encode()
+        ):
             return self._refuse(identity, msg, "wrong secret")
         earlier = self.by_identity.get(identity)
         if earlier is not None and earlier.ready:
-            return self._refuse(identity, msg, f"a second registration of {earlier.worker_id}, "
-                                "which is ready")
+            return self._refuse(
+                identity, msg, f"a second registration of {earlier.worker_id}, which is ready"
+            )
         if earlier is not None:  # it restarted during set-up: the new process replaces it
-            log.warning("%s registered again before it was ready; replacing it",
-                        earlier.worker_id)
+            log.warning("%s registered again before it was ready; replacing it", earlier.worker_id)
             self.forget(earlier)
         if msg.kind is WorkerKind.TRAINER:
             why = self._rank_taken(msg)
@@ -195,8 +229,9 @@ class WorkerPool:
     def trainers(self) -> list[WorkerHandle]:
         """Every trainer rank known: local ones (running or not) and registered remote ones."""
         handles = {id(h): h for h in self.expected.values() if h.kind is WorkerKind.TRAINER}
-        handles.update((id(h), h) for h in self.by_identity.values()
-                       if h.kind is WorkerKind.TRAINER)
+        handles.update(
+            (id(h), h) for h in self.by_identity.values() if h.kind is WorkerKind.TRAINER
+        )
         return list(handles.values())
 
     def local_processes(self) -> list[subprocess.Popen]:

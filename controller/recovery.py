@@ -38,5 +38,8 @@ class TrainerRecovery:
 
     def replays(self, before_step: int) -> list[list[Train]]:
         """The kept steps before `before_step` (the one in progress), marked as replays."""
-        return [[replace(m, replay=True) for m in messages] for messages in self.steps
-                if messages[0].step < before_step]
+        return [
+            [replace(m, replay=True) for m in messages]
+            for messages in self.steps
+            if messages[0].step < before_step
+        ]

@@ -73,9 +73,21 @@ class StepReport:
     def on_weights_updated(self, msg: WeightsUpdated) -> None:
         self._pauses.append(msg.pause_s)
 
-    def step_record(self, step: int, version: int, groups: list[Group], stats: dict[str, float],
-                    train_s: float, waited_s: float, *, cfg: RunConfig, in_flight: int,
-                    score_queue: int, buffered: int, started: float) -> dict[str, Any]:
+    def step_record(
+        self,
+        step: int,
+        version: int,
+        groups: list[Group],
+        stats: dict[str, float],
+        train_s: float,
+        waited_s: float,
+        *,
+        cfg: RunConfig,
+        in_flight: int,
+        score_queue: int,
+        buffered: int,
+        started: float,
+    ) -> dict[str, Any]:
         """The record of training step `step`, which published `version`; `in_flight`,
         `score_queue`, `buffered`: samples in the ledger, waiting for a reward worker, and
         trajectories in the buffer now; `started`: when the run started."""
@@ -85,12 +97,28 @@ class StepReport:
         # One pass over the batch's trajectories (thousands at cluster scale), not one per
         # metric; columns: oldest version, tokens, prompt tokens, reward, truncated,
         # interruptions.
-        columns = np.array([(t.oldest_version(), t.num_tokens, t.num_prompt_tokens, t.reward,
-                             t.finish_reason == "length", t.timings.get("interruptions", 0))
-                            for t in trajs], dtype=np.float64).reshape(-1, 6).T
+        columns = (
+            np.array(
+                [
+                    (
+                        t.oldest_version(),
+                        t.num_tokens,
+                        t.num_prompt_tokens,
+                        t.reward,
+                        t.finish_reason == "length",
+                        t.timings.get("interruptions", 0),
+                    )
+                    for t in trajs
+                ],
+                dtype=np.float64,
+            )
+            .reshape(-1, 6)
+            .T
+        )
         oldest, num_tokens, num_prompt, rewards, truncated, interruptions = columns
-        staleness_values, staleness_counts = np.unique(trained_version - oldest.astype(np.int64),
-                                                       return_counts=True)
+        staleness_values, staleness_counts = np.unique(
+            trained_version - oldest.astype(np.int64), return_counts=True
+        )
         out_lens = (num_tokens - num_prompt).astype(np.int64)
         verdicts = [s.verdict for g in groups for s in g.samples]
         batch_tokens = int(num_tokens.sum())
@@ -107,8 +135,9 @@ class StepReport:
             "rollout/interruptions": int(interruptions.sum()),
             "rollout/in_flight": in_flight,
             "rollout/weight_pause_s_mean": float(np.mean(self._pauses)) if self._pauses else 0.0,
-            "staleness/hist": {str(int(k)): int(n)
-                               for k, n in zip(staleness_values, staleness_counts, strict=True)},
+            "staleness/hist": {
+                str(int(k)): int(n) for k, n in zip(staleness_values, staleness_counts, strict=True)
+            },
             "staleness/mean": float(np.dot(staleness_values, staleness_counts) / len(trajs)),
             "staleness/max": int(staleness_values[-1]),
             "reward/verdicts": dict(self._verdicts),
@@ -139,14 +168,18 @@ class StepReport:
         self._dropped_positions = []
         return record
 
-    def summary(self, before: dict[str, Any], after: dict[str, Any], wall_s: float, steps: int,
-                **run: Any) -> dict[str, Any]:
+    def summary(
+        self, before: dict[str, Any], after: dict[str, Any], wall_s: float, steps: int, **run: Any
+    ) -> dict[str, Any]:
         """The run's summary; `run`: what the controller adds of its own (run_dir, mode,
         final_version, malformed_messages, num_drawn, untrained_positions)."""
         # Training time runs from the start of training to the end of the last step (the
         # final evaluation is not part of it).
-        train_s = (self._last_step_at - self._train_start) \
-            if self._last_step_at and self._train_start is not None else 0.0
+        train_s = (
+            (self._last_step_at - self._train_start)
+            if self._last_step_at and self._train_start is not None
+            else 0.0
+        )
         return {
             "run_dir": str(run["run_dir"]),
             "mode": run["mode"],
@@ -178,8 +211,12 @@ def eval_record(groups: list[Group], version: int, seconds: float) -> dict[str, 
     if sampled:
         record["eval/token_version_min"] = float(min(sampled))
         record["eval/token_version_max"] = float(max(sampled))
-    record.update(summarize([[s.verdict for s in g.samples] for g in groups],
-                            [[s.trajectory.reward for s in g.samples] for g in groups]))
+    record.update(
+        summarize(
+            [[s.verdict for s in g.samples] for g in groups],
+            [[s.trajectory.reward for s in g.samples] for g in groups],
+        )
+    )
     record.update(episode_metrics([s.trajectory for g in groups for s in g.samples], "eval/"))
     return record
 
@@ -187,8 +224,11 @@ def eval_record(groups: list[Group], version: int, seconds: float) -> dict[str, 
 def summary_lines(summary: dict[str, Any]) -> list[str]:
     before, after = summary["eval_pass@1_before"], summary["eval_pass@1_after"]
     resumed = summary.get("resumed_after_step")
-    steps = f"{summary['steps']} steps" if resumed is None else \
-        f"steps {resumed + 1}-{summary['steps']} (resumed)"
+    steps = (
+        f"{summary['steps']} steps"
+        if resumed is None
+        else f"steps {resumed + 1}-{summary['steps']} (resumed)"
+    )
     return [
         "",
         f"run finished: {steps} in {summary['wall_time_s']:.0f} s "

@@ -63,8 +63,10 @@ def find_state(run_dir: str | Path) -> ResumeState:
         if (path / META).is_file() and (path / STATE).is_file() and (path / "weights").is_dir():
             data = json.loads((path / STATE).read_text())
             return ResumeState(**{**data, "path": str(path.resolve())})
-    raise ValueError(f"{root} holds no complete checkpoint to resume from (the trainer saves "
-                     "one every trainer.checkpoint_every steps)")
+    raise ValueError(
+        f"{root} holds no complete checkpoint to resume from (the trainer saves "
+        "one every trainer.checkpoint_every steps)"
+    )
 
 
 def _number(name: str, prefix: str) -> int | None:
@@ -76,8 +78,10 @@ def clear_after(run_dir: str | Path, state: ResumeState) -> list[str]:
     """Remove what the stopped run wrote after `state`'s checkpoint: weight versions newer
     than its version, checkpoint directories of later steps. Returns what was removed."""
     removed = []
-    for folder, prefix, limit in (("weights", "v", state.version),
-                                  ("checkpoints", "step_", state.step)):
+    for folder, prefix, limit in (
+        ("weights", "v", state.version),
+        ("checkpoints", "step_", state.step),
+    ):
         root = Path(run_dir) / folder
         for path in sorted(root.iterdir()) if root.is_dir() else []:
             number = _number(path.name, prefix)

@@ -54,8 +54,9 @@ class RewardFaults:
         self._retried = 0
         self._verdicts: collections.Counter = collections.Counter()
 
-    def judge(self, verdict: Verdict | None, num_failures: int, training: bool, *,
-              retryable: bool = True) -> Action:
+    def judge(
+        self, verdict: Verdict | None, num_failures: int, training: bool, *, retryable: bool = True
+    ) -> Action:
         """What to do with a check that ended with `verdict` (None: its worker was lost);
         `num_failures`: the sample's infrastructure failures so far, this one included;
         `retryable` False: it cannot be scored again (an episode's environment reward)."""
@@ -76,9 +77,11 @@ class RewardFaults:
     def window_metrics(self) -> dict[str, float]:
         """Rates since the last call (one training step), then a new window starts."""
         scored = sum(self._verdicts.values())
-        out = {"reward/infra_failures": self._failures, "reward/retries": self._retried,
-               "reward/infra_failure_rate": self._failures / self._attempts
-               if self._attempts else 0.0}
+        out = {
+            "reward/infra_failures": self._failures,
+            "reward/retries": self._retried,
+            "reward/infra_failure_rate": self._failures / self._attempts if self._attempts else 0.0,
+        }
         out.update({f"reward/verdict_rate/{v}": n / scored for v, n in self._verdicts.items()})
         self._attempts = self._failures = self._retried = 0
         self._verdicts = collections.Counter()

@@ -39,8 +39,12 @@ class WorkerRoom:
         heap = self._heap
         while heap:
             load, _, _, handle = heap[0]
-            if handle.ready and handle.identity is not None and load < self.capacity \
-                    and len(handle.in_flight) == load:
+            if (
+                handle.ready
+                and handle.identity is not None
+                and load < self.capacity
+                and len(handle.in_flight) == load
+            ):
                 return handle
             heapq.heappop(heap)
         return None

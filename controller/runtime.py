@@ -75,8 +75,14 @@ class LocalRuntime:
     def prepare_run(self, cfg: RunConfig) -> RunSetup:
         return prepare_run(cfg)
 
-    def make_pool(self, cfg: RunConfig, setup: RunSetup, address: str, secret: str | None,
-                  keys_dir: Path | None) -> WorkerPool:
+    def make_pool(
+        self,
+        cfg: RunConfig,
+        setup: RunSetup,
+        address: str,
+        secret: str | None,
+        keys_dir: Path | None,
+    ) -> WorkerPool:
         """The pool that starts this runtime's workers (launchers override it)."""
         return WorkerPool(cfg, setup.run_dir, address, secret, keys_dir)
 
@@ -86,8 +92,13 @@ class LocalRuntime:
     def connect(self, cfg: RunConfig, setup: RunSetup) -> Connection:
         ctx = zmq.asyncio.Context()
         secret, keys, keys_dir = self._credentials(ctx, cfg, setup)
-        channel = RouterChannel(ctx, cfg.controller.host, cfg.controller.port,
-                                cfg.controller.max_message_mb << 20, curve=keys)
+        channel = RouterChannel(
+            ctx,
+            cfg.controller.host,
+            cfg.controller.port,
+            cfg.controller.max_message_mb << 20,
+            curve=keys,
+        )
         loops: dict[str, Coroutine[Any, Any, Any]] = {}
         if self.zap is not None:
             loops["zap"] = self.zap.serve()
@@ -98,19 +109,26 @@ class LocalRuntime:
             ctx.destroy(linger=0)  # the ZAP and monitor sockets too, if their loops never ran
             self.closed()
 
-        return Connection(channel=channel, close=close, loops=loops,
-                          pool=self.make_pool(cfg, setup, channel.address, secret, keys_dir))
+        return Connection(
+            channel=channel,
+            close=close,
+            loops=loops,
+            pool=self.make_pool(cfg, setup, channel.address, secret, keys_dir),
+        )
 
-    def _credentials(self, ctx: zmq.asyncio.Context, cfg: RunConfig, setup: RunSetup
-                     ) -> tuple[str | None, Any, Path | None]:
+    def _credentials(
+        self, ctx: zmq.asyncio.Context, cfg: RunConfig, setup: RunSetup
+    ) -> tuple[str | None, Any, Path | None]:
         """(Register secret or None, CurveZMQ server keys or None, key directory or None).
         Under CurveZMQ the ZAP handler is made here, before the socket binds."""
         controller = cfg.controller
         if not controller.uses_curve:
             if not is_loopback(controller.host):
-                log.warning("controller.auth=secret on %s: traffic and the secret travel "
-                            "unencrypted; use controller.auth=curve off a trusted network",
-                            controller.host)
+                log.warning(
+                    "controller.auth=secret on %s: traffic and the secret travel "
+                    "unencrypted; use controller.auth=curve off a trusted network",
+                    controller.host,
+                )
             return controller.secret or secrets.token_hex(16), None, None
         keys, keys_dir = run_keys(controller.keys_dir, setup.run_dir)
         self.zap = ZapHandler(ctx, keys)

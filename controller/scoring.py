@@ -36,9 +36,15 @@ Refuse = Callable[[bytes, str, str], None]
 
 
 class Scoring:
-    def __init__(self, cfg: RunConfig, ledger: Ledger, report: StepReport, refuse: Refuse,
-                 on_complete: Callable[[Group | None, Outbox], None],
-                 drop: Callable[[Group, str, Outbox], None]) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        ledger: Ledger,
+        report: StepReport,
+        refuse: Refuse,
+        on_complete: Callable[[Group | None, Outbox], None],
+        drop: Callable[[Group, str, Outbox], None],
+    ) -> None:
         """`refuse(identity, reason, detail)`: log a message dropped for contradicting the
         ledger; `on_complete(group or None, out)`: a sample was scored (its group, if that
         completed it); `drop(group, reason, out)`: never train on `group`."""
@@ -77,10 +83,15 @@ class Scoring:
         for sample in samples:
             self.ledger.start_scoring(sample, worker.identity)
             worker.in_flight.add(sample.request_id)
-        out.send(worker.identity, Score(
-            request_ids=[s.request_id for s in samples], prompt_id=group.prompt.prompt_id,
-            completion_ids=[s.trajectory.output_ids for s in samples],
-            reference=group.prompt.reference))
+        out.send(
+            worker.identity,
+            Score(
+                request_ids=[s.request_id for s in samples],
+                prompt_id=group.prompt.prompt_id,
+                completion_ids=[s.trajectory.output_ids for s in samples],
+                reference=group.prompt.reference,
+            ),
+        )
         self.room.offer(worker)
 
     def forget_group(self, group_id: int) -> None:
@@ -89,39 +100,53 @@ class Scoring:
 
     # -- outcomes -------------------------------------------------------------------------------
 
-    def on_scored(self, identity: bytes, handle: WorkerHandle, msg: Scored,
-                  out: Outbox) -> None:
+    def on_scored(self, identity: bytes, handle: WorkerHandle, msg: Scored, out: Outbox) -> None:
         for request_id in msg.request_ids:
             handle.in_flight.discard(request_id)
         problem = scored_problem(msg)
         if problem:
-            self.refuse(identity, "contradicts the ledger",
-                        f"Scored {msg.request_ids[:1]!r}...: {problem}; scored again")
+            self.refuse(
+                identity,
+                "contradicts the ledger",
+                f"Scored {msg.request_ids[:1]!r}...: {problem}; scored again",
+            )
             for request_id in msg.request_ids:
                 self.score_again(self.ledger.scoring(request_id, identity), out)
             return
-        for request_id, reward, verdict, detail in zip(msg.request_ids, msg.rewards,
-                                                       msg.verdicts, msg.details, strict=True):
+        for request_id, reward, verdict, detail in zip(
+            msg.request_ids, msg.rewards, msg.verdicts, msg.details, strict=True
+        ):
             problem = reward_problem(reward)
             if problem:
-                self.refuse(identity, "contradicts the ledger",
-                            f"Scored {request_id[:60]!r}: {problem}; scored again")
+                self.refuse(
+                    identity,
+                    "contradicts the ledger",
+                    f"Scored {request_id[:60]!r}: {problem}; scored again",
+                )
                 self.score_again(self.ledger.scoring(request_id, identity), out)
                 continue
             self.report.on_scored(verdict)
             sample = self.ledger.scoring(request_id, identity)
             if sample is not None:
                 handle.num_restarts = 0  # it delivers: a later death is not a crash loop
-                self.judge(sample, RewardOutcome(reward=reward, verdict=verdict,
-                                                 detail=detail), identity, out)
+                self.judge(
+                    sample,
+                    RewardOutcome(reward=reward, verdict=verdict, detail=detail),
+                    identity,
+                    out,
+                )
 
-    def on_failed(self, identity: bytes, handle: WorkerHandle, msg: WorkerError,
-                  out: Outbox) -> None:
+    def on_failed(
+        self, identity: bytes, handle: WorkerHandle, msg: WorkerError, out: Outbox
+    ) -> None:
         """A reward worker's Score failed as a whole (anything but one completion's check,
         which it answers itself): an infrastructure failure of each check it held, retried
         elsewhere or settled by reward.on_error; left alone, the group would wait forever."""
-        outcome = RewardOutcome(reward=0.0, verdict=Verdict.ERROR,
-                                detail=f"the reward worker failed: {msg.error}"[:2000])
+        outcome = RewardOutcome(
+            reward=0.0,
+            verdict=Verdict.ERROR,
+            detail=f"the reward worker failed: {msg.error}"[:2000],
+        )
         for request_id in msg.request_ids:
             handle.in_flight.discard(request_id)
             sample = self.ledger.scoring(request_id, identity)
@@ -141,8 +166,9 @@ class Scoring:
             if self.ledger.scoring(sample.request_id, None) is sample:  # group not dropped
                 self.judge(sample, None, None, out)
 
-    def judge(self, sample: Sample, outcome: RewardOutcome | None, identity: bytes | None,
-              out: Outbox) -> None:
+    def judge(
+        self, sample: Sample, outcome: RewardOutcome | None, identity: bytes | None, out: Outbox
+    ) -> None:
         """A check of `sample` ended (outcome None: its reward worker was lost): accept its
         reward, score it again, or drop its group (reward_faults.py)."""
         group = self.ledger.groups[sample.group_id]
@@ -150,9 +176,12 @@ class Scoring:
             sample.num_score_failures += 1
         # An episode's reward came from its environment, in the rollout worker: the reward
         # workers cannot score it again, so its failure goes straight to reward.on_error.
-        action = self.faults.judge(outcome.verdict if outcome else None,
-                                   sample.num_score_failures, group.purpose is Purpose.TRAIN,
-                                   retryable=not sample.trajectory.episode)
+        action = self.faults.judge(
+            outcome.verdict if outcome else None,
+            sample.num_score_failures,
+            group.purpose is Purpose.TRAIN,
+            retryable=not sample.trajectory.episode,
+        )
         if action is Action.RETRY:
             self.score_again(sample, out)
             return
@@ -160,8 +189,11 @@ class Scoring:
             self.drop(group, REWARD_ERROR, out)
             return
         if outcome is None:
-            outcome = RewardOutcome(reward=0.0, verdict=Verdict.ERROR,
-                                    detail="the reward worker was lost while checking")
+            outcome = RewardOutcome(
+                reward=0.0,
+                verdict=Verdict.ERROR,
+                detail="the reward worker was lost while checking",
+            )
         self.on_complete(self.ledger.finish_scoring(sample.request_id, outcome, identity), out)
 
     def score_again(self, sample: Sample | None, out: Outbox) -> None:

@@ -30,8 +30,15 @@ from areal.tasks import Prompt, Task, load_task
 from areal.tasks.environment import Environment, load_environment
 from areal.types import PackedBatch
 
-SAVED_BATCH_FIELDS = ("token_ids", "logprobs", "versions", "loss_mask", "cu_seqlens", "rewards",
-                      "group_ids")
+SAVED_BATCH_FIELDS = (
+    "token_ids",
+    "logprobs",
+    "versions",
+    "loss_mask",
+    "cu_seqlens",
+    "rewards",
+    "group_ids",
+)
 """The fields of a PackedBatch that `logging.save_batches` writes."""
 
 
@@ -118,8 +125,11 @@ class RunSetup:
         """`<run_dir>/batches/step_<n>.npz`: the packed batch as trained, for inspection."""
         path = saved_batch_path(self.run_dir, step)
         path.parent.mkdir(exist_ok=True)
-        np.savez(path, version=version,
-                 **{name: getattr(batch, name).numpy() for name in SAVED_BATCH_FIELDS})
+        np.savez(
+            path,
+            version=version,
+            **{name: getattr(batch, name).numpy() for name in SAVED_BATCH_FIELDS},
+        )
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
@@ -151,8 +161,10 @@ def writable_run_dir(cfg: RunConfig) -> Path:
         with tempfile.TemporaryFile(dir=run_dir):
             pass
     except OSError as err:
-        raise ValueError(f"run_dir={str(run_dir)!r} cannot be written ({err.strerror or err}); "
-                         "give a writable directory (run_dir=...)") from None
+        raise ValueError(
+            f"run_dir={str(run_dir)!r} cannot be written ({err.strerror or err}); "
+            "give a writable directory (run_dir=...)"
+        ) from None
     return run_dir
 
 
@@ -167,14 +179,23 @@ def prepare_run(cfg: RunConfig) -> RunSetup:
     (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
     task = load_task(cfg.task.name, cfg.task.params)
     assert cfg.model.path is not None  # the warm model's directory, if none was given
-    tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path,
-                               trust_remote_code=cfg.model.trust_remote_code,
-                               cache_dir=cfg.cache_dir)
+    tokenizer = load_tokenizer(
+        cfg.model.tokenizer_path or cfg.model.path,
+        trust_remote_code=cfg.model.trust_remote_code,
+        cache_dir=cfg.cache_dir,
+    )
     task.use_tokenizer(tokenizer)
     environment = episode_environment(cfg, task, tokenizer)
-    setup = RunSetup(cfg=cfg, run_dir=run_dir, task=task, tokenizer=tokenizer, eval_prompts=[],
-                     stop_token_ids=stop_token_ids(task, tokenizer, environment),
-                     config_dict=config_to_dict(cfg), environment=environment)
+    setup = RunSetup(
+        cfg=cfg,
+        run_dir=run_dir,
+        task=task,
+        tokenizer=tokenizer,
+        eval_prompts=[],
+        stop_token_ids=stop_token_ids(task, tokenizer, environment),
+        config_dict=config_to_dict(cfg),
+        environment=environment,
+    )
     prompts = task.eval_prompts()
     if cfg.eval.max_prompts is not None:
         prompts = prompts[: cfg.eval.max_prompts]
@@ -189,8 +210,9 @@ def episode_environment(cfg: RunConfig, task: Task, tokenizer: Any) -> Environme
     """episode.environment built (not started), its tools given to the task's prompts."""
     if cfg.episode.environment is None:
         return None
-    environment = load_environment(cfg.episode.environment, cfg.episode.params, task=task,
-                                   tokenizer=tokenizer)
+    environment = load_environment(
+        cfg.episode.environment, cfg.episode.params, task=task, tokenizer=tokenizer
+    )
     if environment.tools():
         task.use_tools(environment.tools())
     return environment
@@ -205,6 +227,7 @@ def stop_token_ids(task: Task, tokenizer: Any, environment: Environment | None =
         if len(tokens) != 1:
             raise ValueError(
                 f"task {task.name!r}: stop string {text!r} is {len(tokens)} tokens for this "
-                "tokenizer; only single-token stop strings are supported")
+                "tokenizer; only single-token stop strings are supported"
+            )
         ids.append(int(tokens[0]))
     return sorted(set(ids))

@@ -34,8 +34,13 @@ class Changed:
                 continue
             fut.set_result(None)
 
-    async def wait_for(self, predicate: Callable[[], bool], timeout: float | None = None,
-                       *, at_notify: bool = False) -> bool:
+    async def wait_for(
+        self,
+        predicate: Callable[[], bool],
+        timeout: float | None = None,
+        *,
+        at_notify: bool = False,
+    ) -> bool:
         """Wait until `predicate()` holds; False if `timeout` seconds passed first.
         `at_notify`: `notify` checks the predicate and wakes this waiter only if it holds."""
         loop = asyncio.get_running_loop()

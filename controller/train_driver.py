@@ -53,13 +53,30 @@ from areal.types import pack, pack_arrays
 
 
 class TrainDriver:
-    def __init__(self, cfg: RunConfig, setup: RunSetup, ledger: Ledger, admission: Admission,
-                 generation: Generation, scoring: Scoring, evaluations: Evaluations,
-                 trainers: Trainers, pool: WorkerPool, metrics: MetricsSink, peer_log: PeerLog,
-                 changed: Changed, report: StepReport, *, version: Callable[[], int],
-                 stopping: Callable[[], bool], send: Callable[[Outbox], Awaitable[None]],
-                 drop: Callable[[Group, str, Outbox], None], malformed: Callable[[], int],
-                 record_event: Callable[..., None], started: float) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        setup: RunSetup,
+        ledger: Ledger,
+        admission: Admission,
+        generation: Generation,
+        scoring: Scoring,
+        evaluations: Evaluations,
+        trainers: Trainers,
+        pool: WorkerPool,
+        metrics: MetricsSink,
+        peer_log: PeerLog,
+        changed: Changed,
+        report: StepReport,
+        *,
+        version: Callable[[], int],
+        stopping: Callable[[], bool],
+        send: Callable[[Outbox], Awaitable[None]],
+        drop: Callable[[Group, str, Outbox], None],
+        malformed: Callable[[], int],
+        record_event: Callable[..., None],
+        started: float,
+    ) -> None:
         """`version`: the policy version in force; `stopping`: whether the run was asked to
         stop; `send`: the shell's; `drop(group, reason, out)`: never train on `group`;
         `malformed`: messages dropped undecoded so far (for the summary)."""
@@ -143,11 +160,14 @@ class TrainDriver:
         return step
 
     async def _wait_ready(self) -> None:
-        kinds = {WorkerKind.ROLLOUT: self.cfg.rollout.num_workers,
-                 WorkerKind.REWARD: self.cfg.reward.num_workers,
-                 WorkerKind.TRAINER: self.cfg.trainer.num_ranks}
+        kinds = {
+            WorkerKind.ROLLOUT: self.cfg.rollout.num_workers,
+            WorkerKind.REWARD: self.cfg.reward.num_workers,
+            WorkerKind.TRAINER: self.cfg.trainer.num_ranks,
+        }
         await self.changed.wait_for(
-            lambda: all(len(self.pool.ready(k)) >= n for k, n in kinds.items()))
+            lambda: all(len(self.pool.ready(k)) >= n for k, n in kinds.items())
+        )
         self.metrics.console(f"workers ready after {clock.now() - self.started:.1f} s")
 
     async def _wait_for_batch(self, num_groups: int) -> list[Group] | None:
@@ -155,7 +175,8 @@ class TrainDriver:
         while True:
             # Checked by each notify, not by waking this task for it (most leave it false).
             await self.changed.wait_for(
-                lambda: len(self.ledger.buffer) >= num_groups or self.stopping(), at_notify=True)
+                lambda: len(self.ledger.buffer) >= num_groups or self.stopping(), at_notify=True
+            )
             if self.stopping():
                 return None
             out = Outbox()
@@ -177,14 +198,18 @@ class TrainDriver:
         is timing, and the trainer's sums (packing, micro-batches) follow the batch's order,
         so a synchronous run trains the same batch the same way every time."""
         if not self.cfg.staleness.strict:
-            batch = self.ledger.take_batch(num_groups) \
-                if len(self.ledger.buffer) >= num_groups else None
+            batch = (
+                self.ledger.take_batch(num_groups)
+                if len(self.ledger.buffer) >= num_groups
+                else None
+            )
         else:
             self.drop_expired(list(self.ledger.buffer), out)
             if len(self.ledger.buffer) < num_groups:
                 return None
             batch = self.ledger.take_batch(
-                num_groups, lambda g: strict_staleness.deadline(g, self.cfg.eta))
+                num_groups, lambda g: strict_staleness.deadline(g, self.cfg.eta)
+            )
         return None if batch is None else sorted(batch, key=lambda g: (g.position, g.group_id))
 
     def drop_expired(self, groups: list[Group], out: Outbox, version: int | None = None) -> None:
@@ -212,21 +237,43 @@ class TrainDriver:
         batch, _ = training_batch(trajectories, pack(trajectories), self.cfg)
         self.setup.save_batch(step, self.version(), batch)
 
-    def record_step(self, step: int, groups: list[Group], trained: Trained, train_s: float,
-                    waited_s: float, pack_s: float = 0.0) -> dict[str, Any]:
+    def record_step(
+        self,
+        step: int,
+        groups: list[Group],
+        trained: Trained,
+        train_s: float,
+        waited_s: float,
+        pack_s: float = 0.0,
+    ) -> dict[str, Any]:
         """Write step `step`'s record (and the progress line), then the controller's part
         of its checkpoint, if the trainer made one. `pack_s`: CPU seconds packing the Train
         messages took in its thread (perf/pack_cpu_s)."""
         record = self.report.step_record(
-            step, self.version(), groups, trained.stats, train_s, waited_s, cfg=self.cfg,
-            in_flight=len(self.ledger.by_request), score_queue=self.scoring.num_queued,
-            buffered=self.ledger.num_buffered(), started=self.started)
+            step,
+            self.version(),
+            groups,
+            trained.stats,
+            train_s,
+            waited_s,
+            cfg=self.cfg,
+            in_flight=len(self.ledger.by_request),
+            score_queue=self.scoring.num_queued,
+            buffered=self.ledger.num_buffered(),
+            started=self.started,
+        )
         record["perf/pack_cpu_s"] = pack_s
         record.update(self.scoring.faults.window_metrics())
         self.metrics.record("step", record, step=step)
         self.save_resume_state(step)
-        self.metrics.progress(step, {k.split("/")[-1]: record[k] for k in (
-            "rollout/reward_mean", "train/loss") if k in record})
+        self.metrics.progress(
+            step,
+            {
+                k.split("/")[-1]: record[k]
+                for k in ("rollout/reward_mean", "train/loss")
+                if k in record
+            },
+        )
         return record
 
     def checkpointed(self, msg: Trained) -> None:
@@ -246,12 +293,19 @@ class TrainDriver:
         if msg is None or msg.step != step:
             return
         self._checkpointed = None
-        write_state(ResumeState(
-            step=msg.step, version=msg.version, drawn=self.setup.num_drawn,
-            untrained=self.untrained_positions(), eval_before=self.eval_before,
-            path=msg.checkpoint))
-        self.record_event("checkpoint", step=msg.step, path=msg.checkpoint,
-                          seconds=msg.stats.get("checkpoint_s"))
+        write_state(
+            ResumeState(
+                step=msg.step,
+                version=msg.version,
+                drawn=self.setup.num_drawn,
+                untrained=self.untrained_positions(),
+                eval_before=self.eval_before,
+                path=msg.checkpoint,
+            )
+        )
+        self.record_event(
+            "checkpoint", step=msg.step, path=msg.checkpoint, seconds=msg.stats.get("checkpoint_s")
+        )
 
     def untrained_positions(self) -> list[int]:
         """Draw positions of the prompt groups admitted and not trained, or queued again."""
@@ -271,15 +325,23 @@ class TrainDriver:
         self.metrics.record("eval", record, step=round_.version)
         self.metrics.console(
             f"eval @ version {round_.version}: pass@1 {record['eval/pass@1']:.3f} "
-            f"over {int(record['eval/num_problems'])} held-out problems")
+            f"over {int(record['eval/num_problems'])} held-out problems"
+        )
         return record
 
-    def _finish(self, before: dict[str, Any], after: dict[str, Any],
-                steps: int) -> dict[str, Any]:
+    def _finish(self, before: dict[str, Any], after: dict[str, Any], steps: int) -> dict[str, Any]:
         summary = self.report.summary(
-            before, after, clock.now() - self.started, steps, run_dir=Path(self.setup.run_dir),
-            mode=self.cfg.mode, final_version=self.version(), num_drawn=self.setup.num_drawn,
-            untrained_positions=self.untrained_positions(), malformed_messages=self.malformed())
+            before,
+            after,
+            clock.now() - self.started,
+            steps,
+            run_dir=Path(self.setup.run_dir),
+            mode=self.cfg.mode,
+            final_version=self.version(),
+            num_drawn=self.setup.num_drawn,
+            untrained_positions=self.untrained_positions(),
+            malformed_messages=self.malformed(),
+        )
         if self.resumed_after is not None:
             summary["resumed_after_step"] = self.resumed_after
         self.peer_log.flush()
@@ -303,11 +365,20 @@ def train_messages(cfg: RunConfig, step: int, version: int, groups: list[Group])
     plans = plan_shard_sequences(
         [t.num_tokens for t in trajectories],
         [0 if masked[i] else t.num_loss_tokens for i, t in enumerate(trajectories)],
-        cfg.trainer.num_ranks, cfg.trainer.num_minibatches)
-    return [Train(step=step, version=version, advantages=advantages[plan.seq_indices],
-                  minibatch_sizes=plan.minibatch_sizes,
-                  minibatch_loss_tokens=plan.minibatch_loss_tokens,
-                  minibatch_loss_seqs=plan.minibatch_loss_seqs,
-                  **pack_arrays([trajectories[i] for i in plan.seq_indices],
-                                [masked[i] for i in plan.seq_indices]))
-            for plan in plans]
+        cfg.trainer.num_ranks,
+        cfg.trainer.num_minibatches,
+    )
+    return [
+        Train(
+            step=step,
+            version=version,
+            advantages=advantages[plan.seq_indices],
+            minibatch_sizes=plan.minibatch_sizes,
+            minibatch_loss_tokens=plan.minibatch_loss_tokens,
+            minibatch_loss_seqs=plan.minibatch_loss_seqs,
+            **pack_arrays(
+                [trajectories[i] for i in plan.seq_indices], [masked[i] for i in plan.seq_indices]
+            ),
+        )
+        for plan in plans
+    ]

@@ -37,8 +37,9 @@ def trainer_backend(cfg: RunConfig) -> str:
 
 
 class TrainerGroup:
-    def __init__(self, cfg: RunConfig, pool: WorkerPool,
-                 send: Callable[[Outbox], Awaitable[None]]) -> None:
+    def __init__(
+        self, cfg: RunConfig, pool: WorkerPool, send: Callable[[Outbox], Awaitable[None]]
+    ) -> None:
         self.cfg = cfg
         self.pool = pool
         self.send = send
@@ -72,10 +73,18 @@ class TrainerGroup:
         self._done = asyncio.Event()
         out = Outbox()
         for handle in ranks:
-            out.send(handle.identity, JoinGroup(
-                group=GroupName.TRAINER, generation=self.generation, rank=handle.rank,
-                world_size=num_ranks, backend=trainer_backend(self.cfg), store=self.store,
-                timeout_s=timeout))
+            out.send(
+                handle.identity,
+                JoinGroup(
+                    group=GroupName.TRAINER,
+                    generation=self.generation,
+                    rank=handle.rank,
+                    world_size=num_ranks,
+                    backend=trainer_backend(self.cfg),
+                    store=self.store,
+                    timeout_s=timeout,
+                ),
+            )
         await self.send(out)
         try:
             await asyncio.wait_for(self._done.wait(), timeout + 30)
@@ -84,13 +93,15 @@ class TrainerGroup:
             raise GroupError(
                 f"trainer ranks {missing} did not join the data-parallel group at {self.store} "
                 f"within {timeout + 30:.0f} s; they must reach that address (trainer.store_host) "
-                "and each other (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)") from None
+                "and each other (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)"
+            ) from None
         failed = {r: s.error for r, s in self._status.items() if s.state is GroupState.FAILED}
         if not failed and len(self._status) < num_ranks:
             raise GroupError("a trainer rank was lost while the data-parallel group formed")
         if failed:
-            raise GroupError(f"trainer ranks could not join the data-parallel group at "
-                             f"{self.store}: {failed}")
+            raise GroupError(
+                f"trainer ranks could not join the data-parallel group at {self.store}: {failed}"
+            )
         log.info("data-parallel trainer group of %d ranks formed at %s", num_ranks, self.store)
 
     def lost(self) -> None:

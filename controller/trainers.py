@@ -54,11 +54,18 @@ class TrainerLost(RuntimeError):
 
 
 class Trainers:
-    def __init__(self, cfg: RunConfig, pool: WorkerPool, changed: Changed,
-                 send: Callable[[Outbox], Awaitable[None]],
-                 address: str, record_event: Callable[..., None],
-                 console: Callable[[str], None], log_of: Callable[[str], Any],
-                 all_lost: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        pool: WorkerPool,
+        changed: Changed,
+        send: Callable[[Outbox], Awaitable[None]],
+        address: str,
+        record_event: Callable[..., None],
+        console: Callable[[str], None],
+        log_of: Callable[[str], Any],
+        all_lost: Callable[[], None],
+    ) -> None:
         """`send`: the shell's, for what this component decides to send; `address`: where
         remote ranks connect (for messages); `all_lost`: every rank is being restarted (the
         collective weights group, whose sender is rank 0, must be re-formed)."""
@@ -91,8 +98,9 @@ class Trainers:
 
     # -- steps ----------------------------------------------------------------------------------
 
-    async def run_step(self, step: int, messages: list[Train],
-                       stopping: Callable[[], bool]) -> Trained | None:
+    async def run_step(
+        self, step: int, messages: list[Train], stopping: Callable[[], bool]
+    ) -> Trained | None:
         """Rank 0's Trained for `step`, whatever ranks are lost meanwhile (None: the run was
         stopped while waiting for them)."""
         self.recovery.record(messages)
@@ -131,8 +139,11 @@ class Trainers:
     async def _ensure(self, step: int, stopping: Callable[[], bool]) -> bool:
         restores = self.recovery.num_restores
         start = clock.now()
-        await self.changed.wait_for(lambda: stopping() or len(
-            self.pool.ready(WorkerKind.TRAINER)) >= self.cfg.trainer.num_ranks)
+        await self.changed.wait_for(
+            lambda: (
+                stopping() or len(self.pool.ready(WorkerKind.TRAINER)) >= self.cfg.trainer.num_ranks
+            )
+        )
         if stopping():
             return False
         if self.cfg.trainer.num_ranks > 1:
@@ -150,17 +161,27 @@ class Trainers:
         if restores:
             seconds = clock.now() - start
             self.record_event(
-                "trainer_restored", checkpoint=self.recovery.checkpoint,
-                replayed_steps=len(replays), restore_s=round(seconds, 3),
-                replay_max_abs_diff=last.stats.get("replay_max_abs_diff") if last else None)
-            self.console(f"trainer restored from {self.recovery.checkpoint or 'the initial model'}"
-                         f" (+{len(replays)} replayed steps) in {seconds:.1f} s")
+                "trainer_restored",
+                checkpoint=self.recovery.checkpoint,
+                replayed_steps=len(replays),
+                restore_s=round(seconds, 3),
+                replay_max_abs_diff=last.stats.get("replay_max_abs_diff") if last else None,
+            )
+            self.console(
+                f"trainer restored from {self.recovery.checkpoint or 'the initial model'}"
+                f" (+{len(replays)} replayed steps) in {seconds:.1f} s"
+            )
         return True
 
     # -- faults ---------------------------------------------------------------------------------
 
-    async def step_failed(self, handle: WorkerHandle, error: str, losing: set[str],
-                          lose: Callable[[WorkerHandle, str], Awaitable[Any]]) -> None:
+    async def step_failed(
+        self,
+        handle: WorkerHandle,
+        error: str,
+        losing: set[str],
+        lose: Callable[[WorkerHandle, str], Awaitable[Any]],
+    ) -> None:
         """A rank reported that the step failed; `losing`: worker ids whose loss is being
         handled; `lose`: the controller's handling of a lost worker."""
         if self.cfg.trainer.num_ranks == 1 or not self.recovery.enabled:
@@ -171,8 +192,11 @@ class Trainers:
         for _ in range(20):
             if any(h.worker_id in losing for h in self.pool.trainers()):
                 return  # the liveness loop found the dead rank first; it ends the step
-            dead = [h for h in self.pool.trainers()
-                    if h.process is not None and h.process.poll() is not None]
+            dead = [
+                h
+                for h in self.pool.trainers()
+                if h.process is not None and h.process.poll() is not None
+            ]
             if dead:
                 await lose(dead[0], "process exited")
                 return
@@ -182,14 +206,19 @@ class Trainers:
     async def lost(self, handle: WorkerHandle, why: str) -> None:
         """`handle` (already forgotten by the pool) is gone: restart every rank, or fail."""
         where = f"{self.log_of(handle.worker_id)} (local) or that worker's own log (remote)"
-        lost = (f"trainer rank {handle.rank} ({handle.worker_id} on {handle.host or '?'}) lost "
-                f"({why})")
+        lost = (
+            f"trainer rank {handle.rank} ({handle.worker_id} on {handle.host or '?'}) lost ({why})"
+        )
         if not self.recovery.enabled or handle.num_restarts >= MAX_RESTARTS:
             failure = RunFailed(
                 f"{lost}; the trainer group cannot continue without it "
-                + ("(trainer.checkpoint_every=0: no checkpoint to restart from)"
-                   if not self.recovery.enabled else f"(lost {handle.num_restarts + 1} times)")
-                + f"; see {where}")
+                + (
+                    "(trainer.checkpoint_every=0: no checkpoint to restart from)"
+                    if not self.recovery.enabled
+                    else f"(lost {handle.num_restarts + 1} times)"
+                )
+                + f"; see {where}"
+            )
             pending = self._in_progress()
             if pending is not None:
                 pending.set_exception(failure)
@@ -200,9 +229,14 @@ class Trainers:
         for other in others:
             if other.identity is not None and other.process is None:
                 out = Outbox()
-                out.send(other.identity, Shutdown(
-                    reason="a trainer rank was lost: start this rank again to resume the run "
-                           "from the checkpoint", rejoin=True))
+                out.send(
+                    other.identity,
+                    Shutdown(
+                        reason="a trainer rank was lost: start this rank again to resume the run "
+                        "from the checkpoint",
+                        rejoin=True,
+                    ),
+                )
                 await self.send(out)
             self.pool.forget(other)
             await stop_process(other)
@@ -225,5 +259,9 @@ class Trainers:
             self.pool.spawn(WorkerKind.TRAINER, local.rank, local.rank)
         self.console(
             f"{lost}: restarting the trainer from {self.recovery.checkpoint or 'the initial model'}"
-            + (f"; waiting for remote trainer ranks {remote} to join again at "
-               f"{self.address}" if remote else ""))
+            + (
+                f"; waiting for remote trainer ranks {remote} to join again at {self.address}"
+                if remote
+                else ""
+            )
+        )

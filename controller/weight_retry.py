@@ -72,8 +72,9 @@ class WeightRetries:
         return retry, lose
 
 
-def newest_on_disk(run_dir: Path, latest: str | None, version: int,
-                   below: int | None = None) -> tuple[int, str] | None:
+def newest_on_disk(
+    run_dir: Path, latest: str | None, version: int, below: int | None = None
+) -> tuple[int, str] | None:
     """(version, directory) of the newest disk weights a worker can load: `latest` (the
     current version's) while it holds a weights file, else the newest `weights/v<n>` that
     does, n <= version. `below`: only versions under it (one a worker failed to load)."""

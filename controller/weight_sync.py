@@ -46,7 +46,12 @@ from areal.controller.outbox import Outbox
 from areal.controller.pool import WorkerHandle, WorkerPool
 from areal.controller.weight_retry import WeightRetries, newest_on_disk
 from areal.messages import (
-    GroupStatus, Trained, UpdateWeights, WeightsChunk, WeightsUpdated, WorkerKind,
+    GroupStatus,
+    Trained,
+    UpdateWeights,
+    WeightsChunk,
+    WeightsUpdated,
+    WorkerKind,
 )
 
 log = logging.getLogger("areal.controller")
@@ -58,8 +63,9 @@ class WeightSync:
 
     mode = ""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, pool: WorkerPool,
-                 record_event: Callable[..., None]) -> None:
+    def __init__(
+        self, cfg: RunConfig, run_dir: Path, pool: WorkerPool, record_event: Callable[..., None]
+    ) -> None:
         self.run_dir = run_dir
         self.pool = pool
         self.record_event = record_event
@@ -91,8 +97,10 @@ class WeightSync:
         if handle.kind is WorkerKind.TRAINER or not self._from_disk():
             return self.version, None
         if self.version > 0:  # the newest version directory there is, if it was deleted
-            return newest_on_disk(self.run_dir, self.latest, self.version) \
-                or (self.version, self.latest)
+            return newest_on_disk(self.run_dir, self.latest, self.version) or (
+                self.version,
+                self.latest,
+            )
         return self.version, self.latest
 
     def after_welcome(self, handle: WorkerHandle, out: Outbox) -> None:
@@ -116,9 +124,13 @@ class WeightSync:
         self._announce(trained, members, out)
 
     def _announce(self, trained: Trained, members: list[bytes], out: Outbox) -> None:
-        update = UpdateWeights(version=trained.version, mode=self.mode,
-                               path=trained.weights_path, num_chunks=trained.num_chunks,
-                               interrupt=self.interrupt)
+        update = UpdateWeights(
+            version=trained.version,
+            mode=self.mode,
+            path=trained.weights_path,
+            num_chunks=trained.num_chunks,
+            interrupt=self.interrupt,
+        )
         for handle in self.pool.ready(WorkerKind.ROLLOUT):
             out.send(handle.identity, update)
 
@@ -143,12 +155,21 @@ class WeightSync:
         failed and a retry is owed (at the next liveness tick)."""
         if msg.error:
             failure = self.retries.failed(handle.worker_id, msg.version, msg.error)
-            log.warning("%s could not load weights version %d (%d in a row): %s; sending the "
-                        "newest weights again", handle.worker_id, msg.version,
-                        failure.attempts, msg.error)
-            self.record_event("weights_load_failed", worker_id=handle.worker_id,
-                              failed_version=msg.version, error=msg.error,
-                              attempt=failure.attempts)
+            log.warning(
+                "%s could not load weights version %d (%d in a row): %s; sending the "
+                "newest weights again",
+                handle.worker_id,
+                msg.version,
+                failure.attempts,
+                msg.error,
+            )
+            self.record_event(
+                "weights_load_failed",
+                worker_id=handle.worker_id,
+                failed_version=msg.version,
+                error=msg.error,
+                attempt=failure.attempts,
+            )
             return
         handle.version = msg.version
         self.retries.loaded(handle.worker_id)
@@ -158,9 +179,15 @@ class WeightSync:
         workers that failed too often in a row, to be lost (restarted)."""
         due, give_up = self.retries.due()
         ready = {h.worker_id: h for h in self.pool.ready(WorkerKind.ROLLOUT)}
-        lost = [(ready[worker_id], f"could not load weights ({failure.attempts} failures in a "
-                 f"row, the last of version {failure.version}): {failure.error}")
-                for worker_id, failure in give_up if worker_id in ready]
+        lost = [
+            (
+                ready[worker_id],
+                f"could not load weights ({failure.attempts} failures in a "
+                f"row, the last of version {failure.version}): {failure.error}",
+            )
+            for worker_id, failure in give_up
+            if worker_id in ready
+        ]
         for worker_id, failure in due:
             handle = ready.get(worker_id)
             if handle is None or not self._resend(handle, failure.version, out):
@@ -170,12 +197,16 @@ class WeightSync:
     def _resend(self, handle: WorkerHandle, failed: int, out: Outbox) -> bool:
         """Send `handle` the newest weights older than the `failed` version; False when there
         is nothing newer than what it serves (the trainer's next version will be)."""
-        version, path = newest_on_disk(self.run_dir, self.latest, self.version,
-                                       below=failed) or (0, None)
+        version, path = newest_on_disk(self.run_dir, self.latest, self.version, below=failed) or (
+            0,
+            None,
+        )
         if version <= handle.version:
             return False
-        out.send(handle.identity, UpdateWeights(version=version, mode=self.mode, path=path,
-                                                interrupt=self.interrupt))
+        out.send(
+            handle.identity,
+            UpdateWeights(version=version, mode=self.mode, path=path, interrupt=self.interrupt),
+        )
         return True
 
     def tick(self, members: list[bytes], out: Outbox) -> None:
@@ -226,9 +257,15 @@ class StreamSync(WeightSync):
         return True
 
     def _send_chunks(self, handle: WorkerHandle, version: int, out: Outbox) -> None:
-        out.send(handle.identity, UpdateWeights(
-            version=version, mode=self.mode, num_chunks=len(self.chunks),
-            interrupt=self.interrupt))
+        out.send(
+            handle.identity,
+            UpdateWeights(
+                version=version,
+                mode=self.mode,
+                num_chunks=len(self.chunks),
+                interrupt=self.interrupt,
+            ),
+        )
         for chunk in self.chunks:
             out.send(handle.identity, chunk)
 
@@ -250,20 +287,32 @@ class ShmSync(WeightSync):
             return super()._resend(handle, failed, out)
         if self.version <= handle.version or self.latest is None:
             return False
-        out.send(handle.identity, UpdateWeights(version=self.version, mode=self.mode,
-                                                path=self.latest, interrupt=self.interrupt))
+        out.send(
+            handle.identity,
+            UpdateWeights(
+                version=self.version, mode=self.mode, path=self.latest, interrupt=self.interrupt
+            ),
+        )
         return True
 
 
-def make_weight_sync(cfg: RunConfig, run_dir: Path, pool: WorkerPool,
-                     record_event: Callable[..., None], store: Callable[[], str]
-                     ) -> WeightSync:
+def make_weight_sync(
+    cfg: RunConfig,
+    run_dir: Path,
+    pool: WorkerPool,
+    record_event: Callable[..., None],
+    store: Callable[[], str],
+) -> WeightSync:
     """The implementation of `cfg.weight_sync.mode`; `store`: trainer rank 0's TCPStore
     address, where the collective weights group meets."""
     from areal.controller.weights_group import CollectiveSync
 
-    modes: dict[str, Any] = {"disk": DiskSync, "stream": StreamSync,
-                             "collective": CollectiveSync, "shm": ShmSync}
+    modes: dict[str, Any] = {
+        "disk": DiskSync,
+        "stream": StreamSync,
+        "collective": CollectiveSync,
+        "shm": ShmSync,
+    }
     sync = modes[cfg.weight_sync.mode]
     if sync is CollectiveSync:
         return CollectiveSync(cfg, run_dir, pool, record_event, store)

@@ -34,7 +34,13 @@ from areal.controller.outbox import Outbox
 from areal.controller.pool import WorkerHandle, WorkerPool
 from areal.controller.weight_sync import WeightSync
 from areal.messages import (
-    BroadcastWeights, GroupName, GroupState, GroupStatus, JoinGroup, Trained, UpdateWeights,
+    BroadcastWeights,
+    GroupName,
+    GroupState,
+    GroupStatus,
+    JoinGroup,
+    Trained,
+    UpdateWeights,
     WorkerKind,
 )
 
@@ -54,8 +60,14 @@ def weights_backend(cfg: RunConfig) -> str:
 class CollectiveSync(WeightSync):
     mode = "collective"
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, pool: WorkerPool,
-                 record_event: Callable[..., None], store: Callable[[], str]) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        run_dir: Path,
+        pool: WorkerPool,
+        record_event: Callable[..., None],
+        store: Callable[[], str],
+    ) -> None:
         super().__init__(cfg, run_dir, pool, record_event)
         self.backend = weights_backend(cfg)
         self.timeout_s = cfg.weight_sync.timeout_s
@@ -107,8 +119,13 @@ class CollectiveSync(WeightSync):
             return
         if self._dirty or members != self.members:
             self._reform(sender, members, out)
-        update = UpdateWeights(version=version, mode=self.mode, interrupt=self.interrupt,
-                               generation=self.generation, manifest=self.manifest)
+        update = UpdateWeights(
+            version=version,
+            mode=self.mode,
+            interrupt=self.interrupt,
+            generation=self.generation,
+            manifest=self.manifest,
+        )
         for identity in self.members:
             out.send(identity, update)
         out.send(sender.identity, BroadcastWeights(version=version, generation=self.generation))
@@ -118,19 +135,34 @@ class CollectiveSync(WeightSync):
         self.members, self._dirty = members, False
         if self.generation > 1:
             self.num_reformed += 1
-        log.info("weights group generation %d: trainer rank 0 + %d rollout workers",
-                 self.generation, len(members))
+        log.info(
+            "weights group generation %d: trainer rank 0 + %d rollout workers",
+            self.generation,
+            len(members),
+        )
         store = self.store()
         for rank, identity in enumerate([sender.identity, *members]):
-            out.send(identity, JoinGroup(group=GroupName.WEIGHTS, generation=self.generation,
-                                         rank=rank, world_size=len(members) + 1,
-                                         backend=self.backend, store=store,
-                                         timeout_s=self.timeout_s))
+            out.send(
+                identity,
+                JoinGroup(
+                    group=GroupName.WEIGHTS,
+                    generation=self.generation,
+                    rank=rank,
+                    world_size=len(members) + 1,
+                    backend=self.backend,
+                    store=store,
+                    timeout_s=self.timeout_s,
+                ),
+            )
 
     def on_group_status(self, handle: WorkerHandle, msg: GroupStatus) -> None:
         if msg.state is GroupState.FAILED and msg.generation == self.generation:
-            log.warning("weights group generation %d: %s reported %s", msg.generation,
-                        handle.worker_id, msg.error)
+            log.warning(
+                "weights group generation %d: %s reported %s",
+                msg.generation,
+                handle.worker_id,
+                msg.error,
+            )
             self._dirty = self._resend_due = True
 
     def member_lost(self, handle: WorkerHandle) -> None:

@@ -23,27 +23,47 @@ RESULTS = ROOT / "docs" / "results"
 
 PAGES = [
     ("speedup", "Synchronous vs asynchronous training", "python bench/speedup.py --seeds 3"),
-    ("ablation", "Staleness ablation: naive PPO vs decoupled PPO",
-     "python bench/ablation.py --parallel 2"),
-    *[(f"cluster-{t}", f"Cluster simulation, table ({t})", "python bench/cluster.py")
-      for t in "abcdef"],
-    ("cluster-g", "Cluster simulation, table (g): calibration against this machine",
-     "python bench/cluster.py --calibrate"),
-    ("cluster-r", "Cluster simulation, table (r): the controller alone",
-     "python bench/cluster.py --only r"),
-    ("cluster-s", "Cluster simulation, table (s): what staleness.strict costs",
-     "python bench/cluster.py --only s"),
+    (
+        "ablation",
+        "Staleness ablation: naive PPO vs decoupled PPO",
+        "python bench/ablation.py --parallel 2",
+    ),
+    *[
+        (f"cluster-{t}", f"Cluster simulation, table ({t})", "python bench/cluster.py")
+        for t in "abcdef"
+    ],
+    (
+        "cluster-g",
+        "Cluster simulation, table (g): calibration against this machine",
+        "python bench/cluster.py --calibrate",
+    ),
+    (
+        "cluster-r",
+        "Cluster simulation, table (r): the controller alone",
+        "python bench/cluster.py --only r",
+    ),
+    (
+        "cluster-s",
+        "Cluster simulation, table (s): what staleness.strict costs",
+        "python bench/cluster.py --only s",
+    ),
     ("chaos", "Faults injected into one run", "python bench/chaos.py"),
     ("soak", "Memory and open files over a long run", "python bench/soak.py --minutes 60"),
     ("sandbox", "Sandbox against a bare subprocess", "python bench/sandbox.py"),
     ("engines", "Inference engines on CPU", "python bench/engines.py"),
     ("engines-gpu", "Inference engines on a GPU", "python bench/engines.py --device cuda"),
     ("weight_sync", "Weight publication", "python bench/weight_sync.py"),
-    ("agent_endpoint", "Agent endpoint against the in-process episode loop",
-     "python bench/agent_endpoint.py"),
+    (
+        "agent_endpoint",
+        "Agent endpoint against the in-process episode loop",
+        "python bench/agent_endpoint.py",
+    ),
     ("lora", "LoRA against full fine-tuning: publication and trainer", "python bench/lora.py"),
-    ("lora_learning", "LoRA vs full fine-tuning on the default task",
-     "python bench/lora_learning.py"),
+    (
+        "lora_learning",
+        "LoRA vs full fine-tuning on the default task",
+        "python bench/lora_learning.py",
+    ),
 ]
 """(page name, what it shows, the command that writes it)."""
 

@@ -157,4 +157,3 @@ def _rmdir(name: str, dir_fd: int) -> None:
         os.rmdir(name, dir_fd=dir_fd)  # cgroup folders hold only virtual files: rmdir, never rmtree
     except FileNotFoundError:
         pass
-

@@ -188,8 +188,10 @@ def _reset_signals(*, python: bool) -> None:
 
 
 def _expand(template: tuple[str, ...], plan: ChildPlan) -> list[str]:
-    return [arg.replace("{source}", plan.language.source_file).replace("{python}", plan.python)
-            for arg in template]
+    return [
+        arg.replace("{source}", plan.language.source_file).replace("{python}", plan.python)
+        for arg in template
+    ]
 
 
 def _start_program(plan: ChildPlan) -> NoReturn:

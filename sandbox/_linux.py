@@ -48,8 +48,12 @@ _libc = ctypes.CDLL(None, use_errno=True)  # the symbols already loaded: libc is
 
 
 class _MountAttr(ctypes.Structure):
-    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
-                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+    _fields_ = [
+        ("attr_set", ctypes.c_uint64),
+        ("attr_clr", ctypes.c_uint64),
+        ("propagation", ctypes.c_uint64),
+        ("userns_fd", ctypes.c_uint64),
+    ]
 
 
 class _CapHeader(ctypes.Structure):
@@ -57,8 +61,11 @@ class _CapHeader(ctypes.Structure):
 
 
 class _CapData(ctypes.Structure):
-    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
-                ("inheritable", ctypes.c_uint32)]
+    _fields_ = [
+        ("effective", ctypes.c_uint32),
+        ("permitted", ctypes.c_uint32),
+        ("inheritable", ctypes.c_uint32),
+    ]
 
 
 def _check(result: int, what: str) -> None:
@@ -71,12 +78,16 @@ def unshare(flags: int) -> None:
     _check(_libc.unshare(flags), f"unshare(0x{flags:x})")
 
 
-def mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+def mount(
+    source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None
+) -> None:
     def enc(s: str | None) -> bytes | None:
         return s.encode() if s is not None else None
 
-    _check(_libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
-           f"mount {fstype or source} on {target}")
+    _check(
+        _libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
+        f"mount {fstype or source} on {target}",
+    )
 
 
 def umount(target: str, flags: int = 0) -> None:
@@ -100,8 +111,14 @@ def make_mounts_private() -> None:
 def make_tree_read_only(path: str = "/") -> None:
     """Read-only and nosuid for `path` and every mount below it, in one call (Linux >= 5.12)."""
     attr = _MountAttr(_MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID, 0, 0, 0)
-    result = _libc.syscall(_SYS_MOUNT_SETATTR, _AT_FDCWD, path.encode(), _AT_RECURSIVE,
-                           ctypes.byref(attr), ctypes.sizeof(attr))
+    result = _libc.syscall(
+        _SYS_MOUNT_SETATTR,
+        _AT_FDCWD,
+        path.encode(),
+        _AT_RECURSIVE,
+        ctypes.byref(attr),
+        ctypes.sizeof(attr),
+    )
     _check(result, f"mount_setattr({path}, recursive read-only)")
 
 

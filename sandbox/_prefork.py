@@ -32,8 +32,9 @@ _PR_SET_PDEATHSIG = 1
 
 
 class SupervisorPool:
-    def __init__(self, listener: socket.socket, setup: RunSetup, *, max_concurrency: int,
-                 spares: int) -> None:
+    def __init__(
+        self, listener: socket.socket, setup: RunSetup, *, max_concurrency: int, spares: int
+    ) -> None:
         self.listener = listener
         self.setup = setup
         self.spares = max(1, min(spares, max_concurrency))
@@ -107,8 +108,9 @@ class SupervisorPool:
             _signal(pid, signal.SIGKILL)
 
 
-def _wait_for_a_run(listener: socket.socket, busy_w: int, setup: RunSetup, slot: int,
-                    launcher_pid: int) -> NoReturn:
+def _wait_for_a_run(
+    listener: socket.socket, busy_w: int, setup: RunSetup, slot: int, launcher_pid: int
+) -> NoReturn:
     """Body of a spare supervisor."""
     libc = _linux._libc
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # idle: die with the launcher
@@ -147,4 +149,3 @@ def _signal(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except ProcessLookupError:
         pass
-

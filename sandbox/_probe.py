@@ -23,7 +23,14 @@ from areal.sandbox._supervisor import RunSetup, request_message, serve_connectio
 from areal.sandbox.result import ExecStatus, IsolationReport
 from areal.sandbox.spec import PYTHON, PYTHON_EXEC, Limits, SandboxConfig
 
-RLIMITS = ("RLIMIT_CPU", "RLIMIT_AS", "RLIMIT_FSIZE", "RLIMIT_NPROC", "RLIMIT_NOFILE", "RLIMIT_CORE")
+RLIMITS = (
+    "RLIMIT_CPU",
+    "RLIMIT_AS",
+    "RLIMIT_FSIZE",
+    "RLIMIT_NPROC",
+    "RLIMIT_NOFILE",
+    "RLIMIT_CORE",
+)
 
 PROBE_PROGRAM = r"""
 import errno, json, os, socket, sys
@@ -58,7 +65,9 @@ print(json.dumps(report))
 
 INTERPRETER_PROBE = "import encodings.idna, sys\nprint(sys.prefix)"
 """Run by a fresh interpreter: it starts, finds its prefix and imports from its stdlib."""
-_EXEC_PROBE = dataclasses.replace(PYTHON_EXEC, name="python-probe", run=("{python}", "-S", "{source}"))
+_EXEC_PROBE = dataclasses.replace(
+    PYTHON_EXEC, name="python-probe", run=("{python}", "-S", "{source}")
+)
 """PYTHON_EXEC without the site module (start-up several times cheaper, docs/design.md
 section 7): the in-process probe already found the import path; this one checks the executable, its
 libraries and its standard library."""
@@ -68,8 +77,10 @@ def probe(setup: RunSetup, notes: list[str], paths: tuple[str, ...]) -> dict | N
     """What PROBE_PROGRAM saw under `setup` (checking that `paths` exist), or None."""
     header, blobs = _run(setup, PROBE_PROGRAM, PYTHON, paths)
     if header["status"] != ExecStatus.OK.value:
-        notes.append(f"probe {setup_name(setup)}: {header['status']} {header['detail'][:300]} "
-                     f"{blobs[1][-300:].decode(errors='replace')}")
+        notes.append(
+            f"probe {setup_name(setup)}: {header['status']} {header['detail'][:300]} "
+            f"{blobs[1][-300:].decode(errors='replace')}"
+        )
         return None
     return json.loads(blobs[0])
 
@@ -80,12 +91,16 @@ def check_interpreter(setup: RunSetup, seen: dict, python: str, notes: list[str]
     running unisolated)."""
     problems = []
     if seen["missing"]:
-        problems.append(f"sandboxed programs cannot see the interpreter's files or import "
-                        f"path: {seen['missing']} (SandboxConfig.python={python!r})")
+        problems.append(
+            f"sandboxed programs cannot see the interpreter's files or import "
+            f"path: {seen['missing']} (SandboxConfig.python={python!r})"
+        )
     header, blobs = _run(setup, INTERPRETER_PROBE, _EXEC_PROBE, ())
     if header["status"] != ExecStatus.OK.value:
-        problems.append(f"the interpreter {python!r} does not run inside the sandbox: "
-                        f"{header['detail'][:300]} {blobs[1][-500:].decode(errors='replace')}")
+        problems.append(
+            f"the interpreter {python!r} does not run inside the sandbox: "
+            f"{header['detail'][:300]} {blobs[1][-500:].decode(errors='replace')}"
+        )
     if problems and setup.mount_jail:
         raise RuntimeError("; ".join(problems))
     notes.extend(problems)
@@ -99,7 +114,9 @@ def _run(setup: RunSetup, source: str, language, argv: tuple[str, ...]) -> tuple
         serve_connection(child, setup, slot=0)
     child.close()
     try:
-        parent.sendall(request_message(source, b"", language, Limits(wall_s=10, cpu_s=10), {}, argv))
+        parent.sendall(
+            request_message(source, b"", language, Limits(wall_s=10, cpu_s=10), {}, argv)
+        )
         parent.settimeout(60)
         return _wire.recv(parent)
     finally:
@@ -108,28 +125,45 @@ def _run(setup: RunSetup, source: str, language, argv: tuple[str, ...]) -> tuple
 
 
 def setup_name(setup: RunSetup) -> str:
-    parts = [name for name in ("pid_namespace", "mount_jail", "read_only_root", "minimal_root")
-             if getattr(setup, name)]
+    parts = [
+        name
+        for name in ("pid_namespace", "mount_jail", "read_only_root", "minimal_root")
+        if getattr(setup, name)
+    ]
     return "+".join(parts) or "no namespaces"
 
 
-def build_report(setup: RunSetup, seen: dict, config: SandboxConfig, notes: list[str],
-                 outer_uid: int, *, root_switch: str, visible: tuple[str, ...]) -> IsolationReport:
+def build_report(
+    setup: RunSetup,
+    seen: dict,
+    config: SandboxConfig,
+    notes: list[str],
+    outer_uid: int,
+    *,
+    root_switch: str,
+    visible: tuple[str, ...],
+) -> IsolationReport:
     run_uids: tuple[int, ...] = ()
     if seen["uid"] == setup.uid_base:  # the probe runs in slot 0
         run_uids = (setup.uid_base, setup.uid_base + config.max_concurrency - 1)
-        unprivileged = f"uids {run_uids[0]}..{run_uids[1]} (one per concurrent run), no capabilities"
+        unprivileged = (
+            f"uids {run_uids[0]}..{run_uids[1]} (one per concurrent run), no capabilities"
+        )
     elif setup.mode == "userns" and int(seen["cap_eff"], 16) == 0:
         unprivileged = "user namespace, no capabilities"
         if outer_uid == 0:
-            notes.append("userns mode as root: programs are uid 0 outside their namespace, so "
-                         "root-only files stay readable (read-only); prefer mode=root")
+            notes.append(
+                "userns mode as root: programs are uid 0 outside their namespace, so "
+                "root-only files stay readable (read-only); prefer mode=root"
+            )
     else:
         unprivileged = "none"
     if not seen["stdlib"]:
-        notes.append(f"programs cannot read the interpreter's files ({sys.prefix}): only modules "
-                     "in sandbox.preload import; install Python world-readable or allow a "
-                     "mount namespace")
+        notes.append(
+            f"programs cannot read the interpreter's files ({sys.prefix}): only modules "
+            "in sandbox.preload import; install Python world-readable or allow a "
+            "mount namespace"
+        )
     pid_ns = seen["pid"] == 1 and seen["procs"] == [1]
     own_tmp = sorted({"work", *(path.split("/")[2] for path in setup.tmp_binds)})
     return IsolationReport(
@@ -145,7 +179,8 @@ def build_report(setup: RunSetup, seen: dict, config: SandboxConfig, notes: list
         interpreter=config.python,
         unprivileged=unprivileged,
         process_cleanup="PID namespace: the kernel kills every process when the program exits"
-        if pid_ns else "subreaper sweep: orphans re-parent to the supervisor, which kills them",
+        if pid_ns
+        else "subreaper sweep: orphans re-parent to the supervisor, which kills them",
         rlimits=RLIMITS,
         run_uids=run_uids,
         kernel=os.uname().release,

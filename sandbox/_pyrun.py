@@ -47,13 +47,22 @@ def run_main(path: str, argv: list[str]) -> NoReturn:
 
 
 def _reopen_std_streams() -> None:
-    _KEEP_ALIVE.extend([sys.stdin, sys.stdout, sys.stderr, sys.__stdin__, sys.__stdout__, sys.__stderr__])
-    stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r")), encoding="utf-8",
-                             errors="strict", newline="\n")
-    stdout = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w")), encoding="utf-8",
-                              errors="strict", newline="\n")
-    stderr = io.TextIOWrapper(io.BufferedWriter(io.FileIO(2, "w")), encoding="utf-8",
-                              errors="backslashreplace", newline="\n", line_buffering=True)
+    _KEEP_ALIVE.extend(
+        [sys.stdin, sys.stdout, sys.stderr, sys.__stdin__, sys.__stdout__, sys.__stderr__]
+    )
+    stdin = io.TextIOWrapper(
+        io.BufferedReader(io.FileIO(0, "r")), encoding="utf-8", errors="strict", newline="\n"
+    )
+    stdout = io.TextIOWrapper(
+        io.BufferedWriter(io.FileIO(1, "w")), encoding="utf-8", errors="strict", newline="\n"
+    )
+    stderr = io.TextIOWrapper(
+        io.BufferedWriter(io.FileIO(2, "w")),
+        encoding="utf-8",
+        errors="backslashreplace",
+        newline="\n",
+        line_buffering=True,
+    )
     sys.stdin = sys.__stdin__ = stdin  # type: ignore[misc]  # the program's own streams
     sys.stdout = sys.__stdout__ = stdout  # type: ignore[misc]  # the program's own streams
     sys.stderr = sys.__stderr__ = stderr  # type: ignore[misc]  # the program's own streams

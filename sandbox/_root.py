@@ -38,8 +38,12 @@ ETC_ENTRIES = ("alternatives", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "loc
 zone, and the alternatives links compilers are reached through (Debian: g++, cc). No
 passwd, group, hosts or resolv.conf: they describe the host, and runs have no network."""
 DEV_NODES = ("null", "zero", "full", "random", "urandom")
-DEV_LINKS = (("/dev/fd", "/proc/self/fd"), ("/dev/stdin", "/proc/self/fd/0"),
-             ("/dev/stdout", "/proc/self/fd/1"), ("/dev/stderr", "/proc/self/fd/2"))
+DEV_LINKS = (
+    ("/dev/fd", "/proc/self/fd"),
+    ("/dev/stdin", "/proc/self/fd/0"),
+    ("/dev/stdout", "/proc/self/fd/1"),
+    ("/dev/stderr", "/proc/self/fd/2"),
+)
 PRIVATE_MOUNTS = ("/proc", "/tmp", "/dev/shm")
 """Mount points each run covers with its own mount (procfs, tmpfs)."""
 
@@ -59,25 +63,48 @@ class RootPlan:
 
     def visible(self) -> tuple[str, ...]:
         """Everything a program can see, as the isolation report lists it."""
-        return tuple(sorted([*self.binds, *(f"{path} -> {target}" for path, target in self.symlinks),
-                             "/proc (the run's own)", "/tmp (the run's own tmpfs)",
-                             "/dev/shm (the run's own tmpfs)"]))
+        return tuple(
+            sorted(
+                [
+                    *self.binds,
+                    *(f"{path} -> {target}" for path, target in self.symlinks),
+                    "/proc (the run's own)",
+                    "/tmp (the run's own tmpfs)",
+                    "/dev/shm (the run's own tmpfs)",
+                ]
+            )
+        )
 
 
-def plan_root(*, python: str, import_paths: list[str], expose: tuple[str, ...],
-              system_paths: tuple[str, ...], excluded: tuple[str, ...]) -> RootPlan:
+def plan_root(
+    *,
+    python: str,
+    import_paths: list[str],
+    expose: tuple[str, ...],
+    system_paths: tuple[str, ...],
+    excluded: tuple[str, ...],
+) -> RootPlan:
     """What the root holds for an interpreter `python` with `import_paths` (its sys.path),
     except the `excluded` folders (the caller's working directory and script folder)."""
     symlinks: list[tuple[str, str]] = list(DEV_LINKS)
     named: list[str] = []
-    for path in [*system_paths, *(f"/etc/{name}" for name in ETC_ENTRIES),
-                 *(f"/dev/{name}" for name in DEV_NODES)]:
+    for path in [
+        *system_paths,
+        *(f"/etc/{name}" for name in ETC_ENTRIES),
+        *(f"/dev/{name}" for name in DEV_NODES),
+    ]:
         if os.path.islink(path):
             symlinks.append((path, os.readlink(path)))  # kept as is: its target may be bound
         elif os.path.exists(path):
             named.append(path)
-    interpreter = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-                   os.path.dirname(python), os.path.dirname(os.path.realpath(python))]
+    interpreter = [
+        sys.prefix,
+        sys.base_prefix,
+        sys.exec_prefix,
+        sys.base_exec_prefix,
+        os.path.dirname(python),
+        os.path.dirname(os.path.realpath(python)),
+    ]
     left_out = {os.path.abspath(p) for p in excluded if p}
     imports = [p for p in import_paths if p and os.path.abspath(p) not in left_out]
     skipped = []
@@ -106,8 +133,9 @@ def enter_root(plan: RootPlan, staging: str = "/tmp") -> str:
     proc = os.open("/proc", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     old_umask = os.umask(0o022)
     try:
-        _linux.mount("tmpfs", staging, "tmpfs", _linux.MS_NOSUID | _linux.MS_NODEV,
-                     "size=1m,mode=755")
+        _linux.mount(
+            "tmpfs", staging, "tmpfs", _linux.MS_NOSUID | _linux.MS_NODEV, "size=1m,mode=755"
+        )
         for path, fd in held:
             bind(fd, staging + path)
         for path, target in plan.symlinks:

@@ -69,7 +69,7 @@ class _Capture:
 
     def feed(self, chunk: bytes) -> None:
         room = self.cap - len(self.data)
-        self.data += chunk[:max(room, 0)]
+        self.data += chunk[: max(room, 0)]
         self.overflow = self.overflow or len(chunk) > room
 
 
@@ -81,59 +81,105 @@ def serve_connection(conn: socket.socket, setup: RunSetup, slot: int) -> NoRetur
         conn.settimeout(None)
         result = run_request(header, blobs, setup, slot)
     except BaseException as exc:  # fault boundary: the caller always gets an answer
-        result = ExecResult(status=ExecStatus.SANDBOX_ERROR,
-                            detail=f"supervisor failed: {exc!r}\n{traceback.format_exc(limit=5)}")
+        result = ExecResult(
+            status=ExecStatus.SANDBOX_ERROR,
+            detail=f"supervisor failed: {exc!r}\n{traceback.format_exc(limit=5)}",
+        )
     try:
         conn.sendall(_wire.encode(result.header(), [result.stdout, result.stderr]))
     finally:
         os._exit(0)
 
 
-def request_message(source: str | bytes, stdin: bytes, language: Language, limits: Limits,
-                    files: dict[str, bytes], argv: tuple[str, ...]) -> bytes:
+def request_message(
+    source: str | bytes,
+    stdin: bytes,
+    language: Language,
+    limits: Limits,
+    files: dict[str, bytes],
+    argv: tuple[str, ...],
+) -> bytes:
     """The request `run_request` decodes: extra files, then the source, then stdin."""
     source_bytes = source.encode() if isinstance(source, str) else source
-    header = {"language": dataclasses.asdict(language), "limits": dataclasses.asdict(limits),
-              "files": list(files), "argv": list(argv)}
+    header = {
+        "language": dataclasses.asdict(language),
+        "limits": dataclasses.asdict(limits),
+        "files": list(files),
+        "argv": list(argv),
+    }
     return _wire.encode(header, [*files.values(), source_bytes, stdin])
 
 
-def run_request(header: dict[str, Any], blobs: list[bytes], setup: RunSetup, slot: int) -> ExecResult:
+def run_request(
+    header: dict[str, Any], blobs: list[bytes], setup: RunSetup, slot: int
+) -> ExecResult:
     language = language_from_json(header["language"])
     limits = limits_from_json(header["limits"])
     names = header["files"]
     files = dict(zip(names, blobs[: len(names)], strict=True))
     files[language.source_file] = blobs[len(names)]
     stdin = blobs[len(names) + 1]
-    return supervise(language=language, limits=limits, files=files, stdin=stdin,
-                     argv=tuple(header.get("argv", ())), setup=setup, slot=slot)
+    return supervise(
+        language=language,
+        limits=limits,
+        files=files,
+        stdin=stdin,
+        argv=tuple(header.get("argv", ())),
+        setup=setup,
+        slot=slot,
+    )
 
 
-def supervise(*, language: Language, limits: Limits, files: dict[str, bytes], stdin: bytes,
-              argv: tuple[str, ...], setup: RunSetup, slot: int) -> ExecResult:
-    run_uid = setup.uid_base + slot if setup.mode in ("root", "none") and os.geteuid() == 0 else None
-    cgroup = _cgroup.create_run(setup.memory_cgroup_root, limits.run_memory_bytes) \
-        if setup.memory_cgroup_root else None
+def supervise(
+    *,
+    language: Language,
+    limits: Limits,
+    files: dict[str, bytes],
+    stdin: bytes,
+    argv: tuple[str, ...],
+    setup: RunSetup,
+    slot: int,
+) -> ExecResult:
+    run_uid = (
+        setup.uid_base + slot if setup.mode in ("root", "none") and os.geteuid() == 0 else None
+    )
+    cgroup = (
+        _cgroup.create_run(setup.memory_cgroup_root, limits.run_memory_bytes)
+        if setup.memory_cgroup_root
+        else None
+    )
     workdir = _enter_namespaces(setup, run_uid)
     stdin_fd = _memfd_with(stdin)
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     st_r, st_w = os.pipe2(os.O_CLOEXEC)
     env = dict(setup.env) | {"HOME": workdir, "TMPDIR": "/tmp" if setup.mount_jail else workdir}
-    plan = ChildPlan(language=language, limits=limits, files=files, argv=argv, env=env,
-                     python=setup.python, workdir=workdir, run_uid=run_uid,
-                     drop_capabilities=setup.mode == "userns", mount_jail=setup.mount_jail,
-                     read_only_root=setup.read_only_root and not setup.minimal_root,
-                     exposures=setup.exposures if run_uid is not None and setup.mount_jail else (),
-                     tmp_binds=setup.tmp_binds,
-                     cgroup=(setup.memory_cgroup_root, cgroup) if cgroup else None,
-                     stdin_fd=stdin_fd, stdout_fd=out_w,
-                     stderr_fd=err_w, status_fd=st_w)
+    plan = ChildPlan(
+        language=language,
+        limits=limits,
+        files=files,
+        argv=argv,
+        env=env,
+        python=setup.python,
+        workdir=workdir,
+        run_uid=run_uid,
+        drop_capabilities=setup.mode == "userns",
+        mount_jail=setup.mount_jail,
+        read_only_root=setup.read_only_root and not setup.minimal_root,
+        exposures=setup.exposures if run_uid is not None and setup.mount_jail else (),
+        tmp_binds=setup.tmp_binds,
+        cgroup=(setup.memory_cgroup_root, cgroup) if cgroup else None,
+        stdin_fd=stdin_fd,
+        stdout_fd=out_w,
+        stderr_fd=err_w,
+        status_fd=st_w,
+    )
     pid = os.fork()
     if pid == 0:
         child_main(plan)
     for fd in (stdin_fd, out_w, err_w, st_w):
         os.close(fd)
+
     def kill_run_and_exit(*_: object) -> None:
         os.kill(pid, signal.SIGKILL)
         os._exit(1)
@@ -153,7 +199,7 @@ def _memfd_with(data: bytes) -> int:
     fd = os.memfd_create("stdin", 0)
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
 
@@ -183,8 +229,16 @@ def _private_workdir(run_uid: int | None) -> str:
     return workdir
 
 
-def _watch(pid: int, out_r: int, err_r: int, st_r: int, language: Language, limits: Limits,
-           setup: RunSetup, cgroup: str | None) -> ExecResult:
+def _watch(
+    pid: int,
+    out_r: int,
+    err_r: int,
+    st_r: int,
+    language: Language,
+    limits: Limits,
+    setup: RunSetup,
+    cgroup: str | None,
+) -> ExecResult:
     pidfd = os.pidfd_open(pid)
     out, err = _Capture(cap=limits.stdout_bytes), _Capture(cap=limits.stderr_bytes)
     status_msg = bytearray()
@@ -234,10 +288,24 @@ def _watch(pid: int, out_r: int, err_r: int, st_r: int, language: Language, limi
     memory = _Memory(peak_bytes=usage.ru_maxrss * 1024, oom_killed=False)
     if cgroup is not None:
         root = setup.memory_cgroup_root
-        memory = _Memory(peak_bytes=_cgroup.peak_bytes(root, cgroup),
-                         oom_killed=_cgroup.oom_kills(root, cgroup) > 0)
-    return _result(started, ended, wait_status, usage, memory, bytes(status_msg), out, err,
-                   timed_out, overflow, language, limits)
+        memory = _Memory(
+            peak_bytes=_cgroup.peak_bytes(root, cgroup),
+            oom_killed=_cgroup.oom_kills(root, cgroup) > 0,
+        )
+    return _result(
+        started,
+        ended,
+        wait_status,
+        usage,
+        memory,
+        bytes(status_msg),
+        out,
+        err,
+        timed_out,
+        overflow,
+        language,
+        limits,
+    )
 
 
 @dataclass(frozen=True)
@@ -246,26 +314,56 @@ class _Memory:
     oom_killed: bool
 
 
-def _result(started: float | None, ended: float, wait_status: int, usage: Any, memory: _Memory,
-            status_msg: bytes, out: _Capture, err: _Capture, timed_out: bool, overflow: str,
-            language: Language, limits: Limits) -> ExecResult:
-    common = dict(stdout=bytes(out.data), stderr=bytes(err.data), stdout_truncated=out.overflow,
-                  stderr_truncated=err.overflow, cpu_s=usage.ru_utime + usage.ru_stime,
-                  peak_memory_bytes=memory.peak_bytes)
+def _result(
+    started: float | None,
+    ended: float,
+    wait_status: int,
+    usage: Any,
+    memory: _Memory,
+    status_msg: bytes,
+    out: _Capture,
+    err: _Capture,
+    timed_out: bool,
+    overflow: str,
+    language: Language,
+    limits: Limits,
+) -> ExecResult:
+    common = dict(
+        stdout=bytes(out.data),
+        stderr=bytes(err.data),
+        stdout_truncated=out.overflow,
+        stderr_truncated=err.overflow,
+        cpu_s=usage.ru_utime + usage.ru_stime,
+        peak_memory_bytes=memory.peak_bytes,
+    )
     message = status_msg.decode("utf-8", errors="replace")
     if message.startswith("compile:"):
-        return ExecResult(status=ExecStatus.COMPILE_ERROR, exit_code=int(message[8:] or 1),
-                          detail="compile step failed", **common)
+        return ExecResult(
+            status=ExecStatus.COMPILE_ERROR,
+            exit_code=int(message[8:] or 1),
+            detail="compile step failed",
+            **common,
+        )
     if started is None:
-        detail = message.removeprefix("setup:") or "program did not start within the set-up allowance"
-        return ExecResult(status=ExecStatus.SANDBOX_ERROR, detail=f"sandbox set-up: {detail}", **common)
-    ending = Ending(wait_status=wait_status, cpu_s=common["cpu_s"],
-                    peak_memory_bytes=common["peak_memory_bytes"], timed_out=timed_out,
-                    output_overflow=overflow, oom_killed=memory.oom_killed)
+        detail = (
+            message.removeprefix("setup:") or "program did not start within the set-up allowance"
+        )
+        return ExecResult(
+            status=ExecStatus.SANDBOX_ERROR, detail=f"sandbox set-up: {detail}", **common
+        )
+    ending = Ending(
+        wait_status=wait_status,
+        cpu_s=common["cpu_s"],
+        peak_memory_bytes=common["peak_memory_bytes"],
+        timed_out=timed_out,
+        output_overflow=overflow,
+        oom_killed=memory.oom_killed,
+    )
     tail = bytes(err.data[-4096:]).decode("utf-8", errors="replace")
     status, code, sig, detail = classify(ending, limits, language, tail)
-    return ExecResult(status=status, exit_code=code, signal=sig, wall_s=ended - started,
-                      detail=detail, **common)
+    return ExecResult(
+        status=status, exit_code=code, signal=sig, wall_s=ended - started, detail=detail, **common
+    )
 
 
 def _drain(fd: int, capture: _Capture, budget_s: float = 1.0) -> None:

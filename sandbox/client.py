@@ -30,8 +30,10 @@ from areal.sandbox._supervisor import SETUP_ALLOWANCE_S, request_message
 from areal.sandbox.result import ExecResult, ExecStatus, IsolationReport
 from areal.sandbox.spec import PYTHON, Language, Limits, SandboxConfig
 
-_BOOT = ("import json, sys; sys.path[:0] = json.loads(sys.argv[2]); "
-         "from areal.sandbox.zygote import main; main()")
+_BOOT = (
+    "import json, sys; sys.path[:0] = json.loads(sys.argv[2]); "
+    "from areal.sandbox.zygote import main; main()"
+)
 
 
 class IsolationError(RuntimeError):
@@ -101,8 +103,13 @@ class Sandbox:
         payload = json.dumps(dataclasses.asdict(cfg))
         self._proc = subprocess.Popen(
             [cfg.python, "-c", _BOOT, payload, json.dumps(sys.path), os.getcwd()],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, cwd="/",
-            env=dict(cfg.env), close_fds=True, start_new_session=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=None,
+            cwd="/",
+            env=dict(cfg.env),
+            close_fds=True,
+            start_new_session=True,
         )
         line = self._read_handshake(cfg.startup_timeout_s)
         if "error" in line:
@@ -110,8 +117,9 @@ class Sandbox:
             raise SandboxStartError(f"sandbox launcher failed to start: {line['error']}")
         report = IsolationReport.from_json(line["isolation"])
         try:
-            check_isolation_policy(report, allow_unisolated=cfg.allow_unisolated,
-                                   minimal_root=cfg.minimal_root)
+            check_isolation_policy(
+                report, allow_unisolated=cfg.allow_unisolated, minimal_root=cfg.minimal_root
+            )
         except IsolationError:
             self._abandon()
             raise
@@ -124,14 +132,18 @@ class Sandbox:
             selector.register(self._proc.stdout, selectors.EVENT_READ)
             if not selector.select(timeout_s):
                 self._abandon()
-                raise SandboxStartError(f"sandbox launcher did not report within {timeout_s} s "
-                                        "(sandbox.startup_timeout_s)")
+                raise SandboxStartError(
+                    f"sandbox launcher did not report within {timeout_s} s "
+                    "(sandbox.startup_timeout_s)"
+                )
         raw = self._proc.stdout.readline()
         self._proc.stdout.close()
         if not raw:
             code = self._proc.wait()
-            raise SandboxStartError(f"sandbox launcher exited with status {code} before reporting "
-                                    "(its traceback is on stderr)")
+            raise SandboxStartError(
+                f"sandbox launcher exited with status {code} before reporting "
+                "(its traceback is on stderr)"
+            )
         return json.loads(raw)
 
     def _abandon(self) -> None:
@@ -142,9 +154,16 @@ class Sandbox:
 
     # -- runs --------------------------------------------------------------------------
 
-    def run(self, source: str | bytes, *, stdin: bytes | str = b"", language: Language = PYTHON,
-            limits: Limits | None = None, files: dict[str, bytes] | None = None,
-            argv: tuple[str, ...] = ()) -> ExecResult:
+    def run(
+        self,
+        source: str | bytes,
+        *,
+        stdin: bytes | str = b"",
+        language: Language = PYTHON,
+        limits: Limits | None = None,
+        files: dict[str, bytes] | None = None,
+        argv: tuple[str, ...] = (),
+    ) -> ExecResult:
         """Run `source` once; blocks until it ends. Never raises for anything the program
         does; a failure of the sandbox itself is status sandbox_error."""
         limits = limits or self.config.limits
@@ -158,10 +177,16 @@ class Sandbox:
             return _lost(exc)
         return ExecResult.from_header(header, blobs[0], blobs[1])
 
-    async def run_async(self, source: str | bytes, *, stdin: bytes | str = b"",
-                        language: Language = PYTHON, limits: Limits | None = None,
-                        files: dict[str, bytes] | None = None,
-                        argv: tuple[str, ...] = ()) -> ExecResult:
+    async def run_async(
+        self,
+        source: str | bytes,
+        *,
+        stdin: bytes | str = b"",
+        language: Language = PYTHON,
+        limits: Limits | None = None,
+        files: dict[str, bytes] | None = None,
+        argv: tuple[str, ...] = (),
+    ) -> ExecResult:
         """`run` on the event loop: one connection, no thread."""
         limits = limits or self.config.limits
         message = self._message(source, stdin, language, limits, files, argv)
@@ -188,13 +213,24 @@ class Sandbox:
                 writer.close()
         return ExecResult.from_header(header, blobs[0], blobs[1])
 
-    def _message(self, source: str | bytes, stdin: bytes | str, language: Language, limits: Limits,
-                 files: dict[str, bytes] | None, argv: tuple[str, ...]) -> bytes:
+    def _message(
+        self,
+        source: str | bytes,
+        stdin: bytes | str,
+        language: Language,
+        limits: Limits,
+        files: dict[str, bytes] | None,
+        argv: tuple[str, ...],
+    ) -> bytes:
         stdin_bytes = stdin.encode() if isinstance(stdin, str) else stdin
-        return request_message(source, stdin_bytes, language, limits, dict(files or {}), tuple(argv))
+        return request_message(
+            source, stdin_bytes, language, limits, dict(files or {}), tuple(argv)
+        )
 
     def _budget(self, language: Language, limits: Limits) -> float:
-        return SETUP_ALLOWANCE_S + language.compile_wall_s + limits.wall_s + self.config.result_grace_s
+        return (
+            SETUP_ALLOWANCE_S + language.compile_wall_s + limits.wall_s + self.config.result_grace_s
+        )
 
     def _connect(self) -> socket.socket:
         self.start()
@@ -214,12 +250,15 @@ class Sandbox:
             if self._closed:
                 raise SandboxStartError("this Sandbox was closed; create a new one")
             if self._proc is not None and self._proc.poll() is None:
-                raise ConnectionError(f"sandbox launcher {self._proc.pid} is alive but refuses connections")
+                raise ConnectionError(
+                    f"sandbox launcher {self._proc.pid} is alive but refuses connections"
+                )
             self._spawn()
 
 
-def check_isolation_policy(report: IsolationReport, *, allow_unisolated: bool,
-                           minimal_root: bool = False) -> None:
+def check_isolation_policy(
+    report: IsolationReport, *, allow_unisolated: bool, minimal_root: bool = False
+) -> None:
     """Refuse a launcher with neither a PID nor a network namespace unless allowed, and one
     without the minimal root the config asks for."""
     if report.level == "none" and not allow_unisolated:
@@ -241,6 +280,7 @@ def check_isolation_policy(report: IsolationReport, *, allow_unisolated: bool,
 
 
 def _lost(exc: BaseException) -> ExecResult:
-    return ExecResult(status=ExecStatus.SANDBOX_ERROR,
-                      detail=f"no answer from the sandbox launcher: {type(exc).__name__}: {exc}")
-
+    return ExecResult(
+        status=ExecStatus.SANDBOX_ERROR,
+        detail=f"no answer from the sandbox launcher: {type(exc).__name__}: {exc}",
+    )

@@ -48,7 +48,9 @@ class CodeProblem:
 def parse_problem(reference: Any) -> CodeProblem:
     data = _json(reference, "reference")
     if not isinstance(data, dict):
-        raise ProblemFormatError(f"code reference must be a dict or JSON object, got {type(data).__name__}")
+        raise ProblemFormatError(
+            f"code reference must be a dict or JSON object, got {type(data).__name__}"
+        )
     limit = data.get("time_limit_s")
     if "tests" in data:
         tests = tuple(TestCase(input=t["input"], output=t["output"]) for t in data["tests"])
@@ -60,7 +62,8 @@ def parse_problem(reference: Any) -> CodeProblem:
     else:
         raise ProblemFormatError(
             f"code reference has none of the keys tests, input_output, inputs, public_test_cases "
-            f"(got {sorted(data)[:8]})")
+            f"(got {sorted(data)[:8]})"
+        )
     if not problem.tests:
         raise ProblemFormatError("code reference has no test cases")
     return problem
@@ -82,12 +85,18 @@ def _lines(value: Any) -> str:
 def _apps(io: dict, limit: float | None) -> CodeProblem:
     inputs, outputs, fn_name = io.get("inputs", []), io.get("outputs", []), io.get("fn_name")
     if len(inputs) != len(outputs):
-        raise ProblemFormatError(f"input_output has {len(inputs)} inputs but {len(outputs)} outputs")
+        raise ProblemFormatError(
+            f"input_output has {len(inputs)} inputs but {len(outputs)} outputs"
+        )
     if fn_name:
-        tests = tuple(TestCase(input=list(i) if isinstance(i, list) else [i], output=o)
-                      for i, o in zip(inputs, outputs, strict=True))
+        tests = tuple(
+            TestCase(input=list(i) if isinstance(i, list) else [i], output=o)
+            for i, o in zip(inputs, outputs, strict=True)
+        )
         return CodeProblem(tests=tests, fn_name=fn_name, singleton_wrapped=True, time_limit_s=limit)
-    tests = tuple(TestCase(input=_lines(i), output=_lines(o)) for i, o in zip(inputs, outputs, strict=True))
+    tests = tuple(
+        TestCase(input=_lines(i), output=_lines(o)) for i, o in zip(inputs, outputs, strict=True)
+    )
     return CodeProblem(tests=tests, time_limit_s=limit)
 
 
@@ -102,20 +111,28 @@ def _livecodebench(data: dict, limit: float | None) -> CodeProblem:
         except ProblemFormatError as exc:
             raise ProblemFormatError(
                 f"{key} is not JSON (LiveCodeBench private tests are pickled+zlib+base64; "
-                "decode them to a JSON list offline, this loader never unpickles)") from exc
+                "decode them to a JSON list offline, this loader never unpickles)"
+            ) from exc
     metadata = _json(data.get("metadata") or {}, "metadata")
     fn_name = metadata.get("func_name") if isinstance(metadata, dict) else None
     functional = [c.get("testtype") == "functional" for c in cases]
     if any(functional) and not fn_name:
         raise ProblemFormatError("functional test cases need metadata.func_name")
     if fn_name and all(functional):
-        tests = tuple(TestCase(input=[json.loads(line) for line in c["input"].split("\n") if line.strip()],
-                               output=json.loads(c["output"])) for c in cases)
+        tests = tuple(
+            TestCase(
+                input=[json.loads(line) for line in c["input"].split("\n") if line.strip()],
+                output=json.loads(c["output"]),
+            )
+            for c in cases
+        )
         return CodeProblem(tests=tests, fn_name=fn_name, time_limit_s=limit)
     if any(functional):
         raise ProblemFormatError("mixed stdin and functional test cases in one problem")
-    return CodeProblem(tests=tuple(TestCase(input=c["input"], output=c["output"]) for c in cases),
-                       time_limit_s=limit)
+    return CodeProblem(
+        tests=tuple(TestCase(input=c["input"], output=c["output"]) for c in cases),
+        time_limit_s=limit,
+    )
 
 
 def stdout_matches(actual: str, expected: str, float_tolerance: float | None = None) -> bool:
@@ -152,13 +169,22 @@ def _close(a: Any, b: Any, tol: float) -> bool:
     return math.isclose(x, y, rel_tol=tol, abs_tol=tol)
 
 
-def values_match(actual: Any, expected: Any, *, float_tolerance: float | None = None,
-                 singleton_wrapped: bool = False) -> bool:
+def values_match(
+    actual: Any,
+    expected: Any,
+    *,
+    float_tolerance: float | None = None,
+    singleton_wrapped: bool = False,
+) -> bool:
     """Deep equality of JSON values; tuples are lists; floats within the tolerance."""
     if _equal(actual, expected, float_tolerance):
         return True
-    return singleton_wrapped and isinstance(expected, list) and len(expected) == 1 and \
-        _equal(actual, expected[0], float_tolerance)
+    return (
+        singleton_wrapped
+        and isinstance(expected, list)
+        and len(expected) == 1
+        and _equal(actual, expected[0], float_tolerance)
+    )
 
 
 def _equal(a: Any, b: Any, tol: float | None) -> bool:

@@ -23,15 +23,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from areal.sandbox.client import Sandbox
-from areal.sandbox.code_problems import (CALL_DRIVER, CodeProblem, ProblemFormatError, TestCase,
-                                         parse_problem, stdout_matches, values_match)
+from areal.sandbox.code_problems import (
+    CALL_DRIVER,
+    CodeProblem,
+    ProblemFormatError,
+    TestCase,
+    parse_problem,
+    stdout_matches,
+    values_match,
+)
 from areal.sandbox.result import ExecResult, ExecStatus
 from areal.sandbox.spec import PYTHON, Language, Limits
 from areal.tasks.base import RewardOutcome, Verdict
 
 _FENCE_RE = re.compile(r"```[ \t]*([^\n`]*)\n(.*?)```", re.DOTALL)
-LANGUAGE_TAGS = {"python": ("python", "python3", "py"), "python-exec": ("python", "python3", "py"),
-                 "cpp": ("cpp", "c++", "cc", "cxx")}
+LANGUAGE_TAGS = {
+    "python": ("python", "python3", "py"),
+    "python-exec": ("python", "python3", "py"),
+    "cpp": ("cpp", "c++", "cc", "cxx"),
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,15 +80,22 @@ class _Prepared:
     limits: Limits
 
 
-def _prepare(completion: str, reference: Any, config: CodeRewardConfig) -> _Prepared | RewardOutcome:
+def _prepare(
+    completion: str, reference: Any, config: CodeRewardConfig
+) -> _Prepared | RewardOutcome:
     try:
         problem = parse_problem(reference)
     except (ProblemFormatError, KeyError, TypeError) as exc:
         return RewardOutcome(reward=0.0, verdict=Verdict.ERROR, detail=f"bad code reference: {exc}")
     if problem.fn_name and not config.language.name.startswith("python"):
-        return RewardOutcome(reward=0.0, verdict=Verdict.ERROR,
-                             detail=f"call-style tests need Python, not {config.language.name}")
-    code = extract_code(completion, LANGUAGE_TAGS.get(config.language.name, (config.language.name,)))
+        return RewardOutcome(
+            reward=0.0,
+            verdict=Verdict.ERROR,
+            detail=f"call-style tests need Python, not {config.language.name}",
+        )
+    code = extract_code(
+        completion, LANGUAGE_TAGS.get(config.language.name, (config.language.name,))
+    )
     if code is None:
         return RewardOutcome(reward=0.0, verdict=Verdict.NO_ANSWER, detail="no fenced code block")
     wall = problem.time_limit_s or config.time_limit_s
@@ -89,9 +106,17 @@ def _prepare(completion: str, reference: Any, config: CodeRewardConfig) -> _Prep
 
 def _run_args(prep: _Prepared, test: TestCase, config: CodeRewardConfig) -> dict[str, Any]:
     if prep.problem.fn_name:
-        return dict(source=CALL_DRIVER, stdin=json.dumps(test.input), argv=(prep.problem.fn_name,),
-                    files={"solution.py": prep.code.encode()}, limits=prep.limits, language=config.language)
-    return dict(source=prep.code, stdin=str(test.input), limits=prep.limits, language=config.language)
+        return dict(
+            source=CALL_DRIVER,
+            stdin=json.dumps(test.input),
+            argv=(prep.problem.fn_name,),
+            files={"solution.py": prep.code.encode()},
+            limits=prep.limits,
+            language=config.language,
+        )
+    return dict(
+        source=prep.code, stdin=str(test.input), limits=prep.limits, language=config.language
+    )
 
 
 def _judge(prep: _Prepared, test: TestCase, result: ExecResult, config: CodeRewardConfig) -> str:
@@ -103,15 +128,23 @@ def _judge(prep: _Prepared, test: TestCase, result: ExecResult, config: CodeRewa
         try:
             value = json.loads(result.stdout_text)
         except ValueError:
-            return f"{ExecStatus.WRONG_ANSWER.value}: result is not JSON: {result.stdout_text[:100]!r}"
-        if values_match(value, test.output, float_tolerance=config.float_tolerance,
-                        singleton_wrapped=prep.problem.singleton_wrapped):
+            return (
+                f"{ExecStatus.WRONG_ANSWER.value}: result is not JSON: {result.stdout_text[:100]!r}"
+            )
+        if values_match(
+            value,
+            test.output,
+            float_tolerance=config.float_tolerance,
+            singleton_wrapped=prep.problem.singleton_wrapped,
+        ):
             return ""
         return f"{ExecStatus.WRONG_ANSWER.value}: returned {_short(value)}, expected {_short(test.output)}"
     if stdout_matches(result.stdout_text, str(test.output), config.float_tolerance):
         return ""
-    return (f"{ExecStatus.WRONG_ANSWER.value}: printed {_short(result.stdout_text)}, "
-            f"expected {_short(test.output)}")
+    return (
+        f"{ExecStatus.WRONG_ANSWER.value}: printed {_short(result.stdout_text)}, "
+        f"expected {_short(test.output)}"
+    )
 
 
 def _short(value: Any, size: int = 120) -> str:
@@ -135,25 +168,36 @@ class _Tally:
             self.num_passed += 1
             return True
         if not self.first_failure:
-            self.first_failure = (f"test {index + 1}/{len(self.prep.tests)} failed: {why}; "
-                                  f"input {_short(test.input)}")
+            self.first_failure = (
+                f"test {index + 1}/{len(self.prep.tests)} failed: {why}; input {_short(test.input)}"
+            )
         return not self.config.stop_on_first_failure
 
     def outcome(self) -> RewardOutcome:
         total = len(self.prep.tests)
         if self.num_passed == total:
-            return RewardOutcome(reward=1.0, verdict=Verdict.OK, detail=f"passed {total}/{total} tests")
+            return RewardOutcome(
+                reward=1.0, verdict=Verdict.OK, detail=f"passed {total}/{total} tests"
+            )
         reward = self.num_passed / total if self.config.partial_credit else 0.0
-        return RewardOutcome(reward=reward, verdict=Verdict.WRONG,
-                             detail=f"passed {self.num_passed}/{total}; {self.first_failure}")
+        return RewardOutcome(
+            reward=reward,
+            verdict=Verdict.WRONG,
+            detail=f"passed {self.num_passed}/{total}; {self.first_failure}",
+        )
 
 
 class _SandboxFailed(RuntimeError):
     pass
 
 
-def code_reward(completion: str, reference: Any, *, config: CodeRewardConfig | None = None,
-                sandbox: Sandbox | None = None) -> RewardOutcome:
+def code_reward(
+    completion: str,
+    reference: Any,
+    *,
+    config: CodeRewardConfig | None = None,
+    sandbox: Sandbox | None = None,
+) -> RewardOutcome:
     config = config or CodeRewardConfig()
     prep = _prepare(completion, reference, config)
     if isinstance(prep, RewardOutcome):
@@ -169,8 +213,13 @@ def code_reward(completion: str, reference: Any, *, config: CodeRewardConfig | N
     return tally.outcome()
 
 
-async def code_reward_async(completion: str, reference: Any, *, config: CodeRewardConfig | None = None,
-                            sandbox: Sandbox | None = None) -> RewardOutcome:
+async def code_reward_async(
+    completion: str,
+    reference: Any,
+    *,
+    config: CodeRewardConfig | None = None,
+    sandbox: Sandbox | None = None,
+) -> RewardOutcome:
     config = config or CodeRewardConfig()
     prep = _prepare(completion, reference, config)
     if isinstance(prep, RewardOutcome):
@@ -179,7 +228,9 @@ async def code_reward_async(completion: str, reference: Any, *, config: CodeRewa
     tally = _Tally(prep, config)
     try:
         for index, test in enumerate(prep.tests):
-            if not tally.record(index, test, await sandbox.run_async(**_run_args(prep, test, config))):
+            if not tally.record(
+                index, test, await sandbox.run_async(**_run_args(prep, test, config))
+            ):
                 break
     except _SandboxFailed as exc:
         return RewardOutcome(reward=0.0, verdict=Verdict.ERROR, detail=f"sandbox failed: {exc}")

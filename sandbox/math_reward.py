@@ -75,7 +75,7 @@ def last_boxed(text: str) -> str | None:
             for i in range(start, len(text)):
                 depth += {"{": 1, "}": -1}.get(text[i], 0)
                 if depth == 0:
-                    return text[start + 1:i].strip()
+                    return text[start + 1 : i].strip()
             continue  # unbalanced (truncated completion): try an earlier box
         token = re.match(r"[^\s$]+", text[start:])
         if token:
@@ -96,7 +96,9 @@ def _normalise(answer: str) -> str:
 
 
 def _as_number(answer: str) -> Fraction | None:
-    text = answer.replace(",", "") if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", answer) else answer
+    text = (
+        answer.replace(",", "") if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", answer) else answer
+    )
     try:
         return Fraction(text)
     except (ValueError, ZeroDivisionError):
@@ -119,8 +121,9 @@ class MathVerifier:
     math-verify takes about a second) and are replaced when killed for a timeout.
     """
 
-    def __init__(self, *, num_workers: int = 2, memory_bytes: int = 4 << 30,
-                 startup_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, *, num_workers: int = 2, memory_bytes: int = 4 << 30, startup_timeout_s: float = 120.0
+    ) -> None:
         if num_workers < 1:
             raise ValueError(f"MathVerifier num_workers={num_workers} must be >= 1")
         self.memory_bytes = memory_bytes
@@ -163,11 +166,19 @@ class _Worker:
 
     @classmethod
     def start(cls, memory_bytes: int, startup_timeout_s: float) -> _Worker:
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8",
-               "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        proc = subprocess.Popen([sys.executable, "-c", _WORKER_BOOT, str(memory_bytes)],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "LANG": "C.UTF-8",
+            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+        }
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _WORKER_BOOT, str(memory_bytes)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
         worker = cls(proc)
         if worker._read_line(startup_timeout_s) != {"ready": True}:
             worker.kill()
@@ -227,7 +238,10 @@ def _worker_main() -> None:
             gold = parse(f"\\boxed{{{request['reference']}}}", latex_only, parsing_timeout=timeout)
             pred = parse(f"\\boxed{{{request['answer']}}}", latex_only, parsing_timeout=timeout)
             if not gold:
-                reply = {"status": "error", "reason": f"reference {request['reference']!r} does not parse"}
+                reply = {
+                    "status": "error",
+                    "reason": f"reference {request['reference']!r} does not parse",
+                }
             elif not pred:
                 reply = {"status": "different", "reason": "answer does not parse"}
             elif verify(gold, pred, timeout_seconds=timeout):
@@ -254,24 +268,30 @@ def default_verifier() -> MathVerifier:
         return _default
 
 
-def math_reward(completion: str, reference: Any, *, timeout_s: float = 5.0,
-                verifier: MathVerifier | None = None) -> RewardOutcome:
+def math_reward(
+    completion: str, reference: Any, *, timeout_s: float = 5.0, verifier: MathVerifier | None = None
+) -> RewardOutcome:
     """1.0 if the completion's final answer equals `reference` (str or number), else 0.0."""
     reference_text = str(reference)
     boxed_reference = last_boxed(reference_text)
     reference_text = boxed_reference if boxed_reference is not None else reference_text
     if not reference_text.strip():
-        return RewardOutcome(reward=0.0, verdict=Verdict.ERROR, detail="the reference answer is empty")
+        return RewardOutcome(
+            reward=0.0, verdict=Verdict.ERROR, detail="the reference answer is empty"
+        )
     extraction = extract_answer(completion)
     if extraction is None:
         return RewardOutcome(reward=0.0, verdict=Verdict.NO_ANSWER, detail="no final answer found")
     said = f"{extraction.method} answer {extraction.answer[:200]!r}"
     if quick_equal(extraction.answer, reference_text):
         return RewardOutcome(reward=1.0, verdict=Verdict.OK, detail=said)
-    status, reason = (verifier or default_verifier()).check(extraction.answer, reference_text,
-                                                           timeout_s=timeout_s)
+    status, reason = (verifier or default_verifier()).check(
+        extraction.answer, reference_text, timeout_s=timeout_s
+    )
     verdict = {"equal": Verdict.OK, "different": Verdict.WRONG, "timeout": Verdict.TIMEOUT}.get(
-        status, Verdict.ERROR)
+        status, Verdict.ERROR
+    )
     detail = f"{said} vs reference {reference_text[:200]!r}" + (f": {reason}" if reason else "")
-    return RewardOutcome(reward=1.0 if verdict is Verdict.OK else 0.0, verdict=verdict, detail=detail)
-
+    return RewardOutcome(
+        reward=1.0 if verdict is Verdict.OK else 0.0, verdict=verdict, detail=detail
+    )

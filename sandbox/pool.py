@@ -67,17 +67,27 @@ class CheckerPool:
 
     def counts(self) -> dict[str, int]:
         c = self._counts
-        return {"in_flight": self.in_flight, "queued": c.queued, "completed": c.completed,
-                "errors": c.errors, "timeouts": c.timeouts, "abandoned": c.abandoned}
+        return {
+            "in_flight": self.in_flight,
+            "queued": c.queued,
+            "completed": c.completed,
+            "errors": c.errors,
+            "timeouts": c.timeouts,
+            "abandoned": c.abandoned,
+        }
 
     def metrics(self) -> dict[str, float]:
         """Counts under `reward/`, plus the mean seconds a finished check took."""
         c = self._counts
         mean = c.check_s_total / c.completed if c.completed else 0.0
-        return {**{f"reward/{k}": float(v) for k, v in self.counts().items()}, "reward/check_s_mean": mean}
+        return {
+            **{f"reward/{k}": float(v) for k, v in self.counts().items()},
+            "reward/check_s_mean": mean,
+        }
 
-    async def check(self, fn: Callable[..., Any], *args: Any,
-                    timeout_s: float | None = None) -> RewardOutcome:
+    async def check(
+        self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None
+    ) -> RewardOutcome:
         """Run `fn(*args)` under the concurrency bound and the time limit."""
         limit = self.timeout_s if timeout_s is None else timeout_s
         self._counts.queued += 1
@@ -103,21 +113,31 @@ class CheckerPool:
         return outcome
 
     def _start(self, fn: Callable[..., Any], args: tuple) -> asyncio.Future:
-        if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "func", None)):
+        if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+            getattr(fn, "func", None)
+        ):
             # (the second test sees through functools.partial, which 3.11 does not)
             return asyncio.ensure_future(fn(*args))
         return asyncio.wrap_future(self._executor.submit(fn, *args))
 
-    async def _outcome(self, work: asyncio.Future, limit: float, fn: Callable[..., Any]) -> RewardOutcome:
+    async def _outcome(
+        self, work: asyncio.Future, limit: float, fn: Callable[..., Any]
+    ) -> RewardOutcome:
         name = getattr(fn, "__qualname__", repr(fn))
         try:
             value = await asyncio.wait_for(asyncio.shield(work), limit)
         except TimeoutError:
-            return RewardOutcome(reward=0.0, verdict=Verdict.TIMEOUT,
-                                 detail=f"reward check {name} exceeded {limit:g} s")
+            return RewardOutcome(
+                reward=0.0,
+                verdict=Verdict.TIMEOUT,
+                detail=f"reward check {name} exceeded {limit:g} s",
+            )
         except (Exception, SystemExit) as exc:  # fault boundary: a broken checker is data
-            return RewardOutcome(reward=0.0, verdict=Verdict.ERROR,
-                                 detail=f"reward check {name} raised {type(exc).__name__}: {exc}"[:2000])
+            return RewardOutcome(
+                reward=0.0,
+                verdict=Verdict.ERROR,
+                detail=f"reward check {name} raised {type(exc).__name__}: {exc}"[:2000],
+            )
         return _as_outcome(value, name)
 
     def _free_slot_when_done(self, work: asyncio.Future | None) -> None:
@@ -147,6 +167,11 @@ def _as_outcome(value: Any, name: str) -> RewardOutcome:
     if isinstance(value, RewardOutcome):
         return value
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return RewardOutcome(reward=float(value), verdict=Verdict.OK if value > 0 else Verdict.WRONG)
-    return RewardOutcome(reward=0.0, verdict=Verdict.ERROR,
-                         detail=f"reward check {name} returned {type(value).__name__}, not RewardOutcome")
+        return RewardOutcome(
+            reward=float(value), verdict=Verdict.OK if value > 0 else Verdict.WRONG
+        )
+    return RewardOutcome(
+        reward=0.0,
+        verdict=Verdict.ERROR,
+        detail=f"reward check {name} returned {type(value).__name__}, not RewardOutcome",
+    )

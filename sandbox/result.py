@@ -80,14 +80,19 @@ class ExecResult:
 
     def header(self) -> dict[str, Any]:
         """All fields except the two byte strings (for the wire header)."""
-        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in ("stdout", "stderr")}
+        data = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in ("stdout", "stderr")
+        }
         data["status"] = self.status.value
         return data
 
     @classmethod
     def from_header(cls, header: dict[str, Any], stdout: bytes, stderr: bytes) -> ExecResult:
-        return cls(**{**header, "status": ExecStatus(header["status"])}, stdout=stdout, stderr=stderr)
+        return cls(
+            **{**header, "status": ExecStatus(header["status"])}, stdout=stdout, stderr=stderr
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,14 +142,25 @@ class IsolationReport:
         """full: pid+net+mount namespaces and no privilege; none: neither pid nor net ns."""
         if not (self.pid_namespace or self.net_namespace):
             return "none"
-        if self.pid_namespace and self.net_namespace and self.mount_namespace and self.unprivileged != "none":
+        if (
+            self.pid_namespace
+            and self.net_namespace
+            and self.mount_namespace
+            and self.unprivileged != "none"
+        ):
             return "full"
         return "partial"
 
     def describe(self) -> str:
         lines = [f"sandbox isolation: {self.level} (mode {self.mode}, kernel {self.kernel})"]
-        for name in ("pid_namespace", "net_namespace", "mount_namespace", "read_only_root",
-                     "minimal_root", "memory_cgroup"):
+        for name in (
+            "pid_namespace",
+            "net_namespace",
+            "mount_namespace",
+            "read_only_root",
+            "minimal_root",
+            "memory_cgroup",
+        ):
             lines.append(f"  {name:16s} {'yes' if getattr(self, name) else 'NO'}")
         if self.root_switch:
             lines.append(f"  {'root switch':16s} {self.root_switch}")
@@ -162,13 +178,21 @@ class IsolationReport:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> IsolationReport:
-        fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
-                                  for k, v in data.items()}
+        fields: dict[str, Any] = {
+            k: tuple(v) if isinstance(v, list) else v for k, v in data.items()
+        }
         return cls(**fields)
 
 
-_FAULT_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGABRT,
-                  signal.SIGSYS, signal.SIGTRAP}
+_FAULT_SIGNALS = {
+    signal.SIGSEGV,
+    signal.SIGBUS,
+    signal.SIGFPE,
+    signal.SIGILL,
+    signal.SIGABRT,
+    signal.SIGSYS,
+    signal.SIGTRAP,
+}
 _DISK_MARKERS = ("[Errno 27]", "File too large", "[Errno 28]", "No space left on device")
 
 
@@ -188,8 +212,9 @@ class Ending:
     """The kernel killed a process of the run for exceeding the run's memory cgroup."""
 
 
-def classify(ending: Ending, limits: Limits, language: Language,
-             stderr_tail: str) -> tuple[ExecStatus, int | None, int | None, str]:
+def classify(
+    ending: Ending, limits: Limits, language: Language, stderr_tail: str
+) -> tuple[ExecStatus, int | None, int | None, str]:
     """(status, exit_code, signal, detail) of a finished run."""
     code = sig = None
     if ending.wait_status is not None:
@@ -209,11 +234,21 @@ def classify(ending: Ending, limits: Limits, language: Language,
     if sig == signal.SIGXCPU or (sig == signal.SIGKILL and ending.cpu_s >= cpu_limit - 0.05):
         return ExecStatus.TIMEOUT, code, sig, f"CPU-time limit {cpu_limit} s exceeded"
     if sig == signal.SIGXFSZ:
-        return ExecStatus.OUTPUT_LIMIT, code, sig, f"file size limit {limits.file_size_bytes} bytes exceeded"
+        return (
+            ExecStatus.OUTPUT_LIMIT,
+            code,
+            sig,
+            f"file size limit {limits.file_size_bytes} bytes exceeded",
+        )
     if code == 0:
         return ExecStatus.OK, code, sig, ""
     if any(marker in stderr_tail for marker in language.memory_error_markers):
-        return ExecStatus.MEMORY_LIMIT, code, sig, f"allocation failed under {limits.memory_bytes} bytes"
+        return (
+            ExecStatus.MEMORY_LIMIT,
+            code,
+            sig,
+            f"allocation failed under {limits.memory_bytes} bytes",
+        )
     if code is not None and any(marker in stderr_tail for marker in _DISK_MARKERS):
         return ExecStatus.OUTPUT_LIMIT, code, sig, "file size or disk limit hit"
     if sig is not None:

@@ -45,7 +45,9 @@ class Language:
 
     def __post_init__(self) -> None:
         if not self.run:
-            raise SandboxConfigError(f"Language {self.name!r}: run=() is empty; give an argv template")
+            raise SandboxConfigError(
+                f"Language {self.name!r}: run=() is empty; give an argv template"
+            )
         if "/" in self.source_file or not self.source_file:
             raise SandboxConfigError(
                 f"Language {self.name!r}: source_file={self.source_file!r} must be a plain file name"
@@ -105,9 +107,19 @@ class Limits:
     def __post_init__(self) -> None:
         for name in ("wall_s", "cpu_s"):
             if not getattr(self, name) > 0:
-                raise SandboxConfigError(f"Limits.{name}={getattr(self, name)!r} must be > 0 seconds")
-        for name in ("memory_bytes", "run_memory_bytes", "file_size_bytes", "disk_bytes", "num_processes",
-                     "num_open_files", "stdout_bytes", "stderr_bytes"):
+                raise SandboxConfigError(
+                    f"Limits.{name}={getattr(self, name)!r} must be > 0 seconds"
+                )
+        for name in (
+            "memory_bytes",
+            "run_memory_bytes",
+            "file_size_bytes",
+            "disk_bytes",
+            "num_processes",
+            "num_open_files",
+            "stdout_bytes",
+            "stderr_bytes",
+        ):
             if not getattr(self, name) >= 1:
                 raise SandboxConfigError(f"Limits.{name}={getattr(self, name)!r} must be >= 1")
         if self.num_open_files < 8:
@@ -150,9 +162,26 @@ class SandboxConfig:
     empty namespace shared by all runs of this launcher (runs could then reach each
     other through abstract unix sockets, never the host)."""
     preload: tuple[str, ...] = (
-        "array", "bisect", "collections", "copy", "dataclasses", "decimal", "fractions",
-        "functools", "heapq", "io", "itertools", "json", "math", "operator", "random", "re",
-        "statistics", "string", "threading", "typing",
+        "array",
+        "bisect",
+        "collections",
+        "copy",
+        "dataclasses",
+        "decimal",
+        "fractions",
+        "functools",
+        "heapq",
+        "io",
+        "itertools",
+        "json",
+        "math",
+        "operator",
+        "random",
+        "re",
+        "statistics",
+        "string",
+        "threading",
+        "typing",
     )
     """Modules imported once in the launcher, so in-process Python runs start with them warm."""
     env: tuple[tuple[str, str], ...] = (
@@ -188,9 +217,13 @@ class SandboxConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in ("auto", "root", "userns", "none"):
-            raise SandboxConfigError(f"sandbox.mode={self.mode!r} is not one of auto, root, userns, none")
+            raise SandboxConfigError(
+                f"sandbox.mode={self.mode!r} is not one of auto, root, userns, none"
+            )
         if self.spare_supervisors < 1:
-            raise SandboxConfigError(f"sandbox.spare_supervisors={self.spare_supervisors} must be >= 1")
+            raise SandboxConfigError(
+                f"sandbox.spare_supervisors={self.spare_supervisors} must be >= 1"
+            )
         if self.max_concurrency < 1:
             raise SandboxConfigError(f"sandbox.max_concurrency={self.max_concurrency} must be >= 1")
         if self.uid_base < 1000 or self.uid_base + self.max_concurrency > 2**31:

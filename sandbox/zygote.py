@@ -63,14 +63,20 @@ def main() -> None:
         handshake.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
         handshake.flush()
         raise SystemExit(1) from exc
-    handshake.write(json.dumps({"socket": launcher.socket_path, "isolation": report.to_json()}) + "\n")
+    handshake.write(
+        json.dumps({"socket": launcher.socket_path, "isolation": report.to_json()}) + "\n"
+    )
     handshake.flush()
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     gc.freeze()  # keep the preloaded heap shared copy-on-write with every fork
     try:
-        SupervisorPool(launcher.listener, setup, max_concurrency=config.max_concurrency,
-                       spares=config.spare_supervisors).serve()
+        SupervisorPool(
+            launcher.listener,
+            setup,
+            max_concurrency=config.max_concurrency,
+            spares=config.spare_supervisors,
+        ).serve()
     finally:
         launcher.remove_socket()
         if setup.memory_cgroup_root is not None:
@@ -88,7 +94,9 @@ class Launcher:
         self.listener.bind(self.socket_path)
         self.listener.listen(256)
         self._dir_fd = os.open(sock_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        self._parent_fd = os.open(os.path.dirname(sock_dir), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._parent_fd = os.open(
+            os.path.dirname(sock_dir), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+        )
 
     def remove_socket(self) -> None:
         try:
@@ -113,8 +121,9 @@ class _Namespaces:
     cgroup_root: CgroupRoot | None
 
 
-def establish(config: SandboxConfig, launcher: Launcher,
-              caller_own: tuple[str, ...]) -> tuple[RunSetup, IsolationReport]:
+def establish(
+    config: SandboxConfig, launcher: Launcher, caller_own: tuple[str, ...]
+) -> tuple[RunSetup, IsolationReport]:
     """Enter the shared namespaces and the minimal root, then probe per-run set-ups from
     strongest to weakest; the first that runs a program is kept. `caller_own`: the caller's
     working directory and script folder, left out of the programs' import path."""
@@ -123,32 +132,53 @@ def establish(config: SandboxConfig, launcher: Launcher,
     spaces = _enter_shared_namespaces(config, notes)
     for name in config.preload:  # before leaving the host's tree: lazy imports fail after
         importlib.import_module(name)
-    plan = _root.plan_root(python=config.python, import_paths=sys.path, expose=config.expose,
-                           system_paths=config.system_paths, excluded=caller_own)
+    plan = _root.plan_root(
+        python=config.python,
+        import_paths=sys.path,
+        expose=config.expose,
+        system_paths=config.system_paths,
+        excluded=caller_own,
+    )
     notes.extend(plan.skipped)
     root_switch = ""
     if config.minimal_root and spaces.mode != "none":
         root_switch = _enter_minimal_root(plan, notes)
-    candidates = [dict(pid_namespace=True, mount_jail=True, read_only_root=True),
-                  dict(pid_namespace=True, mount_jail=True, read_only_root=False),
-                  dict(pid_namespace=True, mount_jail=False, read_only_root=False),
-                  dict(pid_namespace=False, mount_jail=False, read_only_root=False)]
+    candidates = [
+        dict(pid_namespace=True, mount_jail=True, read_only_root=True),
+        dict(pid_namespace=True, mount_jail=True, read_only_root=False),
+        dict(pid_namespace=True, mount_jail=False, read_only_root=False),
+        dict(pid_namespace=False, mount_jail=False, read_only_root=False),
+    ]
     if root_switch:  # the host's tree is gone: only set-ups with the run's own /tmp can work
         candidates = candidates[:1]
     elif spaces.mode == "none":
         candidates = candidates[-1:]
     checked = tuple(path for path in plan.binds if not path.startswith(("/dev/", "/etc/")))
     for candidate in candidates:
-        setup = RunSetup(mode=spaces.mode, private_network=config.private_network_per_run and spaces.mode != "none",
-                         uid_base=spaces.uid_base, env=config.env, python=config.python,
-                         exposures=() if root_switch else plan_exposures(config.python, config.expose),
-                         minimal_root=bool(root_switch), tmp_binds=plan.tmp_binds(),
-                         memory_cgroup_root=spaces.cgroup_root, **candidate)
+        setup = RunSetup(
+            mode=spaces.mode,
+            private_network=config.private_network_per_run and spaces.mode != "none",
+            uid_base=spaces.uid_base,
+            env=config.env,
+            python=config.python,
+            exposures=() if root_switch else plan_exposures(config.python, config.expose),
+            minimal_root=bool(root_switch),
+            tmp_binds=plan.tmp_binds(),
+            memory_cgroup_root=spaces.cgroup_root,
+            **candidate,
+        )
         seen = _probe.probe(setup, notes, checked if candidate["mount_jail"] else ())
         if seen is not None:
             _probe.check_interpreter(setup, seen, config.python, notes)
-            return setup, _probe.build_report(setup, seen, config, notes, outer_uid,
-                                              root_switch=root_switch, visible=plan.visible())
+            return setup, _probe.build_report(
+                setup,
+                seen,
+                config,
+                notes,
+                outer_uid,
+                root_switch=root_switch,
+                visible=plan.visible(),
+            )
     raise RuntimeError("no sandbox set-up could run a program: " + "; ".join(notes))
 
 
@@ -156,7 +186,11 @@ def _enter_shared_namespaces(config: SandboxConfig, notes: list[str]) -> _Namesp
     mode = config.mode
     if mode == "auto":
         mode = "root" if os.geteuid() == 0 else "userns"
-    uid_base = claim_uid_block(config) if os.geteuid() == 0 and mode in ("root", "none") else config.uid_base
+    uid_base = (
+        claim_uid_block(config)
+        if os.geteuid() == 0 and mode in ("root", "none")
+        else config.uid_base
+    )
     shared = _linux.CLONE_NEWNET | _linux.CLONE_NEWIPC | _linux.CLONE_NEWUTS
     cgroup_root = None
     if mode == "root":
@@ -188,8 +222,14 @@ def _enter_minimal_root(plan: _root.RootPlan, notes: list[str]) -> str:
 def plan_exposures(python: str, extra: tuple[str, ...]) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """Folders the run uid must read (interpreter, import path, `extra`) that sit below a
     folder it cannot traverse, grouped by that folder (see `ChildPlan.exposures`)."""
-    wanted = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(python)),
-              *sys.path, *extra}
+    wanted = {
+        sys.prefix,
+        sys.base_prefix,
+        sys.exec_prefix,
+        os.path.dirname(os.path.realpath(python)),
+        *sys.path,
+        *extra,
+    }
     by_blocker: dict[str, list[str]] = {}
     for path in sorted({os.path.realpath(p) for p in wanted if p and os.path.isdir(p)}):
         blocker = _first_closed_ancestor(path)
@@ -227,7 +267,9 @@ def claim_uid_block(config: SandboxConfig) -> int:
             continue
         _UID_LOCKS.append(fd)
         return base
-    raise RuntimeError(f"no free block of {config.max_concurrency} sandbox uids from {config.uid_base}")
+    raise RuntimeError(
+        f"no free block of {config.max_concurrency} sandbox uids from {config.uid_base}"
+    )
 
 
 def _try(action, notes: list[str]) -> bool:

@@ -41,31 +41,41 @@ def describe(schema: type = SimConfig) -> str:
 
 def report(result: SimResult) -> str:
     cfg = result.config
-    place = f"{cfg['gen_fraction']:.2f} of them generating" if cfg["placement"] == "split" \
+    place = (
+        f"{cfg['gen_fraction']:.2f} of them generating"
+        if cfg["placement"] == "split"
         else "colocated"
-    return "\n".join([
-        f"{cfg['num_accelerators']} x {cfg['accelerator']}, model {cfg['model']}, "
-        f"{cfg['mode']} ({place}{', paying its switches' if cfg['switch_costs'] else ''}), "
-        f"eta={cfg['eta']}, interrupt={cfg['interrupt']}, "
-        f"batch {cfg['num_prompts']} x {cfg['group_size']}, max {cfg['max_new_tokens']} tokens"
-        + (f", LoRA rank {cfg['lora_rank']}" if cfg.get("lora_rank") else ""),
-        f"  step time          {result.step_s:10.1f} s (simulated, steps "
-        f"{cfg['measure_from'] + 1}-{cfg['steps']})",
-        f"  {cfg['report_steps']} steps         {result.hours:10.2f} h",
-        f"  trained tokens/s   {result.trained_tokens_per_s:10.0f}",
-        f"  generated tokens/s {result.generated_tokens_per_s:10.0f}",
-        f"  staleness          {result.staleness} (max {result.max_staleness})",
-        f"  interruptions      {result.interruptions} reported by completions received "
-        f"(trajectories with several versions: {result.multi_version_trajectories}); "
-        f"{result.interrupted_in_window} sequences interrupted in the measured steps",
-        f"  dropped            {result.dropped_groups} groups, {result.dropped_tokens} tokens "
-        f"generated for nothing",
-        f"  controller CPU     {result.controller_cpu_s_per_step:.3f} s per step = "
-        f"{result.controller_share:.1%} of the step; simulated in {result.wall_s:.0f} s",
-        *([] if result.controller_alone_cpu_s_per_step is None else [
-            f"  controller alone   {result.controller_alone_cpu_s_per_step:.3f} s per step = "
-            f"{result.controller_alone_share:.1%} (its messages replayed, sim/alone.py)"]),
-    ])
+    )
+    return "\n".join(
+        [
+            f"{cfg['num_accelerators']} x {cfg['accelerator']}, model {cfg['model']}, "
+            f"{cfg['mode']} ({place}{', paying its switches' if cfg['switch_costs'] else ''}), "
+            f"eta={cfg['eta']}, interrupt={cfg['interrupt']}, "
+            f"batch {cfg['num_prompts']} x {cfg['group_size']}, max {cfg['max_new_tokens']} tokens"
+            + (f", LoRA rank {cfg['lora_rank']}" if cfg.get("lora_rank") else ""),
+            f"  step time          {result.step_s:10.1f} s (simulated, steps "
+            f"{cfg['measure_from'] + 1}-{cfg['steps']})",
+            f"  {cfg['report_steps']} steps         {result.hours:10.2f} h",
+            f"  trained tokens/s   {result.trained_tokens_per_s:10.0f}",
+            f"  generated tokens/s {result.generated_tokens_per_s:10.0f}",
+            f"  staleness          {result.staleness} (max {result.max_staleness})",
+            f"  interruptions      {result.interruptions} reported by completions received "
+            f"(trajectories with several versions: {result.multi_version_trajectories}); "
+            f"{result.interrupted_in_window} sequences interrupted in the measured steps",
+            f"  dropped            {result.dropped_groups} groups, {result.dropped_tokens} tokens "
+            f"generated for nothing",
+            f"  controller CPU     {result.controller_cpu_s_per_step:.3f} s per step = "
+            f"{result.controller_share:.1%} of the step; simulated in {result.wall_s:.0f} s",
+            *(
+                []
+                if result.controller_alone_cpu_s_per_step is None
+                else [
+                    f"  controller alone   {result.controller_alone_cpu_s_per_step:.3f} s per step = "
+                    f"{result.controller_alone_share:.1%} (its messages replayed, sim/alone.py)"
+                ]
+            ),
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,8 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["plan"]:
         return plan_main(argv[1:])
     parser = argparse.ArgumentParser(
-        prog="python -m areal.sim", description=__doc__.split("\n\n")[0],
-        epilog=describe(), formatter_class=argparse.RawDescriptionHelpFormatter)
+        prog="python -m areal.sim",
+        description=__doc__.split("\n\n")[0],
+        epilog=describe(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--config", help="YAML file of options (keys as below)")
     parser.add_argument("--json", action="store_true", help="print the full result as JSON")
     parser.add_argument("overrides", nargs="*", help="key=value options")
@@ -96,9 +109,12 @@ def plan_main(argv: list[str]) -> int:
     from areal.sim.search import search
 
     parser = argparse.ArgumentParser(
-        prog="python -m areal.sim plan", description="the best way to run one job on a "
+        prog="python -m areal.sim plan",
+        description="the best way to run one job on a "
         "cluster: placements, eta and interruption searched by simulation",
-        epilog=describe(PlanConfig), formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=describe(PlanConfig),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--config", help="YAML file of options (keys as below)")
     parser.add_argument("overrides", nargs="*", help="key=value options")
     args = parser.parse_args(argv)
@@ -110,8 +126,7 @@ def plan_main(argv: list[str]) -> int:
     start = time.perf_counter()
     evaluator = Evaluator(plan, progress=lambda line: print(line, file=sys.stderr, flush=True))
     try:
-        planned = search(plan, evaluator,
-                         log=lambda line: print(line, file=sys.stderr, flush=True))
+        planned = search(plan, evaluator, log=lambda line: print(line, file=sys.stderr, flush=True))
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -120,8 +135,10 @@ def plan_main(argv: list[str]) -> int:
     print(table(plan, planned))
     command = " ".join(["python -m areal.sim plan", *map(shlex.quote, argv)])
     path = write_run_config(plan, planned, plan.out, command)
-    print(f"\nwritten: {path} (python -m areal.controller --config {path}); planned in "
-          f"{time.perf_counter() - start:.0f} s, {evaluator.jobs} simulations at once")
+    print(
+        f"\nwritten: {path} (python -m areal.controller --config {path}); planned in "
+        f"{time.perf_counter() - start:.0f} s, {evaluator.jobs} simulations at once"
+    )
     return 0
 
 

@@ -30,8 +30,7 @@ from typing import Any
 from collections.abc import Callable, Coroutine
 
 CONTROLLER, WORKERS = "controller", "workers"
-_OWNER: contextvars.ContextVar[str] = contextvars.ContextVar("areal_sim_owner",
-                                                             default=CONTROLLER)
+_OWNER: contextvars.ContextVar[str] = contextvars.ContextVar("areal_sim_owner", default=CONTROLLER)
 
 
 class CpuAccounts:
@@ -69,8 +68,12 @@ class CpuAccounts:
         elif self.running is not None:
             self.gc_s[self.running] += time.thread_time() - self._gc_started
 
-    def _factory(self, loop: asyncio.AbstractEventLoop, coro: Coroutine,
-                 context: contextvars.Context | None = None) -> asyncio.Task:
+    def _factory(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        coro: Coroutine,
+        context: contextvars.Context | None = None,
+    ) -> asyncio.Task:
         owner = context[_OWNER] if context is not None and _OWNER in context else _OWNER.get()
         timed = _Timed(coro, self, owner)
         task = asyncio.Task(timed, loop=loop, context=context)

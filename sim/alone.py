@@ -91,8 +91,12 @@ def _compact(frame: Any) -> Any:
     """`frame`, or its runs when it owns an int32 buffer of far fewer runs than values (a
     view of another array, e.g. the simulated servers' shared token buffer, costs nothing
     and is kept)."""
-    if type(frame) is not memoryview or frame.nbytes < _RUNS_MIN_BYTES or frame.nbytes % 4 \
-            or getattr(frame.obj, "base", True) is not None:
+    if (
+        type(frame) is not memoryview
+        or frame.nbytes < _RUNS_MIN_BYTES
+        or frame.nbytes % 4
+        or getattr(frame.obj, "base", True) is not None
+    ):
         return frame
     values = np.frombuffer(frame, np.int32)
     starts = np.flatnonzero(values[1:] != values[:-1]) + 1
@@ -117,8 +121,14 @@ class Recording:
     """(destination, type byte, header) of each message the controller sent, in order."""
 
     def received(self, identity: bytes, frames: list[Any]) -> None:
-        self.arrivals.append(Arrival(self.accounts.controller_steps, self.clock(), identity,
-                                     [*frames[:2], *map(_compact, frames[2:])]))
+        self.arrivals.append(
+            Arrival(
+                self.accounts.controller_steps,
+                self.clock(),
+                identity,
+                [*frames[:2], *map(_compact, frames[2:])],
+            )
+        )
 
     def sent(self, identity: bytes, frames: list[Any]) -> None:
         self.sent_frames.append(_sent_key(identity, frames))
@@ -163,9 +173,12 @@ class _ReplayRouter(SimRouter):
         i = self.num_sent
         if self.diverged is None and (i >= len(self.expected) or key != self.expected[i]):
             want = self.expected[i][:2] if i < len(self.expected) else "nothing"
-            self.diverge(ReplayDiverged(
-                f"message {i} the replayed controller sent: {type(msg).__name__} to "
-                f"{identity!r}; the simulated controller sent {want}"))
+            self.diverge(
+                ReplayDiverged(
+                    f"message {i} the replayed controller sent: {type(msg).__name__} to "
+                    f"{identity!r}; the simulated controller sent {want}"
+                )
+            )
         self.num_sent += 1
         return True
 
@@ -188,16 +201,20 @@ class _ReplayRuntime(SimRuntime):
 
     def connect(self, cfg, setup):
         self.router = self.replay_router
-        return Connection(channel=self.router, close=self.router.close,
-                          pool=_ReplayPool(cfg, setup.run_dir, self.router, self.env))
+        return Connection(
+            channel=self.router,
+            close=self.router.close,
+            pool=_ReplayPool(cfg, setup.run_dir, self.router, self.env),
+        )
 
 
 class _Feeder:
     """Hands each recorded message to the router when the controller has taken as many steps
     as it had in the simulation and the clock has reached its time."""
 
-    def __init__(self, arrivals: list[Arrival], router: _ReplayRouter,
-                 accounts: CpuAccounts) -> None:
+    def __init__(
+        self, arrivals: list[Arrival], router: _ReplayRouter, accounts: CpuAccounts
+    ) -> None:
         self.arrivals, self.router, self.accounts = arrivals, router, accounts
         self.next = 0
         self.timer_for = -1
@@ -208,10 +225,13 @@ class _Feeder:
             arrival = self.arrivals[self.next]
             steps = self.accounts.controller_steps
             if steps > arrival.steps:
-                self.router.diverge(ReplayDiverged(
-                    f"message {self.next} ({arrival.frames[0].hex()} from "
-                    f"{arrival.identity!r}) came after {arrival.steps} steps of the simulated "
-                    f"controller; the replayed one has taken {steps}"))
+                self.router.diverge(
+                    ReplayDiverged(
+                        f"message {self.next} ({arrival.frames[0].hex()} from "
+                        f"{arrival.identity!r}) came after {arrival.steps} steps of the simulated "
+                        f"controller; the replayed one has taken {steps}"
+                    )
+                )
                 return
             if steps < arrival.steps:
                 return
@@ -224,8 +244,14 @@ class _Feeder:
             self.next += 1
 
 
-def replay(cfg_overrides: Callable[[str], list[str]], env: SimEnv, recording: Recording,
-           drive: Callable[..., Any], limit_s: float, run_dir: Path) -> Alone:
+def replay(
+    cfg_overrides: Callable[[str], list[str]],
+    env: SimEnv,
+    recording: Recording,
+    drive: Callable[..., Any],
+    limit_s: float,
+    run_dir: Path,
+) -> Alone:
     """Run a fresh controller on `recording`'s messages (see the module docstring); its marks
     are taken by `drive` (run._drive) as the simulation's were."""
     cfg = load_config(overrides=cfg_overrides(str(run_dir)))
@@ -256,5 +282,6 @@ def replay(cfg_overrides: Callable[[str], list[str]], env: SimEnv, recording: Re
     if feeder.next != len(recording.arrivals) or router.num_sent != len(recording.sent_frames):
         raise ReplayDiverged(
             f"the replayed controller took {feeder.next} of {len(recording.arrivals)} "
-            f"messages and sent {router.num_sent} of {len(recording.sent_frames)}")
+            f"messages and sent {router.num_sent} of {len(recording.sent_frames)}"
+        )
     return Alone(marks=marks, num_received=feeder.next, num_sent=router.num_sent)

@@ -88,20 +88,37 @@ class TrainFit:
     rms: float
 
 
-_BARE = Efficiency(mfu=1.0, hbm=1.0, link=1.0, step_overhead_s=0.0, layer_step_overhead_s=0.0,
-                   seq_step_overhead_s=0.0)
+_BARE = Efficiency(
+    mfu=1.0,
+    hbm=1.0,
+    link=1.0,
+    step_overhead_s=0.0,
+    layer_step_overhead_s=0.0,
+    seq_step_overhead_s=0.0,
+)
 
 
-def _bare_model(acc: Accelerator, model: ModelShape, mfu: float, hbm: float,
-                pack: bool) -> CostModel:
+def _bare_model(
+    acc: Accelerator, model: ModelShape, mfu: float, hbm: float, pack: bool
+) -> CostModel:
     """The cost model with every fixed cost zero: only its roofline terms remain."""
-    return CostModel(acc, model, dataclasses.replace(
-        _BARE, mfu=mfu, hbm=hbm, decode_pack_attention=pack), mem_fraction=1.0)
+    return CostModel(
+        acc,
+        model,
+        dataclasses.replace(_BARE, mfu=mfu, hbm=hbm, decode_pack_attention=pack),
+        mem_fraction=1.0,
+    )
 
 
-def _generation_system(acc: Accelerator, model: ModelShape, mfu: float, hbm: float,
-                       pack: bool, decode: Sequence[DecodeSample],
-                       prefill: Sequence[PrefillSample]) -> tuple[np.ndarray, np.ndarray]:
+def _generation_system(
+    acc: Accelerator,
+    model: ModelShape,
+    mfu: float,
+    hbm: float,
+    pack: bool,
+    decode: Sequence[DecodeSample],
+    prefill: Sequence[PrefillSample],
+) -> tuple[np.ndarray, np.ndarray]:
     """(rows [n, 2], targets [n]) of seconds - roofline = step_overhead * a + seq * b,
     each row divided by its measured seconds (relative error)."""
     bare = _bare_model(acc, model, mfu, hbm, pack)
@@ -116,17 +133,28 @@ def _generation_system(acc: Accelerator, model: ModelShape, mfu: float, hbm: flo
     return np.array(rows, dtype=np.float64) / seconds[:, None], np.array(targets) / seconds
 
 
-def _solve(acc: Accelerator, model: ModelShape, mfu: float, hbm: float, pack: bool,
-           decode: Sequence[DecodeSample], prefill: Sequence[PrefillSample]
-           ) -> tuple[float, np.ndarray]:
+def _solve(
+    acc: Accelerator,
+    model: ModelShape,
+    mfu: float,
+    hbm: float,
+    pack: bool,
+    decode: Sequence[DecodeSample],
+    prefill: Sequence[PrefillSample],
+) -> tuple[float, np.ndarray]:
     rows, targets = _generation_system(acc, model, mfu, hbm, pack, decode, prefill)
     overheads, residual = nnls(rows, targets)
     return residual, overheads
 
 
-def fit_generation(acc: Accelerator, model: ModelShape, decode: Sequence[DecodeSample],
-                   prefill: Sequence[PrefillSample], grid: int = 25,
-                   rounds: int = 4) -> GenerationFit:
+def fit_generation(
+    acc: Accelerator,
+    model: ModelShape,
+    decode: Sequence[DecodeSample],
+    prefill: Sequence[PrefillSample],
+    grid: int = 25,
+    rounds: int = 4,
+) -> GenerationFit:
     """The factors that best reproduce the samples, with the better of the two attention
     forms (see the module docstring).
 
@@ -134,30 +162,37 @@ def fit_generation(acc: Accelerator, model: ModelShape, decode: Sequence[DecodeS
     every sample), `hbm` is not determined by the data: the largest value that fits as well
     is returned (1.0 at most), the one that assumes least about memory."""
     if not decode or not prefill:
-        raise ValueError("fit_generation needs decode and prefill samples (got "
-                         f"{len(decode)} and {len(prefill)})")
+        raise ValueError(
+            "fit_generation needs decode and prefill samples (got "
+            f"{len(decode)} and {len(prefill)})"
+        )
     per_context, per_batch_context = (
         _fit_generation_form(acc, model, decode, prefill, pack, grid, rounds)
-        for pack in (False, True))
+        for pack in (False, True)
+    )
 
     def error(f: GenerationFit) -> float:
-        return f.decode_rms ** 2 * len(decode) + f.prefill_rms ** 2 * len(prefill)
+        return f.decode_rms**2 * len(decode) + f.prefill_rms**2 * len(prefill)
 
     # the GPU engines' form unless the other is clearly better (not by rounding)
-    return per_batch_context if error(per_batch_context) < 0.9 * error(per_context) \
-        else per_context
+    return per_batch_context if error(per_batch_context) < 0.9 * error(per_context) else per_context
 
 
-def _fit_generation_form(acc: Accelerator, model: ModelShape, decode: Sequence[DecodeSample],
-                         prefill: Sequence[PrefillSample], pack: bool, grid: int,
-                         rounds: int) -> GenerationFit:
+def _fit_generation_form(
+    acc: Accelerator,
+    model: ModelShape,
+    decode: Sequence[DecodeSample],
+    prefill: Sequence[PrefillSample],
+    pack: bool,
+    grid: int,
+    rounds: int,
+) -> GenerationFit:
     low, high = np.log10([1e-6, 1e-6]), np.log10([1.0, 1.0])
     best = (float("inf"), 0.0, 0.0)
     for _ in range(rounds):
         for log_mfu in np.linspace(low[0], high[0], grid):
             for log_hbm in np.linspace(low[1], high[1], grid)[::-1]:  # ties: the largest hbm
-                residual, _ = _solve(acc, model, 10 ** log_mfu, 10 ** log_hbm, pack, decode,
-                                     prefill)
+                residual, _ = _solve(acc, model, 10**log_mfu, 10**log_hbm, pack, decode, prefill)
                 if residual < best[0] * (1 - 1e-9):
                     best = (residual, log_mfu, log_hbm)
         span = (high - low) / (grid - 1) * 2  # two grid cells either side of the best
@@ -165,42 +200,71 @@ def _fit_generation_form(acc: Accelerator, model: ModelShape, decode: Sequence[D
         low, high = np.maximum(centre - span, -9.0), np.minimum(centre + span, 0.0)
     mfu, hbm = 10 ** best[1], 10 ** best[2]
     _, (step, seq) = _solve(acc, model, mfu, hbm, pack, decode, prefill)
-    fitted = CostModel(acc, model, dataclasses.replace(
-        _BARE, mfu=mfu, hbm=hbm, step_overhead_s=step, seq_step_overhead_s=seq,
-        decode_pack_attention=pack), 1.0)
+    fitted = CostModel(
+        acc,
+        model,
+        dataclasses.replace(
+            _BARE,
+            mfu=mfu,
+            hbm=hbm,
+            step_overhead_s=step,
+            seq_step_overhead_s=seq,
+            decode_pack_attention=pack,
+        ),
+        1.0,
+    )
     decode_err = [fitted.decode_s(s.batch, s.context, s.steps, 1) / s.seconds - 1 for s in decode]
     prefill_err = [fitted.prefill_s(s.lengths, 1) / s.seconds - 1 for s in prefill]
-    return GenerationFit(decode_pack_attention=pack, mfu=float(mfu), hbm=float(hbm),
-                         step_overhead_s=float(step), seq_step_overhead_s=float(seq),
-                         decode_rms=_rms(decode_err), prefill_rms=_rms(prefill_err))
+    return GenerationFit(
+        decode_pack_attention=pack,
+        mfu=float(mfu),
+        hbm=float(hbm),
+        step_overhead_s=float(step),
+        seq_step_overhead_s=float(seq),
+        decode_rms=_rms(decode_err),
+        prefill_rms=_rms(prefill_err),
+    )
 
 
-def fit_training(acc: Accelerator, model: ModelShape, samples: Sequence[TrainSample],
-                 micro_batch_tokens: int = 8192) -> TrainFit:
+def fit_training(
+    acc: Accelerator,
+    model: ModelShape,
+    samples: Sequence[TrainSample],
+    micro_batch_tokens: int = 8192,
+) -> TrainFit:
     """seconds = train_step_overhead_s + the cost model's training FLOPs / (peak *
     train_mfu), fitted on relative error (non-negative coefficients), once with attention
     per sequence and once over whole packs (`train_pack_attention`, see cost.py): the better fit
     decides."""
     if len(samples) < 2:
-        raise ValueError(f"fit_training needs at least 2 samples of different sizes, got "
-                         f"{len(samples)}")
+        raise ValueError(
+            f"fit_training needs at least 2 samples of different sizes, got {len(samples)}"
+        )
     seconds = np.array([s.seconds for s in samples])
     fits = []
     for pack in (False, True):
         bare = CostModel(acc, model, dataclasses.replace(_BARE, train_pack_attention=pack), 1.0)
-        flops_s = np.array([bare.train_s(s.lengths, 1, 1, s.recompute_prox, micro_batch_tokens)
-                            for s in samples])  # FLOPs / peak: seconds at train_mfu 1
+        flops_s = np.array(
+            [bare.train_s(s.lengths, 1, 1, s.recompute_prox, micro_batch_tokens) for s in samples]
+        )  # FLOPs / peak: seconds at train_mfu 1
         rows = np.column_stack([np.ones(len(samples)), flops_s])
         (overhead, inverse_mfu), _ = nnls(rows / seconds[:, None], np.ones(len(samples)))
         if inverse_mfu <= 0:
             continue
         predicted = rows @ np.array([overhead, inverse_mfu])
-        fits.append(TrainFit(train_mfu=float(1 / inverse_mfu),
-                             train_step_overhead_s=float(overhead), train_pack_attention=pack,
-                             rms=_rms(predicted / seconds - 1)))
+        fits.append(
+            TrainFit(
+                train_mfu=float(1 / inverse_mfu),
+                train_step_overhead_s=float(overhead),
+                train_pack_attention=pack,
+                rms=_rms(predicted / seconds - 1),
+            )
+        )
     if not fits:
-        raise ValueError("training time does not grow with the tokens trained: the samples "
-                         "cannot give a training rate; measure batches of more different sizes")
+        raise ValueError(
+            "training time does not grow with the tokens trained: the samples "
+            "cannot give a training rate; measure batches of more different sizes"
+        )
     return min(fits, key=lambda f: f.rms)
 
 
@@ -213,9 +277,14 @@ class SlowdownFit:
     steps: int
 
 
-def fit_train_slowdown(cost: CostModel, samples: Sequence[TrainSample], *,
-                       num_minibatches: int = 1, micro_batch_tokens: int = 8192,
-                       publishes: bool = True) -> SlowdownFit:
+def fit_train_slowdown(
+    cost: CostModel,
+    samples: Sequence[TrainSample],
+    *,
+    num_minibatches: int = 1,
+    micro_batch_tokens: int = 8192,
+    publishes: bool = True,
+) -> SlowdownFit:
     """The factor on `cost`'s training price (`train_s`) of the steps of a real run
     (`samples`: each step's batch lengths and the seconds its controller waited for the
     trainer's answer, less (`publishes`) the weights' publication at its own price, as a
@@ -224,13 +293,18 @@ def fit_train_slowdown(cost: CostModel, samples: Sequence[TrainSample], *,
     less than they would move a total."""
     if not samples:
         raise ValueError("fit_train_slowdown needs at least one step")
-    train = np.array([cost.train_s(s.lengths, num_minibatches, 1, s.recompute_prox,
-                                   micro_batch_tokens) for s in samples])
+    train = np.array(
+        [
+            cost.train_s(s.lengths, num_minibatches, 1, s.recompute_prox, micro_batch_tokens)
+            for s in samples
+        ]
+    )
     publish = cost.publish_s(colocated=False) if publishes else 0.0
     measured = np.array([s.seconds for s in samples])
     factor = float(np.median((measured - publish) / train))
-    return SlowdownFit(factor=factor, rms=_rms((factor * train + publish) / measured - 1),
-                       steps=len(samples))
+    return SlowdownFit(
+        factor=factor, rms=_rms((factor * train + publish) / measured - 1), steps=len(samples)
+    )
 
 
 def _rms(errors: Sequence[float] | np.ndarray) -> float:

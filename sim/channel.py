@@ -24,7 +24,6 @@ from areal.transport import PeerMessageError
 ADDRESS = "sim://in-process"
 
 
-
 class SimRouter:
     """The controller's end."""
 

@@ -28,81 +28,132 @@ T = TypeVar("T")
 
 @dataclass(kw_only=True)
 class SimConfig:
-    accelerator: str = opt("h800", "accelerator kind, an entry of the cost file (h800, h100, "
-                           "h200, a100, or your own entry in a `costs` file)")
+    accelerator: str = opt(
+        "h800",
+        "accelerator kind, an entry of the cost file (h800, h100, "
+        "h200, a100, or your own entry in a `costs` file)",
+    )
     num_accelerators: int = opt(128, "accelerators in the cluster")
     model: str = opt("1.5b", "model shape, an entry of the cost file (1.5b, 7b, 14b, 32b)")
-    mode: str = opt("async", "async: generation and training overlap, bounded by eta; sync: "
-                    "generate a batch, then train", ["async", "sync"])
-    placement: str = opt("split", "split: generation and training on separate accelerators "
-                         "(gen_fraction of them generate); colocated: every accelerator "
-                         "generates, then every one trains (sync only, as verl runs)",
-                         list(PLACEMENTS))
-    switch_costs: bool = opt(False, "colocated placement: pay what a colocated synchronous "
-                             "system pays each step to switch its accelerators between "
-                             "generation and training (the engine's weights to host memory "
-                             "and back, its KV cache dropped and allocated again, the "
-                             "trainer's states in and out: costs.yaml `colocation`); false: "
-                             "the idealised baseline, which pays none of it")
-    gen_fraction: float = opt(0.75, "split placement: fraction of the accelerators that "
-                              "generate (AReaL: 3/4)")
+    mode: str = opt(
+        "async",
+        "async: generation and training overlap, bounded by eta; sync: "
+        "generate a batch, then train",
+        ["async", "sync"],
+    )
+    placement: str = opt(
+        "split",
+        "split: generation and training on separate accelerators "
+        "(gen_fraction of them generate); colocated: every accelerator "
+        "generates, then every one trains (sync only, as verl runs)",
+        list(PLACEMENTS),
+    )
+    switch_costs: bool = opt(
+        False,
+        "colocated placement: pay what a colocated synchronous "
+        "system pays each step to switch its accelerators between "
+        "generation and training (the engine's weights to host memory "
+        "and back, its KV cache dropped and allocated again, the "
+        "trainer's states in and out: costs.yaml `colocation`); false: "
+        "the idealised baseline, which pays none of it",
+    )
+    gen_fraction: float = opt(
+        0.75, "split placement: fraction of the accelerators that generate (AReaL: 3/4)"
+    )
     rollout_tp: int = opt(1, "accelerators per rollout server (tensor parallel)")
     eta: int | None = opt(4, "staleness bound of async mode; null: unbounded")
     interrupt: bool = opt(True, "async mode: interrupt generation for new weights")
-    strict: bool = opt(False, "async mode: the controller's staleness.strict (no trained "
-                       "token more than eta versions old; groups that cannot make it are "
-                       "dropped and generated again)")
+    strict: bool = opt(
+        False,
+        "async mode: the controller's staleness.strict (no trained "
+        "token more than eta versions old; groups that cannot make it are "
+        "dropped and generated again)",
+    )
     num_prompts: int = opt(512, "prompts per training step")
     group_size: int = opt(16, "samples per prompt")
     max_new_tokens: int = opt(27648, "longest completion")
     num_minibatches: int = opt(4, "PPO minibatches (optimiser steps) per training step")
-    prox_logp: str = opt("recompute", "proximal log-probs: a forward pass, or loglinear (none)",
-                         ["recompute", "loglinear"])
-    lora_rank: int = opt(0, "LoRA rank of the trained adapters (trainer.lora.rank): a version "
-                         "is the adapters alone and training skips the base's weight "
-                         "gradients (the cost file's `lora` entry); 0: full fine-tuning")
-    max_concurrent_prompts: int = opt(512, "prompts in flight over all rollout servers at once "
-                                      "(AReaL max_concurrent_rollouts)")
+    prox_logp: str = opt(
+        "recompute",
+        "proximal log-probs: a forward pass, or loglinear (none)",
+        ["recompute", "loglinear"],
+    )
+    lora_rank: int = opt(
+        0,
+        "LoRA rank of the trained adapters (trainer.lora.rank): a version "
+        "is the adapters alone and training skips the base's weight "
+        "gradients (the cost file's `lora` entry); 0: full fine-tuning",
+    )
+    max_concurrent_prompts: int = opt(
+        512, "prompts in flight over all rollout servers at once (AReaL max_concurrent_rollouts)"
+    )
     steps: int = opt(8, "training steps to simulate")
-    measure_from: int = opt(3, "step time is measured over the steps after this one (the "
-                            "pipeline fills first)")
+    measure_from: int = opt(
+        3, "step time is measured over the steps after this one (the pipeline fills first)"
+    )
     report_steps: int = opt(1000, "hours are reported for a run of this many steps")
-    eval_prompts: int = opt(1, "held-out prompts evaluated (one greedy answer each) at the "
-                            "start and the end, a real run's eval.max_prompts: the first "
-                            "training groups are generated beside the start's")
+    eval_prompts: int = opt(
+        1,
+        "held-out prompts evaluated (one greedy answer each) at the "
+        "start and the end, a real run's eval.max_prompts: the first "
+        "training groups are generated beside the start's",
+    )
     seed: int = opt(1, "seed of prompt and completion lengths and rewards")
-    wire: bool = opt(True, "encode and decode every message as on the wire (msgpack + raw "
-                     "frames), so the controller pays its real decoding cost")
-    measure_alone: bool = opt(False, "also measure the controller's CPU cost alone: replay "
-                              "the messages it received to a fresh controller with no "
-                              "simulated worker beside it (sim/alone.py; needs wire)")
+    wire: bool = opt(
+        True,
+        "encode and decode every message as on the wire (msgpack + raw "
+        "frames), so the controller pays its real decoding cost",
+    )
+    measure_alone: bool = opt(
+        False,
+        "also measure the controller's CPU cost alone: replay "
+        "the messages it received to a fresh controller with no "
+        "simulated worker beside it (sim/alone.py; needs wire)",
+    )
     costs: str | None = opt(None, "cost parameter file; null: the shipped sim/costs.yaml")
-    run_dir: str | None = opt(None, "where the simulated run writes metrics.jsonl; null: a "
-                              "temporary directory")
+    run_dir: str | None = opt(
+        None, "where the simulated run writes metrics.jsonl; null: a temporary directory"
+    )
 
     def check(self) -> None:
         if self.lora_rank < 0:
             raise ConfigError(f"lora_rank={self.lora_rank!r} must be >= 0 (0: full fine-tuning)")
-        for name in ("num_accelerators", "rollout_tp", "num_prompts", "group_size",
-                     "max_new_tokens", "num_minibatches", "max_concurrent_prompts", "steps",
-                     "report_steps", "eval_prompts"):
+        for name in (
+            "num_accelerators",
+            "rollout_tp",
+            "num_prompts",
+            "group_size",
+            "max_new_tokens",
+            "num_minibatches",
+            "max_concurrent_prompts",
+            "steps",
+            "report_steps",
+            "eval_prompts",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be >= 1")
         if not 0 <= self.measure_from < self.steps:
-            raise ConfigError(f"measure_from={self.measure_from} must be in [0, steps="
-                              f"{self.steps}): at least one step is measured")
+            raise ConfigError(
+                f"measure_from={self.measure_from} must be in [0, steps="
+                f"{self.steps}): at least one step is measured"
+            )
         if self.measure_alone and not self.wire:
-            raise ConfigError("measure_alone=true replays the messages as frames: it needs "
-                              "wire=true")
+            raise ConfigError(
+                "measure_alone=true replays the messages as frames: it needs wire=true"
+            )
         if self.eta is not None and self.eta < 0:
             raise ConfigError(f"eta={self.eta!r} must be >= 0 or null (unbounded)")
         if self.placement == "colocated" and self.mode != "sync":
-            raise ConfigError("placement='colocated' runs generation and training on the same "
-                              "accelerators one after the other: it needs mode='sync'")
+            raise ConfigError(
+                "placement='colocated' runs generation and training on the same "
+                "accelerators one after the other: it needs mode='sync'"
+            )
         if self.switch_costs and self.placement != "colocated":
-            raise ConfigError("switch_costs=true prices switching the same accelerators "
-                              "between generation and training: it needs "
-                              "placement='colocated'")
+            raise ConfigError(
+                "switch_costs=true prices switching the same accelerators "
+                "between generation and training: it needs "
+                "placement='colocated'"
+            )
         if self.placement == "split":
             if not 0 < self.gen_fraction < 1:
                 raise ConfigError(f"gen_fraction={self.gen_fraction!r} must be in (0, 1)")
@@ -110,10 +161,13 @@ class SimConfig:
                 raise ConfigError(
                     f"num_accelerators={self.num_accelerators} with gen_fraction="
                     f"{self.gen_fraction} and rollout_tp={self.rollout_tp} leaves no "
-                    "rollout server or no trainer rank; add accelerators or move gen_fraction")
+                    "rollout server or no trainer rank; add accelerators or move gen_fraction"
+                )
         if self.num_accelerators % self.rollout_tp and self.placement == "colocated":
-            raise ConfigError(f"num_accelerators={self.num_accelerators} is not a multiple "
-                              f"of rollout_tp={self.rollout_tp}")
+            raise ConfigError(
+                f"num_accelerators={self.num_accelerators} is not a multiple "
+                f"of rollout_tp={self.rollout_tp}"
+            )
 
     @property
     def num_gen_accelerators(self) -> int:
@@ -146,28 +200,41 @@ class SimConfig:
     def to_run_overrides(self, run_dir: str) -> list[str]:
         """The controller's options for this simulated run (areal.config.RunConfig keys)."""
         eta = self.eta if self.eta is not None else self.unbounded_eta
-        per_worker = math.ceil(self.max_concurrent_prompts * self.group_size
-                               / self.num_rollout_workers)
+        per_worker = math.ceil(
+            self.max_concurrent_prompts * self.group_size / self.num_rollout_workers
+        )
         num_nodes = max(1, self.num_accelerators // 8)
         return [
-            f"mode={self.mode}", f"seed={self.seed}", f"run_dir={run_dir}",
-            f"task.group_size={self.group_size}", f"trainer.batch_size={self.batch_size}",
-            f"trainer.total_steps={self.steps}", f"trainer.num_minibatches={self.num_minibatches}",
-            f"trainer.num_ranks={self.num_trainer_ranks}", f"trainer.ppo.prox_logp={self.prox_logp}",
+            f"mode={self.mode}",
+            f"seed={self.seed}",
+            f"run_dir={run_dir}",
+            f"task.group_size={self.group_size}",
+            f"trainer.batch_size={self.batch_size}",
+            f"trainer.total_steps={self.steps}",
+            f"trainer.num_minibatches={self.num_minibatches}",
+            f"trainer.num_ranks={self.num_trainer_ranks}",
+            f"trainer.ppo.prox_logp={self.prox_logp}",
             # Faults are not simulated: no checkpoint replay buffer to keep.
             "trainer.checkpoint_every=0",
             f"rollout.num_workers={self.num_rollout_workers}",
             f"rollout.max_new_tokens={self.max_new_tokens}",
-            f"rollout.max_concurrent={per_worker}", f"rollout.interrupt={self.interrupt}",
-            f"staleness.eta={eta}", f"staleness.strict={self.strict}",
+            f"rollout.max_concurrent={per_worker}",
+            f"rollout.interrupt={self.interrupt}",
+            f"staleness.eta={eta}",
+            f"staleness.strict={self.strict}",
             # Reward checks run on CPUs beside the accelerators: one worker (256 checks at
             # once) per 8 nodes is never the bottleneck here.
-            f"reward.num_workers={math.ceil(num_nodes / 8)}", "reward.max_concurrency=256",
-            "weight_sync.mode=disk", "eval.every_steps=0",
+            f"reward.num_workers={math.ceil(num_nodes / 8)}",
+            "reward.max_concurrency=256",
+            "weight_sync.mode=disk",
+            "eval.every_steps=0",
             f"eval.max_prompts={self.eval_prompts}",
             # Liveness is not simulated; rarer heartbeats keep the message count down.
-            "controller.heartbeat_interval_s=300", "controller.heartbeat_timeout_s=86400",
-            "logging.progress=false", "logging.tensorboard=false", "logging.level=WARNING",
+            "controller.heartbeat_interval_s=300",
+            "controller.heartbeat_timeout_s=86400",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            "logging.level=WARNING",
         ]
 
 
@@ -176,8 +243,9 @@ def load_sim_config(path: str | Path | None = None, overrides: Sequence[str] = (
     return load_options(SimConfig, path, overrides)
 
 
-def load_options(schema: type[T], path: str | Path | None = None,
-                 overrides: Sequence[str] = ()) -> T:
+def load_options(
+    schema: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()
+) -> T:
     """An options dataclass of this module's kind (fields made with `opt`, a `check()`):
     defaults, then the YAML file, then `key=value` overrides; validated."""
     node = OmegaConf.structured(schema)
@@ -189,21 +257,24 @@ def load_options(schema: type[T], path: str | Path | None = None,
             node = OmegaConf.merge(node, OmegaConf.create(loaded))
         for item in overrides:
             if "=" not in item:
-                raise ConfigError(f"override {item!r} is not of the form key=value "
-                                  "(e.g. num_accelerators=256)")
+                raise ConfigError(
+                    f"override {item!r} is not of the form key=value (e.g. num_accelerators=256)"
+                )
             node = OmegaConf.merge(node, OmegaConf.from_dotlist([item]))
         cfg: Any = OmegaConf.to_object(node)  # a SimConfig: the schema it was made from
     except (OSError, yaml.YAMLError) as err:
         raise ConfigError(f"cannot read config file {str(path)!r}: {err}") from None
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or "?"
-        raise ConfigError(f"{schema.__name__} key {key!r}: {str(err).splitlines()[0]}; "
-                          "--help lists the options") from None
+        raise ConfigError(
+            f"{schema.__name__} key {key!r}: {str(err).splitlines()[0]}; --help lists the options"
+        ) from None
     for f in dataclasses.fields(cfg):
         choices = f.metadata.get("choices")
         if choices and getattr(cfg, f.name) not in choices:
-            raise ConfigError(f"{f.name}={getattr(cfg, f.name)!r} is not one of "
-                              f"{', '.join(choices)}")
+            raise ConfigError(
+                f"{f.name}={getattr(cfg, f.name)!r} is not one of {', '.join(choices)}"
+            )
     cfg.check()
     return cfg
 

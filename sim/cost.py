@@ -133,19 +133,27 @@ class ModelShape:
         """LoRA parameters at `rank` on the named projections of every layer (A: r x in,
         B: out x r per projection)."""
         h, kv, inter = self.hidden, self.kv_heads * self.head_dim, self.intermediate
-        shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
-                  "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+        shapes = {
+            "q_proj": (h, h),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (h, h),
+            "gate_proj": (h, inter),
+            "up_proj": (h, inter),
+            "down_proj": (inter, h),
+        }
         unknown = [t for t in targets if t not in shapes]
         if unknown:
-            raise ValueError(f"lora target {unknown[0]!r} is not a projection of the cost "
-                             f"model's layer ({', '.join(shapes)})")
+            raise ValueError(
+                f"lora target {unknown[0]!r} is not a projection of the cost "
+                f"model's layer ({', '.join(shapes)})"
+            )
         return self.layers * sum(rank * sum(shapes[t]) for t in targets)
 
     def forward_flops(self, num_tokens: float, sum_sq_lengths: float) -> float:
         """FLOPs of a causal forward pass over sequences holding `num_tokens` in all, the
         sum of whose squared lengths is `sum_sq_lengths`."""
-        return 2 * self.matmul_params * num_tokens + \
-            2 * self.layers * self.hidden * sum_sq_lengths
+        return 2 * self.matmul_params * num_tokens + 2 * self.layers * self.hidden * sum_sq_lengths
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -222,9 +230,15 @@ fp32 moments (gradients exist only inside a step)."""
 class CostModel:
     """Durations of generation, training and weight movement for one cluster and model."""
 
-    def __init__(self, accelerator: Accelerator, model: ModelShape, efficiency: Efficiency,
-                 mem_fraction: float, lora: Lora | None = None,
-                 colocation: Colocation | None = None) -> None:
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        model: ModelShape,
+        efficiency: Efficiency,
+        mem_fraction: float,
+        lora: Lora | None = None,
+        colocation: Colocation | None = None,
+    ) -> None:
         self.acc = accelerator
         self.model = model
         self.eff = efficiency
@@ -232,8 +246,7 @@ class CostModel:
         """Fraction of device memory an inference engine takes (weights + KV cache)."""
         self.colocation = colocation
         self.lora = lora
-        self.adapter_params = model.adapter_params(lora.rank, lora.target_modules) \
-            if lora else 0
+        self.adapter_params = model.adapter_params(lora.rank, lora.target_modules) if lora else 0
         """LoRA parameters (0: full fine-tuning)."""
 
     @property
@@ -250,7 +263,8 @@ class CostModel:
             raise ValueError(
                 f"{self.model.name} ({self.model.weight_bytes / 1e9:.1f} GB of weights) does "
                 f"not fit on {tp} x {self.acc.name} at mem_fraction {self.mem_fraction}; "
-                "raise the tensor-parallel size of the rollout servers (cluster.rollout_tp)")
+                "raise the tensor-parallel size of the rollout servers (cluster.rollout_tp)"
+            )
         return int(free // self.model.kv_bytes_per_token)
 
     def _decode_terms(self, batch: int, tp: int) -> tuple[float, float, float, float, float]:
@@ -259,16 +273,22 @@ class CostModel:
         m, acc, eff = self.model, self.acc, self.eff
         flops_rate = tp * acc.peak_flops * eff.mfu
         bytes_rate = acc.hbm_bandwidth * eff.hbm
-        fixed = eff.step_overhead_s + eff.layer_step_overhead_s * m.layers \
+        fixed = (
+            eff.step_overhead_s
+            + eff.layer_step_overhead_s * m.layers
             + eff.seq_step_overhead_s * batch
+        )
         if tp > 1:  # two all-reduces of the activations per layer, ring over NVLink
             size = batch * m.hidden * BF16_BYTES
-            fixed += 2 * m.layers * 2 * (tp - 1) / tp * size / (acc.intra_node_bandwidth
-                                                                 * eff.link)
+            fixed += 2 * m.layers * 2 * (tp - 1) / tp * size / (acc.intra_node_bandwidth * eff.link)
         attended = batch if eff.decode_pack_attention else 1  # queries per context token
-        return (fixed, 2 * (m.matmul_params + self.adapter_params) * batch / flops_rate,
-                4 * m.layers * m.hidden * attended / flops_rate,
-                m.weight_bytes / tp / bytes_rate, m.kv_bytes_per_token / tp / bytes_rate)
+        return (
+            fixed,
+            2 * (m.matmul_params + self.adapter_params) * batch / flops_rate,
+            4 * m.layers * m.hidden * attended / flops_rate,
+            m.weight_bytes / tp / bytes_rate,
+            m.kv_bytes_per_token / tp / bytes_rate,
+        )
 
     def decode_s(self, batch: int, context: float, steps: int, tp: int) -> float:
         """Seconds of `steps` decode steps of `batch` sequences whose KV context totals
@@ -281,8 +301,9 @@ class CostModel:
         memory = (m0 + m1 * context, m1 * batch)
         return steps * fixed + _sum_max_of_lines(compute, memory, steps)
 
-    def decode_steps_within(self, batch: int, context: float, seconds: float, tp: int,
-                            limit: int) -> int:
+    def decode_steps_within(
+        self, batch: int, context: float, seconds: float, tp: int, limit: int
+    ) -> int:
         """Whole decode steps completed within `seconds` (at most `limit`)."""
         if seconds <= 0 or limit <= 0:
             return 0
@@ -305,32 +326,49 @@ class CostModel:
         flops = self.model.forward_flops(tokens, sum_sq) + 2 * self.adapter_params * tokens
         compute = flops / (tp * self.acc.peak_flops * self.eff.mfu)
         memory = self.model.weight_bytes / tp / (self.acc.hbm_bandwidth * self.eff.hbm)
-        return max(compute, memory) + self.eff.step_overhead_s \
+        return (
+            max(compute, memory)
+            + self.eff.step_overhead_s
             + self.eff.layer_step_overhead_s * self.model.layers
+        )
 
     def weight_load_s(self, tp: int) -> float:
         """A rollout server receiving a new weight version (its shard) over the network."""
-        return self.published_bytes / tp / (self.acc.inter_node_bandwidth * self.eff.link) \
+        return (
+            self.published_bytes / tp / (self.acc.inter_node_bandwidth * self.eff.link)
             + self.eff.weight_update_overhead_s
+        )
 
     # -- training -------------------------------------------------------------------------------
 
-    def train_s(self, lengths: Sequence[int], num_minibatches: int, num_ranks: int,
-                recompute_prox: bool, micro_batch_tokens: int = 8192) -> float:
+    def train_s(
+        self,
+        lengths: Sequence[int],
+        num_minibatches: int,
+        num_ranks: int,
+        recompute_prox: bool,
+        micro_batch_tokens: int = 8192,
+    ) -> float:
         """Seconds one data-parallel rank (one device) spends on its shard of a step."""
         tokens, sum_sq = _moments(lengths)
         if self.eff.train_pack_attention and tokens > 0:
             # micro-batches of equal size within each minibatch; a full square each
-            packs = num_minibatches * max(1, math.ceil(tokens / num_minibatches
-                                                       / micro_batch_tokens))
+            packs = num_minibatches * max(
+                1, math.ceil(tokens / num_minibatches / micro_batch_tokens)
+            )
             sum_sq = 2 * packs * (tokens / packs) ** 2
         backward = 2.0 if self.lora is None else 2 * (1 - self.lora.backward_weight_grad_share)
         passes = 1 + backward + (1 if recompute_prox else 0)  # + the proximal forward pass
-        flops = passes * self.model.forward_flops(tokens, sum_sq) \
+        flops = (
+            passes * self.model.forward_flops(tokens, sum_sq)
             + (3 + (1 if recompute_prox else 0)) * 2 * self.adapter_params * tokens
+        )
         compute = flops / (self.acc.peak_flops * self.train_mfu)
-        return compute + self.eff.train_step_overhead_s \
+        return (
+            compute
+            + self.eff.train_step_overhead_s
             + num_minibatches * self.allreduce_s(self.published_bytes, num_ranks)
+        )
 
     @property
     def train_mfu(self) -> float:
@@ -341,8 +379,11 @@ class CostModel:
         the ranks span more than one node)."""
         if num_ranks <= 1:
             return 0.0
-        bandwidth = self.acc.intra_node_bandwidth if num_ranks <= self.acc.devices_per_node \
+        bandwidth = (
+            self.acc.intra_node_bandwidth
+            if num_ranks <= self.acc.devices_per_node
             else self.acc.inter_node_bandwidth
+        )
         return 2 * (num_ranks - 1) / num_ranks * num_bytes / (bandwidth * self.eff.link)
 
     def publish_s(self, colocated: bool) -> float:
@@ -351,7 +392,6 @@ class CostModel:
         bandwidth = self.acc.intra_node_bandwidth if colocated else self.acc.inter_node_bandwidth
         return self.published_bytes / (bandwidth * self.eff.link)
 
-
     def switch_s(self, num_devices: int, tp: int) -> float:
         """Seconds a colocated synchronous step spends switching each device (all in
         parallel) from generation to training and back: the engine's weight shard out to
@@ -359,14 +399,19 @@ class CostModel:
         sharded states in and out (module docstring)."""
         c, host = self.colocation, self.acc.host_bandwidth
         if c is None or host is None:
-            raise ValueError(f"the cost file prices no colocated switch for {self.acc.name}: "
-                             "it needs a `colocation` section and the accelerator's "
-                             "host_bandwidth (see sim/costs.yaml)")
+            raise ValueError(
+                f"the cost file prices no colocated switch for {self.acc.name}: "
+                "it needs a `colocation` section and the accelerator's "
+                "host_bandwidth (see sim/costs.yaml)"
+            )
         moved = self.model.weight_bytes / tp
         if c.offload_trainer:
             moved += TRAINER_STATE_BYTES * self.model.params / num_devices
-        return moved / (host * c.sleep_efficiency) + moved / (host * c.wake_efficiency) \
+        return (
+            moved / (host * c.sleep_efficiency)
+            + moved / (host * c.wake_efficiency)
             + c.wake_overhead_s
+        )
 
 
 def _moments(lengths: Sequence[int] | np.ndarray) -> tuple[float, float]:
@@ -377,6 +422,7 @@ def _moments(lengths: Sequence[int] | np.ndarray) -> tuple[float, float]:
 
 def _sum_max_of_lines(a: tuple[float, float], b: tuple[float, float], n: int) -> float:
     """sum over k = 0..n-1 of max(a0 + a1*k, b0 + b1*k), exactly."""
+
     def line_sum(line: tuple[float, float], start: int, stop: int) -> float:
         count = stop - start
         return count * line[0] + line[1] * (start + stop - 1) * count / 2 if count > 0 else 0.0
@@ -410,8 +456,10 @@ def load_costs(path: str | Path | None = None) -> dict[str, Any]:
     """The parameter file (default: the shipped costs.yaml)."""
     path = Path(path or COSTS_FILE)
     if not path.is_file():
-        raise ValueError(f"cost file {str(path)!r} does not exist; costs= takes a YAML file "
-                         f"laid out like {COSTS_FILE}")
+        raise ValueError(
+            f"cost file {str(path)!r} does not exist; costs= takes a YAML file "
+            f"laid out like {COSTS_FILE}"
+        )
     return yaml.safe_load(path.read_text())
 
 
@@ -423,8 +471,9 @@ def accelerator(costs: dict[str, Any], name: str) -> Accelerator:
 def model_shape(costs: dict[str, Any], name: str) -> ModelShape:
     entry = _entry(costs, "models", name)
     values = _values(entry, f"models.{name}")
-    return ModelShape(name=name, **{k: v for k, v in values.items()
-                                    if k not in ("mem_fraction", "config")})
+    return ModelShape(
+        name=name, **{k: v for k, v in values.items() if k not in ("mem_fraction", "config")}
+    )
 
 
 def efficiency(costs: dict[str, Any], accelerator_name: str) -> Efficiency:
@@ -435,12 +484,18 @@ def efficiency(costs: dict[str, Any], accelerator_name: str) -> Efficiency:
     return Efficiency(**_values(costs["efficiency"], "efficiency"))
 
 
-def cost_model(costs: dict[str, Any], accelerator_name: str, model_name: str,
-               lora_rank: int = 0) -> CostModel:
+def cost_model(
+    costs: dict[str, Any], accelerator_name: str, model_name: str, lora_rank: int = 0
+) -> CostModel:
     values = _values(_entry(costs, "models", model_name), f"models.{model_name}")
-    return CostModel(accelerator(costs, accelerator_name), model_shape(costs, model_name),
-                     efficiency(costs, accelerator_name), float(values["mem_fraction"]),
-                     lora_costs(costs, lora_rank), colocation(costs))
+    return CostModel(
+        accelerator(costs, accelerator_name),
+        model_shape(costs, model_name),
+        efficiency(costs, accelerator_name),
+        float(values["mem_fraction"]),
+        lora_costs(costs, lora_rank),
+        colocation(costs),
+    )
 
 
 def lora_costs(costs: dict[str, Any], rank: int) -> Lora | None:
@@ -448,11 +503,13 @@ def lora_costs(costs: dict[str, Any], rank: int) -> Lora | None:
     if rank <= 0:
         return None
     if "lora" not in costs:
-        raise ValueError("lora_rank > 0 needs a `lora` entry in the cost file (see "
-                         f"{COSTS_FILE})")
+        raise ValueError(f"lora_rank > 0 needs a `lora` entry in the cost file (see {COSTS_FILE})")
     values = _values(costs["lora"], "lora")
-    return Lora(rank=rank, target_modules=tuple(values["target_modules"]),
-                backward_weight_grad_share=float(values["backward_weight_grad_share"]))
+    return Lora(
+        rank=rank,
+        target_modules=tuple(values["target_modules"]),
+        backward_weight_grad_share=float(values["backward_weight_grad_share"]),
+    )
 
 
 def colocation(costs: dict[str, Any]) -> Colocation | None:
@@ -464,6 +521,7 @@ def colocation(costs: dict[str, Any]) -> Colocation | None:
 def _entry(costs: dict[str, Any], section: str, name: str) -> dict[str, Any]:
     entries = costs.get(section, {})
     if name not in entries:
-        raise ValueError(f"{name!r} is not in {section} of the cost file; known: "
-                         f"{', '.join(sorted(entries))}")
+        raise ValueError(
+            f"{name!r} is not in {section} of the cost file; known: {', '.join(sorted(entries))}"
+        )
     return entries[name]

@@ -57,11 +57,13 @@ class _VirtualSelector(selectors.DefaultSelector):
                 return events
             raise SimulationStalled(
                 f"nothing is scheduled at virtual time {loop.time():.3f} s and no thread is "
-                "running: the simulated system is deadlocked")
+                "running: the simulated system is deadlocked"
+            )
         if loop.time() + timeout > loop.limit_s:
             raise SimulationStalled(
                 f"the simulation passed its limit of {loop.limit_s:.0f} virtual seconds "
-                f"(next event at {loop.time() + timeout:.1f} s); it is not making progress")
+                f"(next event at {loop.time() + timeout:.1f} s); it is not making progress"
+            )
         loop.advance(timeout)
         return []
 
@@ -87,7 +89,8 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         self._now += seconds
 
     def run_in_executor(  # type: ignore[override]  # same call, a narrower annotation
-            self, executor: Any, func: Callable[..., T], *args: Any) -> asyncio.Future:
+        self, executor: Any, func: Callable[..., T], *args: Any
+    ) -> asyncio.Future:
         """`func` runs in a thread of `executor` (default: the loop's) and the loop waits
         for it before going on: the future it returns is already done. So a coroutine that
         awaits it continues at once, as if the call were synchronous, and what else the loop

@@ -60,8 +60,11 @@ SIM_MEMORY_GB = 6
 @dataclass(kw_only=True)
 class PlanConfig:
     accelerator: str = opt("h800", "accelerator kind, an entry of the cost file")
-    num_accelerators: int = opt(128, "accelerators (on the CPU machine: worker threads may "
-                                "exceed its cores, which they then share)")
+    num_accelerators: int = opt(
+        128,
+        "accelerators (on the CPU machine: worker threads may "
+        "exceed its cores, which they then share)",
+    )
     model: str = opt("1.5b", "model shape, an entry of the cost file")
     num_prompts: int = opt(512, "prompts per training step")
     group_size: int = opt(16, "samples per prompt")
@@ -70,54 +73,84 @@ class PlanConfig:
     eta_min: int = opt(1, "smallest staleness bound to consider")
     eta_max: int = opt(8, "largest staleness bound to consider")
     coarse_eta: int = opt(4, "eta of the placement stages (clipped into [eta_min, eta_max])")
-    rollout_tp: list[int] = opt([], "tensor-parallel sizes of rollout servers to consider "
-                                "(threads per worker on the CPU machine); empty: 1, 2, 4, 8 "
-                                "up to the devices of a node")
-    trainer_mem_fraction: float = opt(0.9, "fraction of a trainer accelerator's memory its "
-                                      "share of the training states may take")
-    max_concurrent_prompts: int | None = opt(None, "prompts in flight over all rollout "
-                                             "servers; null: 512, or max_concurrent_per_worker")
-    max_concurrent_per_worker: int | None = opt(None, "sequences one rollout worker decodes "
-                                                "at once (the run's rollout.max_concurrent); "
-                                                "null: max_concurrent_prompts decides")
+    rollout_tp: list[int] = opt(
+        [],
+        "tensor-parallel sizes of rollout servers to consider "
+        "(threads per worker on the CPU machine); empty: 1, 2, 4, 8 "
+        "up to the devices of a node",
+    )
+    trainer_mem_fraction: float = opt(
+        0.9, "fraction of a trainer accelerator's memory its share of the training states may take"
+    )
+    max_concurrent_prompts: int | None = opt(
+        None, "prompts in flight over all rollout servers; null: 512, or max_concurrent_per_worker"
+    )
+    max_concurrent_per_worker: int | None = opt(
+        None,
+        "sequences one rollout worker decodes "
+        "at once (the run's rollout.max_concurrent); "
+        "null: max_concurrent_prompts decides",
+    )
     steps: int = opt(7, "training steps each simulation runs")
     measure_from: int = opt(4, "throughput is measured over the steps after this one")
-    sync_steps: int | None = opt(2, "steps of a synchronous simulation, measured over its last "
-                                 "(a sync step does not depend on the one before); null: as "
-                                 "many as `steps`, measured over the same window")
-    replay: str | None = opt(None, "a real run's directory (run with logging.save_batches): "
-                             "its prompt and completion lengths replace the cost file's "
-                             "workload (areal.sim.replay)")
+    sync_steps: int | None = opt(
+        2,
+        "steps of a synchronous simulation, measured over its last "
+        "(a sync step does not depend on the one before); null: as "
+        "many as `steps`, measured over the same window",
+    )
+    replay: str | None = opt(
+        None,
+        "a real run's directory (run with logging.save_batches): "
+        "its prompt and completion lengths replace the cost file's "
+        "workload (areal.sim.replay)",
+    )
     reward_latency_s: float = opt(0.002, "with replay: seconds a reward check takes")
-    eval_prompts: int = opt(1, "held-out prompts evaluated before training (the run's "
-                            "eval.max_prompts)")
+    eval_prompts: int = opt(
+        1, "held-out prompts evaluated before training (the run's eval.max_prompts)"
+    )
     top: int = opt(5, "configurations printed")
     jobs: int | None = opt(None, "simulations at once; null: one per core, memory allowing")
-    out: str = opt("plan.yaml", "where the winning configuration is written (a run config "
-                   "for python -m areal.controller --config)")
+    out: str = opt(
+        "plan.yaml",
+        "where the winning configuration is written (a run config "
+        "for python -m areal.controller --config)",
+    )
     seed: int = opt(1, "seed of the simulated workload")
     report_steps: int = opt(1000, "hours are reported for a run of this many steps")
     costs: str | None = opt(None, "cost parameter file; null: the shipped sim/costs.yaml")
 
     def check(self) -> None:
-        for name in ("num_accelerators", "num_prompts", "group_size", "max_new_tokens",
-                     "num_minibatches", "steps", "top", "report_steps", "eval_prompts"):
+        for name in (
+            "num_accelerators",
+            "num_prompts",
+            "group_size",
+            "max_new_tokens",
+            "num_minibatches",
+            "steps",
+            "top",
+            "report_steps",
+            "eval_prompts",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be >= 1")
         if not 0 <= self.eta_min <= self.eta_max:
-            raise ConfigError(f"eta_min={self.eta_min}, eta_max={self.eta_max}: need "
-                              "0 <= eta_min <= eta_max")
+            raise ConfigError(
+                f"eta_min={self.eta_min}, eta_max={self.eta_max}: need 0 <= eta_min <= eta_max"
+            )
         if not 0 <= self.measure_from < self.steps:
-            raise ConfigError(f"measure_from={self.measure_from} must be in [0, steps="
-                              f"{self.steps})")
+            raise ConfigError(
+                f"measure_from={self.measure_from} must be in [0, steps={self.steps})"
+            )
         if self.sync_steps is not None and self.sync_steps < 2:
-            raise ConfigError(f"sync_steps={self.sync_steps} must be >= 2 (the first step "
-                              "is not measured) or null")
+            raise ConfigError(
+                f"sync_steps={self.sync_steps} must be >= 2 (the first step "
+                "is not measured) or null"
+            )
         if any(tp < 1 for tp in self.rollout_tp):
             raise ConfigError(f"rollout_tp={self.rollout_tp}: sizes must be >= 1")
         if not 0 < self.trainer_mem_fraction <= 1:
-            raise ConfigError(f"trainer_mem_fraction={self.trainer_mem_fraction} must be in "
-                              "(0, 1]")
+            raise ConfigError(f"trainer_mem_fraction={self.trainer_mem_fraction} must be in (0, 1]")
         if self.jobs is not None and self.jobs < 1:
             raise ConfigError(f"jobs={self.jobs} must be >= 1 or null")
 
@@ -155,33 +188,56 @@ class Candidate:
         sync = self.mode != "async"
         steps = plan.sync_steps if sync and plan.sync_steps is not None else plan.steps
         measure_from = steps - 1 if sync and plan.sync_steps is not None else plan.measure_from
-        workers = self.num_accelerators // self.rollout_tp if self.mode == "colocated" \
+        workers = (
+            self.num_accelerators // self.rollout_tp
+            if self.mode == "colocated"
             else self.num_rollout_workers
+        )
         concurrent = plan.max_concurrent_prompts or 512
         if plan.max_concurrent_per_worker is not None:
             concurrent = max(1, plan.max_concurrent_per_worker * workers // plan.group_size)
-        placement = dict(placement="colocated", switch_costs=self.switch_costs) \
-            if self.mode == "colocated" else dict(placement="split",
-                                                  gen_fraction=self.gen_fraction)
+        placement = (
+            dict(placement="colocated", switch_costs=self.switch_costs)
+            if self.mode == "colocated"
+            else dict(placement="split", gen_fraction=self.gen_fraction)
+        )
         return sim_config(
-            accelerator=plan.accelerator, model=plan.model, costs=plan.costs,
-            num_accelerators=self.num_accelerators, rollout_tp=self.rollout_tp,
-            mode="async" if self.mode == "async" else "sync", eta=self.eta,
+            accelerator=plan.accelerator,
+            model=plan.model,
+            costs=plan.costs,
+            num_accelerators=self.num_accelerators,
+            rollout_tp=self.rollout_tp,
+            mode="async" if self.mode == "async" else "sync",
+            eta=self.eta,
             interrupt=self.interrupt if self.mode == "async" else False,
-            num_prompts=plan.num_prompts, group_size=plan.group_size,
-            max_new_tokens=plan.max_new_tokens, num_minibatches=plan.num_minibatches,
-            max_concurrent_prompts=concurrent, steps=steps, measure_from=measure_from,
-            report_steps=plan.report_steps, eval_prompts=plan.eval_prompts, seed=plan.seed,
-            wire=False, **placement)
+            num_prompts=plan.num_prompts,
+            group_size=plan.group_size,
+            max_new_tokens=plan.max_new_tokens,
+            num_minibatches=plan.num_minibatches,
+            max_concurrent_prompts=concurrent,
+            steps=steps,
+            measure_from=measure_from,
+            report_steps=plan.report_steps,
+            eval_prompts=plan.eval_prompts,
+            seed=plan.seed,
+            wire=False,
+            **placement,
+        )
 
     def describe(self) -> str:
         if self.mode == "colocated":
             return f"sync colocated x{self.num_accelerators}" + (
-                ", paying its switches" if self.switch_costs else ", idealised")
-        text = f"{self.mode} {self.num_rollout_workers} x tp{self.rollout_tp} + " \
-               f"{self.num_trainer_ranks} trainers"
-        return text + (f", eta {self.eta}, interrupt {'on' if self.interrupt else 'off'}"
-                       if self.mode == "async" else "")
+                ", paying its switches" if self.switch_costs else ", idealised"
+            )
+        text = (
+            f"{self.mode} {self.num_rollout_workers} x tp{self.rollout_tp} + "
+            f"{self.num_trainer_ranks} trainers"
+        )
+        return text + (
+            f", eta {self.eta}, interrupt {'on' if self.interrupt else 'off'}"
+            if self.mode == "async"
+            else ""
+        )
 
 
 @dataclass(frozen=True)
@@ -201,19 +257,33 @@ def _simulate(config: SimConfig, replay: str | None, reward_latency_s: float) ->
     """One candidate's simulation (in a worker process): its outcome, less the candidate."""
     from areal.sim.run import simulate
 
-    result = simulate(config, workload=_replay_workload(replay, reward_latency_s, config.seed)
-                      if replay else None)
+    result = simulate(
+        config, workload=_replay_workload(replay, reward_latency_s, config.seed) if replay else None
+    )
     return SimpleNamespace(**{name: getattr(result, name) for name in _NUMBERS})
 
 
-_NUMBERS = ("step_s", "hours", "trained_tokens_per_s", "generated_tokens_per_s",
-            "max_staleness", "wall_s")
+_NUMBERS = (
+    "step_s",
+    "hours",
+    "trained_tokens_per_s",
+    "generated_tokens_per_s",
+    "max_staleness",
+    "wall_s",
+)
 
 
 def _outcome(candidate: Candidate, result: Any) -> Outcome:
     """An Outcome from a SimResult (or `_simulate`'s numbers)."""
-    return Outcome(candidate, result.step_s, result.hours, result.trained_tokens_per_s,
-                   result.generated_tokens_per_s, result.max_staleness, result.wall_s)
+    return Outcome(
+        candidate,
+        result.step_s,
+        result.hours,
+        result.trained_tokens_per_s,
+        result.generated_tokens_per_s,
+        result.max_staleness,
+        result.wall_s,
+    )
 
 
 @lru_cache(maxsize=2)
@@ -233,15 +303,22 @@ class Evaluator:
     simulation is single-threaded), each candidate once. `submit`: start simulations
     elsewhere instead (bench/cluster.py's pool, shared with its other tables)."""
 
-    def __init__(self, plan: PlanConfig, jobs: int | None = None,
-                 progress: Callable[[str], None] = lambda line: None,
-                 submit: Submit | None = None) -> None:
+    def __init__(
+        self,
+        plan: PlanConfig,
+        jobs: int | None = None,
+        progress: Callable[[str], None] = lambda line: None,
+        submit: Submit | None = None,
+    ) -> None:
         self.plan = plan
         self.jobs = jobs or plan.jobs or default_jobs()
         self.progress = progress
         self.done: dict[Candidate, Outcome] = {}
-        self._pool = ProcessPoolExecutor(self.jobs, mp_context=multiprocessing.get_context(
-            "spawn")) if self.jobs > 1 and submit is None else None
+        self._pool = (
+            ProcessPoolExecutor(self.jobs, mp_context=multiprocessing.get_context("spawn"))
+            if self.jobs > 1 and submit is None
+            else None
+        )
         self._submit = submit or self._start
 
     def _start(self, config: SimConfig) -> Future[Any]:
@@ -258,9 +335,11 @@ class Evaluator:
         futures = [self._submit(c.sim_config(self.plan)) for c in todo]
         for candidate, future in zip(todo, futures, strict=True):
             outcome = self.done[candidate] = _outcome(candidate, future.result())
-            self.progress(f"  {candidate.describe()}: {outcome.trained_tokens_per_s:.0f} "
-                          f"tok/s, step {outcome.step_s:.1f} s (simulated in "
-                          f"{outcome.wall_s:.0f} s)")
+            self.progress(
+                f"  {candidate.describe()}: {outcome.trained_tokens_per_s:.0f} "
+                f"tok/s, step {outcome.step_s:.1f} s (simulated in "
+                f"{outcome.wall_s:.0f} s)"
+            )
         return [self.done[c] for c in candidates]
 
     def close(self) -> None:
@@ -291,9 +370,11 @@ def rollout_tps(plan: PlanConfig) -> list[int]:
         except ValueError:  # the weights alone do not fit
             continue
     if not fitting:
-        raise ConfigError(f"no rollout server of tensor-parallel size {sizes} holds "
-                          f"{plan.model} and one sequence of {longest} tokens on "
-                          f"{plan.accelerator}; allow larger sizes (rollout_tp)")
+        raise ConfigError(
+            f"no rollout server of tensor-parallel size {sizes} holds "
+            f"{plan.model} and one sequence of {longest} tokens on "
+            f"{plan.accelerator}; allow larger sizes (rollout_tp)"
+        )
     return fitting
 
 
@@ -322,7 +403,7 @@ def split(plan: PlanConfig, share: float, tp: int, min_ranks: int) -> Candidate 
 
 def etas(plan: PlanConfig) -> list[int]:
     """eta_min, eta_max and every power of two between them."""
-    powers = [2 ** k for k in range(8) if plan.eta_min <= 2 ** k <= plan.eta_max]
+    powers = [2**k for k in range(8) if plan.eta_min <= 2**k <= plan.eta_max]
     return sorted({plan.eta_min, plan.eta_max, *powers})
 
 

@@ -39,8 +39,10 @@ class ReplayWorkload(Workload):
 
     def _pool(self) -> tuple[list[int], list[int]]:
         """(every completion length, every prompt length), sorted."""
-        return (sorted(n for lengths in self.completions.values() for n in lengths),
-                sorted(self.prompts.values()))
+        return (
+            sorted(n for lengths in self.completions.values() for n in lengths),
+            sorted(self.prompts.values()),
+        )
 
     def _pick(self, values: list[int], *key: Any) -> int:
         """One of `values`, uniformly, as a function of (seed, *key) only."""
@@ -55,13 +57,17 @@ class ReplayWorkload(Workload):
     def completion_tokens(self, prompt_key: int, sample: str, max_new_tokens: int) -> int:
         lengths = self.completions.get(prompt_key, ())
         index = int(sample)
-        length = lengths[index] if index < len(lengths) \
+        length = (
+            lengths[index]
+            if index < len(lengths)
             else self._pick(self._pool()[0], "replay-completion", prompt_key, sample)
+        )
         return max(1, min(max_new_tokens, length))
 
     @classmethod
-    def from_run(cls, run_dir: str | Path, reward_latency_s: float, seed: int = 1
-                 ) -> ReplayWorkload:
+    def from_run(
+        cls, run_dir: str | Path, reward_latency_s: float, seed: int = 1
+    ) -> ReplayWorkload:
         """The lengths of a real run's trained batches (it ran with logging.save_batches)."""
         run_dir = Path(run_dir)
         # The run's history: a resumed run's superseded steps were trained again (their
@@ -72,25 +78,36 @@ class ReplayWorkload(Workload):
         for record in steps:
             path = saved_batch_path(run_dir, int(record["step"]))
             if not path.is_file():
-                raise ValueError(f"{path} is missing: replaying a run needs every trained "
-                                 "batch; run it with logging.save_batches=true")
+                raise ValueError(
+                    f"{path} is missing: replaying a run needs every trained "
+                    "batch; run it with logging.save_batches=true"
+                )
             groups = batch_groups(np.load(path))
             positions = record["rollout/trained_positions"]
             if len(groups) != len(positions):
-                raise ValueError(f"{path}: {len(groups)} groups, but the step record names "
-                                 f"{len(positions)} trained positions")
+                raise ValueError(
+                    f"{path}: {len(groups)} groups, but the step record names "
+                    f"{len(positions)} trained positions"
+                )
             for position, (prompt_len, lengths) in zip(positions, groups, strict=True):
                 completions[int(position)] = lengths
                 prompts[int(position)] = prompt_len
         if not completions:
             raise ValueError(f"{run_dir} holds no trained batch to replay")
-        return cls(prompt_median_tokens=float(np.median(list(prompts.values()))),
-                   prompt_sigma=0.0, prompt_max_tokens=max(prompts.values()),
-                   completion_median_tokens=float(np.median(
-                       [n for lengths in completions.values() for n in lengths])),
-                   completion_sigma_prompt=0.0, completion_sigma_sample=0.0,
-                   reward_latency_s=reward_latency_s, seed=seed,
-                   completions=completions, prompts=prompts)
+        return cls(
+            prompt_median_tokens=float(np.median(list(prompts.values()))),
+            prompt_sigma=0.0,
+            prompt_max_tokens=max(prompts.values()),
+            completion_median_tokens=float(
+                np.median([n for lengths in completions.values() for n in lengths])
+            ),
+            completion_sigma_prompt=0.0,
+            completion_sigma_sample=0.0,
+            reward_latency_s=reward_latency_s,
+            seed=seed,
+            completions=completions,
+            prompts=prompts,
+        )
 
 
 def batch_groups(batch: Any) -> list[tuple[int, tuple[int, ...]]]:
@@ -98,11 +115,16 @@ def batch_groups(batch: Any) -> list[tuple[int, tuple[int, ...]]]:
     batch, in the order the groups appear. Sampled tokens carry a version >= 0; the prompt
     (and an episode's observations, none here) carry -1."""
     cu_seqlens, versions, group_ids = batch["cu_seqlens"], batch["versions"], batch["group_ids"]
-    sampled = np.add.reduceat((versions >= 0).astype(np.int64), cu_seqlens[:-1]) \
-        if len(versions) else np.zeros(0, dtype=np.int64)
+    sampled = (
+        np.add.reduceat((versions >= 0).astype(np.int64), cu_seqlens[:-1])
+        if len(versions)
+        else np.zeros(0, dtype=np.int64)
+    )
     totals = np.diff(cu_seqlens)
     order: dict[int, list[int]] = {}
     for seq, group_id in enumerate(group_ids.tolist()):
         order.setdefault(group_id, []).append(seq)
-    return [(int(totals[seqs[0]] - sampled[seqs[0]]), tuple(int(sampled[s]) for s in seqs))
-            for seqs in order.values()]
+    return [
+        (int(totals[seqs[0]] - sampled[seqs[0]]), tuple(int(sampled[s]) for s in seqs))
+        for seqs in order.values()
+    ]

@@ -36,7 +36,14 @@ import numpy as np
 
 from areal import clock
 from areal.messages import (
-    Cancel, FinishReason, Generate, Generated, UpdateWeights, Welcome, WeightsUpdated, WorkerKind,
+    Cancel,
+    FinishReason,
+    Generate,
+    Generated,
+    UpdateWeights,
+    Welcome,
+    WeightsUpdated,
+    WorkerKind,
 )
 
 from areal.sim.workers import SimWorker
@@ -127,10 +134,16 @@ class SimRollout(SimWorker):
 
     def _on_generate(self, msg: Generate) -> None:
         key = prompt_key(msg.prompt_ids)
-        target = self.env.workload.completion_tokens(key, sample_name(msg.request_id),
-                                                     msg.max_new_tokens)
-        seq = Seq(request_id=msg.request_id, prompt_len=len(msg.prompt_ids), target=target,
-                  stop=target < msg.max_new_tokens, received_at=clock.now())
+        target = self.env.workload.completion_tokens(
+            key, sample_name(msg.request_id), msg.max_new_tokens
+        )
+        seq = Seq(
+            request_id=msg.request_id,
+            prompt_len=len(msg.prompt_ids),
+            target=target,
+            stop=target < msg.max_new_tokens,
+            received_at=clock.now(),
+        )
         self.by_id[msg.request_id] = seq
         self.waiting.append(seq)
 
@@ -151,8 +164,7 @@ class SimRollout(SimWorker):
         """Sleep `seconds` unless woken first; (seconds elapsed, woken)."""
         loop = asyncio.get_running_loop()
         waker = self._waker = loop.create_future()
-        timer = loop.call_later(seconds, _resolve, waker, False) \
-            if seconds < float("inf") else None
+        timer = loop.call_later(seconds, _resolve, waker, False) if seconds < float("inf") else None
         start = loop.time()
         try:
             woken = await waker
@@ -171,8 +183,9 @@ class SimRollout(SimWorker):
             admitted = self._admit()
             if admitted:
                 self._set_busy(True)
-                await self._compute(self.env.cost.prefill_s([s.context() for s in admitted],
-                                                            self.tp))
+                await self._compute(
+                    self.env.cost.prefill_s([s.context() for s in admitted], self.tp)
+                )
                 continue
             if not self.running:
                 self._set_busy(False)
@@ -204,8 +217,7 @@ class SimRollout(SimWorker):
             seq = self.waiting[0]
             if self._hold and not seq.started:
                 break  # a weight update is pending: new sequences start under it
-            if context + seq.context() + len(self.running) + 1 > self.capacity \
-                    and self.running:
+            if context + seq.context() + len(self.running) + 1 > self.capacity and self.running:
                 break
             self.waiting.pop(0)
             if not seq.started:
@@ -223,7 +235,8 @@ class SimRollout(SimWorker):
         if room <= 0 and batch == 1:
             raise RuntimeError(
                 f"{self.worker_id}: one sequence of {context} tokens fills the KV cache of "
-                f"{self.capacity} tokens; raise rollout_tp or lower max_new_tokens")
+                f"{self.capacity} tokens; raise rollout_tp or lower max_new_tokens"
+            )
         if room <= 0:
             self._preempt_newest()
             return
@@ -283,13 +296,18 @@ class SimRollout(SimWorker):
 
     def _result(self, seq: Seq) -> Generated:
         segments = [*seq.segments, (seq.version, seq.done - seq.seg_start)]
-        versions = np.repeat(np.array([v for v, _ in segments], dtype=np.int32),
-                             [n for _, n in segments])
-        return Generated(request_id=seq.request_id, output_ids=_zeros(_ZEROS_I32, seq.done),
-                         logprobs=_zeros(_ZEROS_F32, seq.done), versions=versions,
-                         finish_reason=FinishReason.STOP if seq.stop else FinishReason.LENGTH,
-                         num_interruptions=seq.interruptions,
-                         generation_s=clock.now() - seq.received_at)
+        versions = np.repeat(
+            np.array([v for v, _ in segments], dtype=np.int32), [n for _, n in segments]
+        )
+        return Generated(
+            request_id=seq.request_id,
+            output_ids=_zeros(_ZEROS_I32, seq.done),
+            logprobs=_zeros(_ZEROS_F32, seq.done),
+            versions=versions,
+            finish_reason=FinishReason.STOP if seq.stop else FinishReason.LENGTH,
+            num_interruptions=seq.interruptions,
+            generation_s=clock.now() - seq.received_at,
+        )
 
     # -- weight updates ---------------------------------------------------------------------------
 
@@ -320,7 +338,9 @@ class SimRollout(SimWorker):
             seq.version, seq.seg_start = update.version, seq.done
         self._updates.clear()
         self._hold = False
-        await self.channel.send(WeightsUpdated(version=update.version,
-                                               pause_s=loop.time() - start,
-                                               num_interrupted=interrupted))
+        await self.channel.send(
+            WeightsUpdated(
+                version=update.version, pause_s=loop.time() - start, num_interrupted=interrupted
+            )
+        )
         return True

@@ -127,8 +127,9 @@ _CPU, _GC = 0, 5
 """Indices in a Mark of the controller's CPU and garbage-collection seconds."""
 
 
-async def _drive(ctl: Controller, accounts: CpuAccounts, env: SimEnv
-                 ) -> tuple[dict[str, Any], list[dict[str, Any]], list[Mark]]:
+async def _drive(
+    ctl: Controller, accounts: CpuAccounts, env: SimEnv
+) -> tuple[dict[str, Any], list[dict[str, Any]], list[Mark]]:
     """Run the controller; returns its summary, its records and, when each step record
     appeared, a Mark."""
     accounts.install(asyncio.get_running_loop())
@@ -137,8 +138,14 @@ async def _drive(ctl: Controller, accounts: CpuAccounts, env: SimEnv
     marks: list[Mark] = []
 
     def mark() -> Mark:
-        return (accounts.cpu_s[CONTROLLER], time.process_time(), env.generated_tokens[0],
-                dict(accounts.by_task), env.interrupted[0], accounts.gc_s[CONTROLLER])
+        return (
+            accounts.cpu_s[CONTROLLER],
+            time.process_time(),
+            env.generated_tokens[0],
+            dict(accounts.by_task),
+            env.interrupted[0],
+            accounts.gc_s[CONTROLLER],
+        )
 
     start = mark()
     watchdog = asyncio.create_task(_watchdog(ctl, records))
@@ -171,11 +178,13 @@ async def _watchdog(ctl: Controller, records: list[dict[str, Any]]) -> None:
             raise SimulationStalled(
                 f"no record for {STALL_S:.0f} simulated seconds at version {ctl.version}: "
                 f"ledger {dict(stages)}, {len(ctl.ledger.pending)} pending, "
-                f"{len(ctl.ledger.buffer)} groups buffered")
+                f"{len(ctl.ledger.buffer)} groups buffered"
+            )
 
 
-def simulate(sim: SimConfig, console: io.TextIOBase | None = None,
-             workload: Workload | None = None) -> SimResult:
+def simulate(
+    sim: SimConfig, console: io.TextIOBase | None = None, workload: Workload | None = None
+) -> SimResult:
     """Simulate `sim`; the controller's console lines go to `console` (default: dropped).
     `workload`: the lengths to generate (default: the cost file's distribution; a real
     run's lengths replayed: areal.sim.replay)."""
@@ -189,34 +198,61 @@ def simulate(sim: SimConfig, console: io.TextIOBase | None = None,
         run_dir = sim.run_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="sim-"))
         cfg = load_config(overrides=sim.to_run_overrides(str(Path(run_dir))))
         accounts = CpuAccounts()
-        env = SimEnv(cfg=cfg, cost=cost, workload=workload,
-                     host=Host(cost.eff.contention, cost.eff.train_contention,
-                               cost.acc.shared_cores),
-                     rollout_tp=sim.rollout_tp,
-                     colocated=sim.placement == "colocated",
-                     num_trainer_ranks=sim.num_trainer_ranks,
-                     switch_s=cost.switch_s(sim.num_trainer_ranks, sim.rollout_tp)
-                     if sim.switch_costs else 0.0)
-        recording = Recording(accounts, lambda: asyncio.get_running_loop().time()) \
-            if sim.measure_alone else None
+        env = SimEnv(
+            cfg=cfg,
+            cost=cost,
+            workload=workload,
+            host=Host(cost.eff.contention, cost.eff.train_contention, cost.acc.shared_cores),
+            rollout_tp=sim.rollout_tp,
+            colocated=sim.placement == "colocated",
+            num_trainer_ranks=sim.num_trainer_ranks,
+            switch_s=cost.switch_s(sim.num_trainer_ranks, sim.rollout_tp)
+            if sim.switch_costs
+            else 0.0,
+        )
+        recording = (
+            Recording(accounts, lambda: asyncio.get_running_loop().time())
+            if sim.measure_alone
+            else None
+        )
         ctl = Controller(cfg, runtime=SimRuntime(env, sim.wire, recording))
         with contextlib.redirect_stdout(console or io.StringIO()):
-            summary, records, marks = run_virtual(lambda: _drive(ctl, accounts, env),
-                                                  VIRTUAL_LIMIT_S)
+            summary, records, marks = run_virtual(
+                lambda: _drive(ctl, accounts, env), VIRTUAL_LIMIT_S
+            )
         alone = None
         if recording is not None:
             replay_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="alone-")))
-            alone = replay(sim.to_run_overrides, env, recording, _drive, VIRTUAL_LIMIT_S,
-                           replay_dir)
+            alone = replay(
+                sim.to_run_overrides, env, recording, _drive, VIRTUAL_LIMIT_S, replay_dir
+            )
     steps = [r for r in records if r["kind"] == "step"]
-    return _result(sim, summary, steps, marks, ctl, env, accounts, time.perf_counter() - wall,
-                   alone, reference_us)
+    return _result(
+        sim,
+        summary,
+        steps,
+        marks,
+        ctl,
+        env,
+        accounts,
+        time.perf_counter() - wall,
+        alone,
+        reference_us,
+    )
 
 
-def _result(sim: SimConfig, summary: dict[str, Any], steps: list[dict[str, Any]],
-            marks: list[Mark], ctl: Controller, env: SimEnv,
-            accounts: CpuAccounts, wall_s: float, alone: Alone | None,
-            reference_us: float | None) -> SimResult:
+def _result(
+    sim: SimConfig,
+    summary: dict[str, Any],
+    steps: list[dict[str, Any]],
+    marks: list[Mark],
+    ctl: Controller,
+    env: SimEnv,
+    accounts: CpuAccounts,
+    wall_s: float,
+    alone: Alone | None,
+    reference_us: float | None,
+) -> SimResult:
     if len(steps) != sim.steps:
         raise RuntimeError(f"the simulated run trained {len(steps)} of {sim.steps} steps")
     times = [0.0] + [r["perf/train_elapsed_s"] for r in steps]
@@ -231,11 +267,14 @@ def _result(sim: SimConfig, summary: dict[str, Any], steps: list[dict[str, Any]]
         staleness.update({k: int(v) for k, v in r["staleness/hist"].items()})
     batch = sim.batch_size
     return SimResult(
-        config=asdict(sim), step_s=step_s, hours=step_s * sim.report_steps / 3600,
+        config=asdict(sim),
+        step_s=step_s,
+        hours=step_s * sim.report_steps / 3600,
         train_step_s=sum(r["perf/train_s"] for r in steps[first:last]) / (last - first),
         trained_tokens_per_s=(tokens[last] - tokens[first]) / window,
         generated_tokens_per_s=(marks[last][2] - marks[first][2]) / window,
-        step_times=times[1:], staleness=dict(sorted(staleness.items(), key=lambda kv: int(kv[0]))),
+        step_times=times[1:],
+        staleness=dict(sorted(staleness.items(), key=lambda kv: int(kv[0]))),
         max_staleness=max(int(k) for k in staleness),
         interruptions=int(sum(r["rollout/interruptions"] for r in steps)),
         interrupted_in_window=marks[last][4] - marks[first][4],
@@ -246,19 +285,23 @@ def _result(sim: SimConfig, summary: dict[str, Any], steps: list[dict[str, Any]]
         controller_cpu_s_per_step=cpu / (last - first),
         controller_cpu_by_loop=_by_loop(marks, first, last),
         controller_gc_s_per_step=_per_step(marks, _GC, first, last),
-        controller_pack_cpu_s_per_step=sum(r.get("perf/pack_cpu_s", 0.0)
-                                           for r in steps[first:last]) / (last - first),
+        controller_pack_cpu_s_per_step=sum(r.get("perf/pack_cpu_s", 0.0) for r in steps[first:last])
+        / (last - first),
         trajectories_per_cpu_s=batch * (last - first) / cpu if cpu > 0 else float("inf"),
-        controller_alone_cpu_s_per_step=None if alone is None else _per_step(
-            alone.marks, _CPU, first, last),
+        controller_alone_cpu_s_per_step=None
+        if alone is None
+        else _per_step(alone.marks, _CPU, first, last),
         controller_alone_by_loop={} if alone is None else _by_loop(alone.marks, first, last),
-        controller_alone_gc_s_per_step=None if alone is None else _per_step(
-            alone.marks, _GC, first, last),
+        controller_alone_gc_s_per_step=None
+        if alone is None
+        else _per_step(alone.marks, _GC, first, last),
         reference_decode_us=reference_us,
-        worker_cpu_s=accounts.cpu_s[WORKERS], process_cpu_s_per_step=process_cpu / (last - first),
+        worker_cpu_s=accounts.cpu_s[WORKERS],
+        process_cpu_s_per_step=process_cpu / (last - first),
         wall_s=wall_s,
         peak_rss_mb=_peak_rss_mb(),
-        summary=summary)
+        summary=summary,
+    )
 
 
 def _per_step(marks: Sequence[tuple[Any, ...]], index: int, first: int, last: int) -> float:
@@ -268,8 +311,10 @@ def _per_step(marks: Sequence[tuple[Any, ...]], index: int, first: int, last: in
 
 def _by_loop(marks: list[Mark], first: int, last: int) -> dict[str, float]:
     """The controller's CPU seconds per step by task (its loops), largest first."""
-    by_loop = {name: (seconds - marks[first][3].get(name, 0.0)) / (last - first)
-               for name, seconds in marks[last][3].items()}
+    by_loop = {
+        name: (seconds - marks[first][3].get(name, 0.0)) / (last - first)
+        for name, seconds in marks[last][3].items()
+    }
     return {k: v for k, v in sorted(by_loop.items(), key=lambda kv: -kv[1]) if v > 0.0005}
 
 

@@ -31,7 +31,9 @@ from areal.sim.workload import SimSetup, prepare_sim_run
 log = logging.getLogger(__name__)
 
 _WORKERS: dict[WorkerKind, type[SimWorker]] = {
-    WorkerKind.ROLLOUT: SimRollout, WorkerKind.REWARD: SimReward, WorkerKind.TRAINER: SimTrainer,
+    WorkerKind.ROLLOUT: SimRollout,
+    WorkerKind.REWARD: SimReward,
+    WorkerKind.TRAINER: SimTrainer,
 }
 
 
@@ -69,18 +71,21 @@ class SimPool(WorkerPool):
 
     def spawn(self, kind: WorkerKind, index: int, rank: int = 0) -> WorkerHandle:
         worker_id = f"{kind.value}-{index}"
-        handle = self.expected.get(worker_id) or WorkerHandle(worker_id=worker_id, kind=kind,
-                                                              rank=rank)
-        handle.process = SimProcess(as_worker(asyncio.get_running_loop(),
-                                              self.worker(kind, worker_id, rank), worker_id))
+        handle = self.expected.get(worker_id) or WorkerHandle(
+            worker_id=worker_id, kind=kind, rank=rank
+        )
+        handle.process = SimProcess(
+            as_worker(asyncio.get_running_loop(), self.worker(kind, worker_id, rank), worker_id)
+        )
         handle.ready, handle.identity = False, None
         self.expected[worker_id] = handle
         return handle
 
     def worker(self, kind: WorkerKind, worker_id: str, rank: int) -> Coroutine[Any, Any, Any]:
         """What the worker's "process" runs: a simulated worker on its own connection."""
-        return _WORKERS[kind](self.env, worker_id, rank,
-                              self.router.connect(worker_id.encode())).run()
+        return _WORKERS[kind](
+            self.env, worker_id, rank, self.router.connect(worker_id.encode())
+        ).run()
 
     def stop_all(self, timeout_s: float = 10.0) -> None:
         """Workers exit on Shutdown; cancel any that did not (thread-safe)."""
@@ -104,5 +109,8 @@ class SimRuntime:
 
     def connect(self, cfg: RunConfig, setup: SimSetup) -> Connection:
         self.router = SimRouter(self.wire, self.recorder)
-        return Connection(channel=self.router, close=self.router.close,
-                          pool=SimPool(cfg, setup.run_dir, self.router, self.env))
+        return Connection(
+            channel=self.router,
+            close=self.router.close,
+            pool=SimPool(cfg, setup.run_dir, self.router, self.env),
+        )

@@ -16,8 +16,16 @@ from collections.abc import Callable
 
 from areal.config import ConfigError
 from areal.sim.plan import (
-    Candidate, Evaluator, Outcome, PlanConfig, _clip, etas, min_trainer_ranks, rollout_tps,
-    shared_cores, split,
+    Candidate,
+    Evaluator,
+    Outcome,
+    PlanConfig,
+    _clip,
+    etas,
+    min_trainer_ranks,
+    rollout_tps,
+    shared_cores,
+    split,
 )
 
 COARSE_SHARES = [k / 8 for k in range(2, 8)]
@@ -38,8 +46,12 @@ class Planned:
         return self.ranked[0]
 
 
-def search(plan: PlanConfig, evaluator: Evaluator,
-           log: Callable[[str], None] = lambda line: None, baselines: bool = True) -> Planned:
+def search(
+    plan: PlanConfig,
+    evaluator: Evaluator,
+    log: Callable[[str], None] = lambda line: None,
+    baselines: bool = True,
+) -> Planned:
     """Every stage in turn; the candidates ranked by trained tokens per second.
     `baselines`: simulate the synchronous colocated baselines too."""
     cores = shared_cores(plan)
@@ -58,9 +70,11 @@ def search(plan: PlanConfig, evaluator: Evaluator,
                 seen[outcome.candidate] = outcome
         planned.stages.append(len(fresh))
         if not seen:
-            raise ConfigError("no placement fits: every split leaves no rollout server or "
-                              "too few trainer ranks for the model's training states; add "
-                              "accelerators or raise trainer_mem_fraction")
+            raise ConfigError(
+                "no placement fits: every split leaves no rollout server or "
+                "too few trainer ranks for the model's training states; add "
+                "accelerators or raise trainer_mem_fraction"
+            )
     planned.ranked = _ranked(seen)
     planned.baselines = [evaluator.done[c] for c in base]
     return planned
@@ -80,8 +94,12 @@ def _baselines(plan: PlanConfig, cores: int | None) -> list[Candidate]:
     tp = rollout_tps(plan)[0]
     if plan.num_accelerators % tp:
         return []
-    return [Candidate("colocated", plan.num_accelerators // tp, tp, plan.num_accelerators,
-                      switch_costs=paid) for paid in (False, True)]
+    return [
+        Candidate(
+            "colocated", plan.num_accelerators // tp, tp, plan.num_accelerators, switch_costs=paid
+        )
+        for paid in (False, True)
+    ]
 
 
 Stage = Callable[[list[Outcome]], list[Candidate]]
@@ -108,8 +126,9 @@ def _cluster_stages(plan: PlanConfig, cores: int | None) -> list[Stage]:
 
     def refine(ranked: list[Outcome]) -> list[Candidate]:
         best = ranked[0].candidate
-        other_tps = _some(split(plan, best.gen_fraction, tp, min_ranks)
-                          for tp in tps if tp != best.rollout_tp)
+        other_tps = _some(
+            split(plan, best.gen_fraction, tp, min_ranks) for tp in tps if tp != best.rollout_tp
+        )
         return [*around(ranked, 1 / 16), *other_tps]
 
     def eta_stage(ranked: list[Outcome]) -> list[Candidate]:
@@ -127,8 +146,9 @@ def _shared_host_stages(plan: PlanConfig, cores: int) -> list[Stage]:
     """A few worker processes sharing a machine's cores: every placement, then etas."""
     tps = [tp for tp in (plan.rollout_tp or range(1, cores + 1)) if tp <= cores]
     coarse = _clip(plan.coarse_eta, plan)
-    layouts = [(workers, tp) for tp in tps for workers in range(1, cores + 2)
-               if workers * tp <= cores + 1]
+    layouts = [
+        (workers, tp) for tp in tps for workers in range(1, cores + 2) if workers * tp <= cores + 1
+    ]
 
     def placements(ranked: list[Outcome]) -> list[Candidate]:
         out = []

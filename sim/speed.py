@@ -26,9 +26,13 @@ _CALLS, _REPEATS = 2000, 7
 
 def reference_frames(num_tokens: int = REFERENCE_TOKENS) -> list[bytes]:
     """The frames of a fixed Generated, as bytes (as a socket hands them over)."""
-    msg = Generated(request_id="g1234-5", output_ids=np.arange(num_tokens, dtype=np.int32),
-                    logprobs=np.full(num_tokens, -0.5, np.float32),
-                    versions=np.zeros(num_tokens, np.int32), finish_reason=FinishReason.STOP)
+    msg = Generated(
+        request_id="g1234-5",
+        output_ids=np.arange(num_tokens, dtype=np.int32),
+        logprobs=np.full(num_tokens, -0.5, np.float32),
+        versions=np.zeros(num_tokens, np.int32),
+        finish_reason=FinishReason.STOP,
+    )
     return [bytes(frame) for frame in encode(msg)]
 
 

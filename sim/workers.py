@@ -28,8 +28,19 @@ import numpy as np
 
 from areal.config import RunConfig
 from areal.messages import (
-    GroupState, GroupStatus, Heartbeat, JoinGroup, Ready, Register, Score, Scored, Shutdown,
-    Train, Trained, Welcome, WorkerKind,
+    GroupState,
+    GroupStatus,
+    Heartbeat,
+    JoinGroup,
+    Ready,
+    Register,
+    Score,
+    Scored,
+    Shutdown,
+    Train,
+    Trained,
+    Welcome,
+    WorkerKind,
 )
 from areal.tasks.base import Verdict
 
@@ -54,8 +65,9 @@ class Host:
     threads are busy than there are cores each runs at cores / busy threads of its speed, on
     top of the contention above. None: every worker has its accelerators to itself."""
 
-    def __init__(self, contention: float, train_contention: float | None = None,
-                 cores: int | None = None) -> None:
+    def __init__(
+        self, contention: float, train_contention: float | None = None, cores: int | None = None
+    ) -> None:
         self.contention = contention
         self.train_contention = contention if train_contention is None else train_contention
         self.cores = cores
@@ -156,8 +168,16 @@ class SimWorker:
         self._tasks: set[asyncio.Task] = set()
 
     async def run(self) -> int:
-        await self.channel.send(Register(kind=self.kind, worker_id=self.worker_id, pid=0,
-                                         host="sim", secret=SECRET, rank=self.rank))
+        await self.channel.send(
+            Register(
+                kind=self.kind,
+                worker_id=self.worker_id,
+                pid=0,
+                host="sim",
+                secret=SECRET,
+                rank=self.rank,
+            )
+        )
         welcome = await self.channel.recv()
         if not isinstance(welcome, Welcome):
             return 1
@@ -223,10 +243,15 @@ class SimReward(SimWorker):
         key = int(msg.reference) if isinstance(msg.reference, int) else 0
         correct = [self.env.workload.correct(key, sample_name(r)) for r in msg.request_ids]
         n = len(correct)
-        await self.channel.send(Scored(
-            request_ids=msg.request_ids, rewards=[1.0 if ok else 0.0 for ok in correct],
-            verdicts=[Verdict.OK if ok else Verdict.WRONG for ok in correct], details=[""] * n,
-            check_s=[self.env.workload.reward_latency_s] * n))
+        await self.channel.send(
+            Scored(
+                request_ids=msg.request_ids,
+                rewards=[1.0 if ok else 0.0 for ok in correct],
+                verdicts=[Verdict.OK if ok else Verdict.WRONG for ok in correct],
+                details=[""] * n,
+                check_s=[self.env.workload.reward_latency_s] * n,
+            )
+        )
 
     async def _check(self) -> None:
         async with self._slots:
@@ -245,8 +270,11 @@ class SimTrainer(SimWorker):
 
     def handle(self, msg: Any) -> None:
         if isinstance(msg, JoinGroup):
-            self.spawn(self.channel.send(GroupStatus(group=msg.group, generation=msg.generation,
-                                                     state=GroupState.JOINED)))
+            self.spawn(
+                self.channel.send(
+                    GroupStatus(group=msg.group, generation=msg.generation, state=GroupState.JOINED)
+                )
+            )
         elif isinstance(msg, Train):
             self.spawn(self._train(msg))
         else:
@@ -257,9 +285,12 @@ class SimTrainer(SimWorker):
         lengths = np.diff(msg.cu_seqlens)
         env.multi_version += _count_multi_version(msg.versions, msg.cu_seqlens)
         seconds = env.cost.train_s(
-            lengths, len(msg.minibatch_sizes) or env.cfg.trainer.num_minibatches,
-            env.num_trainer_ranks, env.cfg.trainer.ppo.prox_logp == "recompute",
-            env.cfg.trainer.micro_batch_tokens)
+            lengths,
+            len(msg.minibatch_sizes) or env.cfg.trainer.num_minibatches,
+            env.num_trainer_ranks,
+            env.cfg.trainer.ppo.prox_logp == "recompute",
+            env.cfg.trainer.micro_batch_tokens,
+        )
         seconds += env.switch_s  # a synchronous step: nothing else runs meanwhile
         publish = self.rank == 0 and not msg.replay
         if publish:
@@ -267,10 +298,16 @@ class SimTrainer(SimWorker):
         async with self._lock:
             await env.host.work(WorkerKind.TRAINER, seconds)
             version = msg.version + 1
-            await self.channel.send(Trained(
-                step=msg.step, version=version, rank=self.rank, replay=msg.replay,
-                stats={"sim_train_s": seconds, "sim_tokens": float(lengths.sum())},
-                weights_path=f"sim://weights/v{version}" if publish else None))
+            await self.channel.send(
+                Trained(
+                    step=msg.step,
+                    version=version,
+                    rank=self.rank,
+                    replay=msg.replay,
+                    stats={"sim_train_s": seconds, "sim_tokens": float(lengths.sum())},
+                    weights_path=f"sim://weights/v{version}" if publish else None,
+                )
+            )
 
 
 def _count_multi_version(versions: np.ndarray, cu_seqlens: np.ndarray) -> int:

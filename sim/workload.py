@@ -55,8 +55,8 @@ class Workload:
     def _normal(self, *key: Any) -> float:
         """A standard normal draw that depends on (seed, *key) only."""
         digest = hashlib.blake2b(repr((self.seed, *key)).encode(), digest_size=16).digest()
-        u1 = (int.from_bytes(digest[:8], "little") + 0.5) / 2 ** 64
-        u2 = int.from_bytes(digest[8:], "little") / 2 ** 64
+        u1 = (int.from_bytes(digest[:8], "little") + 0.5) / 2**64
+        u2 = int.from_bytes(digest[8:], "little") / 2**64
         return math.sqrt(-2 * math.log(u1)) * math.cos(2 * math.pi * u2)
 
     def prompt_tokens(self, prompt_key: int) -> int:
@@ -66,8 +66,9 @@ class Workload:
 
     def completion_tokens(self, prompt_key: int, sample: str, max_new_tokens: int) -> int:
         """Tokens the completion `sample` of prompt `prompt_key` runs for (<= the cap)."""
-        z = self.completion_sigma_prompt * self._normal("difficulty", prompt_key) \
-            + self.completion_sigma_sample * self._normal("sample", prompt_key, sample)
+        z = self.completion_sigma_prompt * self._normal(
+            "difficulty", prompt_key
+        ) + self.completion_sigma_sample * self._normal("sample", prompt_key, sample)
         length = self.completion_median_tokens * math.exp(z)
         return max(1, min(max_new_tokens, round(length)))
 
@@ -92,8 +93,10 @@ class SimTask(Task):
             key += 1
 
     def eval_prompts(self) -> list[Prompt]:
-        return [Prompt(prompt_id=f"sim-eval-{i}", text="", reference=EVAL_KEY_OFFSET + i)
-                for i in range(self.num_eval)]
+        return [
+            Prompt(prompt_id=f"sim-eval-{i}", text="", reference=EVAL_KEY_OFFSET + i)
+            for i in range(self.num_eval)
+        ]
 
     def reward(self, completion: str, reference: Any) -> RewardOutcome:
         raise NotImplementedError("simulated reward workers decide rewards (sim/workers.py)")
@@ -126,8 +129,15 @@ def prepare_sim_run(cfg: RunConfig, workload: Workload) -> SimSetup:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     task = SimTask(cfg.eval.max_prompts or 1)
-    setup = SimSetup(cfg=cfg, run_dir=run_dir, task=task, tokenizer=None, eval_prompts=[],
-                     stop_token_ids=[0], config_dict=config_to_dict(cfg))
+    setup = SimSetup(
+        cfg=cfg,
+        run_dir=run_dir,
+        task=task,
+        tokenizer=None,
+        eval_prompts=[],
+        stop_token_ids=[0],
+        config_dict=config_to_dict(cfg),
+    )
     setup.workload = workload
     setup.eval_prompts = [(p, setup.tokenize(p)) for p in task.eval_prompts()]
     setup._train_iter = task.train_prompts(cfg.seed)
@@ -146,5 +156,12 @@ def sample_name(request_id: str) -> str:
     return request_id.rsplit("-a", 1)[0].rsplit("-s", 1)[-1]
 
 
-__all__ = ["SimSetup", "SimTask", "Verdict", "Workload", "prepare_sim_run", "prompt_key",
-           "sample_name"]
+__all__ = [
+    "SimSetup",
+    "SimTask",
+    "Verdict",
+    "Workload",
+    "prepare_sim_run",
+    "prompt_key",
+    "sample_name",
+]

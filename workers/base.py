@@ -29,11 +29,23 @@ import zmq
 import zmq.asyncio
 
 from areal.auth import (
-    KEYS_ENV, KEYS_TEXT_ENV, ClientKeys, KeyFileError, client_keys_from_text, load_client_keys,
+    KEYS_ENV,
+    KEYS_TEXT_ENV,
+    ClientKeys,
+    KeyFileError,
+    client_keys_from_text,
+    load_client_keys,
 )
 from areal.config import RunConfig, config_from_dict, parse_cpu_list
 from areal.messages import (
-    REJOIN_EXIT_CODE, Heartbeat, MessageError, Ready, Register, Shutdown, Welcome, WorkerError,
+    REJOIN_EXIT_CODE,
+    Heartbeat,
+    MessageError,
+    Ready,
+    Register,
+    Shutdown,
+    Welcome,
+    WorkerError,
     WorkerKind,
 )
 from areal.transport import DealerChannel, worker_identity
@@ -56,8 +68,14 @@ class ControllerLost(RuntimeError):
 class Worker(ABC):
     kind: WorkerKind
 
-    def __init__(self, address: str, worker_id: str, secret: str, rank: int = 0,
-                 keys: ClientKeys | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        worker_id: str,
+        secret: str,
+        rank: int = 0,
+        keys: ClientKeys | None = None,
+    ) -> None:
         self.address = address
         self.worker_id = worker_id
         self.secret = secret
@@ -96,8 +114,9 @@ class Worker(ABC):
 
     # -- plumbing ------------------------------------------------------------------------------
 
-    def spawn(self, coro: Any, request_id: str = "", request_ids: Sequence[str] = ()
-              ) -> asyncio.Task:
+    def spawn(
+        self, coro: Any, request_id: str = "", request_ids: Sequence[str] = ()
+    ) -> asyncio.Task:
         """Run a work item in the background; its failure is reported, not fatal.
         `request_id` names it; `request_ids`: every request it answers for, when several."""
         task = asyncio.create_task(coro)
@@ -111,8 +130,15 @@ class Worker(ABC):
             return
         err = task.exception()
         log.error("work item %s failed: %r", request_id or "?", err, exc_info=err)
-        self.spawn(self.send(WorkerError(error=f"{type(err).__name__}: {err}",
-                                         request_id=request_id, request_ids=request_ids)))
+        self.spawn(
+            self.send(
+                WorkerError(
+                    error=f"{type(err).__name__}: {err}",
+                    request_id=request_id,
+                    request_ids=request_ids,
+                )
+            )
+        )
 
     async def send(self, msg: Any) -> None:
         assert self.channel is not None
@@ -122,8 +148,9 @@ class Worker(ABC):
         """Run until shutdown; returns the process exit code."""
         ctx = zmq.asyncio.Context()
         credential = self.keys.secret if self.keys is not None else self.secret.encode()
-        self.channel = DealerChannel(ctx, self.address, worker_identity(self.worker_id, credential),
-                                     curve=self.keys)
+        self.channel = DealerChannel(
+            ctx, self.address, worker_identity(self.worker_id, credential), curve=self.keys
+        )
         heartbeat = None
         try:
             welcome = await self._register()
@@ -132,7 +159,9 @@ class Worker(ABC):
             self.config = config_from_dict(welcome.config)
             heartbeat = asyncio.create_task(self._heartbeat_loop())
             version = await self.setup(welcome)
-            self._last_heard = time.monotonic()  # nothing is read during setup (vLLM's: tens of seconds)
+            self._last_heard = (
+                time.monotonic()
+            )  # nothing is read during setup (vLLM's: tens of seconds)
             self._ready = True
             await self.send(self.ready_message(version))
             log.info("%s ready at version %d", self.worker_id, version)
@@ -143,8 +172,9 @@ class Worker(ABC):
         except Exception as err:  # fault-tolerance boundary: report, then die loudly
             log.exception("%s failed", self.worker_id)
             try:
-                await asyncio.wait_for(self.send(WorkerError(
-                    error=f"{type(err).__name__}: {err}", fatal=True)), 5)
+                await asyncio.wait_for(
+                    self.send(WorkerError(error=f"{type(err).__name__}: {err}", fatal=True)), 5
+                )
             except (TimeoutError, zmq.ZMQError):
                 pass
             return 2
@@ -159,15 +189,28 @@ class Worker(ABC):
             ctx.term()
 
     async def _register(self) -> Welcome | None:
-        await self.send(Register(kind=self.kind, worker_id=self.worker_id, pid=os.getpid(),
-                                 host=socket.gethostname(), secret=self.secret, rank=self.rank))
+        await self.send(
+            Register(
+                kind=self.kind,
+                worker_id=self.worker_id,
+                pid=os.getpid(),
+                host=socket.gethostname(),
+                secret=self.secret,
+                rank=self.rank,
+            )
+        )
         try:
             reply = await asyncio.wait_for(self.channel.recv(), REGISTER_TIMEOUT_S)
         except TimeoutError:
-            log.error("no answer from the controller at %s within %.0f s%s",
-                      self.address, REGISTER_TIMEOUT_S,
-                      "" if self.keys else " (a controller using CurveZMQ answers only peers "
-                      "with its keys: pass --keys DIR)")
+            log.error(
+                "no answer from the controller at %s within %.0f s%s",
+                self.address,
+                REGISTER_TIMEOUT_S,
+                ""
+                if self.keys
+                else " (a controller using CurveZMQ answers only peers "
+                "with its keys: pass --keys DIR)",
+            )
             return None
         if isinstance(reply, Shutdown):
             log.error("controller refused registration: %s", reply.reason)
@@ -222,18 +265,34 @@ def worker_main(worker_cls: type[Worker], argv: list[str] | None = None) -> None
     parser = argparse.ArgumentParser(
         prog=f"python -m areal.workers.{kind}",
         description=f"Start a {kind} worker that joins a running controller. The shared "
-                    f"secret is read from ${SECRET_ENV}.")
-    parser.add_argument("--connect", required=True, metavar="tcp://HOST:PORT",
-                        help="address of the controller socket")
+        f"secret is read from ${SECRET_ENV}.",
+    )
+    parser.add_argument(
+        "--connect",
+        required=True,
+        metavar="tcp://HOST:PORT",
+        help="address of the controller socket",
+    )
     parser.add_argument("--worker-id", default=None, help="unique name (default: kind-host-uuid)")
-    parser.add_argument("--rank", type=int, default=0,
-                        help="trainer rank; for rollout workers, the index that picks their "
-                             "seed (default 0)")
-    parser.add_argument("--keys", default=os.environ.get(KEYS_ENV), metavar="DIR",
-                        help=f"CurveZMQ key directory holding server.key and client.key_secret "
-                             f"(default ${KEYS_ENV}); see python -m areal.auth")
-    parser.add_argument("--cpus", default=os.environ.get(CPUS_ENV), metavar="LIST",
-                        help=f"pin this worker to these CPUs, e.g. 0-3,8 (default ${CPUS_ENV})")
+    parser.add_argument(
+        "--rank",
+        type=int,
+        default=0,
+        help="trainer rank; for rollout workers, the index that picks their seed (default 0)",
+    )
+    parser.add_argument(
+        "--keys",
+        default=os.environ.get(KEYS_ENV),
+        metavar="DIR",
+        help=f"CurveZMQ key directory holding server.key and client.key_secret "
+        f"(default ${KEYS_ENV}); see python -m areal.auth",
+    )
+    parser.add_argument(
+        "--cpus",
+        default=os.environ.get(CPUS_ENV),
+        metavar="LIST",
+        help=f"pin this worker to these CPUs, e.g. 0-3,8 (default ${CPUS_ENV})",
+    )
     args = parser.parse_args(argv)
     die_with_parent()  # a local worker (AREAL_PARENT_PID set) never outlives its controller
     secret = os.environ.get(SECRET_ENV, "")
@@ -246,8 +305,10 @@ def worker_main(worker_cls: type[Worker], argv: list[str] | None = None) -> None
     except KeyFileError as err:
         parser.error(str(err))
     if keys is None and not secret:
-        parser.error(f"no credentials: pass --keys DIR (CurveZMQ) or set ${SECRET_ENV} (the "
-                     "run's shared secret)")
+        parser.error(
+            f"no credentials: pass --keys DIR (CurveZMQ) or set ${SECRET_ENV} (the "
+            "run's shared secret)"
+        )
     if args.cpus:
         try:
             os.sched_setaffinity(0, parse_cpu_list(args.cpus))
@@ -256,7 +317,9 @@ def worker_main(worker_cls: type[Worker], argv: list[str] | None = None) -> None
     worker_id = args.worker_id or f"{kind}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
     logging.basicConfig(
         level=os.environ.get("AREAL_LOG_LEVEL", "INFO"),
-        format=f"%(asctime)s {worker_id} %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+        format=f"%(asctime)s {worker_id} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
     import uvloop
 
     worker = worker_cls(args.connect, worker_id, secret, args.rank, keys)

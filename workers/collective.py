@@ -92,8 +92,11 @@ def pin_interface(address: str) -> None:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
             os.environ.setdefault("NCCL_SOCKET_IFNAME", name)
             return
-    log.warning("no local interface holds %s; gloo/NCCL pick their own (set "
-                "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)", address)
+    log.warning(
+        "no local interface holds %s; gloo/NCCL pick their own (set "
+        "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)",
+        address,
+    )
 
 
 def host_store(host: str, port: int = 0, timeout_s: float = 300.0) -> tuple[dist.TCPStore, str]:
@@ -105,16 +108,20 @@ def host_store(host: str, port: int = 0, timeout_s: float = 300.0) -> tuple[dist
     listener.listen(256)
     port = listener.getsockname()[1]
     # The store serves on this socket from now on: hand it the descriptor for good.
-    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout_s),
-                          master_listen_fd=listener.detach())
+    store = dist.TCPStore(
+        host,
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        master_listen_fd=listener.detach(),
+    )
     return store, _join_address(host, port)
 
 
 def connect_store(address: str, timeout_s: float = 300.0) -> dist.TCPStore:
     host, port = _split_address(address)
-    return dist.TCPStore(host, port, is_master=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def join_store(address: str, timeout_s: float) -> dist.TCPStore:
@@ -135,8 +142,9 @@ def _split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def new_group(store: dist.Store, prefix: str, rank: int, world_size: int, backend: str,
-              timeout_s: float) -> Any:
+def new_group(
+    store: dist.Store, prefix: str, rank: int, world_size: int, backend: str, timeout_s: float
+) -> Any:
     """A standalone process group (not the default one) under `prefix` of `store`."""
     prefixed = dist.PrefixStore(prefix, store)
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -198,17 +206,21 @@ class WeightSnapshot:
     manifest: Manifest
 
 
-def snapshot_weights(tensors: list[tuple[str, torch.Tensor]], version: int,
-                     bucket_bytes: int) -> WeightSnapshot:
+def snapshot_weights(
+    tensors: list[tuple[str, torch.Tensor]], version: int, bucket_bytes: int
+) -> WeightSnapshot:
     """Flatten (name, tensor) pairs into CPU uint8 buckets (a copy: training may go on)."""
     buffers, manifest = [], []
     for bucket in bucket_tensors(tensors, bucket_bytes):
         flat, specs = flatten_bucket(bucket)
         flat = flat.cpu()  # no copy when it already is
         buffers.append(flat)
-        manifest.append({"num_bytes": flat.numel(),
-                         "tensors": [[s.name, s.dtype, list(s.shape), s.offset, s.num_bytes]
-                                     for s in specs]})
+        manifest.append(
+            {
+                "num_bytes": flat.numel(),
+                "tensors": [[s.name, s.dtype, list(s.shape), s.offset, s.num_bytes] for s in specs],
+            }
+        )
     return WeightSnapshot(version=version, buffers=buffers, manifest=manifest)
 
 
@@ -240,8 +252,16 @@ class WeightsGroup:
         if group is not None and self.generation < self.latest and hasattr(group, "abort"):
             group.abort()
 
-    def join(self, *, store: dist.Store | str, generation: int, rank: int, world_size: int,
-             backend: str, timeout_s: float) -> None:
+    def join(
+        self,
+        *,
+        store: dist.Store | str,
+        generation: int,
+        rank: int,
+        world_size: int,
+        backend: str,
+        timeout_s: float,
+    ) -> None:
         """Leave the current generation and join `generation` (blocks until all are in)."""
         self._current(generation, "join")
         if isinstance(store, str):
@@ -249,24 +269,37 @@ class WeightsGroup:
                 self._store = (store, join_store(store, timeout_s))
             store = self._store[1]
         self._group = None
-        self.device = torch.device("cuda", torch.cuda.current_device()) \
-            if backend == "nccl" else torch.device("cpu")
-        self._group = new_group(store, f"weights/{generation}", rank, world_size, backend,
-                                timeout_s)
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if backend == "nccl"
+            else torch.device("cpu")
+        )
+        self._group = new_group(
+            store, f"weights/{generation}", rank, world_size, backend, timeout_s
+        )
         self.generation = generation
-        log.info("joined weights group generation %d as rank %d of %d (%s)", generation, rank,
-                 world_size, backend)
+        log.info(
+            "joined weights group generation %d as rank %d of %d (%s)",
+            generation,
+            rank,
+            world_size,
+            backend,
+        )
 
     def _current(self, generation: int, what: str) -> None:
         if generation < self.latest:
-            raise Superseded(f"{what} in weights group generation {generation} skipped: "
-                             f"generation {self.latest} replaces it")
+            raise Superseded(
+                f"{what} in weights group generation {generation} skipped: "
+                f"generation {self.latest} replaces it"
+            )
 
     def _group_of(self, generation: int, what: str) -> Any:
         self._current(generation, what)
         if self._group is None or generation != self.generation:
-            raise RuntimeError(f"{what} in weights group generation {generation}, but this "
-                               f"member is in generation {self.generation}")
+            raise RuntimeError(
+                f"{what} in weights group generation {generation}, but this "
+                f"member is in generation {self.generation}"
+            )
         return self._group
 
     def send(self, snapshot: WeightSnapshot, generation: int) -> None:
@@ -284,8 +317,10 @@ class WeightsGroup:
         for bucket in manifest:
             buf = torch.empty(int(bucket["num_bytes"]), dtype=torch.uint8, device=self.device)
             group.broadcast(buf, 0).wait()
-            specs = [TensorSpec(name=n, dtype=d, shape=tuple(s), offset=o, num_bytes=b)
-                     for n, d, s, o, b in bucket["tensors"]]
+            specs = [
+                TensorSpec(name=n, dtype=d, shape=tuple(s), offset=o, num_bytes=b)
+                for n, d, s, o, b in bucket["tensors"]
+            ]
             tensors.update(unflatten_bucket(buf, specs))
         self._sync()
         return tensors
@@ -307,22 +342,37 @@ class WeightsMember:
         """Announce the generation at once (it unblocks an operation of an older one), then
         join it on the thread."""
         self.group.announce(msg.generation)
-        return self.thread.submit(lambda: self.group.join(
-            store=store, generation=msg.generation, rank=msg.rank, world_size=msg.world_size,
-            backend=msg.backend, timeout_s=msg.timeout_s))
+        return self.thread.submit(
+            lambda: self.group.join(
+                store=store,
+                generation=msg.generation,
+                rank=msg.rank,
+                world_size=msg.world_size,
+                backend=msg.backend,
+                timeout_s=msg.timeout_s,
+            )
+        )
 
 
-async def report_weights_op(send: Callable[[GroupStatus], Awaitable[None]], generation: int,
-                            done: asyncio.Future, what: str) -> None:
+async def report_weights_op(
+    send: Callable[[GroupStatus], Awaitable[None]], generation: int, done: asyncio.Future, what: str
+) -> None:
     """Await a weights-group operation: a failure is reported (the controller re-forms the
     group and sends the version again), a successful "join" too."""
     try:
         await done
     except Exception as err:  # fault boundary
         log.error("weights group generation %d: %s failed: %r", generation, what, err)
-        await send(GroupStatus(group=GroupName.WEIGHTS, generation=generation,
-                               state=GroupState.FAILED, error=f"{what}: {err!r}"))
+        await send(
+            GroupStatus(
+                group=GroupName.WEIGHTS,
+                generation=generation,
+                state=GroupState.FAILED,
+                error=f"{what}: {err!r}",
+            )
+        )
         return
     if what == "join":
-        await send(GroupStatus(group=GroupName.WEIGHTS, generation=generation,
-                               state=GroupState.JOINED))
+        await send(
+            GroupStatus(group=GroupName.WEIGHTS, generation=generation, state=GroupState.JOINED)
+        )

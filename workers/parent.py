@@ -54,8 +54,10 @@ def _request_parent_death_signal() -> bool:
         return False
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
-        log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d); polling the parent instead",
-                    ctypes.get_errno())
+        log.warning(
+            "prctl(PR_SET_PDEATHSIG) failed (errno %d); polling the parent instead",
+            ctypes.get_errno(),
+        )
         return False
     return True
 

@@ -49,18 +49,25 @@ class Segments:
     @classmethod
     def of_loss_tokens(cls, cu_seqlens: torch.Tensor, loss_mask: torch.Tensor) -> Segments:
         """From [S+1] packed offsets and the [N] bool loss mask."""
-        if cu_seqlens.dim() != 1 or len(cu_seqlens) < 1 or int(cu_seqlens[0]) != 0 \
-                or int(cu_seqlens[-1]) != len(loss_mask):
+        if (
+            cu_seqlens.dim() != 1
+            or len(cu_seqlens) < 1
+            or int(cu_seqlens[0]) != 0
+            or int(cu_seqlens[-1]) != len(loss_mask)
+        ):
             raise ValueError(
                 f"cu_seqlens {cu_seqlens.tolist()} must start at 0 and end at the "
-                f"{len(loss_mask)} tokens of the batch")
+                f"{len(loss_mask)} tokens of the batch"
+            )
         seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
         if bool((seqlens < 0).any()):
             raise ValueError(f"cu_seqlens must not decrease, got {cu_seqlens.tolist()}")
         num_seqs = len(seqlens)
         seq_of_token = torch.repeat_interleave(
-            torch.arange(num_seqs, device=loss_mask.device), seqlens.to(loss_mask.device),
-            output_size=len(loss_mask))
+            torch.arange(num_seqs, device=loss_mask.device),
+            seqlens.to(loss_mask.device),
+            output_size=len(loss_mask),
+        )
         return cls(index=seq_of_token[loss_mask], num_seqs=num_seqs)
 
     def sizes(self) -> torch.Tensor:
@@ -82,8 +89,13 @@ def needs_segments(loss_agg_mode: str) -> bool:
     return loss_agg_mode != "token-mean"
 
 
-def aggregation_factors(segments: Segments | None, mode: str, num_tokens: int,
-                        norm_tokens: float | None, dtype: torch.dtype) -> torch.Tensor | None:
+def aggregation_factors(
+    segments: Segments | None,
+    mode: str,
+    num_tokens: int,
+    norm_tokens: float | None,
+    dtype: torch.dtype,
+) -> torch.Tensor | None:
     """[L] per-token factor a_t of `mode`; None for token-mean (a_t = 1, nothing to multiply)."""
     if mode == "token-mean":
         return None
@@ -91,8 +103,9 @@ def aggregation_factors(segments: Segments | None, mode: str, num_tokens: int,
     if mode == "seq-mean-token-mean":
         return 1.0 / segments.sizes()[segments.index].to(dtype)
     assert norm_tokens is not None  # check_aggregation refused it at config time
-    return torch.full((num_tokens,), 1.0 / float(norm_tokens), dtype=dtype,
-                      device=segments.index.device)
+    return torch.full(
+        (num_tokens,), 1.0 / float(norm_tokens), dtype=dtype, device=segments.index.device
+    )
 
 
 def num_units(segments: Segments | None, mode: str, num_tokens: int) -> int:
@@ -107,5 +120,7 @@ def check_aggregation(mode: str, norm_tokens: float | None) -> None:
     if mode not in LOSS_AGG_MODES:
         raise ValueError(f"loss_agg_mode={mode!r} is not one of {', '.join(LOSS_AGG_MODES)}")
     if mode == "seq-mean-token-sum-norm" and not (norm_tokens is not None and norm_tokens > 0):
-        raise ValueError(f"loss_agg_mode='seq-mean-token-sum-norm' needs loss_agg_norm > 0 (the "
-                         f"constant token count L of Dr.GRPO), got {norm_tokens!r}")
+        raise ValueError(
+            f"loss_agg_mode='seq-mean-token-sum-norm' needs loss_agg_norm > 0 (the "
+            f"constant token count L of Dr.GRPO), got {norm_tokens!r}"
+        )

@@ -79,8 +79,15 @@ def log_behav_weight(prox: torch.Tensor, behav: torch.Tensor) -> torch.Tensor:
     return torch.where(prox == behav, torch.zeros_like(prox), prox - behav)
 
 
-def behav_weight(log_w: torch.Tensor, segments: Segments | None, *, level: str,
-                 floor: float | None, cap: float | None, mode: str) -> BehavWeight:
+def behav_weight(
+    log_w: torch.Tensor,
+    segments: Segments | None,
+    *,
+    level: str,
+    floor: float | None,
+    cap: float | None,
+    mode: str,
+) -> BehavWeight:
     """Weights of [L] loss tokens from their token-level `log_w` (see the module docstring)."""
     if level == "sequence":
         assert segments is not None, "sequence-level weights need the sequences' segments"
@@ -101,9 +108,17 @@ def behav_weight(log_w: torch.Tensor, segments: Segments | None, *, level: str,
     return BehavWeight(w=w, used=w, keep=~outside, outside=outside)
 
 
-def surrogate(theta: torch.Tensor, prox: torch.Tensor, adv: torch.Tensor, keep: torch.Tensor,
-              segments: Segments | None, *, kind: str, eps_low: float, eps_high: float
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def surrogate(
+    theta: torch.Tensor,
+    prox: torch.Tensor,
+    adv: torch.Tensor,
+    keep: torch.Tensor,
+    segments: Segments | None,
+    *,
+    kind: str,
+    eps_low: float,
+    eps_high: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """([U] surrogate g, [U] bool clip_active) of the U kept tokens among [L] loss tokens.
 
     Only `theta` may carry a gradient. GSPO's sequence ratio is taken over all L loss tokens
@@ -129,9 +144,18 @@ def surrogate(theta: torch.Tensor, prox: torch.Tensor, adv: torch.Tensor, keep: 
 
 
 @torch.no_grad()
-def clip_sides(theta: torch.Tensor, prox: torch.Tensor, adv: torch.Tensor, keep: torch.Tensor,
-               clip_active: torch.Tensor, segments: Segments | None, *, kind: str,
-               eps_low: float, eps_high: float) -> dict[str, Any]:
+def clip_sides(
+    theta: torch.Tensor,
+    prox: torch.Tensor,
+    adv: torch.Tensor,
+    keep: torch.Tensor,
+    clip_active: torch.Tensor,
+    segments: Segments | None,
+    *,
+    kind: str,
+    eps_low: float,
+    eps_high: float,
+) -> dict[str, Any]:
     """Which side of the clip range each of the U kept tokens (of [L] loss tokens) is on
     (`PPOStats`): clipped below / above, outside but unclipped, and the largest ratio.
     The ratio is the one the surrogate clips (the sequence's for 'gspo')."""
@@ -142,14 +166,17 @@ def clip_sides(theta: torch.Tensor, prox: torch.Tensor, adv: torch.Tensor, keep:
         ratio = torch.exp(theta[keep] - prox[keep])
     below, above = ratio < 1.0 - eps_low, ratio > 1.0 + eps_high
     moving = adv[keep] != 0
-    return {"num_clipped_low": int((clip_active & below).sum()),
-            "num_clipped_high": int((clip_active & above).sum()),
-            "num_unclipped_outside": int(((below | above) & ~clip_active & moving).sum()),
-            "max_ratio": float(ratio.max()) if len(ratio) else 0.0}
+    return {
+        "num_clipped_low": int((clip_active & below).sum()),
+        "num_clipped_high": int((clip_active & above).sum()),
+        "num_unclipped_outside": int(((below | above) & ~clip_active & moving).sum()),
+        "max_ratio": float(ratio.max()) if len(ratio) else 0.0,
+    }
 
 
-def check_corrections(*, level: str, floor: float | None, cap: float | None, mode: str,
-                      kind: str) -> None:
+def check_corrections(
+    *, level: str, floor: float | None, cap: float | None, mode: str, kind: str
+) -> None:
     if mode not in CAP_MODES:
         raise ValueError(f"behav_cap_mode={mode!r} is not one of {', '.join(CAP_MODES)}")
     if level not in BEHAV_LEVELS:
@@ -161,8 +188,10 @@ def check_corrections(*, level: str, floor: float | None, cap: float | None, mod
     if floor is not None and not floor > 0:
         raise ValueError(f"behav_imp_floor={floor!r} must be > 0 or None")
     if floor is not None and cap is not None and not floor <= cap:
-        raise ValueError(f"behav_imp_floor={floor!r} is above behav_imp_cap={cap!r}; the "
-                         "weights kept lie in [floor, cap]")
+        raise ValueError(
+            f"behav_imp_floor={floor!r} is above behav_imp_cap={cap!r}; the "
+            "weights kept lie in [floor, cap]"
+        )
 
 
 def needs_segments(level: str, kind: str) -> bool:

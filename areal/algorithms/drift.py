@@ -43,8 +43,9 @@ def max_fields() -> list[str]:
 
 
 @torch.no_grad()
-def drift_sums(log_w: torch.Tensor, fresh: torch.Tensor, acted: dict[str, torch.Tensor]
-               ) -> dict[str, float | int]:
+def drift_sums(
+    log_w: torch.Tensor, fresh: torch.Tensor, acted: dict[str, torch.Tensor]
+) -> dict[str, float | int]:
     """Sums, counts and maxima over [L] loss tokens: `log_w` = log pi_prox - log pi_behav,
     `fresh` bool, and `acted[correction]` bool (the tokens each correction acted on)."""
     diff = log_w.double()
@@ -62,8 +63,9 @@ def drift_sums(log_w: torch.Tensor, fresh: torch.Tensor, acted: dict[str, torch.
     return out
 
 
-def drift_metrics(values: dict[str, float], prefix: str,
-                  corrections: tuple[str, ...] = CORRECTIONS) -> dict[str, float]:
+def drift_metrics(
+    values: dict[str, float], prefix: str, corrections: tuple[str, ...] = CORRECTIONS
+) -> dict[str, float]:
     """Means, maxima and fractions per split present (`values`: the merged fields)."""
     out: dict[str, float] = {}
     num_fresh, num_stale = values["num_fresh_tokens"], values["num_stale_tokens"]
@@ -85,4 +87,7 @@ def active_corrections(*, cap: float | None, floor: float | None, mode: str) -> 
     """The corrections a configuration turns on: the surrogate's clip always; the behaviour
     weight's mask or clamp when it has a bound."""
     bounded = cap is not None or floor is not None
-    return (*((f"behav_{'masked' if mode == 'mask' else 'clamped'}",) if bounded else ()), "clipped")
+    return (
+        *((f"behav_{'masked' if mode == 'mask' else 'clamped'}",) if bounded else ()),
+        "clipped",
+    )

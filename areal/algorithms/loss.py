@@ -132,8 +132,9 @@ class PPOStats:
     def merge(self, other: PPOStats) -> PPOStats:
         """Statistics of both pieces together: sums and counts add, maxima take the max."""
         values = {name: getattr(self, name) + getattr(other, name) for name in self._sum_fields()}
-        values.update({name: max(getattr(self, name), getattr(other, name))
-                       for name in self._MAX_FIELDS})
+        values.update(
+            {name: max(getattr(self, name), getattr(other, name)) for name in self._MAX_FIELDS}
+        )
         return PPOStats(**values)
 
     @classmethod
@@ -148,8 +149,12 @@ class PPOStats:
 
         Counts below 2**53 survive float64 exactly.
         """
-        sums = torch.tensor([float(getattr(self, n)) for n in self._sum_fields()], dtype=torch.float64)
-        maxes = torch.tensor([float(getattr(self, n)) for n in self._MAX_FIELDS], dtype=torch.float64)
+        sums = torch.tensor(
+            [float(getattr(self, n)) for n in self._sum_fields()], dtype=torch.float64
+        )
+        maxes = torch.tensor(
+            [float(getattr(self, n)) for n in self._MAX_FIELDS], dtype=torch.float64
+        )
         return sums, maxes
 
     @classmethod
@@ -161,8 +166,9 @@ class PPOStats:
         values.update(zip(cls._MAX_FIELDS, maxes.tolist(), strict=True))
         return cls(**values)
 
-    def metrics(self, prefix: str = "train/",
-                corrections: tuple[str, ...] = drift.CORRECTIONS) -> dict[str, float]:
+    def metrics(
+        self, prefix: str = "train/", corrections: tuple[str, ...] = drift.CORRECTIONS
+    ) -> dict[str, float]:
         """Means and fractions for logging; all 0.0 when there were no loss tokens. The drift
         split (for the given active `corrections`) only where its tokens were seen."""
         n = max(self.num_tokens, 1)
@@ -190,17 +196,24 @@ class PPOStats:
 def ppo_loss_options(cfg: PPOConfig) -> dict[str, float | str | None]:
     """Keyword arguments of `decoupled_ppo_loss` taken from the run's `PPOConfig` (the
     paper's options; `correction_loss_options` adds the others)."""
-    return {"eps_clip": cfg.eps_clip, "eps_clip_high": cfg.eps_clip_high,
-            "behav_imp_cap": cfg.behav_imp_cap, "behav_cap_mode": cfg.behav_cap_mode}
+    return {
+        "eps_clip": cfg.eps_clip,
+        "eps_clip_high": cfg.eps_clip_high,
+        "behav_imp_cap": cfg.behav_imp_cap,
+        "behav_cap_mode": cfg.behav_cap_mode,
+    }
 
 
 def correction_loss_options(cfg: PPOConfig, max_new_tokens: int) -> dict[str, float | str | None]:
     """The other keyword arguments of `decoupled_ppo_loss` from `PPOConfig`; Dr.GRPO's L
     defaults to the completion budget `max_new_tokens` (rollout.max_new_tokens)."""
-    return {"behav_imp_floor": cfg.behav_imp_floor, "behav_imp_level": cfg.behav_imp_level,
-            "policy_loss": cfg.policy_loss, "loss_agg_mode": cfg.loss_agg_mode,
-            "loss_agg_norm": cfg.loss_agg_norm if cfg.loss_agg_norm is not None
-            else max_new_tokens}
+    return {
+        "behav_imp_floor": cfg.behav_imp_floor,
+        "behav_imp_level": cfg.behav_imp_level,
+        "policy_loss": cfg.policy_loss,
+        "loss_agg_mode": cfg.loss_agg_mode,
+        "loss_agg_norm": cfg.loss_agg_norm if cfg.loss_agg_norm is not None else max_new_tokens,
+    }
 
 
 def decoupled_ppo_loss(
@@ -233,8 +246,13 @@ def decoupled_ppo_loss(
     """
     _check_inputs(logprobs, prox_logprobs, behav_logprobs, advantages, loss_mask)
     _check_options(eps_clip, eps_clip_high)
-    corrections.check_corrections(level=behav_imp_level, floor=behav_imp_floor,
-                                  cap=behav_imp_cap, mode=behav_cap_mode, kind=policy_loss)
+    corrections.check_corrections(
+        level=behav_imp_level,
+        floor=behav_imp_floor,
+        cap=behav_imp_cap,
+        mode=behav_cap_mode,
+        kind=policy_loss,
+    )
     aggregation.check_aggregation(loss_agg_mode, loss_agg_norm)
     segments = _segments(cu_seqlens, loss_mask, behav_imp_level, policy_loss, loss_agg_mode)
     num_tokens = int(loss_mask.sum())
@@ -247,41 +265,66 @@ def decoupled_ppo_loss(
     adv = advantages.detach()[loss_mask]
     _check_values(prox=prox, behav=behav, advantages=adv)
     log_w = corrections.log_behav_weight(prox, behav)
-    weight = corrections.behav_weight(log_w, segments, level=behav_imp_level,
-                                      floor=behav_imp_floor, cap=behav_imp_cap,
-                                      mode=behav_cap_mode)
+    weight = corrections.behav_weight(
+        log_w,
+        segments,
+        level=behav_imp_level,
+        floor=behav_imp_floor,
+        cap=behav_imp_cap,
+        mode=behav_cap_mode,
+    )
     weight, undefined = _drop_undefined(weight, prox, segments, policy_loss)
     finite_prox = prox.masked_fill(~prox.isfinite(), 0.0)  # its tokens are all dropped
     eps_high = eps_clip if eps_clip_high is None else eps_clip_high
     gain, clip_active = corrections.surrogate(
-        theta, finite_prox, adv, weight.keep, segments, kind=policy_loss,
-        eps_low=eps_clip, eps_high=eps_high)
+        theta,
+        finite_prox,
+        adv,
+        weight.keep,
+        segments,
+        kind=policy_loss,
+        eps_low=eps_clip,
+        eps_high=eps_high,
+    )
     objective = -weight.used[weight.keep] * gain
-    factors = aggregation.aggregation_factors(segments, loss_agg_mode, num_tokens,
-                                              loss_agg_norm, objective.dtype)
+    factors = aggregation.aggregation_factors(
+        segments, loss_agg_mode, num_tokens, loss_agg_norm, objective.dtype
+    )
     if factors is not None:
         objective = objective * factors[weight.keep]
     loss = objective.sum() / normalizer
 
     log_ratio = logprobs.detach()[loss_mask] - prox
-    sides = corrections.clip_sides(theta.detach(), finite_prox, adv, weight.keep, clip_active,
-                                   segments, kind=policy_loss, eps_low=eps_clip,
-                                   eps_high=eps_high)
-    bounds = {"num_above_cap": int((weight.w > behav_imp_cap).sum()) if behav_imp_cap else 0,
-              "num_below_floor": int((weight.w < behav_imp_floor).sum())
-              if behav_imp_floor else 0}
+    sides = corrections.clip_sides(
+        theta.detach(),
+        finite_prox,
+        adv,
+        weight.keep,
+        clip_active,
+        segments,
+        kind=policy_loss,
+        eps_low=eps_clip,
+        eps_high=eps_high,
+    )
+    bounds = {
+        "num_above_cap": int((weight.w > behav_imp_cap).sum()) if behav_imp_cap else 0,
+        "num_below_floor": int((weight.w < behav_imp_floor).sum()) if behav_imp_floor else 0,
+    }
     stats = dataclasses.replace(
         _stats(log_ratio, weight, undefined, clip_active, objective.detach(), num_units),
-        **sides, **bounds)
+        **sides,
+        **bounds,
+    )
     if fresh is not None:
-        stats = dataclasses.replace(stats, **_drift(log_w, fresh[loss_mask], weight, clip_active,
-                                                    behav_cap_mode))
+        stats = dataclasses.replace(
+            stats, **_drift(log_w, fresh[loss_mask], weight, clip_active, behav_cap_mode)
+        )
     return loss, stats
 
 
-def _drop_undefined(weight: corrections.BehavWeight, prox: torch.Tensor,
-                    segments: Segments | None, kind: str
-                    ) -> tuple[corrections.BehavWeight, torch.Tensor]:
+def _drop_undefined(
+    weight: corrections.BehavWeight, prox: torch.Tensor, segments: Segments | None, kind: str
+) -> tuple[corrections.BehavWeight, torch.Tensor]:
     """(weight without the [L] tokens whose term is undefined, those tokens): r = inf
     where pi_prox = 0, w = inf where pi_behav = 0 and no bound caught it. GSPO's ratio is
     its sequence's, so there a pi_prox of 0 drops every token of the sequence."""
@@ -293,24 +336,38 @@ def _drop_undefined(weight: corrections.BehavWeight, prox: torch.Tensor,
     return dataclasses.replace(weight, keep=weight.keep & ~undefined), undefined
 
 
-def _segments(cu_seqlens: torch.Tensor | None, loss_mask: torch.Tensor, level: str,
-              kind: str, agg_mode: str) -> Segments | None:
+def _segments(
+    cu_seqlens: torch.Tensor | None, loss_mask: torch.Tensor, level: str, kind: str, agg_mode: str
+) -> Segments | None:
     """Sequence membership of the loss tokens, when an option needs it."""
-    wanted = [name for name, needed in (
-        (f"behav_imp_level={level!r}", level == "sequence"),
-        (f"policy_loss={kind!r}", kind == "gspo"),
-        (f"loss_agg_mode={agg_mode!r}", aggregation.needs_segments(agg_mode))) if needed]
+    wanted = [
+        name
+        for name, needed in (
+            (f"behav_imp_level={level!r}", level == "sequence"),
+            (f"policy_loss={kind!r}", kind == "gspo"),
+            (f"loss_agg_mode={agg_mode!r}", aggregation.needs_segments(agg_mode)),
+        )
+        if needed
+    ]
     if not wanted:
         return None
     if cu_seqlens is None:
-        raise ValueError(f"decoupled_ppo_loss: {', '.join(wanted)} works per sequence; pass "
-                         "cu_seqlens [S+1], the packed batch's sequence offsets")
+        raise ValueError(
+            f"decoupled_ppo_loss: {', '.join(wanted)} works per sequence; pass "
+            "cu_seqlens [S+1], the packed batch's sequence offsets"
+        )
     return Segments.of_loss_tokens(cu_seqlens, loss_mask)
 
 
 @torch.no_grad()
-def _stats(log_ratio: torch.Tensor, weight: corrections.BehavWeight, undefined: torch.Tensor,
-           clip_active: torch.Tensor, objective: torch.Tensor, num_units: int) -> PPOStats:
+def _stats(
+    log_ratio: torch.Tensor,
+    weight: corrections.BehavWeight,
+    undefined: torch.Tensor,
+    clip_active: torch.Tensor,
+    objective: torch.Tensor,
+    num_units: int,
+) -> PPOStats:
     """Stats of one call: [L] tensors over loss tokens, [U] over the used ones."""
     w = weight.w
     log_ratio = log_ratio[log_ratio != torch.inf]  # pi_prox = 0: no finite divergence
@@ -328,13 +385,21 @@ def _stats(log_ratio: torch.Tensor, weight: corrections.BehavWeight, undefined: 
     )
 
 
-def _drift(log_w: torch.Tensor, fresh: torch.Tensor, weight: corrections.BehavWeight,
-           clip_active: torch.Tensor, mode: str) -> dict[str, Any]:
+def _drift(
+    log_w: torch.Tensor,
+    fresh: torch.Tensor,
+    weight: corrections.BehavWeight,
+    clip_active: torch.Tensor,
+    mode: str,
+) -> dict[str, Any]:
     """The drift decomposition's fields over [L] loss tokens ([U] `clip_active`)."""
     clipped = torch.zeros_like(weight.keep)
     clipped[weight.keep] = clip_active
-    acted = {"behav_masked": weight.outside & (mode == "mask"),
-             "behav_clamped": weight.outside & (mode == "clamp"), "clipped": clipped}
+    acted = {
+        "behav_masked": weight.outside & (mode == "mask"),
+        "behav_clamped": weight.outside & (mode == "clamp"),
+        "clipped": clipped,
+    }
     return drift.drift_sums(log_w, fresh.to(torch.bool), acted)
 
 
@@ -342,7 +407,9 @@ def _check_inputs(*tensors: torch.Tensor) -> None:
     names = ("logprobs", "prox_logprobs", "behav_logprobs", "advantages", "loss_mask")
     shapes = {name: tuple(t.shape) for name, t in zip(names, tensors, strict=True)}
     if len(set(shapes.values())) != 1 or len(shapes["logprobs"]) != 1:
-        raise ValueError(f"decoupled_ppo_loss: all inputs must have the same shape [N], got {shapes}")
+        raise ValueError(
+            f"decoupled_ppo_loss: all inputs must have the same shape [N], got {shapes}"
+        )
     if tensors[-1].dtype != torch.bool:
         raise ValueError(f"decoupled_ppo_loss: loss_mask must be bool, got {tensors[-1].dtype}")
 
@@ -359,7 +426,8 @@ def _check_values(**loss_token_values: torch.Tensor) -> None:
                 f"decoupled_ppo_loss: {name} holds {int(bad.sum())} invalid values on loss "
                 f"tokens (the first, loss token {first}, is {values[first].item()}); log-probs "
                 "must be finite or -inf, advantages finite: check the engine's log-probs, the "
-                "trainer's forward pass and the rewards for NaN or corrupted data")
+                "trainer's forward pass and the rewards for NaN or corrupted data"
+            )
 
 
 def _check_options(eps_clip: float, eps_clip_high: float | None) -> None:

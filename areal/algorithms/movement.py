@@ -32,12 +32,22 @@ W_BINS = (0.5, 0.8, 0.95, 1.05, 1.2, 2.0)
 
 def bin_labels() -> list[str]:
     edges = [f"{e:g}" for e in W_BINS]
-    return [f"<{edges[0]}", *(f"{a}-{b}" for a, b in zip(edges, edges[1:], strict=False)), f">={edges[-1]}"]
+    return [
+        f"<{edges[0]}",
+        *(f"{a}-{b}" for a, b in zip(edges, edges[1:], strict=False)),
+        f">={edges[-1]}",
+    ]
 
 
-SUM_FIELDS = ("num_tokens", "num_new_tokens", "sum_kl_behav_prox", "sum_kl_behav_new",
-              "sum_kl_prox_new", "num_w_outside_clip",
-              *(f"num_w_bin_{i}" for i in range(len(W_BINS) + 1)))
+SUM_FIELDS = (
+    "num_tokens",
+    "num_new_tokens",
+    "sum_kl_behav_prox",
+    "sum_kl_behav_new",
+    "sum_kl_prox_new",
+    "num_w_outside_clip",
+    *(f"num_w_bin_{i}" for i in range(len(W_BINS) + 1)),
+)
 """Sums and counts of one batch: tokens measured (with pi_prox; with pi_new), KL sums, bin
 counts."""
 
@@ -49,9 +59,15 @@ def _k3(log_rho: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def movement_sums(behav: torch.Tensor, prox: torch.Tensor, new: torch.Tensor | None,
-                  loss_mask: torch.Tensor, *, eps_low: float,
-                  eps_high: float) -> dict[str, float]:
+def movement_sums(
+    behav: torch.Tensor,
+    prox: torch.Tensor,
+    new: torch.Tensor | None,
+    loss_mask: torch.Tensor,
+    *,
+    eps_low: float,
+    eps_high: float,
+) -> dict[str, float]:
     """`SUM_FIELDS` over the loss tokens of [N] log-probs (`new` None: the step's result was
     not measured, its sums stay 0)."""
     behav, prox = behav[loss_mask].double(), prox[loss_mask].double()
@@ -83,10 +99,16 @@ def movement_metrics(sums: dict[str, float], prefix: str = "") -> dict[str, floa
     n = sums["num_tokens"]
     if not n:
         return {}
-    out = {f"{prefix}kl_behav_prox": sums["sum_kl_behav_prox"] / n,
-           f"{prefix}behav_w_outside_clip_frac": sums["num_w_outside_clip"] / n}
-    out.update({f"{prefix}behav_w_frac/{label}": sums[f"num_w_bin_{i}"] / n
-                for i, label in enumerate(bin_labels())})
+    out = {
+        f"{prefix}kl_behav_prox": sums["sum_kl_behav_prox"] / n,
+        f"{prefix}behav_w_outside_clip_frac": sums["num_w_outside_clip"] / n,
+    }
+    out.update(
+        {
+            f"{prefix}behav_w_frac/{label}": sums[f"num_w_bin_{i}"] / n
+            for i, label in enumerate(bin_labels())
+        }
+    )
     if sums["num_new_tokens"]:
         m = sums["num_new_tokens"]
         out[f"{prefix}kl_behav_new"] = sums["sum_kl_behav_new"] / m

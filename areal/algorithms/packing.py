@@ -126,8 +126,9 @@ def _check_lengths(lengths: Sequence[int]) -> list[int]:
     values = [int(length) for length in lengths]
     bad = [(i, lengths[i]) for i, v in enumerate(values) if v < 0 or v != lengths[i]]
     if bad:
-        raise ValueError(f"sequence lengths must be non-negative integers; got {bad[:5]} "
-                         "(index, value)")
+        raise ValueError(
+            f"sequence lengths must be non-negative integers; got {bad[:5]} (index, value)"
+        )
     return values
 
 

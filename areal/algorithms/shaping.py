@@ -41,8 +41,9 @@ from areal.config import RunConfig
 from areal.types import PackedBatch, Trajectory
 
 
-def overlong_penalty(completion_lens: torch.Tensor, max_new_tokens: int, buffer: int,
-                     penalty: float) -> torch.Tensor:
+def overlong_penalty(
+    completion_lens: torch.Tensor, max_new_tokens: int, buffer: int, penalty: float
+) -> torch.Tensor:
     """[S] float32 reward added to completions of [S] lengths (0 when `buffer` is 0)."""
     lengths = completion_lens.to(torch.float32)
     if buffer == 0:
@@ -53,16 +54,21 @@ def overlong_penalty(completion_lens: torch.Tensor, max_new_tokens: int, buffer:
 
 def completion_lengths(trajectories: Sequence[Trajectory]) -> torch.Tensor:
     """[S] tokens after the prompt of each trajectory."""
-    return torch.tensor([t.num_tokens - t.num_prompt_tokens for t in trajectories],
-                        dtype=torch.long)
+    return torch.tensor(
+        [t.num_tokens - t.num_prompt_tokens for t in trajectories], dtype=torch.long
+    )
 
 
 def shaped_rewards(trajectories: Sequence[Trajectory], cfg: RunConfig) -> torch.Tensor:
     """[S] the verifier's rewards plus the overlong penalty (see the module docstring)."""
     adv = cfg.trainer.advantage
     rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
-    return rewards + overlong_penalty(completion_lengths(trajectories), cfg.rollout.max_new_tokens,
-                                      adv.overlong_buffer, adv.overlong_penalty)
+    return rewards + overlong_penalty(
+        completion_lengths(trajectories),
+        cfg.rollout.max_new_tokens,
+        adv.overlong_buffer,
+        adv.overlong_penalty,
+    )
 
 
 def truncated(trajectories: Sequence[Trajectory]) -> torch.Tensor:
@@ -72,13 +78,15 @@ def truncated(trajectories: Sequence[Trajectory]) -> torch.Tensor:
 
 def mask_sequences(batch: PackedBatch, masked: torch.Tensor) -> PackedBatch:
     """`batch` with loss mask 0 on every token of the [S] `masked` sequences."""
-    per_token = torch.repeat_interleave(masked, batch.seqlens.long(),
-                                        output_size=len(batch.token_ids))
+    per_token = torch.repeat_interleave(
+        masked, batch.seqlens.long(), output_size=len(batch.token_ids)
+    )
     return dataclasses.replace(batch, loss_mask=batch.loss_mask & ~per_token)
 
 
-def training_batch(trajectories: Sequence[Trajectory], batch: PackedBatch, cfg: RunConfig
-                   ) -> tuple[PackedBatch, torch.Tensor]:
+def training_batch(
+    trajectories: Sequence[Trajectory], batch: PackedBatch, cfg: RunConfig
+) -> tuple[PackedBatch, torch.Tensor]:
     """(batch with the loss mask to train on, [S] advantages) of `batch` = pack(trajectories)."""
     advantages, masked = training_targets(trajectories, cfg)
     if cfg.trainer.advantage.mask_truncated:
@@ -86,16 +94,20 @@ def training_batch(trajectories: Sequence[Trajectory], batch: PackedBatch, cfg: 
     return batch, advantages
 
 
-def training_targets(trajectories: Sequence[Trajectory], cfg: RunConfig
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def training_targets(
+    trajectories: Sequence[Trajectory], cfg: RunConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
     """([S] advantages, [S] bool: sequences none of whose tokens is trained on): what
     `training_batch` decides, without a packed batch (the controller packs each rank's
     share straight from the trajectories)."""
     adv_cfg = cfg.trainer.advantage
     group_ids = torch.tensor([t.group_id for t in trajectories], dtype=torch.long)
     advantages = compute_advantages(shaped_rewards(trajectories, cfg), group_ids, adv_cfg)
-    masked = truncated(trajectories) if adv_cfg.mask_truncated \
+    masked = (
+        truncated(trajectories)
+        if adv_cfg.mask_truncated
         else torch.zeros(len(trajectories), dtype=torch.bool)
+    )
     return advantages, masked
 
 
@@ -113,7 +125,8 @@ def shaping_metrics(trajectories: Sequence[Trajectory], cfg: RunConfig) -> dict[
     out: dict[str, float] = {}
     if adv.overlong_buffer:
         penalties = shaped_rewards(trajectories, cfg) - torch.tensor(
-            [t.reward for t in trajectories], dtype=torch.float32)
+            [t.reward for t in trajectories], dtype=torch.float32
+        )
         out["rollout/overlong_penalty_mean"] = float(penalties.mean())
         out["rollout/overlong_penalized_frac"] = float((penalties < 0).float().mean())
     if adv.mask_truncated:

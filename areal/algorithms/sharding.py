@@ -55,8 +55,7 @@ class Shard:
     of the sequence-mean loss aggregations (areal.algorithms.aggregation)."""
 
 
-def plan_shards(lengths: list[int], num_ranks: int, num_minibatches: int
-                ) -> list[list[list[int]]]:
+def plan_shards(lengths: list[int], num_ranks: int, num_minibatches: int) -> list[list[list[int]]]:
     """plan[rank][minibatch] = indices of the sequences of that rank's piece.
 
     Globally empty minibatches are left out, so every rank lists the same minibatches.
@@ -66,8 +65,10 @@ def plan_shards(lengths: list[int], num_ranks: int, num_minibatches: int
     for minibatch in partition_balanced(lengths, num_minibatches):
         if not minibatch:
             continue
-        pieces = [sorted(minibatch[j] for j in piece) for piece in
-                  partition_balanced([lengths[i] for i in minibatch], num_ranks)]
+        pieces = [
+            sorted(minibatch[j] for j in piece)
+            for piece in partition_balanced([lengths[i] for i in minibatch], num_ranks)
+        ]
         # The heaviest piece goes to the rank with the fewest tokens so far, so that the
         # step stays balanced too, not only each minibatch (ties: lower rank, lower piece).
         pieces.sort(key=lambda piece: -sum(lengths[i] for i in piece))
@@ -88,34 +89,49 @@ class ShardPlan:
     minibatch_loss_seqs: list[int]
 
 
-def plan_shard_sequences(lengths: list[int], loss_tokens: list[int], num_ranks: int,
-                         num_minibatches: int) -> list[ShardPlan]:
+def plan_shard_sequences(
+    lengths: list[int], loss_tokens: list[int], num_ranks: int, num_minibatches: int
+) -> list[ShardPlan]:
     """The R ranks' sequences (`plan_shards`) with the global per-minibatch loss tokens and
     loss sequences, from the sequences' lengths and loss tokens alone."""
     plan = plan_shards(lengths, num_ranks, num_minibatches)
-    totals = [sum(loss_tokens[i] for rank in plan for i in rank[m])
-              for m in range(len(plan[0]))]
-    seq_totals = [sum(loss_tokens[i] > 0 for rank in plan for i in rank[m])
-                  for m in range(len(plan[0]))]
-    return [ShardPlan(seq_indices=[i for piece in pieces for i in piece],
-                      minibatch_sizes=[len(piece) for piece in pieces],
-                      minibatch_loss_tokens=list(totals), minibatch_loss_seqs=list(seq_totals))
-            for pieces in plan]
+    totals = [sum(loss_tokens[i] for rank in plan for i in rank[m]) for m in range(len(plan[0]))]
+    seq_totals = [
+        sum(loss_tokens[i] > 0 for rank in plan for i in rank[m]) for m in range(len(plan[0]))
+    ]
+    return [
+        ShardPlan(
+            seq_indices=[i for piece in pieces for i in piece],
+            minibatch_sizes=[len(piece) for piece in pieces],
+            minibatch_loss_tokens=list(totals),
+            minibatch_loss_seqs=list(seq_totals),
+        )
+        for pieces in plan
+    ]
 
 
-def shard_batch(batch: PackedBatch, seq_advantages: torch.Tensor, num_ranks: int,
-                num_minibatches: int) -> list[Shard]:
+def shard_batch(
+    batch: PackedBatch, seq_advantages: torch.Tensor, num_ranks: int, num_minibatches: int
+) -> list[Shard]:
     """The R shards of `batch` ([S] `seq_advantages` computed over all of it)."""
     if len(seq_advantages) != batch.num_seqs:
-        raise ValueError(f"shard_batch: {len(seq_advantages)} advantages for "
-                         f"{batch.num_seqs} sequences")
-    plans = plan_shard_sequences(batch.seqlens.tolist(), _loss_tokens_per_sequence(batch),
-                                 num_ranks, num_minibatches)
-    return [Shard(batch=batch.select(plan.seq_indices), seq_indices=plan.seq_indices,
-                  advantages=seq_advantages[plan.seq_indices].clone(),
-                  minibatch_sizes=plan.minibatch_sizes,
-                  minibatch_loss_tokens=plan.minibatch_loss_tokens,
-                  minibatch_loss_seqs=plan.minibatch_loss_seqs) for plan in plans]
+        raise ValueError(
+            f"shard_batch: {len(seq_advantages)} advantages for {batch.num_seqs} sequences"
+        )
+    plans = plan_shard_sequences(
+        batch.seqlens.tolist(), _loss_tokens_per_sequence(batch), num_ranks, num_minibatches
+    )
+    return [
+        Shard(
+            batch=batch.select(plan.seq_indices),
+            seq_indices=plan.seq_indices,
+            advantages=seq_advantages[plan.seq_indices].clone(),
+            minibatch_sizes=plan.minibatch_sizes,
+            minibatch_loss_tokens=plan.minibatch_loss_tokens,
+            minibatch_loss_seqs=plan.minibatch_loss_seqs,
+        )
+        for plan in plans
+    ]
 
 
 def _loss_tokens_per_sequence(batch: PackedBatch) -> list[int]:

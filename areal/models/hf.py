@@ -43,6 +43,7 @@ explicit `cu_seq_lens_*`. Anything else (hub kernels, 'paged|...' implementation
 continuous batching) skips that logic and would let packed sequences attend to each other.
 """
 
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """'float32' | 'bfloat16' | 'float16' (or the torch dtype itself) -> torch dtype."""
     if isinstance(dtype, torch.dtype):
@@ -82,11 +83,12 @@ def check_model_dir(path: str | Path) -> Path:
         )
     if not any(directory.glob("*.safetensors")):
         found = sorted(p.name for p in directory.glob("*.bin"))
-        hint = (f"; it holds {', '.join(found)}, which is pickle-based: convert it to "
-                "safetensors first" if found else "")
-        raise FileNotFoundError(
-            f"model path {str(directory)!r} has no *.safetensors weights{hint}"
+        hint = (
+            f"; it holds {', '.join(found)}, which is pickle-based: convert it to safetensors first"
+            if found
+            else ""
         )
+        raise FileNotFoundError(f"model path {str(directory)!r} has no *.safetensors weights{hint}")
     return directory
 
 

@@ -72,8 +72,9 @@ def packed_logprobs(
         runs `model(...)`: needed when hooks on the root module's forward must fire (the
         chunked path calls `model.base_model` and the head directly). True insists on it.
     """
-    logprobs, _ = _packed_stats(model, token_ids, cu_seqlens, temperature, chunk_size,
-                                chunk_head, with_entropy=False)
+    logprobs, _ = _packed_stats(
+        model, token_ids, cu_seqlens, temperature, chunk_size, chunk_head, with_entropy=False
+    )
     return logprobs
 
 
@@ -92,8 +93,9 @@ def packed_logprobs_and_entropy(
     token t, i.e. aligned like the log-probs, so the same loss mask applies to both.
     Arguments as for `packed_logprobs`.
     """
-    logprobs, entropy = _packed_stats(model, token_ids, cu_seqlens, temperature, chunk_size,
-                                      chunk_head, with_entropy=True)
+    logprobs, entropy = _packed_stats(
+        model, token_ids, cu_seqlens, temperature, chunk_size, chunk_head, with_entropy=True
+    )
     assert entropy is not None
     return logprobs, entropy
 
@@ -166,10 +168,18 @@ def _packed_stats(
     use_checkpoint = torch.is_grad_enabled() and rows.requires_grad
     stats = []
     for begin in range(0, len(rows), chunk_size):
-        args = (rows[begin:begin + chunk_size], targets[begin:begin + chunk_size], head,
-                temperature, with_entropy)
-        stats.append(checkpoint(_chunk_stats, *args, use_reentrant=False)
-                     if use_checkpoint else _chunk_stats(*args))
+        args = (
+            rows[begin : begin + chunk_size],
+            targets[begin : begin + chunk_size],
+            head,
+            temperature,
+            with_entropy,
+        )
+        stats.append(
+            checkpoint(_chunk_stats, *args, use_reentrant=False)
+            if use_checkpoint
+            else _chunk_stats(*args)
+        )
     is_start = torch.zeros(num_tokens, dtype=torch.bool)
     is_start[cu_seqlens[:-1][cu_seqlens[:-1] < num_tokens]] = True
     is_start = is_start.to(device)
@@ -178,7 +188,9 @@ def _packed_stats(
 
 
 def _packed_features(
-    model: PreTrainedModel, token_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+    model: PreTrainedModel,
+    token_ids: torch.Tensor,
+    cu_seqlens: torch.Tensor,
     chunk_head: bool | None,
 ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
     """One forward over the pack: ([N, H] hidden states, lm_head) or ([N, V] logits, identity)."""
@@ -204,8 +216,9 @@ def _packed_features(
     if impl.startswith("flash_attention"):
         cu = cu_seqlens.to(device=device, dtype=torch.int32)
         max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len,
-                      max_length_k=max_len)
+        kwargs.update(
+            cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len
+        )
     if plain_head and chunk_head is not False:
         hidden = model.base_model(**kwargs).last_hidden_state[0]
         return hidden, model.get_output_embeddings()
@@ -243,8 +256,9 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _check_pack(token_ids: torch.Tensor, cu_seqlens: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_pack(
+    token_ids: torch.Tensor, cu_seqlens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate shapes and boundaries; return (token_ids int64, cu_seqlens int64 on CPU)."""
     if token_ids.ndim != 1:
         raise ValueError(f"token_ids must be 1-D [N], got shape {tuple(token_ids.shape)}")

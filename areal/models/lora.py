@@ -54,9 +54,14 @@ def peft_config(cfg: LoraConfig, base_model: str | None = None):
     """The `peft.LoraConfig` of `cfg` (no task type: the model is not wrapped)."""
     import peft
 
-    return peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                           target_modules=sorted(cfg.target_modules), bias="none",
-                           base_model_name_or_path=base_model)
+    return peft.LoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=sorted(cfg.target_modules),
+        bias="none",
+        base_model_name_or_path=base_model,
+    )
 
 
 def add_adapters(model: nn.Module, cfg: LoraConfig, *, seed: int) -> nn.Module:
@@ -73,8 +78,10 @@ def add_adapters(model: nn.Module, cfg: LoraConfig, *, seed: int) -> nn.Module:
         try:
             inject_adapter_in_model(peft_config(cfg), model, adapter_name=ADAPTER_NAME)
         except ValueError as err:
-            raise ValueError(f"trainer.lora.target_modules={cfg.target_modules} matches no "
-                             f"layer of {type(model).__name__}: {err}") from None
+            raise ValueError(
+                f"trainer.lora.target_modules={cfg.target_modules} matches no "
+                f"layer of {type(model).__name__}: {err}"
+            ) from None
     for name, param in model.named_parameters():
         param.requires_grad_(_is_adapter_param(name))
     return model
@@ -89,18 +96,23 @@ def file_name(param: str) -> str:
     `base_model.model.model.layers.0.q_proj.lora_A.weight`."""
     module, kind, adapter, leaf = param.rsplit(".", 3)
     if kind not in _KINDS or adapter != ADAPTER_NAME or leaf != "weight":
-        raise AdapterMismatchError(f"{param!r} is not a LoRA parameter of adapter "
-                                   f"{ADAPTER_NAME!r}")
+        raise AdapterMismatchError(f"{param!r} is not a LoRA parameter of adapter {ADAPTER_NAME!r}")
     return f"{_FILE_PREFIX}{module}.{kind}.weight"
 
 
 def param_name(file: str) -> str:
     """The inverse of `file_name`."""
     parts = file.rsplit(".", 2)
-    if not file.startswith(_FILE_PREFIX) or len(parts) != 3 or parts[1] not in _KINDS \
-            or parts[2] != "weight":
-        raise AdapterMismatchError(f"tensor {file!r} is not named like a PEFT LoRA weight "
-                                   f"('{_FILE_PREFIX}<module>.lora_A.weight')")
+    if (
+        not file.startswith(_FILE_PREFIX)
+        or len(parts) != 3
+        or parts[1] not in _KINDS
+        or parts[2] != "weight"
+    ):
+        raise AdapterMismatchError(
+            f"tensor {file!r} is not named like a PEFT LoRA weight "
+            f"('{_FILE_PREFIX}<module>.lora_A.weight')"
+        )
     return f"{parts[0].removeprefix(_FILE_PREFIX)}.{parts[1]}.{ADAPTER_NAME}.weight"
 
 
@@ -140,16 +152,20 @@ def copy_adapters(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None
             raise AdapterMismatchError(
                 f"adapter tensor {file!r} has no counterpart in the model (it has "
                 f"{len(params)} adapter weights, e.g. {file_name(next(iter(params)))!r}); "
-                "were the adapters trained with other trainer.lora.target_modules?")
+                "were the adapters trained with other trainer.lora.target_modules?"
+            )
         if tuple(tensor.shape) != tuple(param.shape):
             raise AdapterMismatchError(
                 f"adapter tensor {file!r} has shape {tuple(tensor.shape)}, the model's has "
-                f"{tuple(param.shape)}; was it trained with another trainer.lora.rank?")
+                f"{tuple(param.shape)}; was it trained with another trainer.lora.rank?"
+            )
         given[name] = tensor
     missing = [name for name in params if name not in given]
     if missing:
-        raise AdapterMismatchError(f"no tensor for adapter weight {file_name(missing[0])!r} "
-                                   f"({len(missing)} of {len(params)} missing)")
+        raise AdapterMismatchError(
+            f"no tensor for adapter weight {file_name(missing[0])!r} "
+            f"({len(missing)} of {len(params)} missing)"
+        )
     with torch.no_grad():
         for name, tensor in given.items():
             params[name].copy_(tensor)
@@ -158,20 +174,26 @@ def copy_adapters(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None
 def adapter_config_dict(cfg: LoraConfig, base_model: str | None) -> dict:
     """What `adapter_config.json` holds (PEFT's own serialisation of the config)."""
     data = peft_config(cfg, base_model).to_dict()
-    return {key: sorted(value) if isinstance(value, set) else value
-            for key, value in data.items()}
+    return {key: sorted(value) if isinstance(value, set) else value for key, value in data.items()}
 
 
-def save_adapter_dir(directory: str | Path, tensors: Iterable[tuple[str, torch.Tensor]],
-                     cfg: LoraConfig, *, base_model: str | None,
-                     metadata: Mapping[str, str] | None = None) -> Path:
+def save_adapter_dir(
+    directory: str | Path,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    cfg: LoraConfig,
+    *,
+    base_model: str | None,
+    metadata: Mapping[str, str] | None = None,
+) -> Path:
     """A PEFT adapter directory (config + safetensors, each written atomically)."""
     from areal.models.weights import save_tensors
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    _write_atomically(directory / ADAPTER_CONFIG,
-                      json.dumps(adapter_config_dict(cfg, base_model), indent=1, sort_keys=True))
+    _write_atomically(
+        directory / ADAPTER_CONFIG,
+        json.dumps(adapter_config_dict(cfg, base_model), indent=1, sort_keys=True),
+    )
     save_tensors(directory, list(tensors), filename=ADAPTER_FILE, metadata=metadata)
     return directory
 
@@ -186,13 +208,15 @@ def load_adapter_dir(directory: str | Path) -> dict[str, torch.Tensor]:
 
     path = Path(directory) / ADAPTER_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{str(directory)!r} holds no {ADAPTER_FILE}: not a LoRA "
-                                "adapter directory")
+        raise FileNotFoundError(
+            f"{str(directory)!r} holds no {ADAPTER_FILE}: not a LoRA adapter directory"
+        )
     return load_file(path)
 
 
-def merge_into_base(base: Mapping[str, torch.Tensor], adapters: Mapping[str, torch.Tensor],
-                    cfg: LoraConfig) -> dict[str, torch.Tensor]:
+def merge_into_base(
+    base: Mapping[str, torch.Tensor], adapters: Mapping[str, torch.Tensor], cfg: LoraConfig
+) -> dict[str, torch.Tensor]:
     """Base checkpoint tensors with W + (alpha / rank) * B @ A for every adapted layer (in
     float32, cast back to W's dtype); a new dict, `base` is not changed."""
     scaling = cfg.alpha / cfg.rank
@@ -203,19 +227,24 @@ def merge_into_base(base: Mapping[str, torch.Tensor], adapters: Mapping[str, tor
         a = adapters.get(f"{_FILE_PREFIX}{module}.lora_A.weight")
         b = adapters.get(f"{_FILE_PREFIX}{module}.lora_B.weight")
         if a is None or b is None or key not in base:
-            raise AdapterMismatchError(f"cannot merge the adapter of {module!r}: "
-                                       f"{'no base weight ' + repr(key) if key not in base else 'A or B missing'}")
+            raise AdapterMismatchError(
+                f"cannot merge the adapter of {module!r}: "
+                f"{'no base weight ' + repr(key) if key not in base else 'A or B missing'}"
+            )
         weight = base[key]
         delta = scaling * (b.float() @ a.float())
         if tuple(delta.shape) != tuple(weight.shape):
-            raise AdapterMismatchError(f"adapter of {module!r} gives a {tuple(delta.shape)} "
-                                       f"update for a {tuple(weight.shape)} weight")
+            raise AdapterMismatchError(
+                f"adapter of {module!r} gives a {tuple(delta.shape)} "
+                f"update for a {tuple(weight.shape)} weight"
+            )
         merged[key] = (weight.float() + delta.to(weight.device)).to(weight.dtype)
     return merged
 
 
-def adapter_shapes(base_shapes: Mapping[str, tuple[int, ...]],
-                   cfg: LoraConfig) -> dict[str, tuple[int, int]]:
+def adapter_shapes(
+    base_shapes: Mapping[str, tuple[int, ...]], cfg: LoraConfig
+) -> dict[str, tuple[int, int]]:
     """PEFT file name -> shape of every adapter weight of a model whose checkpoint has
     `base_shapes`: A [rank, in] and B [out, rank] for each 2-D `<module>.weight` whose last
     name component is one of `cfg.target_modules` (PEFT's suffix match)."""

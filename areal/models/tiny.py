@@ -50,8 +50,9 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_tiny_model(shape: TinyModelConfig, vocab_size: int, eos_token_id: int,
-                     pad_token_id: int, seed: int = 0) -> Qwen2ForCausalLM:
+def build_tiny_model(
+    shape: TinyModelConfig, vocab_size: int, eos_token_id: int, pad_token_id: int, seed: int = 0
+) -> Qwen2ForCausalLM:
     """A randomly initialised Qwen2 model of the given shape, fp32."""
     config = Qwen2Config(
         vocab_size=vocab_size,
@@ -74,13 +75,19 @@ def build_tiny_model(shape: TinyModelConfig, vocab_size: int, eos_token_id: int,
     return model.float().eval()
 
 
-def save_tiny_model(directory: str | Path, shape: TinyModelConfig | None = None,
-                    seed: int = 0) -> Path:
+def save_tiny_model(
+    directory: str | Path, shape: TinyModelConfig | None = None, seed: int = 0
+) -> Path:
     """Build the tokenizer and a random tiny model and save both as an HF directory."""
     directory = Path(directory)
     tokenizer = build_char_tokenizer()
-    model = build_tiny_model(shape or TinyModelConfig(), len(tokenizer),
-                             tokenizer.eos_token_id, tokenizer.pad_token_id, seed)
+    model = build_tiny_model(
+        shape or TinyModelConfig(),
+        len(tokenizer),
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+        seed,
+    )
     return save_model_dir(model, tokenizer, directory)
 
 

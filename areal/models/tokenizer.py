@@ -30,16 +30,26 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
-                   "vocab.txt")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+)
 """A directory with none of these is not a Hugging Face tokenizer directory."""
 
 _DECISION_FILES = ("tokenizer_config.json", "config.json")
 """The files whose contents `AutoTokenizer` reads to decide the class."""
 
 
-def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False,
-                   padding_side: str | None = None, cache_dir: str | Path | None = None) -> Any:
+def load_tokenizer(
+    path: str | Path,
+    *,
+    trust_remote_code: bool = False,
+    padding_side: str | None = None,
+    cache_dir: str | Path | None = None,
+) -> Any:
     """The tokenizer in `path`, with a pad token guaranteed.
 
     Pad token: kept if the tokenizer has one; otherwise the EOS token is reused as padding
@@ -56,7 +66,8 @@ def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False,
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
         raise FileNotFoundError(
             f"tokenizer path {str(directory)!r} has none of {', '.join(TOKENIZER_FILES)}; "
-            "it is not a Hugging Face tokenizer directory")
+            "it is not a Hugging Face tokenizer directory"
+        )
     options = {} if padding_side is None else {"padding_side": padding_side}
     memo = None if trust_remote_code or cache_dir is None else _memo_path(directory, cache_dir)
     known = _remembered_class(memo) if memo is not None else None
@@ -66,15 +77,17 @@ def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False,
     else:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code,
-                                                  **options)
+        tokenizer = AutoTokenizer.from_pretrained(
+            directory, trust_remote_code=trust_remote_code, **options
+        )
         if memo is not None:
             _remember_class(memo, type(tokenizer))
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(
                 f"tokenizer in {str(directory)!r} has neither a pad nor an EOS token; add a "
-                "pad_token to its tokenizer_config.json")
+                "pad_token to its tokenizer_config.json"
+            )
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
@@ -104,8 +117,9 @@ def _remembered_class(memo: Path) -> type | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError, ImportError, AttributeError) as err:
-        log.warning("ignoring the remembered tokenizer class %s (%s); asking AutoTokenizer",
-                    memo, err)
+        log.warning(
+            "ignoring the remembered tokenizer class %s (%s); asking AutoTokenizer", memo, err
+        )
         return None
 
 
@@ -117,8 +131,7 @@ def _remember_class(memo: Path, cls: type) -> None:
     written = None
     try:
         memo.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=memo.parent, suffix=".tmp",
-                                         delete=False) as out:
+        with tempfile.NamedTemporaryFile("w", dir=memo.parent, suffix=".tmp", delete=False) as out:
             written = out.name
             json.dump({"module": cls.__module__, "class": cls.__qualname__}, out)
         os.replace(written, memo)

@@ -60,8 +60,11 @@ def warm_key_inputs(cfg: RunConfig) -> dict[str, Any]:
         "version": WARMSTART_VERSION,
         "tiny": dataclasses.asdict(cfg.model.tiny),
         "warmstart": dataclasses.asdict(cfg.model.warmstart),
-        "task": {"name": cfg.task.name, "params": dict(cfg.task.params),
-                 "source": task_source_digest(cfg.task.name)},
+        "task": {
+            "name": cfg.task.name,
+            "params": dict(cfg.task.params),
+            "source": task_source_digest(cfg.task.name),
+        },
         "seed": cfg.seed,
     }
 
@@ -72,8 +75,7 @@ def task_source_digest(name: str) -> str:
     module_name = BUILTIN_TASKS.get(name, name).partition(":")[0]
     try:
         # a module without a source file gives Path(None): the TypeError caught below
-        source = Path(inspect.getsourcefile(
-            importlib.import_module(module_name))).read_bytes()
+        source = Path(inspect.getsourcefile(importlib.import_module(module_name))).read_bytes()
     except (ImportError, OSError, TypeError):  # load_task reports a bad name with context
         return ""
     return hashlib.sha256(source).hexdigest()[:16]
@@ -163,8 +165,13 @@ def build_warm_model(cfg: RunConfig, directory: Path) -> dict[str, Any]:
             "model.warmstart.steps=0 to start RL from the random model"
         )
     tokenizer = build_char_tokenizer()
-    model = build_tiny_model(cfg.model.tiny, len(tokenizer), tokenizer.eos_token_id,
-                             tokenizer.pad_token_id, seed=cfg.seed)
+    model = build_tiny_model(
+        cfg.model.tiny,
+        len(tokenizer),
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+        seed=cfg.seed,
+    )
     losses: list[float] = []
     if ws.steps:
         assert sft_examples is not None  # refused above
@@ -188,9 +195,14 @@ def build_warm_model(cfg: RunConfig, directory: Path) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
     }
     (directory / METADATA_FILE).write_text(json.dumps(metadata, indent=1))
-    logger.info("warm start %s: %d SFT steps, loss %.3f -> %.3f, %.1f s", metadata["key"],
-                ws.steps, metadata["loss_first"] or float("nan"),
-                metadata["loss_last"] or float("nan"), metadata["seconds"])
+    logger.info(
+        "warm start %s: %d SFT steps, loss %.3f -> %.3f, %.1f s",
+        metadata["key"],
+        ws.steps,
+        metadata["loss_first"] or float("nan"),
+        metadata["loss_last"] or float("nan"),
+        metadata["seconds"],
+    )
     return metadata
 
 
@@ -205,8 +217,9 @@ trained target (completion tokens the model writes, and EOS; not the prompt, not
 episode's observations)."""
 
 
-def encode_sft(tokenizer: Any, prompts: Sequence[str],
-               completions: Sequence[str | Sequence[tuple[str, bool]]]) -> list[SFTSequence]:
+def encode_sft(
+    tokenizer: Any, prompts: Sequence[str], completions: Sequence[str | Sequence[tuple[str, bool]]]
+) -> list[SFTSequence]:
     """(prompt + completion + EOS token ids, trained-target flags) per example. A completion
     is its text, or (text, trained) segments tokenized one by one (an episode, whose
     observations are context, not targets)."""
@@ -217,9 +230,14 @@ def encode_sft(tokenizer: Any, prompts: Sequence[str],
     out = []
     for p, completion in zip(prompt_ids, completions, strict=True):
         ids, targets = list(p), [False] * len(p)
-        pieces = [(next(text_ids), True)] if isinstance(completion, str) else [
-            (tokenizer(text, add_special_tokens=False)["input_ids"], trained)
-            for text, trained in completion]
+        pieces = (
+            [(next(text_ids), True)]
+            if isinstance(completion, str)
+            else [
+                (tokenizer(text, add_special_tokens=False)["input_ids"], trained)
+                for text, trained in completion
+            ]
+        )
         for piece, trained in pieces:
             ids += piece
             targets += [trained] * len(piece)
@@ -227,8 +245,9 @@ def encode_sft(tokenizer: Any, prompts: Sequence[str],
     return out
 
 
-def collate(sequences: Sequence[SFTSequence],
-            pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def collate(
+    sequences: Sequence[SFTSequence], pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded input ids [B, T], attention mask [B, T], and loss mask [B, T-1] that is
     1 where the next token is a trained target."""
     width = max(len(ids) for ids, _ in sequences)
@@ -242,12 +261,17 @@ def collate(sequences: Sequence[SFTSequence],
     return input_ids, attention, loss_mask
 
 
-def completion_nll(model: torch.nn.Module, input_ids: torch.Tensor, attention: torch.Tensor,
-                   loss_mask: torch.Tensor) -> torch.Tensor:
+def completion_nll(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention: torch.Tensor,
+    loss_mask: torch.Tensor,
+) -> torch.Tensor:
     """Summed negative log-likelihood of the completion tokens (scalar)."""
     logits = model(input_ids=input_ids, attention_mask=attention).logits[:, :-1].float()
     nll = torch.nn.functional.cross_entropy(
-        logits.transpose(1, 2), input_ids[:, 1:], reduction="none")
+        logits.transpose(1, 2), input_ids[:, 1:], reduction="none"
+    )
     return (nll * loss_mask).sum()
 
 
@@ -263,8 +287,9 @@ def length_buckets(sequences: Sequence[SFTSequence]) -> list[list[SFTSequence]]:
     return buckets
 
 
-def batch_loss(model: torch.nn.Module, batch: Sequence[SFTSequence],
-               pad_token_id: int) -> torch.Tensor:
+def batch_loss(
+    model: torch.nn.Module, batch: Sequence[SFTSequence], pad_token_id: int
+) -> torch.Tensor:
     """Mean NLL per completion token over the whole batch, accumulated over length buckets
     (backward is called per bucket to free activations early); returns the detached loss."""
     num_tokens = sum(sum(targets) for _, targets in batch)
@@ -285,8 +310,15 @@ def lr_factor(step: int, num_steps: int) -> float:
     return _FINAL_LR_FRACTION + (1 - _FINAL_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def sft(model: torch.nn.Module, sequences: Sequence[SFTSequence], ws: WarmStartConfig,
-        *, pad_token_id: int, seed: int, log_every: int = 50) -> list[float]:
+def sft(
+    model: torch.nn.Module,
+    sequences: Sequence[SFTSequence],
+    ws: WarmStartConfig,
+    *,
+    pad_token_id: int,
+    seed: int,
+    log_every: int = 50,
+) -> list[float]:
     """`ws.steps` AdamW steps over consecutive batches of `sequences`; the loss per step."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=ws.lr, betas=_BETAS, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, ws.steps))
@@ -303,7 +335,11 @@ def sft(model: torch.nn.Module, sequences: Sequence[SFTSequence], ws: WarmStartC
             scheduler.step()
             losses.append(loss.item())
             if log_every and (step + 1) % log_every == 0:
-                logger.info("warm start step %d/%d: loss %.4f", step + 1, ws.steps,
-                            _tail_mean(losses, log_every))
+                logger.info(
+                    "warm start step %d/%d: loss %.4f",
+                    step + 1,
+                    ws.steps,
+                    _tail_mean(losses, log_every),
+                )
     model.eval()
     return losses

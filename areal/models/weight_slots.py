@@ -50,13 +50,18 @@ import torch
 from areal.models.weights import TensorSpec, unflatten_bucket
 
 _MAGIC = b"ARSLOT01"
-_HEADER = struct.Struct("<8sIIqQQQ")  # magic, state, reserved, version, payload offset/size, manifest size
+_HEADER = struct.Struct(
+    "<8sIIqQQQ"
+)  # magic, state, reserved, version, payload offset/size, manifest size
 _HEADER_BYTES = 64
 _ALIGN = 16
 _PAGE = 4096
 EMPTY, WRITING, COMPLETE = 0, 1, 2
-_STATE_NAMES = {EMPTY: "empty", WRITING: "being written (or abandoned mid-write)",
-                COMPLETE: "complete"}
+_STATE_NAMES = {
+    EMPTY: "empty",
+    WRITING: "being written (or abandoned mid-write)",
+    COMPLETE: "complete",
+}
 
 
 class SlotError(RuntimeError):
@@ -89,8 +94,17 @@ class _Header:
         return cls(state, version, offset, size, manifest)
 
     def write(self, buffer: mmap.mmap) -> None:
-        _HEADER.pack_into(buffer, 0, _MAGIC, self.state, 0, self.version, self.payload_offset,
-                          self.payload_bytes, self.manifest_bytes)
+        _HEADER.pack_into(
+            buffer,
+            0,
+            _MAGIC,
+            self.state,
+            0,
+            self.version,
+            self.payload_offset,
+            self.payload_bytes,
+            self.manifest_bytes,
+        )
 
 
 def _layout(tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[TensorSpec], bytes, int, int]:
@@ -98,11 +112,19 @@ def _layout(tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[TensorSpec], 
     specs, offset = [], 0
     for name, tensor in tensors:
         num_bytes = tensor.numel() * tensor.element_size()
-        specs.append(TensorSpec(name=name, dtype=str(tensor.dtype).removeprefix("torch."),
-                                shape=tuple(tensor.shape), offset=offset, num_bytes=num_bytes))
+        specs.append(
+            TensorSpec(
+                name=name,
+                dtype=str(tensor.dtype).removeprefix("torch."),
+                shape=tuple(tensor.shape),
+                offset=offset,
+                num_bytes=num_bytes,
+            )
+        )
         offset += -(-num_bytes // _ALIGN) * _ALIGN
-    manifest = json.dumps([[s.name, s.dtype, list(s.shape), s.offset, s.num_bytes]
-                           for s in specs]).encode()
+    manifest = json.dumps(
+        [[s.name, s.dtype, list(s.shape), s.offset, s.num_bytes] for s in specs]
+    ).encode()
     payload_offset = -(-(_HEADER_BYTES + len(manifest)) // _PAGE) * _PAGE
     return specs, manifest, payload_offset, payload_offset + max(offset, 1)
 
@@ -145,11 +167,14 @@ class _Slot:
 class SlotWriter:
     """Trainer rank 0's side: publishes versions into `num_slots` slots of `directory`."""
 
-    def __init__(self, directory: str | Path, num_slots: int, *, lock_timeout_s: float = 60.0
-                 ) -> None:
+    def __init__(
+        self, directory: str | Path, num_slots: int, *, lock_timeout_s: float = 60.0
+    ) -> None:
         if num_slots < 2:
-            raise ValueError(f"num_slots={num_slots} must be >= 2: a version is written into "
-                             "another slot than the newest complete one")
+            raise ValueError(
+                f"num_slots={num_slots} must be >= 2: a version is written into "
+                "another slot than the newest complete one"
+            )
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.num_slots = num_slots
@@ -170,12 +195,12 @@ class SlotWriter:
             payload = size - payload_offset
             header = _Header(WRITING, version, payload_offset, payload, len(manifest))
             header.write(slot.buffer)
-            slot.buffer[_HEADER_BYTES:_HEADER_BYTES + len(manifest)] = manifest
+            slot.buffer[_HEADER_BYTES : _HEADER_BYTES + len(manifest)] = manifest
             data = slot.data
             for spec, (_, tensor) in zip(specs, pairs, strict=True):
                 start = payload_offset + spec.offset
                 raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-                data[start:start + spec.num_bytes].copy_(raw)
+                data[start : start + spec.num_bytes].copy_(raw)
             _Header(COMPLETE, version, payload_offset, payload, len(manifest)).write(slot.buffer)
         finally:
             fcntl.flock(slot.fd, fcntl.LOCK_UN)
@@ -204,6 +229,7 @@ class SlotWriter:
 
     def _choose_slot(self) -> _Slot:
         """The slot with the oldest content, never the one with the newest complete version."""
+
         def rank(slot: _Slot) -> tuple[int, int]:
             try:
                 header = _Header.read(slot.buffer, slot.path)
@@ -222,10 +248,11 @@ class SlotWriter:
                 return
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise SlotError(f"{slot.path} is still being read after "
-                                    f"{self.lock_timeout_s} s (a rollout worker stuck in a "
-                                    "load?); raise weight_sync.timeout_s or keep_versions"
-                                    ) from None
+                    raise SlotError(
+                        f"{slot.path} is still being read after "
+                        f"{self.lock_timeout_s} s (a rollout worker stuck in a "
+                        "load?); raise weight_sync.timeout_s or keep_versions"
+                    ) from None
                 time.sleep(0.005)  # readers hold the lock for one load; flock has no timeout
 
 
@@ -245,8 +272,10 @@ class SlotReader:
         try:
             fcntl.flock(slot.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise SlotError(f"{slot.path} is being overwritten with a newer version: version "
-                            f"{version} is gone; load a newer one") from None
+            raise SlotError(
+                f"{slot.path} is being overwritten with a newer version: version "
+                f"{version} is gone; load a newer one"
+            ) from None
         try:
             yield self._views(slot, version)
         finally:
@@ -267,8 +296,10 @@ class SlotReader:
         try:
             size = os.stat(path).st_size
         except FileNotFoundError:
-            raise SlotError(f"weight slot {path} does not exist (the trainer removed it, or "
-                            "it runs on another host: shm mode needs one host)") from None
+            raise SlotError(
+                f"weight slot {path} does not exist (the trainer removed it, or "
+                "it runs on another host: shm mode needs one host)"
+            ) from None
         if slot is not None and len(slot.buffer) < size:  # the writer grew the slot
             slot.close()
             slot = None
@@ -283,13 +314,19 @@ class SlotReader:
     def _views(slot: _Slot, version: int) -> list[tuple[str, torch.Tensor]]:
         header = _Header.read(slot.buffer, slot.path)
         if header.state != COMPLETE:
-            raise SlotError(f"{slot.path} is {_STATE_NAMES.get(header.state, header.state)} "
-                            f"(version {header.version}), not a complete version {version}")
+            raise SlotError(
+                f"{slot.path} is {_STATE_NAMES.get(header.state, header.state)} "
+                f"(version {header.version}), not a complete version {version}"
+            )
         if header.version != version:
-            raise SlotError(f"{slot.path} holds version {header.version}, not {version} (it "
-                            "was overwritten: load a newer version)")
-        raw = bytes(slot.buffer[_HEADER_BYTES:_HEADER_BYTES + header.manifest_bytes])
-        specs = [TensorSpec(name=n, dtype=d, shape=tuple(s), offset=o, num_bytes=b)
-                 for n, d, s, o, b in json.loads(raw)]
-        payload = slot.data[header.payload_offset:header.payload_offset + header.payload_bytes]
+            raise SlotError(
+                f"{slot.path} holds version {header.version}, not {version} (it "
+                "was overwritten: load a newer version)"
+            )
+        raw = bytes(slot.buffer[_HEADER_BYTES : _HEADER_BYTES + header.manifest_bytes])
+        specs = [
+            TensorSpec(name=n, dtype=d, shape=tuple(s), offset=o, num_bytes=b)
+            for n, d, s, o, b in json.loads(raw)
+        ]
+        payload = slot.data[header.payload_offset : header.payload_offset + header.payload_bytes]
         return unflatten_bucket(payload, specs)

@@ -98,8 +98,9 @@ def save_tensors(
     return target
 
 
-def load_tensors(directory: str | Path, *, device: str | torch.device = "cpu"
-                 ) -> dict[str, torch.Tensor]:
+def load_tensors(
+    directory: str | Path, *, device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
     """All tensors of a safetensors directory: the files named by its index, else every
     *.safetensors file (temporary files of an unfinished `save_tensors` are never read)."""
     directory = Path(directory)
@@ -117,8 +118,10 @@ def load_tensors(directory: str | Path, *, device: str | torch.device = "cpu"
     for path in files:
         for name, tensor in load_file(path, device=str(device)).items():
             if name in tensors:
-                raise WeightMismatchError(f"tensor {name!r} appears in more than one file of "
-                                          f"{str(directory)!r} (again in {path.name})")
+                raise WeightMismatchError(
+                    f"tensor {name!r} appears in more than one file of "
+                    f"{str(directory)!r} (again in {path.name})"
+                )
             tensors[name] = tensor
     return tensors
 
@@ -147,12 +150,15 @@ def copy_into_model(model: nn.Module, tensors: NamedTensors, *, strict: bool = T
                 f"(it has {len(params)} parameter names, e.g. {next(iter(params), None)!r})"
             )
         if tuple(tensor.shape) != tuple(param.shape):
-            raise WeightMismatchError(f"tensor {name!r} has shape {tuple(tensor.shape)}, the "
-                                      f"model's parameter has {tuple(param.shape)}")
+            raise WeightMismatchError(
+                f"tensor {name!r} has shape {tuple(tensor.shape)}, the "
+                f"model's parameter has {tuple(param.shape)}"
+            )
         earlier = given.setdefault(id(param), (name, tensor))
         if earlier[0] != name and not torch.equal(earlier[1].cpu(), tensor.cpu()):
-            raise WeightMismatchError(f"tensors {earlier[0]!r} and {name!r} are tied in the "
-                                      "model but differ")
+            raise WeightMismatchError(
+                f"tensors {earlier[0]!r} and {name!r} are tied in the model but differ"
+            )
     if strict:
         for name, param in model.named_parameters():
             if id(param) not in given:
@@ -166,8 +172,9 @@ def copy_into_model(model: nn.Module, tensors: NamedTensors, *, strict: bool = T
             params[name].data.copy_(tensor)
 
 
-def bucket_tensors(tensors: NamedTensors, max_bytes: int
-                   ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def bucket_tensors(
+    tensors: NamedTensors, max_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Consecutive groups of (name, tensor), each at most max_bytes in total, order kept.
 
     A single tensor larger than max_bytes forms a bucket of its own; no tensor is split.
@@ -188,8 +195,9 @@ def bucket_tensors(tensors: NamedTensors, max_bytes: int
         yield bucket
 
 
-def flatten_bucket(bucket: Iterable[tuple[str, torch.Tensor]]
-                   ) -> tuple[torch.Tensor, list[TensorSpec]]:
+def flatten_bucket(
+    bucket: Iterable[tuple[str, torch.Tensor]],
+) -> tuple[torch.Tensor, list[TensorSpec]]:
     """One contiguous uint8 buffer holding every tensor's bytes, plus where each lies.
 
     The buffer is on the device of the first tensor (a broadcast sends it as one message).
@@ -199,19 +207,27 @@ def flatten_bucket(bucket: Iterable[tuple[str, torch.Tensor]]
     specs, offset = [], 0
     for name, tensor in pairs:
         num_bytes = tensor.numel() * tensor.element_size()
-        specs.append(TensorSpec(name=name, dtype=str(tensor.dtype).removeprefix("torch."),
-                                shape=tuple(tensor.shape), offset=offset, num_bytes=num_bytes))
+        specs.append(
+            TensorSpec(
+                name=name,
+                dtype=str(tensor.dtype).removeprefix("torch."),
+                shape=tuple(tensor.shape),
+                offset=offset,
+                num_bytes=num_bytes,
+            )
+        )
         offset += -(-num_bytes // _ALIGN) * _ALIGN
     device = pairs[0][1].device if pairs else torch.device("cpu")
     buffer = torch.empty(offset, dtype=torch.uint8, device=device)
     for spec, (_, tensor) in zip(specs, pairs, strict=True):
         raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        buffer[spec.offset:spec.offset + spec.num_bytes].copy_(raw)
+        buffer[spec.offset : spec.offset + spec.num_bytes].copy_(raw)
     return buffer, specs
 
 
-def unflatten_bucket(buffer: torch.Tensor, specs: Iterable[TensorSpec]
-                     ) -> list[tuple[str, torch.Tensor]]:
+def unflatten_bucket(
+    buffer: torch.Tensor, specs: Iterable[TensorSpec]
+) -> list[tuple[str, torch.Tensor]]:
     """The (name, tensor) pairs of a flat bucket; tensors are views into `buffer`."""
     out = []
     for spec in specs:
@@ -220,14 +236,14 @@ def unflatten_bucket(buffer: torch.Tensor, specs: Iterable[TensorSpec]
             raise ValueError(f"tensor {spec.name!r}: unknown dtype {spec.dtype!r}")
         end = spec.offset + spec.num_bytes
         if end > buffer.numel():
-            raise ValueError(f"tensor {spec.name!r} ends at byte {end}, past the bucket's "
-                             f"{buffer.numel()} bytes")
-        out.append((spec.name, buffer[spec.offset:end].view(dtype).view(spec.shape)))
+            raise ValueError(
+                f"tensor {spec.name!r} ends at byte {end}, past the bucket's {buffer.numel()} bytes"
+            )
+        out.append((spec.name, buffer[spec.offset : end].view(dtype).view(spec.shape)))
     return out
 
 
-def merge_buckets(buckets: Iterable[Iterable[tuple[str, torch.Tensor]]]
-                  ) -> dict[str, torch.Tensor]:
+def merge_buckets(buckets: Iterable[Iterable[tuple[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
     """Reassemble buckets into one name -> tensor dict, refusing a name seen twice."""
     merged: dict[str, torch.Tensor] = {}
     for bucket in buckets:
@@ -249,8 +265,10 @@ def _check_checkpoint_layout(model: nn.Module) -> None:
         return  # a plain nn.Module: its names are its own
     from transformers.core_model_loading import revert_weight_conversion
 
-    meta = {name: torch.empty(p.shape, dtype=p.dtype, device="meta")
-            for name, p in model.named_parameters()}
+    meta = {
+        name: torch.empty(p.shape, dtype=p.dtype, device="meta")
+        for name, p in model.named_parameters()
+    }
     reverted = revert_weight_conversion(model, dict(meta))
     changed = sorted(set(meta) - set(reverted))
     if changed:

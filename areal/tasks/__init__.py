@@ -29,7 +29,9 @@ def load_task(name: str, params: dict[str, Any] | None = None) -> Task:
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise ValueError(f"task.name={name!r}: cannot import module {module_name!r}: {err}") from err
+        raise ValueError(
+            f"task.name={name!r}: cannot import module {module_name!r}: {err}"
+        ) from err
     cls = getattr(module, attr, None)
     if not (isinstance(cls, type) and issubclass(cls, Task)):
         raise ValueError(f"task.name={name!r}: {path!r} is not a subclass of areal.tasks.Task")

@@ -67,13 +67,13 @@ def load_agent(path: str, params: dict[str, Any] | None = None) -> AgentFunction
     built with `params`, its `run` method). ValueError naming the path when it is neither."""
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"agent.function={path!r} is not an import path "
-                         "'package.module:function'")
+        raise ValueError(f"agent.function={path!r} is not an import path 'package.module:function'")
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise ValueError(f"agent.function={path!r}: cannot import module {module_name!r}: "
-                         f"{err}") from err
+        raise ValueError(
+            f"agent.function={path!r}: cannot import module {module_name!r}: {err}"
+        ) from err
     target = getattr(module, attr, None)
     if target is None:
         raise ValueError(f"agent.function={path!r}: module {module_name!r} has no {attr!r}")
@@ -85,18 +85,22 @@ def load_agent(path: str, params: dict[str, Any] | None = None) -> AgentFunction
         except AttributeError:
             raise ValueError(f"agent.function={path!r}: class {attr} has no run method") from None
     if not inspect.iscoroutinefunction(target):
-        raise ValueError(f"agent.function={path!r} is not an async function (async def "
-                         "run(client, sample)) nor a class with one")
+        raise ValueError(
+            f"agent.function={path!r} is not an async function (async def "
+            "run(client, sample)) nor a class with one"
+        )
     return target
 
 
-def episode_rewards(returned: Any, completion_ids: Sequence[str]) -> tuple[list[float],
-                                                                          RewardOutcome]:
+def episode_rewards(
+    returned: Any, completion_ids: Sequence[str]
+) -> tuple[list[float], RewardOutcome]:
     """(reward of each call, in `completion_ids` order; the episode's outcome) of what an
     agent returned. ValueError / TypeError, with the reason, when it cannot be used."""
     if not completion_ids:
-        raise ValueError("the agent made no chat call through its client: there is nothing "
-                         "to train")
+        raise ValueError(
+            "the agent made no chat call through its client: there is nothing to train"
+        )
     rewards = [0.0] * len(completion_ids)
     if isinstance(returned, RewardOutcome):
         rewards[-1] = _finite(returned.reward, "the returned RewardOutcome's reward")
@@ -108,15 +112,20 @@ def episode_rewards(returned: Any, completion_ids: Sequence[str]) -> tuple[list[
         index = {cid: i for i, cid in enumerate(completion_ids)}
         for cid, value in returned.items():
             if cid not in index:
-                raise ValueError(f"the agent returned a reward for completion {cid!r}, which "
-                                 "is not one of this episode's calls")
+                raise ValueError(
+                    f"the agent returned a reward for completion {cid!r}, which "
+                    "is not one of this episode's calls"
+                )
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                raise TypeError(f"the reward of completion {cid!r} is a "
-                                f"{type(value).__name__}, not a number")
+                raise TypeError(
+                    f"the reward of completion {cid!r} is a {type(value).__name__}, not a number"
+                )
             rewards[index[cid]] = _finite(value, f"the reward of completion {cid!r}")
         return rewards, _outcome(sum(rewards))
-    raise TypeError(f"the agent returned a {type(returned).__name__}; return a number, a "
-                    "RewardOutcome or {completion id: reward}")
+    raise TypeError(
+        f"the agent returned a {type(returned).__name__}; return a number, a "
+        "RewardOutcome or {completion id: reward}"
+    )
 
 
 def _finite(value: numbers.Real | float, what: str) -> float:
@@ -139,8 +148,9 @@ def call_returns(rewards: Sequence[float], discount: float) -> list[float]:
     return returns
 
 
-def segment_rewards(call_segments: Sequence[int], rewards: Sequence[float], discount: float,
-                    num_segments: int) -> list[float]:
+def segment_rewards(
+    call_segments: Sequence[int], rewards: Sequence[float], discount: float, num_segments: int
+) -> list[float]:
     """The reward of each segment: the return of its last call plus the rewards of its
     earlier calls. `call_segments[k]` is the segment of call k (calls in finishing order)."""
     returns = call_returns(rewards, discount)
@@ -153,5 +163,11 @@ def segment_rewards(call_segments: Sequence[int], rewards: Sequence[float], disc
     return out
 
 
-__all__ = ["AgentFunction", "AgentSample", "call_returns", "episode_rewards", "load_agent",
-           "segment_rewards"]
+__all__ = [
+    "AgentFunction",
+    "AgentSample",
+    "call_returns",
+    "episode_rewards",
+    "load_agent",
+    "segment_rewards",
+]

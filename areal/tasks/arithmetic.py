@@ -46,8 +46,9 @@ _MAX_MISSES = 1000
 """Rejection-sampling attempts in a row before declaring the expression space too small."""
 
 
-def distinct_problems(draw: Callable[[random.Random], Any], rng: random.Random, num: int,
-                      what: str, hint: str) -> list[Any]:
+def distinct_problems(
+    draw: Callable[[random.Random], Any], rng: random.Random, num: int, what: str, hint: str
+) -> list[Any]:
     """`num` problems of distinct `.text` from `draw(rng)`, in draw order (a held-out split);
     a ValueError naming `hint` when the setting has too few."""
     seen: dict[str, Any] = {}
@@ -57,16 +58,23 @@ def distinct_problems(draw: Callable[[random.Random], Any], rng: random.Random, 
         if problem.text in seen:
             misses += 1
             if misses > _MAX_MISSES:
-                raise ValueError(f"task.params.num_eval={num}: only {len(seen)} distinct {what} "
-                                 f"found; lower num_eval or {hint}")
+                raise ValueError(
+                    f"task.params.num_eval={num}: only {len(seen)} distinct {what} "
+                    f"found; lower num_eval or {hint}"
+                )
             continue
         misses = 0
         seen[problem.text] = problem
     return list(seen.values())
 
 
-def problems_outside(draw: Callable[[random.Random], Any], rng: random.Random,
-                     excluded: frozenset[str], what: str, hint: str) -> Iterator[Any]:
+def problems_outside(
+    draw: Callable[[random.Random], Any],
+    rng: random.Random,
+    excluded: frozenset[str],
+    what: str,
+    hint: str,
+) -> Iterator[Any]:
     """An endless stream of `draw(rng)` whose `.text` is not in `excluded` (the held-out
     split); a ValueError naming `hint` when nearly every draw is excluded."""
     misses = 0
@@ -75,8 +83,10 @@ def problems_outside(draw: Callable[[random.Random], Any], rng: random.Random,
         if problem.text in excluded:
             misses += 1
             if misses > _MAX_MISSES:
-                raise ValueError(f"the held-out split covers nearly all {what} of this setting; "
-                                 f"lower task.params.num_eval or {hint}")
+                raise ValueError(
+                    f"the held-out split covers nearly all {what} of this setting; "
+                    f"lower task.params.num_eval or {hint}"
+                )
             continue
         misses = 0
         yield problem
@@ -140,8 +150,9 @@ class ArithmeticTask(Task):
         sft_direct_fraction: share of `sft_examples` that answer at once, without a trace.
         """
         if not 1 <= min_k <= max_k:
-            raise ValueError(f"task.params: need 1 <= min_k <= max_k, got min_k={min_k}, "
-                             f"max_k={max_k}")
+            raise ValueError(
+                f"task.params: need 1 <= min_k <= max_k, got min_k={min_k}, max_k={max_k}"
+            )
         if k_alpha < 0:
             raise ValueError(f"task.params.k_alpha={k_alpha!r} must be >= 0")
         if max_a < 0:
@@ -152,7 +163,8 @@ class ArithmeticTask(Task):
             raise ValueError(f"task.params.num_eval={num_eval!r} must be >= 1")
         if not 0 <= sft_direct_fraction <= 1:
             raise ValueError(
-                f"task.params.sft_direct_fraction={sft_direct_fraction!r} must be in [0, 1]")
+                f"task.params.sft_direct_fraction={sft_direct_fraction!r} must be in [0, 1]"
+            )
         self.min_k, self.max_k, self.k_alpha = min_k, max_k, float(k_alpha)
         self.max_a, self.max_d = max_a, max_d
         self.num_eval, self.data_seed = num_eval, data_seed
@@ -172,9 +184,16 @@ class ArithmeticTask(Task):
 
     def params(self) -> dict[str, Any]:
         """The constructor arguments: everything that determines prompts and rewards."""
-        return dict(min_k=self.min_k, max_k=self.max_k, k_alpha=self.k_alpha,
-                    max_a=self.max_a, max_d=self.max_d, num_eval=self.num_eval,
-                    data_seed=self.data_seed, sft_direct_fraction=self.sft_direct_fraction)
+        return dict(
+            min_k=self.min_k,
+            max_k=self.max_k,
+            k_alpha=self.k_alpha,
+            max_a=self.max_a,
+            max_d=self.max_d,
+            num_eval=self.num_eval,
+            data_seed=self.data_seed,
+            sft_direct_fraction=self.sft_direct_fraction,
+        )
 
     # ---- data -------------------------------------------------------------------------
 
@@ -190,16 +209,25 @@ class ArithmeticTask(Task):
         """`num_eval` distinct expressions, fixed by `data_seed`."""
         if self._eval is None:
             problems = distinct_problems(
-                self._draw, random.Random(f"arithmetic/eval/{self.data_seed}"),
-                self.num_eval, "expressions", "widen max_a/max_d/max_k")
+                self._draw,
+                random.Random(f"arithmetic/eval/{self.data_seed}"),
+                self.num_eval,
+                "expressions",
+                "widen max_a/max_d/max_k",
+            )
             self._eval = [self._prompt(p, f"eval-{i}") for i, p in enumerate(problems)]
             self._eval_texts = frozenset(p.text for p in problems)
         return self._eval
 
     def _train_problems(self, stream: str) -> Iterator[Problem]:
         self.eval_prompts()  # the training stream must know what to skip
-        return problems_outside(self._draw, random.Random(f"arithmetic/{stream}/{self.data_seed}"),
-                                self._eval_texts, "expressions", "widen max_a/max_d/max_k")
+        return problems_outside(
+            self._draw,
+            random.Random(f"arithmetic/{stream}/{self.data_seed}"),
+            self._eval_texts,
+            "expressions",
+            "widen max_a/max_d/max_k",
+        )
 
     def train_prompts(self, seed: int) -> Iterator[Prompt]:
         """An endless stream of training prompts (repeats possible, held-out ones never)."""
@@ -218,8 +246,9 @@ class ArithmeticTask(Task):
                 break
             direct = mix.random() < self.sft_direct_fraction
             completion = f"{ANSWER_MARK}{problem.answer}" if direct else problem.trace()
-            out.append(SFTExample(prompt=self._prompt(problem, f"sft-{seed}-{i}"),
-                                  completion=completion))
+            out.append(
+                SFTExample(prompt=self._prompt(problem, f"sft-{seed}-{i}"), completion=completion)
+            )
         return out
 
     # ---- reward -----------------------------------------------------------------------
@@ -235,5 +264,8 @@ class ArithmeticTask(Task):
         answer = int(match.group(1))
         if answer == int(reference):
             return RewardOutcome(reward=1.0, verdict=Verdict.OK)
-        return RewardOutcome(reward=0.0, verdict=Verdict.WRONG,
-                             detail=f"answered {answer}, expected {int(reference)}")
+        return RewardOutcome(
+            reward=0.0,
+            verdict=Verdict.WRONG,
+            detail=f"answered {answer}, expected {int(reference)}",
+        )

@@ -32,7 +32,11 @@ from typing import Any
 from collections.abc import Sequence
 
 from areal.tasks.tool_calls import (
-    BRACKET_CLOSE, BRACKET_OPEN, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, parse_bracket_call,
+    BRACKET_CLOSE,
+    BRACKET_OPEN,
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    parse_bracket_call,
     parse_chat_calls,
 )
 
@@ -95,11 +99,16 @@ def _text(content: Any, where: str) -> str:
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text",
-                                                                      "output_text"):
+            if not isinstance(part, dict) or part.get("type") not in (
+                "text",
+                "input_text",
+                "output_text",
+            ):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ChatError(f"{where}[{j}] is a {kind!r} part; only text content is "
-                                "supported", f"{where}[{j}]")
+                raise ChatError(
+                    f"{where}[{j}] is a {kind!r} part; only text content is supported",
+                    f"{where}[{j}]",
+                )
             if not isinstance(part.get("text"), str):
                 raise ChatError(f"{where}[{j}].text must be a string", f"{where}[{j}].text")
             parts.append(part["text"])
@@ -132,13 +141,17 @@ def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
             raise ChatError(f"{where} must be an object", where)
         role = raw.get("role")
         if role not in ROLES:
-            raise ChatError(f"{where}.role={role!r} is not one of {', '.join(ROLES)}",
-                            f"{where}.role")
-        message: dict[str, Any] = {"role": "system" if role == "developer" else role,
-                                   "content": _text(raw.get("content"), f"{where}.content")}
+            raise ChatError(
+                f"{where}.role={role!r} is not one of {', '.join(ROLES)}", f"{where}.role"
+            )
+        message: dict[str, Any] = {
+            "role": "system" if role == "developer" else role,
+            "content": _text(raw.get("content"), f"{where}.content"),
+        }
         if role == "assistant" and raw.get("tool_calls"):
-            message["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{j}]")
-                                     for j, c in enumerate(raw["tool_calls"])]
+            message["tool_calls"] = [
+                _tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(raw["tool_calls"])
+            ]
         if role == "tool":
             message["tool_call_id"] = str(raw.get("tool_call_id") or "")
         if isinstance(raw.get("name"), str):
@@ -150,21 +163,32 @@ def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
 def _tool_call(call: Any, where: str) -> dict[str, Any]:
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise ChatError(f"{where} must be {{'type': 'function', 'function': {{'name': ..., "
-                        "'arguments': ...}}", where)
-    return {"id": str(call.get("id") or ""), "type": "function",
-            "function": {"name": function["name"],
-                         "arguments": _arguments(function.get("arguments") or "{}")}}
+        raise ChatError(
+            f"{where} must be {{'type': 'function', 'function': {{'name': ..., "
+            "'arguments': ...}}",
+            where,
+        )
+    return {
+        "id": str(call.get("id") or ""),
+        "type": "function",
+        "function": {
+            "name": function["name"],
+            "arguments": _arguments(function.get("arguments") or "{}"),
+        },
+    }
 
 
 def same_message(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Whether two normalized messages are the same turn (tool call ids aside: clients and
     frameworks rewrite them, templates rarely render them)."""
+
     def key(m: dict[str, Any]) -> tuple:
-        calls = tuple((c["function"]["name"], json.dumps(c["function"]["arguments"],
-                                                         sort_keys=True))
-                      for c in m.get("tool_calls", ()))
+        calls = tuple(
+            (c["function"]["name"], json.dumps(c["function"]["arguments"], sort_keys=True))
+            for c in m.get("tool_calls", ())
+        )
         return m["role"], m["content"], calls, m.get("name")
+
     return key(a) == key(b)
 
 
@@ -177,10 +201,17 @@ def normalize_tools(tools: Any) -> list[dict[str, Any]]:
     out = []
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function" \
-                or not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise ChatError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': "
-                            "..., 'parameters': {...}}}}", f"tools[{i}]")
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type", "function") != "function"
+            or not isinstance(function, dict)
+            or not isinstance(function.get("name"), str)
+        ):
+            raise ChatError(
+                f"tools[{i}] must be {{'type': 'function', 'function': {{'name': "
+                "..., 'parameters': {...}}}}",
+                f"tools[{i}]",
+            )
         out.append({"type": "function", "function": function})
     return out
 
@@ -191,37 +222,56 @@ def normalize_tools(tools: Any) -> list[dict[str, Any]]:
 class ChatFormat:
     """Renders conversations and parses replies for one tokenizer (see the module doc)."""
 
-    def __init__(self, tokenizer: Any, *, format: str = "auto",
-                 observation_template: str | None = None,
-                 template_kwargs: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        format: str = "auto",
+        observation_template: str | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> None:
         if format not in FORMATS:
             raise ValueError(f"agent.tool_format={format!r} is not one of {', '.join(FORMATS)}")
         has_template = bool(getattr(tokenizer, "chat_template", None))
         if format == "chat" and not has_template:
-            raise ValueError("agent.tool_format='chat' but the tokenizer has no chat template; "
-                             "use agent.tool_format=bracket")
+            raise ValueError(
+                "agent.tool_format='chat' but the tokenizer has no chat template; "
+                "use agent.tool_format=bracket"
+            )
         observation_template = observation_template or DEFAULT_OBSERVATION_TEMPLATE
         if "{result}" not in observation_template:
-            raise ValueError(f"agent.observation_template={observation_template!r} has no "
-                             "{result}")
+            raise ValueError(
+                f"agent.observation_template={observation_template!r} has no {{result}}"
+            )
         self.tokenizer = tokenizer
         self.format = format if format != "auto" else ("chat" if has_template else "bracket")
         prefix, _, suffix = observation_template.partition("{result}")
         self._kwargs = dict(template_kwargs or {})
         if self.format == "bracket":
-            self._kwargs.update(chat_template=BRACKET_TEMPLATE, observation_prefix=prefix,
-                                observation_suffix=suffix)
-        probe = self.render([{"role": "user", "content": "?"},
-                             {"role": "assistant", "content": "!"}], [])
-        self.closing = probe[probe.rfind("!") + 1:]
+            self._kwargs.update(
+                chat_template=BRACKET_TEMPLATE, observation_prefix=prefix, observation_suffix=suffix
+            )
+        probe = self.render(
+            [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}], []
+        )
+        self.closing = probe[probe.rfind("!") + 1 :]
         """What the template writes after an assistant's text (Qwen2.5: <|im_end|> and a
         newline; bracket: EOS)."""
 
-    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], *,
-               add_generation_prompt: bool = False) -> str:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = False,
+    ) -> str:
         text = self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, tokenize=False,
-            add_generation_prompt=add_generation_prompt, **self._kwargs)
+            messages,
+            tools=tools or None,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **self._kwargs,
+        )
         if not isinstance(text, str):
             raise TypeError(f"the chat template rendered a {type(text).__name__}, not text")
         return text
@@ -240,8 +290,13 @@ class ChatFormat:
             ids += self.encode(BRACKET_CLOSE)[:1]
         return ids
 
-    def continuation(self, history: list[dict[str, Any]], new: list[dict[str, Any]],
-                     tools: list[dict[str, Any]], stop_text: str | None) -> str | None:
+    def continuation(
+        self,
+        history: list[dict[str, Any]],
+        new: list[dict[str, Any]],
+        tools: list[dict[str, Any]],
+        stop_text: str | None,
+    ) -> str | None:
         """Text after the last sampled token of `history` (ending with the assistant turn
         the model sampled, as the agent sent it back) up to the start of the next assistant
         turn, with `new` messages between; None when the template does not render it as an
@@ -257,15 +312,16 @@ class ChatFormat:
             cut = base.rfind(stop_text)
             if cut < 0:
                 return None
-            tail = base[cut + len(stop_text):]
+            tail = base[cut + len(stop_text) :]
             if tail and not self.closing.endswith(tail):
                 return None
-        return tail + whole[len(base):]
+        return tail + whole[len(base) :]
 
     # -- replies ------------------------------------------------------------------------------
 
-    def parse(self, text: str, stop_text: str | None, tools: list[dict[str, Any]],
-              tool_choice: Any) -> Reply:
+    def parse(
+        self, text: str, stop_text: str | None, tools: list[dict[str, Any]], tool_choice: Any
+    ) -> Reply:
         """The reply of a turn whose text (special tokens skipped) is `text`, ended by the
         stop token `stop_text` (None: cut by its budget, or by a stop string)."""
         if not tools or tool_choice == "none" or stop_text is None:
@@ -279,7 +335,7 @@ class ChatFormat:
         position = 0
         for match in _BLOCK_RE.finditer(text):
             (call,) = parse_chat_calls(match.group(0))
-            kept.append(text[position:match.start()])
+            kept.append(text[position : match.start()])
             if call.error:
                 errors += 1
                 kept.append(match.group(0))
@@ -305,14 +361,25 @@ class ChatFormat:
         if call.error:
             return Reply(content=text, num_tool_errors=1)
         start = text.rstrip().rfind(BRACKET_OPEN)
-        return Reply(content=text[:start] or None,
-                     tool_calls=[_openai_call(call.name, call.arguments)])
+        return Reply(
+            content=text[:start] or None, tool_calls=[_openai_call(call.name, call.arguments)]
+        )
 
 
 def _openai_call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
-    return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments)}}
+    return {
+        "id": f"call_{secrets.token_hex(12)}",
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(arguments)},
+    }
 
 
-__all__ = ["BRACKET_TEMPLATE", "ChatError", "ChatFormat", "Reply", "normalize_messages",
-           "normalize_tools", "same_message"]
+__all__ = [
+    "BRACKET_TEMPLATE",
+    "ChatError",
+    "ChatFormat",
+    "Reply",
+    "normalize_messages",
+    "normalize_tools",
+    "same_message",
+]

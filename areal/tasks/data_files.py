@@ -68,11 +68,15 @@ def as_paths(value: str | Sequence[str] | None, key: str) -> list[str]:
     for raw in paths:
         path = Path(str(raw)).expanduser()
         if path.suffix not in SUFFIXES:
-            raise DataFileError(f"task.params.{key}={str(raw)!r}: unknown file kind "
-                                f"{path.suffix!r}; give a {', '.join(SUFFIXES)} file")
+            raise DataFileError(
+                f"task.params.{key}={str(raw)!r}: unknown file kind "
+                f"{path.suffix!r}; give a {', '.join(SUFFIXES)} file"
+            )
         if not path.is_file():
-            raise DataFileError(f"task.params.{key}={str(raw)!r} does not exist (paths are "
-                                f"relative to the working directory {Path.cwd()})")
+            raise DataFileError(
+                f"task.params.{key}={str(raw)!r} does not exist (paths are "
+                f"relative to the working directory {Path.cwd()})"
+            )
         out.append(str(path))
     return out
 
@@ -93,14 +97,16 @@ def _read_file(path: str, cache_dir: str | None) -> list[dict[str, Any]]:
     bars_were_off = datasets.are_progress_bars_disabled()
     datasets.disable_progress_bars()  # they would tear the controller's progress bar
     try:
-        records = datasets.load_dataset(builder, data_files=path, split="train",
-                                        cache_dir=cache_dir).to_list()
+        records = datasets.load_dataset(
+            builder, data_files=path, split="train", cache_dir=cache_dir
+        ).to_list()
     # DatasetGenerationError: Arrow failed on the content; ValueError (ArrowInvalid is one):
     # a broken or empty file; StopIteration: an empty JSON file (datasets 5.2).
     except (datasets.exceptions.DatasetGenerationError, ValueError, StopIteration) as err:
         if builder != "json":
-            raise DataFileError(f"{path}: cannot be read as Parquet: {err.__cause__ or err}") \
-                from err
+            raise DataFileError(
+                f"{path}: cannot be read as Parquet: {err.__cause__ or err}"
+            ) from err
         records = _read_jsonl_plainly(path, err)
     finally:
         if not bars_were_off:
@@ -125,14 +131,20 @@ def _read_jsonl_plainly(path: str, arrow_error: Exception) -> list[dict[str, Any
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
-                raise DataFileError(f"{path} row {len(records)} (line {line_number}): not valid "
-                                    f"JSON: {err}") from None
+                raise DataFileError(
+                    f"{path} row {len(records)} (line {line_number}): not valid JSON: {err}"
+                ) from None
             if not isinstance(record, dict):
-                raise DataFileError(f"{path} row {len(records)} (line {line_number}): a JSON "
-                                    f"{type(record).__name__}, not an object")
+                raise DataFileError(
+                    f"{path} row {len(records)} (line {line_number}): a JSON "
+                    f"{type(record).__name__}, not an object"
+                )
             records.append(record)
-    log.info("%s: read line by line (Arrow could not read it: %r)", path,
-             arrow_error.__cause__ or arrow_error)
+    log.info(
+        "%s: read line by line (Arrow could not read it: %r)",
+        path,
+        arrow_error.__cause__ or arrow_error,
+    )
     return records
 
 
@@ -156,13 +168,18 @@ class BadRows:
 
     def __post_init__(self) -> None:
         if self.policy not in ON_BAD_ROW:
-            raise ValueError(f"task.params.on_bad_row={self.policy!r} is not one of "
-                             f"{', '.join(ON_BAD_ROW)}")
+            raise ValueError(
+                f"task.params.on_bad_row={self.policy!r} is not one of {', '.join(ON_BAD_ROW)}"
+            )
 
     def handle(self, error: RowError) -> None:
         if self.policy == "error":
-            raise RowError(error.path, error.row, f"{error.reason} (set task.params."
-                           "on_bad_row=skip to skip such rows; they are counted and logged)")
+            raise RowError(
+                error.path,
+                error.row,
+                f"{error.reason} (set task.params."
+                "on_bad_row=skip to skip such rows; they are counted and logged)",
+            )
         self.skipped.append(error)
 
     def log_summary(self, num_rows: int, what: str) -> None:
@@ -170,9 +187,14 @@ class BadRows:
             return
         named = "; ".join(str(e) for e in self.skipped[:_NUM_LOGGED_SKIPS])
         more = len(self.skipped) - _NUM_LOGGED_SKIPS
-        log.warning("%s: skipped %d of %d rows without a usable question or answer "
-                    "(on_bad_row=skip): %s%s", what, len(self.skipped), num_rows, named,
-                    f"; and {more} more" if more > 0 else "")
+        log.warning(
+            "%s: skipped %d of %d rows without a usable question or answer (on_bad_row=skip): %s%s",
+            what,
+            len(self.skipped),
+            num_rows,
+            named,
+            f"; and {more} more" if more > 0 else "",
+        )
 
 
 def split_by_seed(items: Sequence[Any], fraction: float, seed: int) -> tuple[list, list]:
@@ -182,8 +204,10 @@ def split_by_seed(items: Sequence[Any], fraction: float, seed: int) -> tuple[lis
         raise ValueError(f"task.params.eval_fraction={fraction!r} must be in (0, 1)")
     num_eval = max(1, round(fraction * len(items)))
     if num_eval >= len(items):
-        raise ValueError(f"task.params.eval_fraction={fraction!r} of {len(items)} rows leaves "
-                         "no training rows; lower it or give a separate eval_path")
+        raise ValueError(
+            f"task.params.eval_fraction={fraction!r} of {len(items)} rows leaves "
+            "no training rows; lower it or give a separate eval_path"
+        )
     held = set(random.Random(f"heldout/{seed}").sample(range(len(items)), num_eval))
     train = [x for i, x in enumerate(items) if i not in held]
     return train, [x for i, x in enumerate(items) if i in held]

@@ -89,11 +89,15 @@ class DatasetTask(Task):
         self.paths = as_paths(path, "path")
         self.eval_paths = as_paths(eval_path, "eval_path")
         if not self.paths and not self.eval_paths:
-            raise ValueError(f"task {self.name!r}: set task.params.path (training file) and/or "
-                             "task.params.eval_path (held-out file)")
+            raise ValueError(
+                f"task {self.name!r}: set task.params.path (training file) and/or "
+                "task.params.eval_path (held-out file)"
+            )
         if self.eval_paths and eval_fraction is not None:
-            raise ValueError("task.params.eval_fraction and task.params.eval_path are "
-                             "exclusive: give a held-out file or a fraction of path, not both")
+            raise ValueError(
+                "task.params.eval_fraction and task.params.eval_path are "
+                "exclusive: give a held-out file or a fraction of path, not both"
+            )
         if not self.eval_paths:
             eval_fraction = DEFAULT_EVAL_FRACTION if eval_fraction is None else eval_fraction
             if not 0 < eval_fraction < 1:
@@ -104,10 +108,14 @@ class DatasetTask(Task):
         BadRows(on_bad_row)  # validates the policy now, not at first use
         self.on_bad_row, self.data_seed = on_bad_row, data_seed
         self.drop_eval_overlap, self.shuffle = drop_eval_overlap, shuffle
-        self.style = PromptStyle(system_prompt=system_prompt, instruction=instruction,
-                                 template=template, plain_template=plain_template,
-                                 chat_template=chat_template,
-                                 chat_template_kwargs=dict(chat_template_kwargs or {}))
+        self.style = PromptStyle(
+            system_prompt=system_prompt,
+            instruction=instruction,
+            template=template,
+            plain_template=plain_template,
+            chat_template=chat_template,
+            chat_template_kwargs=dict(chat_template_kwargs or {}),
+        )
         self.tokenizer_path, self.stop, self.cache_dir = tokenizer_path, list(stop), cache_dir
         self._tokenizer: Any = None
         self._tokenizer_loaded = False
@@ -143,8 +151,11 @@ class DatasetTask(Task):
 
                 self._tokenizer = load_tokenizer(self.tokenizer_path)
             elif self.style.chat_template is not False:
-                log.warning("task %r: no tokenizer known (task.params.tokenizer_path is null): "
-                            "prompts use the plain template, not a chat template", self.name)
+                log.warning(
+                    "task %r: no tokenizer known (task.params.tokenizer_path is null): "
+                    "prompts use the plain template, not a chat template",
+                    self.name,
+                )
             self._tokenizer_loaded = True
         return self._tokenizer
 
@@ -159,8 +170,9 @@ class DatasetTask(Task):
             except RowError as err:
                 bad.handle(err)
         bad.log_summary(len(rows), what)
-        self.counts["data/skipped_rows"] = self.counts.get("data/skipped_rows", 0) + \
-            len(bad.skipped)
+        self.counts["data/skipped_rows"] = self.counts.get("data/skipped_rows", 0) + len(
+            bad.skipped
+        )
         return out
 
     def _load(self) -> None:
@@ -180,18 +192,30 @@ class DatasetTask(Task):
             kept = [(r, ex) for r, ex in train if repr(ex.question) not in held_questions]
             num_dropped, train = len(train) - len(kept), kept
             if num_dropped:
-                log.warning("task %r: dropped %d training rows whose question is held out "
-                            "(drop_eval_overlap)", self.name, num_dropped)
+                log.warning(
+                    "task %r: dropped %d training rows whose question is held out "
+                    "(drop_eval_overlap)",
+                    self.name,
+                    num_dropped,
+                )
         if not held:
-            raise ValueError(f"task {self.name!r}: no usable held-out rows in "
-                             f"{', '.join(self.eval_paths or self.paths)}")
-        self.counts.update({"data/train_rows": len(train), "data/eval_rows": len(held),
-                            "data/eval_overlap_dropped": num_dropped})
+            raise ValueError(
+                f"task {self.name!r}: no usable held-out rows in "
+                f"{', '.join(self.eval_paths or self.paths)}"
+            )
+        self.counts.update(
+            {
+                "data/train_rows": len(train),
+                "data/eval_rows": len(held),
+                "data/eval_overlap_dropped": num_dropped,
+            }
+        )
         self._eval, self._train = held, train
 
     def _prompt(self, split: str, row: Row, example: Example) -> Prompt:
-        text = render(self.style, example, self.format.instructions[example.kind],
-                      self._get_tokenizer())
+        text = render(
+            self.style, example, self.format.instructions[example.kind], self._get_tokenizer()
+        )
         return Prompt(prompt_id=f"{split}:{row.where}", text=text, reference=example.reference)
 
     def eval_prompts(self) -> list[Prompt]:
@@ -255,20 +279,33 @@ class CodeTask(DatasetTask):
     name = "code"
     format = CODE
 
-    def __init__(self, *, time_limit_s: float = 4.0, memory_mb: int = 1024,
-                 partial_credit: bool = False, float_tolerance: float | None = None,
-                 max_tests: int | None = None, **params: Any) -> None:
+    def __init__(
+        self,
+        *,
+        time_limit_s: float = 4.0,
+        memory_mb: int = 1024,
+        partial_credit: bool = False,
+        float_tolerance: float | None = None,
+        max_tests: int | None = None,
+        **params: Any,
+    ) -> None:
         """time_limit_s: per test, unless the problem gives its own. memory_mb: address
         space per test run. partial_credit: reward the fraction of tests passed.
         float_tolerance: numbers in outputs compare within it. max_tests: run only the first
         ones. The whole check must also fit reward.timeout_s."""
         if not time_limit_s > 0 or memory_mb < 1:
-            raise ValueError(f"task.params: time_limit_s={time_limit_s!r} and "
-                             f"memory_mb={memory_mb!r} must be > 0")
+            raise ValueError(
+                f"task.params: time_limit_s={time_limit_s!r} and "
+                f"memory_mb={memory_mb!r} must be > 0"
+            )
         super().__init__(**params)
-        self.code_options = dict(time_limit_s=float(time_limit_s), memory_bytes=memory_mb << 20,
-                                 partial_credit=partial_credit, float_tolerance=float_tolerance,
-                                 max_tests=max_tests)
+        self.code_options = dict(
+            time_limit_s=float(time_limit_s),
+            memory_bytes=memory_mb << 20,
+            partial_credit=partial_credit,
+            float_tolerance=float_tolerance,
+            max_tests=max_tests,
+        )
         self._code_config: Any = None
 
     def reward(self, completion: str, reference: Any) -> RewardOutcome:

@@ -133,8 +133,9 @@ class Environment(ABC):
         """Release what `start` acquired; idempotent."""
 
 
-def load_environment(name: str, params: dict[str, Any] | None, *, task: Task,
-                     tokenizer: Any) -> Environment:
+def load_environment(
+    name: str, params: dict[str, Any] | None, *, task: Task, tokenizer: Any
+) -> Environment:
     """Instantiate a built-in environment by name, or any `Environment` subclass by
     'package.module:Class', with the run's task and tokenizer and `params`."""
     path = BUILTIN_ENVIRONMENTS.get(name, name)
@@ -142,16 +143,20 @@ def load_environment(name: str, params: dict[str, Any] | None, *, task: Task,
     if not sep or not module_name or not attr:
         raise ValueError(
             f"episode.environment={name!r} is neither a built-in environment "
-            f"({', '.join(BUILTIN_ENVIRONMENTS)}) nor an import path 'package.module:Class'")
+            f"({', '.join(BUILTIN_ENVIRONMENTS)}) nor an import path 'package.module:Class'"
+        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise ValueError(f"episode.environment={name!r}: cannot import module "
-                         f"{module_name!r}: {err}") from err
+        raise ValueError(
+            f"episode.environment={name!r}: cannot import module {module_name!r}: {err}"
+        ) from err
     cls = getattr(module, attr, None)
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
-        raise ValueError(f"episode.environment={name!r}: {path!r} is not a subclass of "
-                         "areal.tasks.environment.Environment")
+        raise ValueError(
+            f"episode.environment={name!r}: {path!r} is not a subclass of "
+            "areal.tasks.environment.Environment"
+        )
     try:
         return cls(task=task, tokenizer=tokenizer, **(params or {}))
     except TypeError as err:
@@ -172,5 +177,14 @@ class SFTEpisode:
         return "".join(text for text, _ in self.segments)
 
 
-__all__ = ["BUILTIN_ENVIRONMENTS", "Environment", "Episode", "Observation", "RewardOutcome",
-           "SFTEpisode", "Turn", "TurnRole", "load_environment"]
+__all__ = [
+    "BUILTIN_ENVIRONMENTS",
+    "Environment",
+    "Episode",
+    "Observation",
+    "RewardOutcome",
+    "SFTEpisode",
+    "Turn",
+    "TurnRole",
+    "load_environment",
+]

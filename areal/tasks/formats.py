@@ -64,12 +64,16 @@ class RowFormat:
     def check_fields(self, fields: Mapping[str, Any]) -> None:
         unknown = sorted(set(fields) - set(self.roles))
         if unknown:
-            raise ValueError(f"task.params.fields: unknown role(s) {', '.join(unknown)} for the "
-                             f"{self.name} format; its roles are {', '.join(self.roles)}")
+            raise ValueError(
+                f"task.params.fields: unknown role(s) {', '.join(unknown)} for the "
+                f"{self.name} format; its roles are {', '.join(self.roles)}"
+            )
         for role, column in fields.items():
             if column is not None and not (isinstance(column, str) and column):
-                raise ValueError(f"task.params.fields.{role}={column!r} must be a column name, "
-                                 "a dotted path or null")
+                raise ValueError(
+                    f"task.params.fields.{role}={column!r} must be a column name, "
+                    "a dotted path or null"
+                )
 
     def example(self, row: Row, fields: Mapping[str, str | None]) -> Example:
         """The row as an example, or RowError naming the file, the row and the reason."""
@@ -81,12 +85,21 @@ class RowFormat:
                     continue
                 value = lookup(row.data, column)
                 if value is _MISSING:
-                    raise RowError(row.path, row.index, f"no column {column!r} (task.params."
-                                   f"fields.{role}); columns: {', '.join(sorted(row.data))}")
+                    raise RowError(
+                        row.path,
+                        row.index,
+                        f"no column {column!r} (task.params."
+                        f"fields.{role}); columns: {', '.join(sorted(row.data))}",
+                    )
             else:
-                value = next((v for c in candidates
-                              if (v := lookup(row.data, c)) is not _MISSING and v is not None),
-                             None)
+                value = next(
+                    (
+                        v
+                        for c in candidates
+                        if (v := lookup(row.data, c)) is not _MISSING and v is not None
+                    ),
+                    None,
+                )
             if value is not None:
                 values[role] = value
         try:
@@ -109,9 +122,14 @@ def lookup(data: Mapping[str, Any], path: str) -> Any:
 
 def _question(values: dict[str, Any]) -> Question:
     question = values.get("question")
-    if isinstance(question, list) and question and all(
+    if (
+        isinstance(question, list)
+        and question
+        and all(
             isinstance(m, Mapping) and isinstance(m.get("content"), str) and m.get("role")
-            for m in question):
+            for m in question
+        )
+    ):
         return [{"role": str(m["role"]), "content": m["content"]} for m in question]
     if not isinstance(question, str) or not question.strip():
         raise _Bad(f"no question (got {_short(question)})")
@@ -124,6 +142,7 @@ def _short(value: Any) -> str:
 
 
 # ---- GSM8K ------------------------------------------------------------------------------
+
 
 def gsm8k_answer(answer: Any) -> str:
     """The number after the last '####' ('#### 1,234' -> '1234'), or a bare number."""
@@ -141,8 +160,9 @@ def gsm8k_answer(answer: Any) -> str:
     if not final:
         raise _Bad(f"nothing after '####' in the answer: {_short(answer)}")
     if not _NUMBER_RE.fullmatch(final):
-        raise _Bad(f"the final answer after '####' is not a number ({_short(final)}): "
-                   f"{_short(answer)}")
+        raise _Bad(
+            f"the final answer after '####' is not a number ({_short(final)}): {_short(answer)}"
+        )
     return final.replace(" ", "")
 
 
@@ -151,6 +171,7 @@ def _build_gsm8k(values: dict[str, Any]) -> Example:
 
 
 # ---- MATH / DeepScaleR ------------------------------------------------------------------
+
 
 def _build_math(values: dict[str, Any]) -> Example:
     question = _question(values)
@@ -172,8 +193,16 @@ def _build_math(values: dict[str, Any]) -> Example:
 
 # ---- code -------------------------------------------------------------------------------
 
-CODE_REFERENCE_ROLES = ("tests", "input_output", "public_test_cases", "private_test_cases",
-                        "test_cases", "metadata", "fn_name", "time_limit_s")
+CODE_REFERENCE_ROLES = (
+    "tests",
+    "input_output",
+    "public_test_cases",
+    "private_test_cases",
+    "test_cases",
+    "metadata",
+    "fn_name",
+    "time_limit_s",
+)
 """Roles copied into a code reference, under these keys (parse_problem's)."""
 
 
@@ -205,24 +234,25 @@ GSM8K = RowFormat(
 )
 MATH = RowFormat(
     name="math",
-    roles={"question": ("problem", "question"), "answer": ("answer",),
-           "solution": ("solution",)},
+    roles={"question": ("problem", "question"), "answer": ("answer",), "solution": ("solution",)},
     instructions={"": MATH_INSTRUCTION},
     build=_build_math,
 )
 CODE = RowFormat(
     name="code",
-    roles={"question": ("question_content", "question", "problem", "prompt", "description"),
-           "starter_code": ("starter_code",),
-           **{role: (role,) for role in CODE_REFERENCE_ROLES}},
+    roles={
+        "question": ("question_content", "question", "problem", "prompt", "description"),
+        "starter_code": ("starter_code",),
+        **{role: (role,) for role in CODE_REFERENCE_ROLES},
+    },
     instructions={
         "stdin": "Write a Python 3 program that reads the input from standard input and "
-                 "prints the answer to standard output. Put the whole program in one "
-                 "```python code block.",
+        "prints the answer to standard output. Put the whole program in one "
+        "```python code block.",
         "call": "Complete the function `{fn_name}` in the starter code below and put the "
-                "whole solution in one ```python code block.\n```python\n{starter_code}\n```",
+        "whole solution in one ```python code block.\n```python\n{starter_code}\n```",
         "function": "Write a Python 3 function `{fn_name}` that solves the problem. Put the "
-                    "whole solution in one ```python code block.",
+        "whole solution in one ```python code block.",
     },
     build=_build_code,
 )

@@ -46,8 +46,10 @@ class PromptStyle:
 
     def __post_init__(self) -> None:
         if self.chat_template not in (None, True, False):
-            raise ValueError(f"task.params.chat_template={self.chat_template!r} must be true, "
-                             "false or null (null: use it when the tokenizer has one)")
+            raise ValueError(
+                f"task.params.chat_template={self.chat_template!r} must be true, "
+                "false or null (null: use it when the tokenizer has one)"
+            )
         if "{question}" not in self.template:
             raise ValueError(f"task.params.template={self.template!r} has no {{question}}")
         if "{user}" not in self.plain_template:
@@ -64,9 +66,15 @@ def fill(template: str, **values: str) -> str:
 def uses_chat_template(style: PromptStyle, tokenizer: Any | None) -> bool:
     has_template = tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
     if style.chat_template is True and not has_template:
-        raise ValueError("task.params.chat_template=true but the tokenizer has no chat "
-                         "template" + ("" if tokenizer is not None else " (no tokenizer is known "
-                                       "to the task: set task.params.tokenizer_path)"))
+        raise ValueError(
+            "task.params.chat_template=true but the tokenizer has no chat "
+            "template"
+            + (
+                ""
+                if tokenizer is not None
+                else " (no tokenizer is known to the task: set task.params.tokenizer_path)"
+            )
+        )
     return has_template if style.chat_template is None else style.chat_template
 
 
@@ -79,20 +87,23 @@ def messages(style: PromptStyle, example: Example, default_instruction: str) -> 
         return convo
     instruction = default_instruction if style.instruction is None else style.instruction
     instruction = fill(instruction, **example.context)
-    user = fill(style.template, question=example.question, instruction=instruction,
-                **example.context).strip()
+    user = fill(
+        style.template, question=example.question, instruction=instruction, **example.context
+    ).strip()
     convo = [{"role": "system", "content": style.system_prompt}] if style.system_prompt else []
     return convo + [{"role": "user", "content": user}]
 
 
-def render(style: PromptStyle, example: Example, default_instruction: str,
-           tokenizer: Any | None) -> str:
+def render(
+    style: PromptStyle, example: Example, default_instruction: str, tokenizer: Any | None
+) -> str:
     """The prompt text for `example` (see the module docstring)."""
     convo = messages(style, example, default_instruction)
     if uses_chat_template(style, tokenizer):
         assert tokenizer is not None  # a chat template needs one
-        text = tokenizer.apply_chat_template(convo, tokenize=False, add_generation_prompt=True,
-                                             **style.chat_template_kwargs)
+        text = tokenizer.apply_chat_template(
+            convo, tokenize=False, add_generation_prompt=True, **style.chat_template_kwargs
+        )
         if not isinstance(text, str):
             raise TypeError(f"the chat template rendered a {type(text).__name__}, not text")
         return text

@@ -27,7 +27,10 @@ from typing import Any
 from collections.abc import Iterator
 
 from areal.tasks.arithmetic import (
-    ANSWER_MARK, ArithmeticTask, distinct_problems, problems_outside,
+    ANSWER_MARK,
+    ArithmeticTask,
+    distinct_problems,
+    problems_outside,
 )
 from areal.tasks.base import Prompt, RewardOutcome, Task
 from areal.tasks.environment import SFTEpisode
@@ -61,8 +64,15 @@ class ToolArithmeticTask(Task):
 
     name = "tool_arithmetic"
 
-    def __init__(self, *, a_digits: int = 3, b_digits: int = 2, num_eval: int = 256,
-                 data_seed: int = 0, sft_direct_fraction: float = 0.5) -> None:
+    def __init__(
+        self,
+        *,
+        a_digits: int = 3,
+        b_digits: int = 2,
+        num_eval: int = 256,
+        data_seed: int = 0,
+        sft_direct_fraction: float = 0.5,
+    ) -> None:
         """
         a_digits, b_digits: digits of the two operands (1-9 each).
         num_eval: size of the held-out split.
@@ -76,7 +86,8 @@ class ToolArithmeticTask(Task):
             raise ValueError(f"task.params.num_eval={num_eval!r} must be >= 1")
         if not 0 <= sft_direct_fraction <= 1:
             raise ValueError(
-                f"task.params.sft_direct_fraction={sft_direct_fraction!r} must be in [0, 1]")
+                f"task.params.sft_direct_fraction={sft_direct_fraction!r} must be in [0, 1]"
+            )
         self.a_digits, self.b_digits = a_digits, b_digits
         self.num_eval, self.data_seed = num_eval, data_seed
         self.sft_direct_fraction = float(sft_direct_fraction)
@@ -86,7 +97,7 @@ class ToolArithmeticTask(Task):
 
     def _draw(self, rng: random.Random) -> Product:
         def operand(digits: int) -> int:
-            return rng.randint(10 ** (digits - 1) if digits > 1 else 0, 10 ** digits - 1)
+            return rng.randint(10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1)
 
         return Product(operand(self.a_digits), operand(self.b_digits))
 
@@ -98,8 +109,12 @@ class ToolArithmeticTask(Task):
         """`num_eval` distinct products, fixed by `data_seed`."""
         if self._eval is None:
             problems = distinct_problems(
-                self._draw, random.Random(f"tool_arithmetic/eval/{self.data_seed}"),
-                self.num_eval, "products", "add digits")
+                self._draw,
+                random.Random(f"tool_arithmetic/eval/{self.data_seed}"),
+                self.num_eval,
+                "products",
+                "add digits",
+            )
             self._eval = [self._prompt(p, f"eval-{i}") for i, p in enumerate(problems)]
             self._eval_texts = frozenset(p.text for p in problems)
         return self._eval
@@ -107,8 +122,12 @@ class ToolArithmeticTask(Task):
     def _train_problems(self, stream: str) -> Iterator[Product]:
         self.eval_prompts()
         return problems_outside(
-            self._draw, random.Random(f"tool_arithmetic/{stream}/{self.data_seed}"),
-            self._eval_texts, "products", "add digits")
+            self._draw,
+            random.Random(f"tool_arithmetic/{stream}/{self.data_seed}"),
+            self._eval_texts,
+            "products",
+            "add digits",
+        )
 
     def train_prompts(self, seed: int) -> Iterator[Prompt]:
         """An endless stream of training prompts (held-out ones never)."""
@@ -123,12 +142,18 @@ class ToolArithmeticTask(Task):
             if i == num:
                 break
             answer = f"{ANSWER_MARK}{problem.answer}"
-            segments = ((answer, True),) if mix.random() < self.sft_direct_fraction else (
-                (f"{BRACKET_OPEN}{problem.expression}{BRACKET_CLOSE}", True),
-                (OBSERVATION.replace("{result}", str(problem.answer)), False),
-                (answer, True))
-            out.append(SFTEpisode(prompt=self._prompt(problem, f"sft-{seed}-{i}"),
-                                  segments=segments))
+            segments = (
+                ((answer, True),)
+                if mix.random() < self.sft_direct_fraction
+                else (
+                    (f"{BRACKET_OPEN}{problem.expression}{BRACKET_CLOSE}", True),
+                    (OBSERVATION.replace("{result}", str(problem.answer)), False),
+                    (answer, True),
+                )
+            )
+            out.append(
+                SFTEpisode(prompt=self._prompt(problem, f"sft-{seed}-{i}"), segments=segments)
+            )
         return out
 
     def reward(self, completion: str, reference: Any) -> RewardOutcome:

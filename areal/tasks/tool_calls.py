@@ -43,8 +43,9 @@ def parse_chat_calls(text: str) -> list[ToolCall]:
     calls = [_parse_call_json(body) for body in _CALL_RE.findall(text)]
     rest = _CALL_RE.sub("", text)
     if TOOL_CALL_OPEN in rest:
-        calls.append(ToolCall(name="", error=f"{TOOL_CALL_OPEN} is never closed with "
-                                             f"{TOOL_CALL_CLOSE}"))
+        calls.append(
+            ToolCall(name="", error=f"{TOOL_CALL_OPEN} is never closed with {TOOL_CALL_CLOSE}")
+        )
     return calls
 
 
@@ -52,8 +53,11 @@ def _parse_call_json(body: str) -> ToolCall:
     try:
         data = json.loads(body)
     except json.JSONDecodeError as err:
-        return ToolCall(name="", error=f"the tool call is not valid JSON ({err.msg} at "
-                                       f"character {err.pos}): {body.strip()[:80]!r}")
+        return ToolCall(
+            name="",
+            error=f"the tool call is not valid JSON ({err.msg} at "
+            f"character {err.pos}): {body.strip()[:80]!r}",
+        )
     if not isinstance(data, dict) or not isinstance(data.get("name"), str):
         return ToolCall(name="", error='a tool call is {"name": <tool>, "arguments": {...}}')
     arguments = data.get("arguments", {})
@@ -63,8 +67,7 @@ def _parse_call_json(body: str) -> ToolCall:
         except json.JSONDecodeError:
             pass
     if not isinstance(arguments, dict):
-        return ToolCall(name=data["name"], error="the arguments of a tool call must be an "
-                                                 "object")
+        return ToolCall(name=data["name"], error="the arguments of a tool call must be an object")
     return ToolCall(name=data["name"], arguments=arguments)
 
 
@@ -76,9 +79,12 @@ def parse_bracket_call(text: str, tool: str, argument: str) -> list[ToolCall]:
         return []
     start = stripped.rfind(BRACKET_OPEN)
     if start < 0:
-        return [ToolCall(name=tool, error=f"a tool call is written {BRACKET_OPEN}"
-                                          f"{argument}{BRACKET_CLOSE}")]
-    return [ToolCall(name=tool, arguments={argument: stripped[start + 1:-1]})]
+        return [
+            ToolCall(
+                name=tool, error=f"a tool call is written {BRACKET_OPEN}{argument}{BRACKET_CLOSE}"
+            )
+        ]
+    return [ToolCall(name=tool, arguments={argument: stripped[start + 1 : -1]})]
 
 
 def chat_observation(tokenizer: Any, contents: list[str], end_of_turn: str) -> str:
@@ -94,13 +100,19 @@ def chat_observation(tokenizer: Any, contents: list[str], end_of_turn: str) -> s
     base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}]
     head = tokenizer.apply_chat_template(base, tokenize=False)
     whole = tokenizer.apply_chat_template(
-        base + [{"role": "tool", "content": c} for c in contents], tokenize=False,
-        add_generation_prompt=True)
+        base + [{"role": "tool", "content": c} for c in contents],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     if not whole.startswith(head):
-        raise ValueError("the chat template renders a conversation differently once tool "
-                         "messages follow; it cannot frame tool results of an episode")
+        raise ValueError(
+            "the chat template renders a conversation differently once tool "
+            "messages follow; it cannot frame tool results of an episode"
+        )
     cut = head.rfind(end_of_turn)
-    if cut < 0 or head[cut + len(end_of_turn):].strip():
-        raise ValueError(f"the chat template does not end an assistant message with "
-                         f"{end_of_turn!r} (the stop token the model's turn ends with)")
-    return head[cut + len(end_of_turn):] + whole[len(head):]
+    if cut < 0 or head[cut + len(end_of_turn) :].strip():
+        raise ValueError(
+            f"the chat template does not end an assistant message with "
+            f"{end_of_turn!r} (the stop token the model's turn ends with)"
+        )
+    return head[cut + len(end_of_turn) :] + whole[len(head) :]

@@ -46,22 +46,34 @@ class Tool(ABC):
 
     def definition(self) -> dict[str, Any]:
         """The tool as a chat template expects it (OpenAI function-call schema)."""
-        return {"type": "function", "function": {
-            "name": self.name, "description": self.description,
-            "parameters": {"type": "object", "required": [self.argument], "properties": {
-                self.argument: {"type": "string", "description": self.argument_help}}}}}
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": {
+                    "type": "object",
+                    "required": [self.argument],
+                    "properties": {
+                        self.argument: {"type": "string", "description": self.argument_help}
+                    },
+                },
+            },
+        }
 
     async def call(self, arguments: dict[str, Any]) -> ToolResult:
         """Run one call; never raises for what the model wrote."""
         start = time.monotonic()
         value = arguments.get(self.argument)
         if not isinstance(value, str) or set(arguments) - {self.argument}:
-            result = ToolResult(text=f"error: {self.name} takes one string argument "
-                                     f"{self.argument!r}, got {sorted(arguments)}", failed=True)
+            result = ToolResult(
+                text=f"error: {self.name} takes one string argument "
+                f"{self.argument!r}, got {sorted(arguments)}",
+                failed=True,
+            )
         else:
             result = await self.run(value)
-        return ToolResult(text=result.text, failed=result.failed,
-                          seconds=time.monotonic() - start)
+        return ToolResult(text=result.text, failed=result.failed, seconds=time.monotonic() - start)
 
     @abstractmethod
     async def run(self, value: str) -> ToolResult:
@@ -81,8 +93,12 @@ MAX_EXPONENT = 64
 MAX_RESULT_DIGITS = 60
 
 _BINARY: dict[type, Callable[[Any, Any], Any]] = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-    ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
     ast.Pow: operator.pow,
 }
 _UNARY: dict[type, Callable[[Any], Any]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
@@ -104,8 +120,11 @@ def evaluate_expression(text: str) -> int | float:
 
 
 def _evaluate(node: ast.AST) -> int | float:
-    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) \
-            and type(node.value) is not bool:
+    if (
+        isinstance(node, ast.Constant)
+        and isinstance(node.value, (int, float))
+        and type(node.value) is not bool
+    ):
         return node.value
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_evaluate(node.operand))
@@ -121,11 +140,12 @@ def _evaluate(node: ast.AST) -> int | float:
             raise CalculatorError("result too large") from None
         if isinstance(value, complex):
             raise CalculatorError("the result is not a real number")
-        if isinstance(value, int) and abs(value) >= 10 ** MAX_RESULT_DIGITS:
+        if isinstance(value, int) and abs(value) >= 10**MAX_RESULT_DIGITS:
             raise CalculatorError(f"result has more than {MAX_RESULT_DIGITS} digits")
         return value
-    raise CalculatorError(f"unsupported element {type(node).__name__}: only numbers, "
-                          "+ - * / // % ** and parentheses")
+    raise CalculatorError(
+        f"unsupported element {type(node).__name__}: only numbers, + - * / // % ** and parentheses"
+    )
 
 
 def format_number(value: int | float) -> str:
@@ -159,14 +179,22 @@ class PythonTool(Tool):
     """Python code run in `areal.sandbox` (one launcher per process, started by `start`)."""
 
     name = "python"
-    description = ("Run a Python program in a sandbox (no network, no files kept) and "
-                   "return its standard output and errors. Print what you need to see.")
+    description = (
+        "Run a Python program in a sandbox (no network, no files kept) and "
+        "return its standard output and errors. Print what you need to see."
+    )
     argument = "code"
     argument_help = "a complete Python program"
 
-    def __init__(self, *, timeout_s: float = 5.0, memory_mb: int = 512,
-                 max_output_chars: int = 1000, max_concurrency: int = 16,
-                 allow_unisolated: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        timeout_s: float = 5.0,
+        memory_mb: int = 512,
+        max_output_chars: int = 1000,
+        max_concurrency: int = 16,
+        allow_unisolated: bool = False,
+    ) -> None:
         """timeout_s: wall and CPU seconds per run; memory_mb: address space per process;
         max_output_chars: kept of stdout (its start) and of stderr (its end) each;
         max_concurrency: runs at once (more wait); allow_unisolated: run even where no
@@ -175,7 +203,8 @@ class PythonTool(Tool):
             raise ValueError(
                 f"python tool: timeout_s={timeout_s!r} must be > 0, memory_mb={memory_mb!r} "
                 f">= 16, max_output_chars={max_output_chars!r} and max_concurrency="
-                f"{max_concurrency!r} >= 1")
+                f"{max_concurrency!r} >= 1"
+            )
         self.timeout_s, self.memory_mb = timeout_s, memory_mb
         self.max_output_chars, self.max_concurrency = max_output_chars, max_concurrency
         self.allow_unisolated = allow_unisolated
@@ -186,12 +215,19 @@ class PythonTool(Tool):
 
         from areal.sandbox import Limits, Sandbox, SandboxConfig
 
-        self._limits = Limits(wall_s=self.timeout_s, cpu_s=self.timeout_s,
-                              memory_bytes=self.memory_mb << 20,
-                              run_memory_bytes=2 * self.memory_mb << 20)
-        self._sandbox = Sandbox(SandboxConfig(limits=self._limits,
-                                              max_concurrency=self.max_concurrency,
-                                              allow_unisolated=self.allow_unisolated))
+        self._limits = Limits(
+            wall_s=self.timeout_s,
+            cpu_s=self.timeout_s,
+            memory_bytes=self.memory_mb << 20,
+            run_memory_bytes=2 * self.memory_mb << 20,
+        )
+        self._sandbox = Sandbox(
+            SandboxConfig(
+                limits=self._limits,
+                max_concurrency=self.max_concurrency,
+                allow_unisolated=self.allow_unisolated,
+            )
+        )
         await asyncio.to_thread(self._sandbox.start)  # IsolationError: reported at setup
 
     async def run(self, value: str) -> ToolResult:
@@ -207,13 +243,16 @@ class PythonTool(Tool):
             parts.append(out if len(out) <= limit else out[:limit] + "\n...(output truncated)")
         if result.stderr:  # its end: where the traceback names the error
             err = result.stderr_text.rstrip("\n")
-            parts.append("stderr:\n" + (err if len(err) <= limit
-                                        else "(truncated)...\n" + err[-limit:]))
+            parts.append(
+                "stderr:\n" + (err if len(err) <= limit else "(truncated)...\n" + err[-limit:])
+            )
         if result.status is not ExecStatus.OK:
-            parts.append(f"status: {result.status.value}"
-                         + (f" ({result.detail})" if result.detail else ""))
-        return ToolResult(text="\n".join(parts) or "(no output)",
-                          failed=result.status is not ExecStatus.OK)
+            parts.append(
+                f"status: {result.status.value}" + (f" ({result.detail})" if result.detail else "")
+            )
+        return ToolResult(
+            text="\n".join(parts) or "(no output)", failed=result.status is not ExecStatus.OK
+        )
 
     async def close(self) -> None:
         import asyncio
@@ -227,8 +266,9 @@ def make_tool(name: str, options: dict[str, Any]) -> Tool:
     """A built-in tool by name ('calculator', 'python') with its options."""
     if name == "calculator":
         if options:
-            raise ValueError(f"episode.params.tool_options.calculator takes no options, got "
-                             f"{sorted(options)}")
+            raise ValueError(
+                f"episode.params.tool_options.calculator takes no options, got {sorted(options)}"
+            )
         return Calculator()
     if name == "python":
         try:

@@ -30,9 +30,13 @@ class WorkerActor:
         import ray
 
         context = ray.get_runtime_context()
-        return {"node_id": context.get_node_id(), "node_ip": ray.util.get_node_ip_address(),
-                "hostname": socket.gethostname(), "pid": str(os.getpid()),
-                "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
+        return {
+            "node_id": context.get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "hostname": socket.gethostname(),
+            "pid": str(os.getpid()),
+            "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+        }
 
     def run(self, kind: str, args: list[str], env: dict[str, str], log_path: str) -> int:
         """Start the worker, wait for it; its exit code. Output goes to `log_path` on this
@@ -41,9 +45,13 @@ class WorkerActor:
         environment = dict(os.environ, **env)
         environment[PARENT_ENV] = str(os.getpid())
         with _open_log(Path(log_path)) as out:
-            process = subprocess.Popen([sys.executable, "-m", f"areal.workers.{kind}", *args],
-                                       env=environment, stdout=out, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL)
+            process = subprocess.Popen(
+                [sys.executable, "-m", f"areal.workers.{kind}", *args],
+                env=environment,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
         return process.wait()
 
 
@@ -55,6 +63,8 @@ def _open_log(path: Path):
     except OSError as err:
         fallback = Path(tempfile.mkdtemp(prefix="areal-logs-")) / path.name
         out = open(fallback, "ab")  # noqa: SIM115
-        out.write(f"[launcher] {path} cannot be written on this node ({err.strerror}); this "
-                  f"worker's output is in {fallback} on {socket.gethostname()}\n".encode())
+        out.write(
+            f"[launcher] {path} cannot be written on this node ({err.strerror}); this "
+            f"worker's output is in {fallback} on {socket.gethostname()}\n".encode()
+        )
         return out

@@ -38,15 +38,22 @@ def local_cluster(nodes: list[dict]) -> Iterator:
     import ray
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args=dict(
-        num_cpus=0, node_ip_address="127.0.0.1", include_dashboard=False,
-        object_store_memory=OBJECT_STORE))
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args=dict(
+            num_cpus=0,
+            node_ip_address="127.0.0.1",
+            include_dashboard=False,
+            object_store_memory=OBJECT_STORE,
+        ),
+    )
     try:
         for args in nodes:
             cluster.add_node(node_ip_address="127.0.0.1", object_store_memory=OBJECT_STORE, **args)
         cluster.wait_for_nodes()
-        ray.init(address=cluster.address, namespace="areal", log_to_driver=False,
-                 configure_logging=False)
+        ray.init(
+            address=cluster.address, namespace="areal", log_to_driver=False, configure_logging=False
+        )
         yield cluster
     finally:
         ray.shutdown()

@@ -52,17 +52,20 @@ def requested_groups(cfg: RunConfig) -> dict[tuple[WorkerKind, int], Group]:
     """The groups of `cfg`'s workers, by (kind, index); trainer ranks share index 0's."""
     remote = set(cfg.controller.remote_kinds)
     groups: dict[tuple[WorkerKind, int], Group] = {}
-    for kind, count, resources in ((WorkerKind.ROLLOUT, cfg.rollout.num_workers, cfg.ray.rollout),
-                                   (WorkerKind.REWARD, cfg.reward.num_workers, cfg.ray.reward)):
+    for kind, count, resources in (
+        (WorkerKind.ROLLOUT, cfg.rollout.num_workers, cfg.ray.rollout),
+        (WorkerKind.REWARD, cfg.reward.num_workers, cfg.ray.reward),
+    ):
         if kind.value in remote:
             continue
         for index in range(count):
-            groups[kind, index] = Group(f"{kind.value}-{index}", [resources.bundle()],
-                                        "STRICT_PACK")
+            groups[kind, index] = Group(
+                f"{kind.value}-{index}", [resources.bundle()], "STRICT_PACK"
+            )
     if "trainer" not in remote:
         groups[WorkerKind.TRAINER, 0] = Group(
-            "trainer", [cfg.ray.trainer.bundle()] * cfg.trainer.num_ranks,
-            cfg.ray.trainer_strategy)
+            "trainer", [cfg.ray.trainer.bundle()] * cfg.trainer.num_ranks, cfg.ray.trainer_strategy
+        )
     return groups
 
 
@@ -94,11 +97,14 @@ class Placement:
         _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
         if pending:
             waiting = [refs[ref] for ref in pending]
-            message = shortfall(list(self.groups.values()), waiting, alive_nodes(),
-                                ray.available_resources())
+            message = shortfall(
+                list(self.groups.values()), waiting, alive_nodes(), ray.available_resources()
+            )
             self.remove()
-            raise PlacementError(f"cannot place the run's workers within "
-                                 f"ray.placement_timeout_s={timeout:g}: {message}")
+            raise PlacementError(
+                f"cannot place the run's workers within "
+                f"ray.placement_timeout_s={timeout:g}: {message}"
+            )
 
     def avoid(self, kind: WorkerKind, index: int, node_id: str) -> None:
         """From now on place `kind` `index` off `node_id`: its group is made again (a trainer
@@ -120,8 +126,9 @@ class Placement:
         import ray
 
         group = self.groups[self.key(kind, index)]
-        return shortfall(list(self.groups.values()), [group], alive_nodes(),
-                         ray.available_resources())
+        return shortfall(
+            list(self.groups.values()), [group], alive_nodes(), ray.available_resources()
+        )
 
     def remove(self) -> None:
         for group in self.groups.values():
@@ -132,11 +139,15 @@ class Placement:
 
         selector = None
         if group.avoid:
-            selector = [{NODE_ID_LABEL: f"!in({','.join(sorted(group.avoid))})"}] \
-                * len(group.bundles)
-        group.pg = placement_group(group.bundles, strategy=group.strategy,
-                                   name=f"{self.run_name}:{group.name}",
-                                   bundle_label_selector=selector)
+            selector = [{NODE_ID_LABEL: f"!in({','.join(sorted(group.avoid))})"}] * len(
+                group.bundles
+            )
+        group.pg = placement_group(
+            group.bundles,
+            strategy=group.strategy,
+            name=f"{self.run_name}:{group.name}",
+            bundle_label_selector=selector,
+        )
 
     def _remove(self, group: Group) -> None:
         from ray.util import remove_placement_group
@@ -150,8 +161,15 @@ def alive_nodes() -> list[dict[str, Any]]:
     """Ray's alive nodes: {node_id, address, resources (totals)}."""
     import ray
 
-    return [{"node_id": n["NodeID"], "address": n.get("NodeManagerAddress", "?"),
-             "resources": dict(n.get("Resources", {}))} for n in ray.nodes() if n.get("Alive")]
+    return [
+        {
+            "node_id": n["NodeID"],
+            "address": n.get("NodeManagerAddress", "?"),
+            "resources": dict(n.get("Resources", {})),
+        }
+        for n in ray.nodes()
+        if n.get("Alive")
+    ]
 
 
 def _fmt(resources: Mapping[str, float]) -> str:
@@ -160,13 +178,20 @@ def _fmt(resources: Mapping[str, float]) -> str:
             return f"memory {value / 2**30:g} GiB"
         return f"{name} {value:g}"
 
-    shown = {k: v for k, v in resources.items()
-             if not k.startswith("node:") and k != "object_store_memory"}
+    shown = {
+        k: v
+        for k, v in resources.items()
+        if not k.startswith("node:") and k != "object_store_memory"
+    }
     return ", ".join(amount(k, v) for k, v in sorted(shown.items())) or "nothing"
 
 
-def shortfall(groups: list[Group], waiting: list[Group], nodes: list[dict[str, Any]],
-              available: dict[str, float]) -> str:
+def shortfall(
+    groups: list[Group],
+    waiting: list[Group],
+    nodes: list[dict[str, Any]],
+    available: dict[str, float],
+) -> str:
     """What keeps `waiting` (some of `groups`) from being placed on `nodes`: resources the
     whole cluster lacks, bundles no single node can hold, or resources in use."""
     totals: Counter[str] = Counter()
@@ -176,30 +201,44 @@ def shortfall(groups: list[Group], waiting: list[Group], nodes: list[dict[str, A
     for group in groups:
         for bundle in group.bundles:
             needed.update(bundle)
-    what = "; ".join(f"{g.name} ({len(g.bundles)} x {{{_fmt(g.bundles[0])}}}, {g.strategy}"
-                     + (f", avoiding {len(g.avoid)} node(s)" if g.avoid else "") + ")"
-                     for g in waiting)
-    missing = {name: needed[name] - totals[name] for name in needed
-               if needed[name] > totals[name] + 1e-9}
+    what = "; ".join(
+        f"{g.name} ({len(g.bundles)} x {{{_fmt(g.bundles[0])}}}, {g.strategy}"
+        + (f", avoiding {len(g.avoid)} node(s)" if g.avoid else "")
+        + ")"
+        for g in waiting
+    )
+    missing = {
+        name: needed[name] - totals[name] for name in needed if needed[name] > totals[name] + 1e-9
+    }
     cluster = f"{len(nodes)} alive node(s) with {_fmt(dict(totals))} in all"
     if missing:
-        return (f"waiting for {what}; missing {_fmt(missing)} (the run needs "
-                f"{_fmt(dict(needed))}; the cluster has {cluster}). Add nodes with these "
-                "resources, or ask for less (ray.rollout/reward/trainer.*)")
+        return (
+            f"waiting for {what}; missing {_fmt(missing)} (the run needs "
+            f"{_fmt(dict(needed))}; the cluster has {cluster}). Add nodes with these "
+            "resources, or ask for less (ray.rollout/reward/trainer.*)"
+        )
     for group in waiting:
         usable = [n for n in nodes if n["node_id"] not in group.avoid]
         for bundle in group.bundles:
-            if not any(all(n["resources"].get(k, 0) >= v for k, v in bundle.items())
-                       for n in usable):
-                largest = {k: max((n["resources"].get(k, 0) for n in usable), default=0)
-                           for k in bundle}
-                return (f"waiting for {what}; no single node can hold {{{_fmt(bundle)}}} "
-                        f"(the most one node has: {_fmt(largest)}; {cluster})")
+            if not any(
+                all(n["resources"].get(k, 0) >= v for k, v in bundle.items()) for n in usable
+            ):
+                largest = {
+                    k: max((n["resources"].get(k, 0) for n in usable), default=0) for k in bundle
+                }
+                return (
+                    f"waiting for {what}; no single node can hold {{{_fmt(bundle)}}} "
+                    f"(the most one node has: {_fmt(largest)}; {cluster})"
+                )
         if group.strategy == "STRICT_SPREAD" and len(group.bundles) > len(usable):
-            return (f"waiting for {what}; STRICT_SPREAD needs {len(group.bundles)} nodes, "
-                    f"{len(usable)} usable")
-    return (f"waiting for {what}; the cluster has the resources ({cluster}) but they are in "
-            f"use: free now {_fmt(available)}")
+            return (
+                f"waiting for {what}; STRICT_SPREAD needs {len(group.bundles)} nodes, "
+                f"{len(usable)} usable"
+            )
+    return (
+        f"waiting for {what}; the cluster has the resources ({cluster}) but they are in "
+        f"use: free now {_fmt(available)}"
+    )
 
 
 def first_fit(groups: list[Group], nodes: list[dict[str, float]]) -> list[list[int]]:
@@ -231,9 +270,11 @@ def first_fit(groups: list[Group], nodes: list[dict[str, float]]) -> list[list[i
         else:
             for bundle in group.bundles:
                 avoid = set(spots) if group.strategy in ("SPREAD", "STRICT_SPREAD") else set()
-                order = [i for i in range(len(free)) if i not in avoid] + \
-                    ([i for i in range(len(free)) if i in avoid]
-                     if group.strategy == "SPREAD" else [])
+                order = [i for i in range(len(free)) if i not in avoid] + (
+                    [i for i in range(len(free)) if i in avoid]
+                    if group.strategy == "SPREAD"
+                    else []
+                )
                 node = next((i for i in order if fits(free[i], bundle)), None)
                 if node is None:
                     spots = []
@@ -241,8 +282,9 @@ def first_fit(groups: list[Group], nodes: list[dict[str, float]]) -> list[list[i
                 take(node, bundle)
                 spots.append(node)
         if len(spots) != len(group.bundles):
-            described = [{"node_id": str(i), "address": "-", "resources": n}
-                         for i, n in enumerate(nodes)]
+            described = [
+                {"node_id": str(i), "address": "-", "resources": n} for i, n in enumerate(nodes)
+            ]
             raise PlacementError(shortfall(groups, [group], described, {}))
         plan.append(spots)
     return plan

@@ -45,8 +45,19 @@ NOT_PLACED = 1
 class RayProcess:
     """One worker actor seen through the `Popen` methods the pool and controller use."""
 
-    def __init__(self, actor: Any, where: Any, run: Any, *, worker_id: str, attempt: int,
-                 actor_name: str, placement_timeout_s: float, on_placed, on_not_placed) -> None:
+    def __init__(
+        self,
+        actor: Any,
+        where: Any,
+        run: Any,
+        *,
+        worker_id: str,
+        attempt: int,
+        actor_name: str,
+        placement_timeout_s: float,
+        on_placed,
+        on_not_placed,
+    ) -> None:
         self.actor, self._where, self._run = actor, where, run
         self.worker_id, self.attempt, self.actor_name = worker_id, attempt, actor_name
         self.node: dict[str, str] | None = None
@@ -110,16 +121,27 @@ class RayProcess:
 
     def failed_on_its_node(self) -> bool:
         """It exited with an error or died while its node lives, and nobody killed it."""
-        return (self.returncode not in (None, 0, REJOIN_EXIT_CODE) and self.node is not None
-                and not self.killed and not self.node_lost)
+        return (
+            self.returncode not in (None, 0, REJOIN_EXIT_CODE)
+            and self.node is not None
+            and not self.killed
+            and not self.node_lost
+        )
 
 
 class RayPool(WorkerPool):
     """Starts each worker as an actor in its placement-group bundle; the rest is WorkerPool."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, address: str, secret: str | None,
-                 keys_text: str | None, placement: Placement, keys_dir: Path | None = None
-                 ) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        run_dir: Path,
+        address: str,
+        secret: str | None,
+        keys_text: str | None,
+        placement: Placement,
+        keys_dir: Path | None = None,
+    ) -> None:
         super().__init__(cfg, run_dir, address, secret, keys_dir)
         self.keys_text = keys_text
         """CurveZMQ client keys as text (areal.auth.client_keys_text), or None."""
@@ -136,8 +158,9 @@ class RayPool(WorkerPool):
         from areal.controller.launch.actor import WorkerActor
 
         worker_id = f"{kind.value}-{index}"
-        handle = self.expected.get(worker_id) or WorkerHandle(worker_id=worker_id, kind=kind,
-                                                              rank=rank)
+        handle = self.expected.get(worker_id) or WorkerHandle(
+            worker_id=worker_id, kind=kind, rank=rank
+        )
         if isinstance(handle.process, RayProcess):
             self._count_failure(handle.process, kind, index)
         if self._actor_cls is None:
@@ -149,35 +172,58 @@ class RayPool(WorkerPool):
         resources = self._resources(kind)
         name = f"{self.placement.run_name}:{worker_id}:{attempt}"
         actor = actor_cls.options(
-            name=name, num_cpus=resources.num_cpus, num_gpus=resources.num_gpus,
+            name=name,
+            num_cpus=resources.num_cpus,
+            num_gpus=resources.num_gpus,
             memory=int(resources.memory_gb * 2**30) or None,
-            resources=dict(resources.resources) or None, max_restarts=0,
+            resources=dict(resources.resources) or None,
+            max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, bundle),
-            runtime_env={"env_vars": self._public_env(kind)}).remote()
+            runtime_env={"env_vars": self._public_env(kind)},
+        ).remote()
         where = actor.where.remote()
-        run = actor.run.remote(kind.value, ["--connect", self.address, "--worker-id", worker_id,
-                                            "--rank", str(rank)],
-                               self._secret_env(), str(self.run_dir / "logs" / f"{worker_id}.log"))
-        handle.process = RayProcess(actor, where, run, worker_id=worker_id, attempt=attempt,
-                                    actor_name=name,
-                                    placement_timeout_s=self.cfg.ray.placement_timeout_s,
-                                    on_placed=self._placed, on_not_placed=self._not_placed)
+        run = actor.run.remote(
+            kind.value,
+            ["--connect", self.address, "--worker-id", worker_id, "--rank", str(rank)],
+            self._secret_env(),
+            str(self.run_dir / "logs" / f"{worker_id}.log"),
+        )
+        handle.process = RayProcess(
+            actor,
+            where,
+            run,
+            worker_id=worker_id,
+            attempt=attempt,
+            actor_name=name,
+            placement_timeout_s=self.cfg.ray.placement_timeout_s,
+            on_placed=self._placed,
+            on_not_placed=self._not_placed,
+        )
         handle.ready, handle.identity, handle.last_seen = False, None, clock.now()
         self.expected[worker_id] = handle
         log.info("started %s as Ray actor %s (attempt %d)", worker_id, name, attempt)
         return handle
 
     def _resources(self, kind: WorkerKind):
-        return {WorkerKind.ROLLOUT: self.cfg.ray.rollout, WorkerKind.REWARD: self.cfg.ray.reward,
-                WorkerKind.TRAINER: self.cfg.ray.trainer}[kind]
+        return {
+            WorkerKind.ROLLOUT: self.cfg.ray.rollout,
+            WorkerKind.REWARD: self.cfg.ray.reward,
+            WorkerKind.TRAINER: self.cfg.ray.trainer,
+        }[kind]
 
     def _public_env(self, kind: WorkerKind) -> dict[str, str]:
         """The actor's runtime environment: nothing secret (Ray's dashboard shows it)."""
-        threads = {WorkerKind.ROLLOUT: self.cfg.rollout.threads,
-                   WorkerKind.TRAINER: self.cfg.trainer.threads}.get(kind, 1)
-        env = {"PYTHONUNBUFFERED": "1", "AREAL_LOG_LEVEL": self.cfg.logging.level,
-               "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(threads),
-               "MKL_NUM_THREADS": str(threads)}
+        threads = {
+            WorkerKind.ROLLOUT: self.cfg.rollout.threads,
+            WorkerKind.TRAINER: self.cfg.trainer.threads,
+        }.get(kind, 1)
+        env = {
+            "PYTHONUNBUFFERED": "1",
+            "AREAL_LOG_LEVEL": self.cfg.logging.level,
+            "TOKENIZERS_PARALLELISM": "false",
+            "OMP_NUM_THREADS": str(threads),
+            "MKL_NUM_THREADS": str(threads),
+        }
         if self.cfg.ray.network_interface:
             env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = self.cfg.ray.network_interface
         env.update(self.cfg.ray.env_vars)
@@ -208,13 +254,17 @@ class RayPool(WorkerPool):
         if count < limit:
             return
         if kind is WorkerKind.TRAINER and any(
-                h.process is not None and h.process.poll() is None
-                for h in self.expected.values() if h.kind is WorkerKind.TRAINER):
+            h.process is not None and h.process.poll() is None
+            for h in self.expected.values()
+            if h.kind is WorkerKind.TRAINER
+        ):
             return  # its group is made again once no rank runs in it
-        reason = (f"{previous.worker_id} failed {count} times on node {node} "
-                  f"({previous.node['node_ip']}; last exit code {previous.returncode}, see "
-                  f"{self.run_dir / 'logs' / (previous.worker_id + '.log')} there): not starting "
-                  "it on that node again (ray.max_failures_per_node)")
+        reason = (
+            f"{previous.worker_id} failed {count} times on node {node} "
+            f"({previous.node['node_ip']}; last exit code {previous.returncode}, see "
+            f"{self.run_dir / 'logs' / (previous.worker_id + '.log')} there): not starting "
+            "it on that node again (ray.max_failures_per_node)"
+        )
         log.warning(reason)
         self._note(previous.worker_id, reason)
         self.placement.avoid(kind, index, node)
@@ -223,16 +273,29 @@ class RayPool(WorkerPool):
 
     def _placed(self, process: RayProcess) -> None:
         node = process.node or {}
-        log.info("%s runs on node %s (%s, GPUs %r)", process.worker_id, node.get("node_id"),
-                 node.get("node_ip"), node.get("gpus"))
-        self._append_placement({"worker_id": process.worker_id, "attempt": process.attempt,
-                                "actor": process.actor_name, **node})
+        log.info(
+            "%s runs on node %s (%s, GPUs %r)",
+            process.worker_id,
+            node.get("node_id"),
+            node.get("node_ip"),
+            node.get("gpus"),
+        )
+        self._append_placement(
+            {
+                "worker_id": process.worker_id,
+                "attempt": process.attempt,
+                "actor": process.actor_name,
+                **node,
+            }
+        )
 
     def _not_placed(self, process: RayProcess) -> None:
         kind, index = _kind_index(process.worker_id)
-        reason = (f"{process.worker_id} (attempt {process.attempt}) was not placed within "
-                  f"ray.placement_timeout_s={self.cfg.ray.placement_timeout_s:g}: "
-                  f"{self.placement.describe_wait(kind, index)}")
+        reason = (
+            f"{process.worker_id} (attempt {process.attempt}) was not placed within "
+            f"ray.placement_timeout_s={self.cfg.ray.placement_timeout_s:g}: "
+            f"{self.placement.describe_wait(kind, index)}"
+        )
         log.error(reason)
         self._note(process.worker_id, reason)
 
@@ -258,4 +321,3 @@ class RayPool(WorkerPool):
 def _kind_index(worker_id: str) -> tuple[WorkerKind, int]:
     kind, _, index = worker_id.rpartition("-")
     return WorkerKind(kind), int(index)
-

@@ -51,12 +51,22 @@ class RayRuntime(LocalRuntime):
         self._join(cfg)
         run_dir = resolve_run_dir(cfg).expanduser().absolute()
         cfg = dataclasses.replace(
-            cfg, run_dir=str(run_dir),
+            cfg,
+            run_dir=str(run_dir),
             controller=dataclasses.replace(cfg.controller, host=controller_host(cfg)),
-            rollout=dataclasses.replace(cfg.rollout, devices=_devices(
-                cfg.rollout.devices, cfg.ray.rollout.num_gpus, cfg.rollout.num_workers)),
-            trainer=dataclasses.replace(cfg.trainer, devices=_devices(
-                cfg.trainer.devices, cfg.ray.trainer.num_gpus, cfg.trainer.num_ranks)))
+            rollout=dataclasses.replace(
+                cfg.rollout,
+                devices=_devices(
+                    cfg.rollout.devices, cfg.ray.rollout.num_gpus, cfg.rollout.num_workers
+                ),
+            ),
+            trainer=dataclasses.replace(
+                cfg.trainer,
+                devices=_devices(
+                    cfg.trainer.devices, cfg.ray.trainer.num_gpus, cfg.trainer.num_ranks
+                ),
+            ),
+        )
         self.placement = Placement(cfg, run_dir.name)
         self.placement.reserve()
         try:
@@ -72,31 +82,46 @@ class RayRuntime(LocalRuntime):
             raise ValueError("launcher=ray needs Ray: pip install -e '.[ray]'") from None
         if ray.is_initialized():  # an application embedding the controller joined already
             return
-        common: dict[str, Any] = dict(namespace=cfg.ray.namespace, log_to_driver=False,
-                                      configure_logging=False)
+        common: dict[str, Any] = dict(
+            namespace=cfg.ray.namespace, log_to_driver=False, configure_logging=False
+        )
         if cfg.ray.address is None:
             # A Ray instance of this machine only, on loopback, with logical CPUs enough for
             # the run's bundles (the local launcher reserves no cores either).
             from areal.controller.launch.local_cluster import keep_ray_on_loopback
 
             keep_ray_on_loopback()
-            needed = sum(bundle.get("CPU", 0) for group in requested_groups(cfg).values()
-                         for bundle in group.bundles)
-            ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(needed)),
-                     include_dashboard=False, **common)
+            needed = sum(
+                bundle.get("CPU", 0)
+                for group in requested_groups(cfg).values()
+                for bundle in group.bundles
+            )
+            ray.init(
+                num_cpus=max(os.cpu_count() or 1, math.ceil(needed)),
+                include_dashboard=False,
+                **common,
+            )
         else:
             ray.init(address=cfg.ray.address, **common)
         self.started_ray = True
         nodes = alive_nodes()
-        log.info("joined Ray (%d nodes: %s)", len(nodes),
-                 ", ".join(sorted({n["address"] for n in nodes})))
+        log.info(
+            "joined Ray (%d nodes: %s)",
+            len(nodes),
+            ", ".join(sorted({n["address"] for n in nodes})),
+        )
 
-    def make_pool(self, cfg: RunConfig, setup: RunSetup, address: str, secret: str | None,
-                  keys_dir: Path | None) -> WorkerPool:
+    def make_pool(
+        self,
+        cfg: RunConfig,
+        setup: RunSetup,
+        address: str,
+        secret: str | None,
+        keys_dir: Path | None,
+    ) -> WorkerPool:
         assert self.placement is not None, "prepare_run reserves the placement groups first"
         keys_text = client_keys_text(keys_dir) if keys_dir is not None else None
-        return RayPool(cfg, setup.run_dir, address, secret, keys_text, self.placement,
-                       keys_dir)
+        return RayPool(cfg, setup.run_dir, address, secret, keys_text, self.placement, keys_dir)
 
     def closed(self) -> None:
         if self.placement is not None:
@@ -119,8 +144,12 @@ def controller_host(cfg: RunConfig) -> str:
     import ray
 
     host = ray.util.get_node_ip_address()
-    log.info("controller.host=%s is loopback but the Ray nodes are not: binding %s, this "
-             "node's Ray address", cfg.controller.host, host)
+    log.info(
+        "controller.host=%s is loopback but the Ray nodes are not: binding %s, this "
+        "node's Ray address",
+        cfg.controller.host,
+        host,
+    )
     return host
 
 
@@ -132,8 +161,10 @@ def interface_address(name: str) -> str:
 
     addresses = psutil.net_if_addrs()
     if name not in addresses:
-        raise ValueError(f"ray.network_interface={name!r} is not an interface of this node "
-                         f"(it has {', '.join(sorted(addresses))})")
+        raise ValueError(
+            f"ray.network_interface={name!r} is not an interface of this node "
+            f"(it has {', '.join(sorted(addresses))})"
+        )
     for address in addresses[name]:
         if address.family == socket.AF_INET:
             return address.address

@@ -18,7 +18,11 @@ from areal.messages import FinishReason, Generated, HeaderLimit, MsgType, Scored
 from areal.tasks.base import Verdict
 
 from tests.areal.test_codec_fast_path import (
-    _FRAMES, _HOSTILE, _NEAR_MISSES, _header_and_frames, _plain,
+    _FRAMES,
+    _HOSTILE,
+    _NEAR_MISSES,
+    _header_and_frames,
+    _plain,
 )
 from tests.areal.test_messages import SAMPLES
 
@@ -28,8 +32,9 @@ COMPILED = sorted(k for k in SAMPLES if wire_struct(messages.schemas()[k]) is no
 def _packed(value):
     """A decoded header value packed again (array references as the extension they were)."""
     if isinstance(value, codec._ArrayRef):
-        return msgpack.ExtType(codec._ARRAY_EXT, msgpack.packb(
-            [value.dtype, list(value.shape), value.index]))
+        return msgpack.ExtType(
+            codec._ARRAY_EXT, msgpack.packb([value.dtype, list(value.shape), value.index])
+        )
     if isinstance(value, list):
         return [_packed(v) for v in value]
     if isinstance(value, dict):
@@ -53,8 +58,9 @@ def _both(kind, header, frames):
 
 
 def test_the_messages_a_controller_receives_most_take_the_compiled_path():
-    assert {MsgType.GENERATED, MsgType.SCORED, MsgType.HEARTBEAT,
-            MsgType.WEIGHTS_UPDATED} <= set(COMPILED)
+    assert {MsgType.GENERATED, MsgType.SCORED, MsgType.HEARTBEAT, MsgType.WEIGHTS_UPDATED} <= set(
+        COMPILED
+    )
     # an untyped field must hold plain data only, which msgspec does not check
     assert MsgType.SCORE not in COMPILED and MsgType.GENERATE not in COMPILED
 
@@ -65,8 +71,7 @@ def test_the_compiled_path_decides_every_header_as_the_python_path_does(kind, da
     header, frames = _header_and_frames(SAMPLES[kind])
     near = st.sampled_from([*header.values(), *_NEAR_MISSES])
     for name in list(header):
-        change = data.draw(st.sampled_from(["keep", "keep", "near", "hostile", "drop"]),
-                           label=name)
+        change = data.draw(st.sampled_from(["keep", "keep", "near", "hostile", "drop"]), label=name)
         if change == "near":
             header[name] = data.draw(near, label=f"{name} value")
         elif change == "hostile":
@@ -84,15 +89,21 @@ def test_the_compiled_path_decides_every_header_as_the_python_path_does(kind, da
 def test_every_near_miss_in_every_field_is_decided_alike(kind):
     header, frames = _header_and_frames(SAMPLES[kind])
     candidates = [*header.values(), *_NEAR_MISSES, float("nan"), float("inf"), 2**64 - 1]
-    outcomes = {_both(kind, {**header, name: value}, frames)[0]
-                for name in header for value in candidates}
+    outcomes = {
+        _both(kind, {**header, name: value}, frames)[0] for name in header for value in candidates
+    }
     assert outcomes == {"ok", "error"}
 
 
 def test_a_completion_decodes_to_the_same_arrays_in_place():
-    msg = Generated(request_id="g1-s2-a0", output_ids=np.arange(40, dtype=np.int32),
-                    logprobs=np.full(40, -0.5, np.float32), versions=np.ones(40, np.int32),
-                    finish_reason=FinishReason.LENGTH, num_interruptions=2)
+    msg = Generated(
+        request_id="g1-s2-a0",
+        output_ids=np.arange(40, dtype=np.int32),
+        logprobs=np.full(40, -0.5, np.float32),
+        versions=np.ones(40, np.int32),
+        finish_reason=FinishReason.LENGTH,
+        num_interruptions=2,
+    )
     frames = [memoryview(bytes(f)) for f in encode(msg)]
     fast = decode(frames)
     assert _decoded(frames, True) == _decoded(frames, False)
@@ -103,8 +114,13 @@ def test_a_completion_decodes_to_the_same_arrays_in_place():
 def test_lists_beyond_their_kinds_bound_are_refused_on_both_paths(monkeypatch):
     monkeypatch.setitem(messages.HEADER_LIMITS, MsgType.SCORED, HeaderLimit(1 << 20, 4))
     n = 5
-    msg = Scored(request_ids=[f"r{i}" for i in range(n)], rewards=[1.0] * n,
-                 verdicts=[Verdict.OK] * n, details=[""] * n, check_s=[0.0] * n)
+    msg = Scored(
+        request_ids=[f"r{i}" for i in range(n)],
+        rewards=[1.0] * n,
+        verdicts=[Verdict.OK] * n,
+        details=[""] * n,
+        check_s=[0.0] * n,
+    )
     frames = encode(msg)
     for compiled in (True, False):
         with pytest.raises(messages.MessageError):

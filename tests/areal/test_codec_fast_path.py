@@ -39,8 +39,9 @@ def reference_build(schema: type, header: dict[str, typing.Any], frames) -> typi
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise MessageError(f"{name}: required field {f.name!r} missing")
             continue
-        values[f.name] = codec._check(header[f.name], hints[f.name], frames,
-                                         f"{name}.{f.name}", used)
+        values[f.name] = codec._check(
+            header[f.name], hints[f.name], frames, f"{name}.{f.name}", used
+        )
     if len(used) != len(frames):
         raise MessageError(f"{name}: {len(frames)} array frames sent, {len(used)} referenced")
     return schema(**values)
@@ -68,8 +69,12 @@ def _plain(value: typing.Any) -> typing.Any:
     if isinstance(value, np.ndarray):
         return ("ndarray", value.dtype.str, value.shape, value.tobytes())
     if isinstance(value, torch.Tensor):
-        return ("tensor", str(value.dtype), tuple(value.shape),
-                value.reshape(-1).view(torch.uint8).numpy().tobytes())
+        return (
+            "tensor",
+            str(value.dtype),
+            tuple(value.shape),
+            value.reshape(-1).view(torch.uint8).numpy().tobytes(),
+        )
     if isinstance(value, list):
         return ("list", [_plain(v) for v in value])
     if isinstance(value, dict):
@@ -79,22 +84,67 @@ def _plain(value: typing.Any) -> typing.Any:
     return (type(value).__name__, value)
 
 
-_REFS = st.builds(codec._ArrayRef, st.sampled_from(["int32", "float32", "int64", "bool",
-                                                       "bfloat16", "uint8"]),
-                  st.lists(st.integers(0, 6), max_size=2).map(tuple), st.integers(0, 4))
-_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1),
-                     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=8),
-                     st.binary(max_size=8),
-                     st.sampled_from(["stop", "length", "abort", "ok", "wrong", "rollout",
-                                      "trainer", "joined", "environment", "STOP", ""]))
-_HOSTILE = st.recursive(st.one_of(_SCALARS, _REFS),
-                        lambda inner: st.one_of(st.lists(inner, max_size=3),
-                                                st.dictionaries(st.one_of(st.text(max_size=3),
-                                                                          st.integers(0, 3)),
-                                                                inner, max_size=3)),
-                        max_leaves=6)
-_NEAR_MISSES = ["STOP", "Stop", "stop ", "OK", "Ok", "ok", "length", 1, 0, -1, 1.0, 2.5, True,
-                False, None, b"x", "", [], {}, [1, "a"], [1.0], ["a", "b"]]
+_REFS = st.builds(
+    codec._ArrayRef,
+    st.sampled_from(["int32", "float32", "int64", "bool", "bfloat16", "uint8"]),
+    st.lists(st.integers(0, 6), max_size=2).map(tuple),
+    st.integers(0, 4),
+)
+_SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=8),
+    st.binary(max_size=8),
+    st.sampled_from(
+        [
+            "stop",
+            "length",
+            "abort",
+            "ok",
+            "wrong",
+            "rollout",
+            "trainer",
+            "joined",
+            "environment",
+            "STOP",
+            "",
+        ]
+    ),
+)
+_HOSTILE = st.recursive(
+    st.one_of(_SCALARS, _REFS),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3),
+        st.dictionaries(st.one_of(st.text(max_size=3), st.integers(0, 3)), inner, max_size=3),
+    ),
+    max_leaves=6,
+)
+_NEAR_MISSES = [
+    "STOP",
+    "Stop",
+    "stop ",
+    "OK",
+    "Ok",
+    "ok",
+    "length",
+    1,
+    0,
+    -1,
+    1.0,
+    2.5,
+    True,
+    False,
+    None,
+    b"x",
+    "",
+    [],
+    {},
+    [1, "a"],
+    [1.0],
+    ["a", "b"],
+]
 _FRAMES = st.lists(st.binary(max_size=24).map(memoryview), max_size=4)
 
 
@@ -108,8 +158,7 @@ def test_the_short_paths_decide_every_header_as_the_general_check_does(kind, dat
     # enum is expected), an enum value in another case, numbers of the neighbouring types.
     near = st.sampled_from([*header.values(), *_NEAR_MISSES])
     for name in list(header):
-        change = data.draw(st.sampled_from(["keep", "keep", "near", "hostile", "drop"]),
-                           label=name)
+        change = data.draw(st.sampled_from(["keep", "keep", "near", "hostile", "drop"]), label=name)
         if change == "near":
             header[name] = data.draw(near, label=f"{name} value")
         elif change == "hostile":
@@ -120,8 +169,9 @@ def test_the_short_paths_decide_every_header_as_the_general_check_does(kind, dat
         frames = data.draw(_FRAMES, label="frames")
     if data.draw(st.integers(0, 9), label="unknown field") == 0:
         header["surplus"] = 1
-    assert _outcome(codec._build, schema, header, frames) == \
-        _outcome(reference_build, schema, header, frames)
+    assert _outcome(codec._build, schema, header, frames) == _outcome(
+        reference_build, schema, header, frames
+    )
 
 
 @pytest.mark.parametrize("kind", [MsgType.GENERATED, MsgType.SCORED])
@@ -157,15 +207,22 @@ def _ref_outcome(parse, code, data) -> tuple[str, typing.Any]:
         return "error", str(err)
 
 
-_REF_PARTS = st.one_of(st.integers(-3, 1 << 40), st.text(max_size=8), st.none(),
-                       st.booleans(), st.floats(allow_nan=False))
+_REF_PARTS = st.one_of(
+    st.integers(-3, 1 << 40),
+    st.text(max_size=8),
+    st.none(),
+    st.booleans(),
+    st.floats(allow_nan=False),
+)
 _REF_DATA = st.one_of(
     st.binary(max_size=40),
-    st.builds(lambda d, s, i: msgpack.packb([d, s, i]),
-              st.one_of(st.sampled_from(["int32", "float32", "bool", "bfloat16", "object"]),
-                        _REF_PARTS),
-              st.one_of(st.lists(st.integers(-2, 1 << 20), max_size=3), _REF_PARTS),
-              _REF_PARTS))
+    st.builds(
+        lambda d, s, i: msgpack.packb([d, s, i]),
+        st.one_of(st.sampled_from(["int32", "float32", "bool", "bfloat16", "object"]), _REF_PARTS),
+        st.one_of(st.lists(st.integers(-2, 1 << 20), max_size=3), _REF_PARTS),
+        _REF_PARTS,
+    ),
+)
 
 
 @settings(max_examples=800, deadline=None)
@@ -179,8 +236,10 @@ def test_a_cached_array_reference_is_decided_as_an_uncached_one(code, data):
     assert _ref_outcome(codec._ext_hook, code, data) == expected
 
 
-@pytest.mark.parametrize("shape, index", [([float("inf")], 0), ([4], float("inf")),
-                                          ([4], float("-inf")), ([4], float("nan"))])
+@pytest.mark.parametrize(
+    "shape, index",
+    [([float("inf")], 0), ([4], float("inf")), ([4], float("-inf")), ([4], float("nan"))],
+)
 def test_an_infinite_or_nan_shape_or_index_is_a_malformed_reference(shape, index):
     """int() of an infinity raises OverflowError (of a nan, ValueError): both are a hostile
     peer's malformed message, refused as such, never an uncaught error in the receive loop."""
@@ -207,14 +266,16 @@ def test_a_list_of_plain_scalars_packs_as_converting_each_value_would(kind):
     """`_pack_value` hands a list of plain scalars to msgpack as it is: the same value (and
     so the same bytes) as converting every element, the general path, gives."""
     msg = SAMPLES[kind]
-    plain = [v for v in (getattr(msg, f.name) for f in dataclasses.fields(msg))
-             if type(v) is list and all(type(x) in codec._SCALARS for x in v)]
+    plain = [
+        v
+        for v in (getattr(msg, f.name) for f in dataclasses.fields(msg))
+        if type(v) is list and all(type(x) in codec._SCALARS for x in v)
+    ]
     for value in [*plain, [1, 2.5, "a", None, True, b"x"], []]:
         buffers: list = []
         assert codec._pack_value(value, buffers) is value
         assert value == [codec._pack_value(v, buffers) for v in value] and not buffers
-        assert msgpack.packb(value) == msgpack.packb(
-            [codec._pack_value(v, []) for v in value])
+        assert msgpack.packb(value) == msgpack.packb([codec._pack_value(v, []) for v in value])
 
 
 @pytest.mark.parametrize("view_format", ["B", "b", "c"])

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from areal.config import (
-    ConfigError, RunConfig, config_from_dict, config_to_dict, config_to_yaml, describe_options,
+    ConfigError,
+    RunConfig,
+    config_from_dict,
+    config_to_dict,
+    config_to_yaml,
+    describe_options,
     load_config,
 )
 
@@ -28,42 +33,50 @@ def test_yaml_then_overrides_take_precedence(tmp_path):
 
 
 def test_round_trip_through_yaml_and_dict(tmp_path):
-    cfg = load_config(overrides=["trainer.ppo.eps_clip_high=0.28", "task.params={n: 3}",
-                                 "rollout.devices=[cpu]"])
+    cfg = load_config(
+        overrides=["trainer.ppo.eps_clip_high=0.28", "task.params={n: 3}", "rollout.devices=[cpu]"]
+    )
     path = tmp_path / "resolved.yaml"
     path.write_text(config_to_yaml(cfg))
     assert load_config(path) == cfg
     assert config_from_dict(config_to_dict(cfg)) == cfg
 
 
-@pytest.mark.parametrize("override, needle", [
-    ("trainer.lrr=1e-5", "trainer.lrr"),
-    ("trainer.lr=fast", "trainer.lr"),
-    ("rollout.engine=vlm", "rollout.engine='vlm' is not one of auto, torch, vllm"),
-    ("trainer.batch_size=12", "not a multiple of task.group_size"),
-    ("rollout.temperature=-1", "rollout.temperature"),
-    ("rollout.top_p=0", "rollout.top_p"),
-    ("trainer.ppo.behav_imp_cap=0.5", "trainer.ppo.behav_imp_cap"),
-    ("model.path=/does/not/exist", "model.path"),
-    ("model.tiny.num_heads=8", "head_dim"),
-    ("controller.heartbeat_timeout_s=1", "controller.heartbeat_timeout_s"),
-    ("trainer.checkpoint_every=-1", "trainer.checkpoint_every"),
-    ("trainer.keep_checkpoints=1", "trainer.keep_checkpoints=1 must be >= 2"),
-    ("rollout.num_workers=2", None),
-    ("episode.max_turns=0", "episode.max_turns=0 must be > 0"),
-    ("episode.max_turn_tokens=0", "episode.max_turn_tokens=0 must be > 0"),
-    ("episode.step_timeout_s=0", "episode.step_timeout_s=0.0 must be > 0"),
-    ("episode.environment=' '", "episode.environment=' ' is empty"),
-    ("agent.function=calculator", "agent.function='calculator' is not an import path"),
-    ("agent.discount=1.5", r"agent.discount=1.5 must be in \[0, 1\]"),
-    ("agent.max_calls=0", r"agent.max_calls=0 must be in \[1, 4096\]"),
-    ("agent.observation_template=x", "has no {result}"),
-    ("controller.gc_thresholds=[50000,20]", r"controller.gc_thresholds=\[50000, 20\]: three "
-                                             "positive integers"),
-    ("controller.gc_thresholds=[0,10,10]", r"controller.gc_thresholds=\[0, 10, 10\]"),
-    ("controller.gc_thresholds=[]", None),
-    ("lr", "key=value"),
-], ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("trainer.lrr=1e-5", "trainer.lrr"),
+        ("trainer.lr=fast", "trainer.lr"),
+        ("rollout.engine=vlm", "rollout.engine='vlm' is not one of auto, torch, vllm"),
+        ("trainer.batch_size=12", "not a multiple of task.group_size"),
+        ("rollout.temperature=-1", "rollout.temperature"),
+        ("rollout.top_p=0", "rollout.top_p"),
+        ("trainer.ppo.behav_imp_cap=0.5", "trainer.ppo.behav_imp_cap"),
+        ("model.path=/does/not/exist", "model.path"),
+        ("model.tiny.num_heads=8", "head_dim"),
+        ("controller.heartbeat_timeout_s=1", "controller.heartbeat_timeout_s"),
+        ("trainer.checkpoint_every=-1", "trainer.checkpoint_every"),
+        ("trainer.keep_checkpoints=1", "trainer.keep_checkpoints=1 must be >= 2"),
+        ("rollout.num_workers=2", None),
+        ("episode.max_turns=0", "episode.max_turns=0 must be > 0"),
+        ("episode.max_turn_tokens=0", "episode.max_turn_tokens=0 must be > 0"),
+        ("episode.step_timeout_s=0", "episode.step_timeout_s=0.0 must be > 0"),
+        ("episode.environment=' '", "episode.environment=' ' is empty"),
+        ("agent.function=calculator", "agent.function='calculator' is not an import path"),
+        ("agent.discount=1.5", r"agent.discount=1.5 must be in \[0, 1\]"),
+        ("agent.max_calls=0", r"agent.max_calls=0 must be in \[1, 4096\]"),
+        ("agent.observation_template=x", "has no {result}"),
+        (
+            "controller.gc_thresholds=[50000,20]",
+            r"controller.gc_thresholds=\[50000, 20\]: three "
+            "positive integers",
+        ),
+        ("controller.gc_thresholds=[0,10,10]", r"controller.gc_thresholds=\[0, 10, 10\]"),
+        ("controller.gc_thresholds=[]", None),
+        ("lr", "key=value"),
+    ],
+    ids=lambda v: str(v),
+)
 def test_bad_values_name_the_field(override, needle):
     if needle is None:
         load_config(overrides=[override])

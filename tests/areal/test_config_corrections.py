@@ -34,8 +34,12 @@ def _get(cfg, key: str):
 
 @pytest.mark.slow
 def test_every_option_appears_in_the_cli_help_with_its_choices():
-    help_text = subprocess.run([sys.executable, "-m", "areal.controller", "--help"],
-                               capture_output=True, text=True, check=True).stdout
+    help_text = subprocess.run(
+        [sys.executable, "-m", "areal.controller", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     for key in OPTIONS:
         assert f"  {key} = " in help_text, key
     assert "[ppo|gspo|cispo]" in help_text
@@ -46,8 +50,10 @@ def test_every_option_appears_in_the_cli_help_with_its_choices():
 
 
 def test_options_load_from_yaml_and_the_command_line(tmp_path):
-    yaml_text = "trainer:\n  ppo:\n    policy_loss: gspo\n    behav_imp_level: sequence\n" \
-                "  advantage:\n    dynamic_sampling: true\n"
+    yaml_text = (
+        "trainer:\n  ppo:\n    policy_loss: gspo\n    behav_imp_level: sequence\n"
+        "  advantage:\n    dynamic_sampling: true\n"
+    )
     (tmp_path / "run.yaml").write_text(yaml_text)
     cfg = load_config(tmp_path / "run.yaml")
     assert (cfg.trainer.ppo.policy_loss, cfg.trainer.ppo.behav_imp_level) == ("gspo", "sequence")
@@ -60,25 +66,41 @@ def test_options_load_from_yaml_and_the_command_line(tmp_path):
 
 def test_defaults_are_the_papers_decoupled_ppo():
     ppo, adv = load_config().trainer.ppo, load_config().trainer.advantage
-    assert (ppo.policy_loss, ppo.loss_agg_mode, ppo.behav_imp_level) == ("ppo", "token-mean",
-                                                                          "token")
+    assert (ppo.policy_loss, ppo.loss_agg_mode, ppo.behav_imp_level) == (
+        "ppo",
+        "token-mean",
+        "token",
+    )
     assert ppo.behav_imp_floor is None and ppo.eps_clip_high is None
     assert not adv.dynamic_sampling and not adv.mask_truncated and adv.overlong_buffer == 0
 
 
-@pytest.mark.parametrize("override, needle", [
-    ("trainer.ppo.behav_imp_floor=1.5", "trainer.ppo.behav_imp_floor=1.5 must be in (0, 1)"),
-    ("trainer.ppo.behav_imp_floor=0", "trainer.ppo.behav_imp_floor=0.0 must be in (0, 1)"),
-    ("trainer.ppo.policy_loss=grpo", "trainer.ppo.policy_loss='grpo' is not one of ppo, gspo"),
-    ("trainer.ppo.loss_agg_mode=seq-mean", "trainer.ppo.loss_agg_mode='seq-mean' is not one of"),
-    ("trainer.ppo.behav_imp_level=batch", "trainer.ppo.behav_imp_level='batch' is not one of"),
-    ("trainer.ppo.loss_agg_norm=0", "trainer.ppo.loss_agg_norm=0 must be > 0"),
-    ("trainer.advantage.dynamic_sampling_max_drops=-1",
-     "trainer.advantage.dynamic_sampling_max_drops=-1 must be >= 0"),
-    ("trainer.advantage.overlong_buffer=-2", "trainer.advantage.overlong_buffer=-2 must be >= 0"),
-    ("trainer.advantage.overlong_buffer=100",
-     "trainer.advantage.overlong_buffer=100 exceeds rollout.max_new_tokens=64"),
-])
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("trainer.ppo.behav_imp_floor=1.5", "trainer.ppo.behav_imp_floor=1.5 must be in (0, 1)"),
+        ("trainer.ppo.behav_imp_floor=0", "trainer.ppo.behav_imp_floor=0.0 must be in (0, 1)"),
+        ("trainer.ppo.policy_loss=grpo", "trainer.ppo.policy_loss='grpo' is not one of ppo, gspo"),
+        (
+            "trainer.ppo.loss_agg_mode=seq-mean",
+            "trainer.ppo.loss_agg_mode='seq-mean' is not one of",
+        ),
+        ("trainer.ppo.behav_imp_level=batch", "trainer.ppo.behav_imp_level='batch' is not one of"),
+        ("trainer.ppo.loss_agg_norm=0", "trainer.ppo.loss_agg_norm=0 must be > 0"),
+        (
+            "trainer.advantage.dynamic_sampling_max_drops=-1",
+            "trainer.advantage.dynamic_sampling_max_drops=-1 must be >= 0",
+        ),
+        (
+            "trainer.advantage.overlong_buffer=-2",
+            "trainer.advantage.overlong_buffer=-2 must be >= 0",
+        ),
+        (
+            "trainer.advantage.overlong_buffer=100",
+            "trainer.advantage.overlong_buffer=100 exceeds rollout.max_new_tokens=64",
+        ),
+    ],
+)
 def test_bad_values_name_the_field(override, needle):
     with pytest.raises(ConfigError) as err:
         load_config(overrides=[override])

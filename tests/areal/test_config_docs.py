@@ -9,8 +9,9 @@ from areal.config_docs import PAGE, _cell, main, render
 
 
 def test_the_committed_page_is_current():
-    assert PAGE.read_text() == render(), \
+    assert PAGE.read_text() == render(), (
         "docs/reference/configuration.md is stale: run `python -m areal.config_docs`"
+    )
 
 
 def test_every_option_appears_with_its_default_and_help():
@@ -25,8 +26,10 @@ def test_every_option_appears_with_its_default_and_help():
 
 def test_types_are_shown_as_annotated():
     page = render()
-    assert "| `run_dir` | str \\| None | `null` | output directory; null: runs/&lt;timestamp&gt; |" \
+    assert (
+        "| `run_dir` | str \\| None | `null` | output directory; null: runs/&lt;timestamp&gt; |"
         in page
+    )
     assert "| `rollout.devices` | list[str] | `[]` |" in page
     assert "(one of: `async`, `sync`)" in page
 
@@ -42,8 +45,11 @@ def test_check_fails_on_a_stale_page_and_writing_fixes_it(tmp_path, capsys):
 
 def test_every_section_has_a_heading():
     page = render()
-    sections = [f.name for f in dataclasses.fields(RunConfig)
-                if f.default_factory is not dataclasses.MISSING
-                and dataclasses.is_dataclass(f.default_factory())]
+    sections = [
+        f.name
+        for f in dataclasses.fields(RunConfig)
+        if f.default_factory is not dataclasses.MISSING
+        and dataclasses.is_dataclass(f.default_factory())
+    ]
     for name in sections:
         assert f"## `{name}`" in page

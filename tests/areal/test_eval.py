@@ -16,10 +16,20 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _samples(correct: list[list[bool]]) -> list[list[Sample]]:
-    return [[Sample(prompt_id=f"p{i}", completion="x", num_tokens=3 + j,
-                    finish_reason="stop" if ok else "length", reward=float(ok),
-                    verdict=Verdict.OK if ok else Verdict.WRONG)
-             for j, ok in enumerate(group)] for i, group in enumerate(correct)]
+    return [
+        [
+            Sample(
+                prompt_id=f"p{i}",
+                completion="x",
+                num_tokens=3 + j,
+                finish_reason="stop" if ok else "length",
+                reward=float(ok),
+                verdict=Verdict.OK if ok else Verdict.WRONG,
+            )
+            for j, ok in enumerate(group)
+        ]
+        for i, group in enumerate(correct)
+    ]
 
 
 def test_record_has_unbiased_pass_at_k_for_requested_and_power_of_two_k(tiny_model_dir):
@@ -65,13 +75,29 @@ def test_cli_refuses_bad_arguments_with_status_2(tiny_model_dir, capsys):
 
 
 @pytest.mark.slow
-def test_cli_evaluates_a_tiny_checkpoint_on_a_held_out_fraction(tmp_path, tiny_model_dir,
-                                                                 monkeypatch, capsys):
+def test_cli_evaluates_a_tiny_checkpoint_on_a_held_out_fraction(
+    tmp_path, tiny_model_dir, monkeypatch, capsys
+):
     monkeypatch.chdir(REPO)
     out, saved = tmp_path / "eval.jsonl", tmp_path / "samples.jsonl"
-    rc = main(["--model", tiny_model_dir, "--config", "examples/math.yaml", "--num-samples", "2",
-               "--temperature", "1.0", "--output", str(out), "--save-samples", str(saved),
-               "rollout.max_new_tokens=12", "eval.max_prompts=3"])
+    rc = main(
+        [
+            "--model",
+            tiny_model_dir,
+            "--config",
+            "examples/math.yaml",
+            "--num-samples",
+            "2",
+            "--temperature",
+            "1.0",
+            "--output",
+            str(out),
+            "--save-samples",
+            str(saved),
+            "rollout.max_new_tokens=12",
+            "eval.max_prompts=3",
+        ]
+    )
     assert rc == 0
     assert "pass@1" in capsys.readouterr().out
     (record,) = [json.loads(x) for x in out.read_text().splitlines()]
@@ -79,10 +105,12 @@ def test_cli_evaluates_a_tiny_checkpoint_on_a_held_out_fraction(tmp_path, tiny_m
     assert record["task"] == "math" and record["eval/num_problems"] == 3
     completions = [json.loads(x) for x in saved.read_text().splitlines()]
     assert len(completions) == 6
-    assert all(c["num_tokens"] <= 12 and c["verdict"] in {v.value for v in Verdict}
-               for c in completions)
+    assert all(
+        c["num_tokens"] <= 12 and c["verdict"] in {v.value for v in Verdict} for c in completions
+    )
     assert sum(c["verdict"] == "ok" for c in completions) / 6 == pytest.approx(
-        record["eval/pass@1"])
+        record["eval/pass@1"]
+    )
 
 
 @pytest.mark.slow
@@ -91,10 +119,22 @@ def test_cli_runs_episodes_with_their_environment(tmp_path, tiny_model_dir, monk
     (tests/controller/episode_env.py); the reward is the environment's."""
     monkeypatch.syspath_prepend(str(REPO / "tests" / "controller"))
     out, saved = tmp_path / "eval.jsonl", tmp_path / "samples.jsonl"
-    rc = main(["--model", tiny_model_dir, "--output", str(out), "--save-samples", str(saved),
-               "task.name=letter_task:LetterTask", "task.params.num_eval=5",
-               "episode.environment=episode_env:SandboxScriptEnvironment",
-               "episode.max_turns=2", "episode.max_turn_tokens=8", "rollout.max_new_tokens=300"])
+    rc = main(
+        [
+            "--model",
+            tiny_model_dir,
+            "--output",
+            str(out),
+            "--save-samples",
+            str(saved),
+            "task.name=letter_task:LetterTask",
+            "task.params.num_eval=5",
+            "episode.environment=episode_env:SandboxScriptEnvironment",
+            "episode.max_turns=2",
+            "episode.max_turn_tokens=8",
+            "rollout.max_new_tokens=300",
+        ]
+    )
     assert rc == 0
     (record,) = [json.loads(x) for x in out.read_text().splitlines()]
     samples = {s["prompt_id"]: s for s in map(json.loads, saved.read_text().splitlines())}

@@ -14,17 +14,20 @@ from areal.tasks.base import Verdict
 OK, WRONG, TIMEOUT, NO_ANSWER = Verdict.OK, Verdict.WRONG, Verdict.TIMEOUT, Verdict.NO_ANSWER
 
 
-@pytest.mark.parametrize("n, c, k, expected", [
-    (1, 0, 1, 0.0),
-    (1, 1, 1, 1.0),
-    (5, 2, 1, 2 / 5),                              # pass@1 is the fraction correct
-    (5, 2, 2, 1 - 3 / 10),                         # 1 - C(3,2)/C(5,2)
-    (5, 2, 4, 1.0),                                # n - c < k: some sample must be correct
-    (10, 3, 5, 1 - 21 / 252),                      # 1 - C(7,5)/C(10,5)
-    (16, 1, 8, 0.5),                               # one correct sample, half of them drawn
-    (100, 0, 10, 0.0),
-    (4, 4, 4, 1.0),
-])
+@pytest.mark.parametrize(
+    "n, c, k, expected",
+    [
+        (1, 0, 1, 0.0),
+        (1, 1, 1, 1.0),
+        (5, 2, 1, 2 / 5),  # pass@1 is the fraction correct
+        (5, 2, 2, 1 - 3 / 10),  # 1 - C(3,2)/C(5,2)
+        (5, 2, 4, 1.0),  # n - c < k: some sample must be correct
+        (10, 3, 5, 1 - 21 / 252),  # 1 - C(7,5)/C(10,5)
+        (16, 1, 8, 0.5),  # one correct sample, half of them drawn
+        (100, 0, 10, 0.0),
+        (4, 4, 4, 1.0),
+    ],
+)
 def test_pass_at_k_matches_hand_computed_closed_forms(n, c, k, expected):
     assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
 

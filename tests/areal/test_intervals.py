@@ -9,8 +9,14 @@ import pytest
 from scipy import stats
 
 from areal.intervals import (
-    detectable_difference, paired_t_test, proportion_interval, provable_margin,
-    seeds_for_difference, seeds_for_equivalence, t_interval, tost,
+    detectable_difference,
+    paired_t_test,
+    proportion_interval,
+    provable_margin,
+    seeds_for_difference,
+    seeds_for_equivalence,
+    t_interval,
+    tost,
 )
 
 
@@ -27,8 +33,10 @@ def test_three_seeds_hand_computed():
 def test_wider_with_more_confidence_narrower_with_more_seeds():
     values = [0.71, 0.75, 0.69, 0.8, 0.77]
     assert t_interval(values, 0.99).high > t_interval(values, 0.95).high
-    assert (t_interval(values * 2).high - t_interval(values * 2).low
-            < t_interval(values).high - t_interval(values).low)
+    assert (
+        t_interval(values * 2).high - t_interval(values * 2).low
+        < t_interval(values).high - t_interval(values).low
+    )
 
 
 def test_equal_values_give_a_zero_width_interval_and_one_value_none():

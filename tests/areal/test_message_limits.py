@@ -11,8 +11,16 @@ import pytest
 from areal import codec
 from areal.codec import decode, encode
 from areal.messages import (
-    HEADER_LIMITS, MAX_DEPTH, REGISTER_MAX_BYTES, Heartbeat, MessageError, MsgType, Register,
-    Score, WorkerKind, header_limit,
+    HEADER_LIMITS,
+    MAX_DEPTH,
+    REGISTER_MAX_BYTES,
+    Heartbeat,
+    MessageError,
+    MsgType,
+    Register,
+    Score,
+    WorkerKind,
+    header_limit,
 )
 
 
@@ -39,7 +47,9 @@ def test_a_header_over_its_kinds_limit_is_refused_before_unpacking(unpack_calls)
     # any header over the kind's limit is refused alike.
     big = msgpack.packb({"num_running": 0, "stats": {str(i): 0 for i in range(1 << 14)}})
     assert len(big) > HEADER_LIMITS[MsgType.HEARTBEAT].max_bytes
-    with pytest.raises(MessageError, match=r"HEARTBEAT: header of \d+ bytes exceeds the 65536-byte") as err:
+    with pytest.raises(
+        MessageError, match=r"HEARTBEAT: header of \d+ bytes exceeds the 65536-byte"
+    ) as err:
         decode(_frames(MsgType.HEARTBEAT, big))
     assert err.value.reason == "too large" and unpack_calls == []
 
@@ -56,12 +66,15 @@ def test_a_map_longer_than_its_kind_allows_is_refused():
 
 def test_only_refuses_other_kinds_on_the_type_byte(unpack_calls):
     with pytest.raises(MessageError, match="HEARTBEAT refused unread: only REGISTER") as err:
-        decode(_frames(MsgType.HEARTBEAT, b"\xff" * 100), REGISTER_MAX_BYTES, only=(MsgType.REGISTER,))
+        decode(
+            _frames(MsgType.HEARTBEAT, b"\xff" * 100), REGISTER_MAX_BYTES, only=(MsgType.REGISTER,)
+        )
     assert err.value.reason == "not accepted" and unpack_calls == []
     register = Register(kind=WorkerKind.ROLLOUT, worker_id="w", pid=1, host="h", secret="s")
     assert decode(encode(register), REGISTER_MAX_BYTES, only=(MsgType.REGISTER,)) == register
-    padded = Register(kind=WorkerKind.ROLLOUT, worker_id="w" * REGISTER_MAX_BYTES, pid=1, host="h",
-                      secret="s")
+    padded = Register(
+        kind=WorkerKind.ROLLOUT, worker_id="w" * REGISTER_MAX_BYTES, pid=1, host="h", secret="s"
+    )
     with pytest.raises(MessageError, match=f"exceeds the {REGISTER_MAX_BYTES}-byte") as err:
         decode(encode(padded), REGISTER_MAX_BYTES, only=(MsgType.REGISTER,))
     assert err.value.reason == "too large"
@@ -69,20 +82,34 @@ def test_only_refuses_other_kinds_on_the_type_byte(unpack_calls):
 
 def test_deep_nesting_in_an_untyped_field_is_a_message_error_not_a_crash():
     for depth in (MAX_DEPTH + 1, 500, 5000):  # 5000: beyond msgpack's own stack
-        header = b"\x84" + msgpack.packb("request_ids") + msgpack.packb(["r"]) \
-            + msgpack.packb("prompt_id") + msgpack.packb("p") \
-            + msgpack.packb("completion_ids") + msgpack.packb([msgpack.ExtType(1, msgpack.packb(["int32", [0], 0]))]) \
-            + msgpack.packb("reference") + b"\x91" * depth + b"\xc0"
+        header = (
+            b"\x84"
+            + msgpack.packb("request_ids")
+            + msgpack.packb(["r"])
+            + msgpack.packb("prompt_id")
+            + msgpack.packb("p")
+            + msgpack.packb("completion_ids")
+            + msgpack.packb([msgpack.ExtType(1, msgpack.packb(["int32", [0], 0]))])
+            + msgpack.packb("reference")
+            + b"\x91" * depth
+            + b"\xc0"
+        )
         with pytest.raises(MessageError):
             decode(_frames(MsgType.SCORE, header, b""))
-    shallow = Score(request_ids=["r"], prompt_id="p", completion_ids=[np.zeros(0, np.int32)],
-                    reference=[[[["deep enough"]]]])
+    shallow = Score(
+        request_ids=["r"],
+        prompt_id="p",
+        completion_ids=[np.zeros(0, np.int32)],
+        reference=[[[["deep enough"]]]],
+    )
     assert decode(encode(shallow)).reference == [[[["deep enough"]]]]
 
 
 def test_arrays_of_too_many_dimensions_and_too_many_frames_are_refused():
     ref = msgpack.ExtType(1, msgpack.packb(["int32", [1] * (MAX_DEPTH + 1), 0]))
-    header = msgpack.packb({"request_ids": ["r"], "prompt_id": "p", "completion_ids": [ref], "reference": 0})
+    header = msgpack.packb(
+        {"request_ids": ["r"], "prompt_id": "p", "completion_ids": [ref], "reference": 0}
+    )
     with pytest.raises(MessageError, match="dimensions"):
         decode(_frames(MsgType.SCORE, header, b"\x00" * 4))
     limit = header_limit(MsgType.HEARTBEAT).max_items

@@ -14,10 +14,33 @@ import torch
 from areal import codec
 from areal.codec import decode, encode
 from areal.messages import (
-    BroadcastWeights, Cancel, EpisodeEnd, FinishReason, Generate, Generated, GroupName,
-    GroupState, GroupStatus, Heartbeat, JoinGroup, MessageError, MsgType, Ready, Register, Score,
-    Scored, Shutdown, Train, Trained, UpdateWeights, Welcome, WeightsChunk, WeightsUpdated,
-    WorkerError, WorkerKind, schemas,
+    BroadcastWeights,
+    Cancel,
+    EpisodeEnd,
+    FinishReason,
+    Generate,
+    Generated,
+    GroupName,
+    GroupState,
+    GroupStatus,
+    Heartbeat,
+    JoinGroup,
+    MessageError,
+    MsgType,
+    Ready,
+    Register,
+    Score,
+    Scored,
+    Shutdown,
+    Train,
+    Trained,
+    UpdateWeights,
+    Welcome,
+    WeightsChunk,
+    WeightsUpdated,
+    WorkerError,
+    WorkerKind,
+    schemas,
 )
 from areal.tasks.base import Verdict
 
@@ -27,47 +50,101 @@ def _arange(n, dtype=np.int32):
 
 
 SAMPLES = {
-    MsgType.REGISTER: Register(kind=WorkerKind.TRAINER, worker_id="t0", pid=12, host="h",
-                               secret="s", rank=1),
-    MsgType.WELCOME: Welcome(config={"a": {"b": [1, 2.5, None, "x"]}}, version=3,
-                             weights_path="/w", run_dir="/r", checkpoint="/r/checkpoints/x"),
+    MsgType.REGISTER: Register(
+        kind=WorkerKind.TRAINER, worker_id="t0", pid=12, host="h", secret="s", rank=1
+    ),
+    MsgType.WELCOME: Welcome(
+        config={"a": {"b": [1, 2.5, None, "x"]}},
+        version=3,
+        weights_path="/w",
+        run_dir="/r",
+        checkpoint="/r/checkpoints/x",
+    ),
     MsgType.HEARTBEAT: Heartbeat(num_running=4, stats={"tok_s": 1.5}),
-    MsgType.GENERATE: Generate(request_id="r1", prompt_ids=_arange(7), max_new_tokens=9,
-                               temperature=0.7, top_p=0.9, stop_token_ids=[1, 2]),
-    MsgType.GENERATED: Generated(request_id="r1", output_ids=_arange(3),
-                                 logprobs=np.linspace(-1, 0, 3, dtype=np.float32),
-                                 versions=np.array([0, 0, 1], np.int32),
-                                 finish_reason=FinishReason.STOP, num_interruptions=1,
-                                 generation_s=0.25),
+    MsgType.GENERATE: Generate(
+        request_id="r1",
+        prompt_ids=_arange(7),
+        max_new_tokens=9,
+        temperature=0.7,
+        top_p=0.9,
+        stop_token_ids=[1, 2],
+    ),
+    MsgType.GENERATED: Generated(
+        request_id="r1",
+        output_ids=_arange(3),
+        logprobs=np.linspace(-1, 0, 3, dtype=np.float32),
+        versions=np.array([0, 0, 1], np.int32),
+        finish_reason=FinishReason.STOP,
+        num_interruptions=1,
+        generation_s=0.25,
+    ),
     MsgType.CANCEL: Cancel(request_ids=["a", "b"]),
-    MsgType.UPDATE_WEIGHTS: UpdateWeights(version=2, mode="collective", num_chunks=3,
-                                          interrupt=False, generation=5, manifest=[
-                                              {"num_bytes": 32, "tensors": [
-                                                  ["w", "bfloat16", [4, 2], 0, 16]]}]),
-    MsgType.WEIGHTS_CHUNK: WeightsChunk(version=2, index=0, num_chunks=1, names=["w", "b"],
-                                        tensors=[torch.randn(4, 3).bfloat16(), torch.tensor(2.0)]),
+    MsgType.UPDATE_WEIGHTS: UpdateWeights(
+        version=2,
+        mode="collective",
+        num_chunks=3,
+        interrupt=False,
+        generation=5,
+        manifest=[{"num_bytes": 32, "tensors": [["w", "bfloat16", [4, 2], 0, 16]]}],
+    ),
+    MsgType.WEIGHTS_CHUNK: WeightsChunk(
+        version=2,
+        index=0,
+        num_chunks=1,
+        names=["w", "b"],
+        tensors=[torch.randn(4, 3).bfloat16(), torch.tensor(2.0)],
+    ),
     MsgType.WEIGHTS_UPDATED: WeightsUpdated(version=2, pause_s=0.5, num_interrupted=7),
-    MsgType.TRAIN: Train(step=1, version=1, token_ids=_arange(10), logprobs=np.zeros(10, np.float32),
-                         versions=np.full(10, -1, np.int32), loss_mask=np.ones(10, bool),
-                         cu_seqlens=np.array([0, 4, 10], np.int32),
-                         rewards=np.array([1.0, 0.0], np.float32),
-                         group_ids=np.array([5, 5], np.int64),
-                         advantages=np.array([0.5, -0.5], np.float32), minibatch_sizes=[1, 1],
-                         minibatch_loss_tokens=[3, 5], replay=True),
-    MsgType.TRAINED: Trained(step=1, version=2, stats={"loss": 0.1}, weights_path=None,
-                             replay=True, checkpoint="/r/checkpoints/step_000001"),
-    MsgType.SCORE: Score(request_ids=["r", "s"], prompt_id="p",
-                         completion_ids=[_arange(4), _arange(2)],
-                         reference={"answer": "12", "tests": [[1, 2]]}),
-    MsgType.SCORED: Scored(request_ids=["r", "s"], rewards=[1.0, 0.0],
-                           verdicts=[Verdict.OK, Verdict.WRONG], details=["", "no"],
-                           check_s=[0.1, 0.2]),
+    MsgType.TRAIN: Train(
+        step=1,
+        version=1,
+        token_ids=_arange(10),
+        logprobs=np.zeros(10, np.float32),
+        versions=np.full(10, -1, np.int32),
+        loss_mask=np.ones(10, bool),
+        cu_seqlens=np.array([0, 4, 10], np.int32),
+        rewards=np.array([1.0, 0.0], np.float32),
+        group_ids=np.array([5, 5], np.int64),
+        advantages=np.array([0.5, -0.5], np.float32),
+        minibatch_sizes=[1, 1],
+        minibatch_loss_tokens=[3, 5],
+        replay=True,
+    ),
+    MsgType.TRAINED: Trained(
+        step=1,
+        version=2,
+        stats={"loss": 0.1},
+        weights_path=None,
+        replay=True,
+        checkpoint="/r/checkpoints/step_000001",
+    ),
+    MsgType.SCORE: Score(
+        request_ids=["r", "s"],
+        prompt_id="p",
+        completion_ids=[_arange(4), _arange(2)],
+        reference={"answer": "12", "tests": [[1, 2]]},
+    ),
+    MsgType.SCORED: Scored(
+        request_ids=["r", "s"],
+        rewards=[1.0, 0.0],
+        verdicts=[Verdict.OK, Verdict.WRONG],
+        details=["", "no"],
+        check_s=[0.1, 0.2],
+    ),
     MsgType.SHUTDOWN: Shutdown(reason="done", rejoin=True),
     MsgType.READY: Ready(version=3, store="10.0.0.1:29500"),
-    MsgType.JOIN_GROUP: JoinGroup(group=GroupName.WEIGHTS, generation=2, rank=1, world_size=3,
-                                  backend="gloo", store="10.0.0.1:29500", timeout_s=60.0),
-    MsgType.GROUP_STATUS: GroupStatus(group=GroupName.TRAINER, generation=1,
-                                      state=GroupState.FAILED, error="timeout"),
+    MsgType.JOIN_GROUP: JoinGroup(
+        group=GroupName.WEIGHTS,
+        generation=2,
+        rank=1,
+        world_size=3,
+        backend="gloo",
+        store="10.0.0.1:29500",
+        timeout_s=60.0,
+    ),
+    MsgType.GROUP_STATUS: GroupStatus(
+        group=GroupName.TRAINER, generation=1, state=GroupState.FAILED, error="timeout"
+    ),
     MsgType.BROADCAST_WEIGHTS: BroadcastWeights(version=4, generation=2),
     MsgType.WORKER_ERROR: WorkerError(error="boom", fatal=True, request_id="r"),
 }
@@ -101,19 +178,36 @@ def _num_arrays(msg):
     return count
 
 
-EPISODE_GENERATE = Generate(request_id="r2", prompt_ids=_arange(5), max_new_tokens=64,
-                            temperature=1.0, stop_token_ids=[1, 93], prompt_id="train-7",
-                            reference={"answer": 17834, "tests": [[1, "x"]]})
+EPISODE_GENERATE = Generate(
+    request_id="r2",
+    prompt_ids=_arange(5),
+    max_new_tokens=64,
+    temperature=1.0,
+    stop_token_ids=[1, 93],
+    prompt_id="train-7",
+    reference={"answer": 17834, "tests": [[1, "x"]]},
+)
 EPISODE_GENERATED = Generated(
-    request_id="r2", output_ids=_arange(6), logprobs=np.array([-1, -2, 0, 0, -1, -1], np.float32),
+    request_id="r2",
+    output_ids=_arange(6),
+    logprobs=np.array([-1, -2, 0, 0, -1, -1], np.float32),
     versions=np.array([3, 3, -1, -1, 4, 4], np.int32),
-    loss_mask=np.array([True, True, False, False, True, True]), finish_reason=FinishReason.STOP,
-    episode_end=EpisodeEnd.TURN_LIMIT, reward=0.0, verdict=Verdict.NO_ANSWER,
-    detail="the episode ended at the turn limit", num_turns=2, num_tool_calls=1,
-    num_tool_errors=1, tool_s=0.125)
+    loss_mask=np.array([True, True, False, False, True, True]),
+    finish_reason=FinishReason.STOP,
+    episode_end=EpisodeEnd.TURN_LIMIT,
+    reward=0.0,
+    verdict=Verdict.NO_ANSWER,
+    detail="the episode ended at the turn limit",
+    num_turns=2,
+    num_tool_calls=1,
+    num_tool_errors=1,
+    tool_s=0.125,
+)
 
 
-@pytest.mark.parametrize("msg", [EPISODE_GENERATE, EPISODE_GENERATED], ids=["generate", "generated"])
+@pytest.mark.parametrize(
+    "msg", [EPISODE_GENERATE, EPISODE_GENERATED], ids=["generate", "generated"]
+)
 def test_episode_fields_round_trip(msg):
     frames = encode(msg)
     assert len(frames) == 2 + _num_arrays(msg)
@@ -123,13 +217,29 @@ def test_episode_fields_round_trip(msg):
 def test_a_single_completion_decodes_without_episode_fields():
     """A sender that knows nothing of episodes (a worker of an earlier version) is understood:
     the new fields are optional and default to 'one completion'."""
-    plain = Generated(request_id="r", output_ids=_arange(2), logprobs=np.zeros(2, np.float32),
-                      versions=np.zeros(2, np.int32), finish_reason=FinishReason.STOP)
+    plain = Generated(
+        request_id="r",
+        output_ids=_arange(2),
+        logprobs=np.zeros(2, np.float32),
+        versions=np.zeros(2, np.int32),
+        finish_reason=FinishReason.STOP,
+    )
     frames = encode(plain)
     header = msgpack.unpackb(frames[1], raw=False, ext_hook=msgpack.ExtType)
-    legacy = {k: v for k, v in header.items() if k in (
-        "request_id", "output_ids", "logprobs", "versions", "finish_reason",
-        "num_interruptions", "generation_s")}
+    legacy = {
+        k: v
+        for k, v in header.items()
+        if k
+        in (
+            "request_id",
+            "output_ids",
+            "logprobs",
+            "versions",
+            "finish_reason",
+            "num_interruptions",
+            "generation_s",
+        )
+    }
     out = decode([frames[0], msgpack.packb(legacy), *frames[2:]])
     assert out.loss_mask is None and out.episode_end is None and out.verdict is None
     assert (out.num_turns, out.num_tool_calls, out.reward) == (1, 0, 0.0)
@@ -157,10 +267,17 @@ def test_round_trip_survives_real_zmq_frames_without_copies():
         a.bind("inproc://messages-test")
         b.connect("inproc://messages-test")
         big = np.random.default_rng(0).standard_normal(8_000_000).astype(np.float32)  # 32 MB
-        msg = Train(step=0, version=0, token_ids=_arange(8_000_000), logprobs=big,
-                    versions=np.zeros(8_000_000, np.int32), loss_mask=np.ones(8_000_000, bool),
-                    cu_seqlens=np.array([0, 8_000_000], np.int32), rewards=np.zeros(1, np.float32),
-                    group_ids=np.zeros(1, np.int64))
+        msg = Train(
+            step=0,
+            version=0,
+            token_ids=_arange(8_000_000),
+            logprobs=big,
+            versions=np.zeros(8_000_000, np.int32),
+            loss_mask=np.ones(8_000_000, bool),
+            cu_seqlens=np.array([0, 8_000_000], np.int32),
+            rewards=np.zeros(1, np.float32),
+            group_ids=np.zeros(1, np.int64),
+        )
         a.send_multipart(encode(msg), copy=False)
         frames = b.recv_multipart(copy=False)
         out = decode(frames)
@@ -171,12 +288,16 @@ def test_round_trip_survives_real_zmq_frames_without_copies():
         b.close(0)
 
 
-@pytest.mark.parametrize("value", [
-    np.zeros((0,), np.int32),
-    np.array(3.5, np.float64),
-    np.arange(12, dtype=np.int64).reshape(3, 4)[:, ::2],  # non-contiguous
-    np.ones((2, 3), bool),
-], ids=["empty", "scalar", "non-contiguous", "bool-2d"])
+@pytest.mark.parametrize(
+    "value",
+    [
+        np.zeros((0,), np.int32),
+        np.array(3.5, np.float64),
+        np.arange(12, dtype=np.int64).reshape(3, 4)[:, ::2],  # non-contiguous
+        np.ones((2, 3), bool),
+    ],
+    ids=["empty", "scalar", "non-contiguous", "bool-2d"],
+)
 def test_array_edge_cases_round_trip(value):
     msg = Generate(request_id="x", prompt_ids=value, max_new_tokens=1, temperature=1.0)
     out = decode(encode(msg))
@@ -184,12 +305,16 @@ def test_array_edge_cases_round_trip(value):
     assert np.array_equal(out.prompt_ids, value)
 
 
-@pytest.mark.parametrize("tensor", [
-    torch.zeros(0, 5, dtype=torch.bfloat16),
-    torch.tensor(1.5, dtype=torch.bfloat16),
-    torch.arange(20, dtype=torch.float16).reshape(4, 5).t(),
-    torch.randn(3, 3, dtype=torch.float64),
-], ids=["empty-bf16", "scalar-bf16", "transposed-fp16", "fp64"])
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.zeros(0, 5, dtype=torch.bfloat16),
+        torch.tensor(1.5, dtype=torch.bfloat16),
+        torch.arange(20, dtype=torch.float16).reshape(4, 5).t(),
+        torch.randn(3, 3, dtype=torch.float64),
+    ],
+    ids=["empty-bf16", "scalar-bf16", "transposed-fp16", "fp64"],
+)
 def test_tensor_edge_cases_round_trip(tensor):
     msg = WeightsChunk(version=0, index=0, num_chunks=1, names=["t"], tensors=[tensor])
     (out,) = decode(encode(msg)).tensors
@@ -201,32 +326,63 @@ def _frames(kind=MsgType.HEARTBEAT, header=None, arrays=()):
     return [bytes([kind]), msgpack.packb(header if header is not None else {}), *arrays]
 
 
-@pytest.mark.parametrize("frames, needle", [
-    ([b"\x03"], "at least 2"),
-    ([b"\x63", msgpack.packb({})], "unknown message type"),
-    ([b"\x03\x03", msgpack.packb({})], "unknown message type"),
-    ([b"\x03", b"\xc1\xff\x00"], "not valid msgpack"),
-    ([b"\x03", msgpack.packb([1, 2])], "not a mapping"),
-    (_frames(header={"num_running": 1, "evil": 2}), "unknown field"),
-    (_frames(header={"num_running": "many"}), "expected int"),
-    (_frames(header={"num_running": True}), "expected int"),
-    (_frames(MsgType.SHUTDOWN, {"reason": 5}), "expected str"),
-    (_frames(MsgType.CANCEL, {}), "required field 'request_ids' missing"),
-    (_frames(MsgType.SCORED, {"request_ids": ["r"], "rewards": [1.0], "verdicts": ["great"],
-                              "details": [""], "check_s": [0.0]}), "not one of"),
-    (_frames(header={"stats": {1: 2.0}}), "strict"),
-    (_frames(MsgType.HEARTBEAT, {}, [b"stray"]), "1 array frames sent, 0 referenced"),
-], ids=["one-frame", "unknown-type", "long-type", "garbage-header", "list-header",
-        "unknown-field", "wrong-type", "bool-for-int", "int-for-str", "missing-field",
-        "bad-enum", "int-keys", "surplus-frame"])
+@pytest.mark.parametrize(
+    "frames, needle",
+    [
+        ([b"\x03"], "at least 2"),
+        ([b"\x63", msgpack.packb({})], "unknown message type"),
+        ([b"\x03\x03", msgpack.packb({})], "unknown message type"),
+        ([b"\x03", b"\xc1\xff\x00"], "not valid msgpack"),
+        ([b"\x03", msgpack.packb([1, 2])], "not a mapping"),
+        (_frames(header={"num_running": 1, "evil": 2}), "unknown field"),
+        (_frames(header={"num_running": "many"}), "expected int"),
+        (_frames(header={"num_running": True}), "expected int"),
+        (_frames(MsgType.SHUTDOWN, {"reason": 5}), "expected str"),
+        (_frames(MsgType.CANCEL, {}), "required field 'request_ids' missing"),
+        (
+            _frames(
+                MsgType.SCORED,
+                {
+                    "request_ids": ["r"],
+                    "rewards": [1.0],
+                    "verdicts": ["great"],
+                    "details": [""],
+                    "check_s": [0.0],
+                },
+            ),
+            "not one of",
+        ),
+        (_frames(header={"stats": {1: 2.0}}), "strict"),
+        (_frames(MsgType.HEARTBEAT, {}, [b"stray"]), "1 array frames sent, 0 referenced"),
+    ],
+    ids=[
+        "one-frame",
+        "unknown-type",
+        "long-type",
+        "garbage-header",
+        "list-header",
+        "unknown-field",
+        "wrong-type",
+        "bool-for-int",
+        "int-for-str",
+        "missing-field",
+        "bad-enum",
+        "int-keys",
+        "surplus-frame",
+    ],
+)
 def test_malformed_messages_are_refused_with_a_clear_error(frames, needle):
     with pytest.raises(MessageError, match=needle):
         decode(frames)
 
 
 def _generate_header(ref):
-    return {"request_id": "r", "prompt_ids": msgpack.ExtType(1, msgpack.packb(ref)),
-            "max_new_tokens": 1, "temperature": 1.0}
+    return {
+        "request_id": "r",
+        "prompt_ids": msgpack.ExtType(1, msgpack.packb(ref)),
+        "max_new_tokens": 1,
+        "temperature": 1.0,
+    }
 
 
 def test_truncated_message_missing_its_array_frame_is_refused():
@@ -249,16 +405,23 @@ def test_disallowed_array_references_are_refused(ref):
 
 
 def test_array_smuggled_into_an_untyped_field_is_refused():
-    header = {"request_ids": ["r"], "prompt_id": "p",
-              "completion_ids": [msgpack.ExtType(1, msgpack.packb(["int32", [1], 0]))],
-              "reference": [msgpack.ExtType(1, msgpack.packb(["int32", [1], 1]))]}
+    header = {
+        "request_ids": ["r"],
+        "prompt_id": "p",
+        "completion_ids": [msgpack.ExtType(1, msgpack.packb(["int32", [1], 0]))],
+        "reference": [msgpack.ExtType(1, msgpack.packb(["int32", [1], 1]))],
+    }
     with pytest.raises(MessageError, match="untyped"):
         decode(_frames(MsgType.SCORE, header, [b"\x00" * 4, b"\x00" * 4]))
 
 
 def test_unknown_msgpack_extension_is_refused():
-    header = {"request_id": "r", "prompt_ids": msgpack.ExtType(42, b"x"), "max_new_tokens": 1,
-              "temperature": 1.0}
+    header = {
+        "request_id": "r",
+        "prompt_ids": msgpack.ExtType(42, b"x"),
+        "max_new_tokens": 1,
+        "temperature": 1.0,
+    }
     with pytest.raises(MessageError, match="extension"):
         decode(_frames(MsgType.GENERATE, header))
 
@@ -277,8 +440,11 @@ def test_pickle_payload_is_never_executed(tmp_path):
             return (os.system, (f"touch {marker}",))
 
     payload = pickle.dumps(Exploit())
-    for frames in ([bytes([MsgType.HEARTBEAT]), payload], [payload, payload],
-                   [bytes([MsgType.GENERATE]), msgpack.packb(_generate_header(["int32", [1], 0])), payload]):
+    for frames in (
+        [bytes([MsgType.HEARTBEAT]), payload],
+        [payload, payload],
+        [bytes([MsgType.GENERATE]), msgpack.packb(_generate_header(["int32", [1], 0])), payload],
+    ):
         with pytest.raises(MessageError):
             decode(frames)
     assert not marker.exists()
@@ -288,15 +454,26 @@ def test_encoding_refuses_unserialisable_values():
     with pytest.raises(MessageError, match="not serialisable"):
         encode(Shutdown(reason=object()))
     with pytest.raises(MessageError, match="cannot travel"):
-        encode(Generate(request_id="r", prompt_ids=np.array(["a"], dtype=object),
-                        max_new_tokens=1, temperature=1.0))
+        encode(
+            Generate(
+                request_id="r",
+                prompt_ids=np.array(["a"], dtype=object),
+                max_new_tokens=1,
+                temperature=1.0,
+            )
+        )
     # The reused packer is left clean by a failed encoding: the next message is whole.
     assert decode(encode(Shutdown(reason="after"))).reason == "after"
 
 
 def _generate(n: int) -> Generate:
-    return Generate(request_id=f"r{n}", prompt_ids=np.arange(n, dtype=np.int32),
-                    max_new_tokens=8, temperature=1.0, stop_token_ids=[n])
+    return Generate(
+        request_id=f"r{n}",
+        prompt_ids=np.arange(n, dtype=np.int32),
+        max_new_tokens=8,
+        temperature=1.0,
+        stop_token_ids=[n],
+    )
 
 
 def test_array_references_are_packed_once_and_their_cache_stays_bounded(monkeypatch):
@@ -316,6 +493,7 @@ def test_array_references_are_packed_once_and_their_cache_stays_bounded(monkeypa
 
 def test_threads_encoding_at_once_each_get_their_own_messages():
     """Each thread packs with its own reusable Packer (codec._packer)."""
+
     def encode_many(offset: int) -> list[Generate]:
         return [decode(encode(_generate(offset + i))) for i in range(200)]
 
@@ -327,12 +505,16 @@ def test_threads_encoding_at_once_each_get_their_own_messages():
 
 
 def test_fields_at_their_defaults_stay_off_the_wire_and_come_back():
-    plain = Generated(request_id="r", output_ids=_arange(2), logprobs=np.zeros(2, np.float32),
-                      versions=np.zeros(2, np.int32), finish_reason=FinishReason.STOP)
+    plain = Generated(
+        request_id="r",
+        output_ids=_arange(2),
+        logprobs=np.zeros(2, np.float32),
+        versions=np.zeros(2, np.int32),
+        finish_reason=FinishReason.STOP,
+    )
     frames = encode(plain)
     header = msgpack.unpackb(frames[1], raw=False, ext_hook=msgpack.ExtType)
-    assert sorted(header) == ["finish_reason", "logprobs", "output_ids", "request_id",
-                              "versions"]
+    assert sorted(header) == ["finish_reason", "logprobs", "output_ids", "request_id", "versions"]
     _assert_same(plain, decode(frames))
     # Equal to the default but of another type: sent, and judged by the decoder as before.
     with pytest.raises(MessageError, match="HEARTBEAT.num_running: expected int, got bool"):
@@ -346,11 +528,21 @@ def test_a_groups_generates_encode_from_its_prompts_template_byte_for_byte():
     prompt = np.arange(300, dtype=np.int32)
     for request_id in ["g1-s0-a0", "g1-s15-a2", "x" * 40, ""]:
         for stop in ([0], [0, 7]):
-            msg = Generate(request_id=request_id, prompt_ids=prompt, max_new_tokens=64,
-                           temperature=1.0, stop_token_ids=stop)
+            msg = Generate(
+                request_id=request_id,
+                prompt_ids=prompt,
+                max_new_tokens=64,
+                temperature=1.0,
+                stop_token_ids=stop,
+            )
             assert [bytes(f) for f in encode(msg)] == [bytes(f) for f in _encode(msg)]
             assert decode(encode(msg)).request_id == request_id
     # another prompt array of the same values is another template
-    other = Generate(request_id="g2-s0-a0", prompt_ids=prompt.copy(), max_new_tokens=64,
-                     temperature=0.5, stop_token_ids=[0])
+    other = Generate(
+        request_id="g2-s0-a0",
+        prompt_ids=prompt.copy(),
+        max_new_tokens=64,
+        temperature=0.5,
+        stop_token_ids=[0],
+    )
     assert [bytes(f) for f in encode(other)] == [bytes(f) for f in _encode(other)]

@@ -14,38 +14,68 @@ import pytest
 from areal.plot import PANELS, main, plot_runs, read_run, series
 
 
-EPISODE_KEYS = {"episode/tool_use_fraction": 0.5, "episode/tool_error_rate": 0.1,
-                "episode/turns_mean": 1.5, "episode/tool_calls_mean": 0.5,
-                "episode/model_tokens_mean": 12.0, "episode/observation_tokens_mean": 6.0,
-                "episode/tool_s_mean": 0.01, "episode/calls_mean": 2.0,
-                "episode/segments_mean": 1.0, "episode/retries_coalesced": 0,
-                "episode/endpoint_queue_s_mean": 0.001, "episode/endpoint_decode_s_mean": 0.1}
+EPISODE_KEYS = {
+    "episode/tool_use_fraction": 0.5,
+    "episode/tool_error_rate": 0.1,
+    "episode/turns_mean": 1.5,
+    "episode/tool_calls_mean": 0.5,
+    "episode/model_tokens_mean": 12.0,
+    "episode/observation_tokens_mean": 6.0,
+    "episode/tool_s_mean": 0.01,
+    "episode/calls_mean": 2.0,
+    "episode/segments_mean": 1.0,
+    "episode/retries_coalesced": 0,
+    "episode/endpoint_queue_s_mean": 0.001,
+    "episode/endpoint_decode_s_mean": 0.1,
+}
 
 
-def _write_run(run_dir: Path, num_steps: int = 6, *, with_loss: bool = True,
-               torn: bool = False, episodes: bool = True) -> Path:
+def _write_run(
+    run_dir: Path,
+    num_steps: int = 6,
+    *,
+    with_loss: bool = True,
+    torn: bool = False,
+    episodes: bool = True,
+) -> Path:
     run_dir.mkdir(parents=True)
     lines = [{"kind": "eval", "step": 0, "eval/pass@1": 0.1, "eval/reward_mean": 0.1}]
     for step in range(1, num_steps + 1):
-        record = {"kind": "step", "step": step, "rollout/reward_mean": step / 10,
-                  "rollout/accuracy": step / 12, "staleness/mean": 0.5, "staleness/max": 1,
-                  "staleness/hist": {"0": 4, "1": 4}, "perf/gen_tokens_per_s": 900.0 + step,
-                  "perf/train_tokens_per_s": 400.0, "perf/trained_tokens_per_s": 300.0,
-                  "rollout/interruptions": step % 3, "perf/elapsed_s": 2.0 * step,
-                  "rollout/completion_len_mean": 20.0, "train/logprob_diff_fresh": 1e-6,
-                  "train/logprob_diff_stale": 0.01 * step, "train/logprob_diff_fresh_max": 1e-5,
-                  "train/logprob_diff_stale_max": 0.1, "train/behav_kl_fresh": 1e-12,
-                  "train/behav_kl_stale": 1e-4, "train/behav_masked_frac_stale": 0.01,
-                  "train/clipped_frac_fresh": 0.0, "train/clipped_frac_stale": 0.02}
+        record = {
+            "kind": "step",
+            "step": step,
+            "rollout/reward_mean": step / 10,
+            "rollout/accuracy": step / 12,
+            "staleness/mean": 0.5,
+            "staleness/max": 1,
+            "staleness/hist": {"0": 4, "1": 4},
+            "perf/gen_tokens_per_s": 900.0 + step,
+            "perf/train_tokens_per_s": 400.0,
+            "perf/trained_tokens_per_s": 300.0,
+            "rollout/interruptions": step % 3,
+            "perf/elapsed_s": 2.0 * step,
+            "rollout/completion_len_mean": 20.0,
+            "train/logprob_diff_fresh": 1e-6,
+            "train/logprob_diff_stale": 0.01 * step,
+            "train/logprob_diff_fresh_max": 1e-5,
+            "train/logprob_diff_stale_max": 0.1,
+            "train/behav_kl_fresh": 1e-12,
+            "train/behav_kl_stale": 1e-4,
+            "train/behav_masked_frac_stale": 0.01,
+            "train/clipped_frac_fresh": 0.0,
+            "train/clipped_frac_stale": 0.02,
+        }
         if with_loss:
             record["train/loss"] = math.nan if step == 2 else 0.1 * step
         if episodes:
             record.update(EPISODE_KEYS)
         lines.append(record)
-    lines += [{"kind": "eval", "step": num_steps, "eval/pass@1": 0.4},
-              {"kind": "eval", "source": "areal.eval", "eval/pass@1": 0.9},  # no step
-              {"kind": "event", "event": "worker_ready"},
-              {"kind": "summary", "steps": num_steps}]
+    lines += [
+        {"kind": "eval", "step": num_steps, "eval/pass@1": 0.4},
+        {"kind": "eval", "source": "areal.eval", "eval/pass@1": 0.9},  # no step
+        {"kind": "event", "event": "worker_ready"},
+        {"kind": "summary", "steps": num_steps},
+    ]
     text = "".join(json.dumps(r) + "\n" for r in lines)
     (run_dir / "metrics.jsonl").write_text(text + ('{"kind": "st' if torn else ""))
     return run_dir
@@ -79,7 +109,13 @@ def test_single_completion_runs_draw_no_episode_panels(tmp_path):
     run_dir = _write_run(tmp_path / "r", episodes=False)
     paths = plot_runs([run_dir], tmp_path / "out")
     assert {p.stem for p in paths} == {"overview", *PANELS} - {
-        "tool_use", "turns", "episode_tokens", "tool_time", "agent", "endpoint"}
+        "tool_use",
+        "turns",
+        "episode_tokens",
+        "tool_time",
+        "agent",
+        "endpoint",
+    }
 
 
 @pytest.mark.slow

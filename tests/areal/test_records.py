@@ -29,13 +29,35 @@ def _resumed(step):
 
 def test_records_a_resume_replaces_are_set_aside_and_marked(tmp_path):
     lost = {"kind": "event", "event": "worker_lost", "version": 5}
-    _write(tmp_path, [_eval(0), _step(1), _step(2), _eval(2), _step(3), lost, _step(4),
-                      {"kind": "summary"}, _resumed(2), _eval(2), _step(3), _step(4)],
-           torn='{"kind": "st')
+    _write(
+        tmp_path,
+        [
+            _eval(0),
+            _step(1),
+            _step(2),
+            _eval(2),
+            _step(3),
+            lost,
+            _step(4),
+            {"kind": "summary"},
+            _resumed(2),
+            _eval(2),
+            _step(3),
+            _step(4),
+        ],
+        torn='{"kind": "st',
+    )
     kept = read_records(tmp_path)
     assert [(r["kind"], r.get("step")) for r in kept] == [
-        ("eval", 0), ("step", 1), ("step", 2), ("event", None), ("event", 2), ("eval", 2),
-        ("step", 3), ("step", 4)]
+        ("eval", 0),
+        ("step", 1),
+        ("step", 2),
+        ("event", None),
+        ("event", 2),
+        ("eval", 2),
+        ("step", 3),
+        ("step", 4),
+    ]
     assert lost in kept  # events are history
     everything = read_records(tmp_path, superseded=True)
     assert len(everything) == 12
@@ -44,8 +66,20 @@ def test_records_a_resume_replaces_are_set_aside_and_marked(tmp_path):
 
 
 def test_a_second_resume_supersedes_the_first_ones_records_too(tmp_path):
-    _write(tmp_path, [_step(1), _step(2), _step(3), _resumed(2), _step(3), _step(4),
-                      _resumed(3), _step(4), _step(5)])
+    _write(
+        tmp_path,
+        [
+            _step(1),
+            _step(2),
+            _step(3),
+            _resumed(2),
+            _step(3),
+            _step(4),
+            _resumed(3),
+            _step(4),
+            _step(5),
+        ],
+    )
     assert [r["step"] for r in read_records(tmp_path) if r["kind"] == "step"] == [1, 2, 3, 4, 5]
 
 

@@ -19,7 +19,9 @@ def test_the_secret_is_redacted_from_every_written_config():
     data = config_to_dict(cfg)
     assert data["controller"]["secret"] is None and data["trainer"]["lr"] == 3e-4
     rebuilt = config_from_dict(data)  # what a worker rebuilds from Welcome.config
-    assert rebuilt == dataclasses.replace(cfg, controller=dataclasses.replace(cfg.controller, secret=None))
+    assert rebuilt == dataclasses.replace(
+        cfg, controller=dataclasses.replace(cfg.controller, secret=None)
+    )
 
 
 def test_key_folders_are_readable_by_their_owner_only(tmp_path):

@@ -6,7 +6,12 @@ from __future__ import annotations
 import collections
 
 from areal.seeds import (
-    SEED_BITS, continuation_seed, derive_seed, eval_sample_seed, train_sample_seed, uniform,
+    SEED_BITS,
+    continuation_seed,
+    derive_seed,
+    eval_sample_seed,
+    train_sample_seed,
+    uniform,
 )
 
 
@@ -18,8 +23,9 @@ def test_seeds_are_golden_values_the_same_on_every_machine():
 
 
 def test_each_name_gets_its_own_seed_in_range():
-    seeds = [train_sample_seed(run, pos, i) for run in (1, 2) for pos in range(50)
-             for i in range(8)]
+    seeds = [
+        train_sample_seed(run, pos, i) for run in (1, 2) for pos in range(50) for i in range(8)
+    ]
     seeds += [eval_sample_seed(1, f"eval-{p}", i) for p in range(50) for i in range(8)]
     seeds += [continuation_seed(seeds[0], k) for k in range(1, 50)]
     assert len(set(seeds)) == len(seeds)

@@ -30,10 +30,12 @@ def test_unregistered_peers_may_send_only_a_small_register():
         peer.connect(channel.address)
         outcomes = []
         try:
-            for frames in ([bytes([MsgType.HEARTBEAT]), b"\xff" * (1 << 20)],  # not a Register
-                           encode(_register("w" * REGISTER_MAX_BYTES)),  # a Register too large
-                           encode(_register()),  # accepted
-                           encode(Heartbeat(num_running=1))):  # accepted once registered
+            for frames in (
+                [bytes([MsgType.HEARTBEAT]), b"\xff" * (1 << 20)],  # not a Register
+                encode(_register("w" * REGISTER_MAX_BYTES)),  # a Register too large
+                encode(_register()),  # accepted
+                encode(Heartbeat(num_running=1)),
+            ):  # accepted once registered
                 await peer.send_multipart(frames)
                 try:
                     outcomes.append(await asyncio.wait_for(channel.recv(), 10))
@@ -48,8 +50,12 @@ def test_unregistered_peers_may_send_only_a_small_register():
         return outcomes
 
     outcomes = asyncio.run(scenario())
-    assert outcomes == [(b"peer-1", "not accepted"), (b"peer-1", "too large"),
-                        (b"peer-1", _register()), (b"peer-1", Heartbeat(num_running=1))]
+    assert outcomes == [
+        (b"peer-1", "not accepted"),
+        (b"peer-1", "too large"),
+        (b"peer-1", _register()),
+        (b"peer-1", Heartbeat(num_running=1)),
+    ]
 
 
 def test_worker_identities_are_stable_per_credential_and_unguessable_without_it():

@@ -12,9 +12,14 @@ from areal.types import PROMPT_VERSION, Trajectory, pack, pack_arrays
 
 def _traj(num_prompt, num_out, version=0, group_id=0, reward=0.0):
     t = Trajectory.from_generation(
-        prompt_id=f"p{group_id}", group_id=group_id, prompt_ids=np.arange(num_prompt) + 10,
-        output_ids=np.arange(num_out) + 50, output_logprobs=-np.arange(num_out, dtype=np.float32),
-        output_versions=np.full(num_out, version), finish_reason="stop")
+        prompt_id=f"p{group_id}",
+        group_id=group_id,
+        prompt_ids=np.arange(num_prompt) + 10,
+        output_ids=np.arange(num_out) + 50,
+        output_logprobs=-np.arange(num_out, dtype=np.float32),
+        output_versions=np.full(num_out, version),
+        finish_reason="stop",
+    )
     t.reward = reward
     return t
 
@@ -30,22 +35,39 @@ def test_from_generation_marks_prompt_tokens():
 
 def test_an_episode_keeps_its_observation_tokens_out_of_the_loss():
     t = Trajectory.from_generation(
-        prompt_id="p", group_id=0, prompt_ids=[1, 2], output_ids=[5, 6, 7, 8, 9],
-        output_logprobs=[-1.0, 0.0, 0.0, -2.0, -3.0], output_versions=[3, -1, -1, 4, 4],
-        output_loss_mask=[True, False, False, True, True])
+        prompt_id="p",
+        group_id=0,
+        prompt_ids=[1, 2],
+        output_ids=[5, 6, 7, 8, 9],
+        output_logprobs=[-1.0, 0.0, 0.0, -2.0, -3.0],
+        output_versions=[3, -1, -1, 4, 4],
+        output_loss_mask=[True, False, False, True, True],
+    )
     assert list(t.loss_mask) == [False, False, True, False, False, True, True]
     assert t.num_model_tokens == 3 and t.oldest_version() == 3  # staleness: model tokens
     with pytest.raises(ValueError, match=r"observation tokens .* must have version -1, got \[3\]"):
         Trajectory.from_generation(
-            prompt_id="p", group_id=0, prompt_ids=[1], output_ids=[5, 6],
-            output_logprobs=[-1.0, 0.0], output_versions=[3, 3], output_loss_mask=[True, False])
+            prompt_id="p",
+            group_id=0,
+            prompt_ids=[1],
+            output_ids=[5, 6],
+            output_logprobs=[-1.0, 0.0],
+            output_versions=[3, 3],
+            output_loss_mask=[True, False],
+        )
 
 
 def test_misaligned_arrays_are_refused():
     with pytest.raises(ValueError, match="differ in length"):
-        Trajectory(prompt_id="p", group_id=0, token_ids=np.zeros(3, np.int32),
-                   logprobs=np.zeros(2, np.float32), versions=np.zeros(3, np.int32),
-                   loss_mask=np.zeros(3, bool), num_prompt_tokens=1)
+        Trajectory(
+            prompt_id="p",
+            group_id=0,
+            token_ids=np.zeros(3, np.int32),
+            logprobs=np.zeros(2, np.float32),
+            versions=np.zeros(3, np.int32),
+            loss_mask=np.zeros(3, bool),
+            num_prompt_tokens=1,
+        )
     with pytest.raises(ValueError, match="num_prompt_tokens"):
         _traj(0, 3)
 
@@ -89,9 +111,15 @@ def test_oldest_version_is_the_least_version_that_is_not_a_prompts(seed):
         if rng.random() < 0.3:
             versions[num_prompt:] = np.abs(versions[num_prompt:])
         n = num_prompt + num_out
-        t = Trajectory(prompt_id="p", group_id=0, token_ids=np.zeros(n, np.int32),
-                       logprobs=np.zeros(n, np.float32), versions=versions,
-                       loss_mask=np.zeros(n, bool), num_prompt_tokens=num_prompt)
+        t = Trajectory(
+            prompt_id="p",
+            group_id=0,
+            token_ids=np.zeros(n, np.int32),
+            logprobs=np.zeros(n, np.float32),
+            versions=versions,
+            loss_mask=np.zeros(n, bool),
+            num_prompt_tokens=num_prompt,
+        )
         assert t.oldest_version() == _oldest_by_definition(t), versions.tolist()
 
 
@@ -107,12 +135,28 @@ def _both_forms(rng: np.random.Generator, episode: bool) -> tuple[Trajectory, Tr
     if episode:
         mask = rng.random(num_out) < 0.6
         versions[~mask], logprobs[~mask] = PROMPT_VERSION, 0.0
-    kept, copied = (Trajectory.from_generation(
-        prompt_id="p", group_id=3, prompt_ids=p, output_ids=i, output_logprobs=lp,
-        output_versions=v, output_loss_mask=m, finish_reason="stop")
-        for p, i, lp, v, m in [(prompt, ids, logprobs, versions, mask),
-                               (prompt.tolist(), ids.tolist(), logprobs.tolist(),
-                                versions.tolist(), None if mask is None else mask.tolist())])
+    kept, copied = (
+        Trajectory.from_generation(
+            prompt_id="p",
+            group_id=3,
+            prompt_ids=p,
+            output_ids=i,
+            output_logprobs=lp,
+            output_versions=v,
+            output_loss_mask=m,
+            finish_reason="stop",
+        )
+        for p, i, lp, v, m in [
+            (prompt, ids, logprobs, versions, mask),
+            (
+                prompt.tolist(),
+                ids.tolist(),
+                logprobs.tolist(),
+                versions.tolist(),
+                None if mask is None else mask.tolist(),
+            ),
+        ]
+    )
     return kept, copied
 
 
@@ -139,24 +183,42 @@ def test_a_completion_kept_as_it_came_reads_as_the_copied_one(episode):
 def test_a_kept_completion_shares_the_messages_arrays():
     ids = np.arange(4, dtype=np.int32)
     t = Trajectory.from_generation(
-        prompt_id="p", group_id=0, prompt_ids=np.ones(2, np.int32), output_ids=ids,
-        output_logprobs=np.zeros(4, np.float32), output_versions=np.zeros(4, np.int32))
+        prompt_id="p",
+        group_id=0,
+        prompt_ids=np.ones(2, np.int32),
+        output_ids=ids,
+        output_logprobs=np.zeros(4, np.float32),
+        output_versions=np.zeros(4, np.int32),
+    )
     assert t.output_ids is ids and t._parts is not None
     assert t.num_tokens == 6 and t._parts is not None  # nothing joined to count
     assert t.token_ids.tolist() == [1, 1, 0, 1, 2, 3] and t._parts is None  # joined once
     assert not np.shares_memory(t.token_ids, ids)
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(prompt_ids=np.zeros(0, np.int32)),  # no prompt
-    dict(output_logprobs=np.zeros(2, np.float32)),  # misaligned
-    dict(output_versions=np.array([1, 1, 1], np.int32),  # an observation with a version
-         output_loss_mask=np.array([True, False, True]))])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(prompt_ids=np.zeros(0, np.int32)),  # no prompt
+        dict(output_logprobs=np.zeros(2, np.float32)),  # misaligned
+        dict(
+            output_versions=np.array([1, 1, 1], np.int32),  # an observation with a version
+            output_loss_mask=np.array([True, False, True]),
+        ),
+    ],
+)
 def test_a_kept_completion_is_refused_as_the_copied_one(kwargs):
-    args = {**dict(prompt_id="p", group_id=0, prompt_ids=np.ones(2, np.int32),
-                   output_ids=np.arange(3, dtype=np.int32),
-                   output_logprobs=np.zeros(3, np.float32),
-                   output_versions=np.zeros(3, np.int32)), **kwargs}
+    args = {
+        **dict(
+            prompt_id="p",
+            group_id=0,
+            prompt_ids=np.ones(2, np.int32),
+            output_ids=np.arange(3, dtype=np.int32),
+            output_logprobs=np.zeros(3, np.float32),
+            output_versions=np.zeros(3, np.int32),
+        ),
+        **kwargs,
+    }
     with pytest.raises(ValueError) as kept:
         Trajectory.from_generation(**args)
     listed = {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in args.items()}
@@ -189,11 +251,13 @@ def test_pack_arrays_equals_concatenating_each_trajectorys_arrays(seed, monkeypa
         "token_ids": np.concatenate([t.token_ids for t in trajs]),
         "logprobs": np.concatenate([t.logprobs for t in trajs]),
         "versions": np.concatenate([t.versions for t in trajs]),
-        "loss_mask": np.concatenate([t.loss_mask & (not m) for t, m in zip(trajs, masked,
-                                                                         strict=True)]),
+        "loss_mask": np.concatenate(
+            [t.loss_mask & (not m) for t, m in zip(trajs, masked, strict=True)]
+        ),
         "cu_seqlens": np.cumsum([0] + [t.num_tokens for t in trajs]).astype(np.int32),
         "rewards": np.array([t.reward for t in trajs], np.float32),
-        "group_ids": np.array([t.group_id for t in trajs], np.int64)}
+        "group_ids": np.array([t.group_id for t in trajs], np.int64),
+    }
     assert got.keys() == expected.keys()
     for name, array in expected.items():
         assert got[name].dtype == array.dtype, name
@@ -206,16 +270,24 @@ def test_a_received_completion_has_its_oldest_version_computed_on_arrival(monkey
     computes once."""
     versions = np.array([2, 2, 3, 5], np.int32)
     kept = Trajectory.from_generation(
-        prompt_id="p", group_id=0, prompt_ids=np.array([7, 8], np.int32),
-        output_ids=np.array([1, 2, 3, 4], np.int32), output_logprobs=np.zeros(4, np.float32),
-        output_versions=versions)
-    built = Trajectory(prompt_id="p", group_id=0, token_ids=np.arange(3, dtype=np.int32),
-                       logprobs=np.zeros(3, np.float32),
-                       versions=np.array([PROMPT_VERSION, 4, 6], np.int32),
-                       loss_mask=np.array([False, True, True]), num_prompt_tokens=1)
+        prompt_id="p",
+        group_id=0,
+        prompt_ids=np.array([7, 8], np.int32),
+        output_ids=np.array([1, 2, 3, 4], np.int32),
+        output_logprobs=np.zeros(4, np.float32),
+        output_versions=versions,
+    )
+    built = Trajectory(
+        prompt_id="p",
+        group_id=0,
+        token_ids=np.arange(3, dtype=np.int32),
+        logprobs=np.zeros(3, np.float32),
+        versions=np.array([PROMPT_VERSION, 4, 6], np.int32),
+        loss_mask=np.array([False, True, True]),
+        num_prompt_tokens=1,
+    )
     calls = []
     real = types_module._oldest_sampled
-    monkeypatch.setattr(types_module, "_oldest_sampled",
-                        lambda v: calls.append(len(v)) or real(v))
+    monkeypatch.setattr(types_module, "_oldest_sampled", lambda v: calls.append(len(v)) or real(v))
     assert kept.oldest_version() == 2 and calls == []
     assert built.oldest_version() == built.oldest_version() == 4 and len(calls) == 1

@@ -16,8 +16,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_quick_ablation_trains_every_cell_and_writes_table_cells_and_plot(tmp_path):
-    done = subprocess.run([sys.executable, "bench/ablation.py", "--quick", "--out", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, "bench/ablation.py", "--quick", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     cells = json.loads((tmp_path / "cells.json").read_text())
     assert {eta: set(row) for eta, row in cells.items()} == {"0": {"naive"}, "2": {"recompute"}}

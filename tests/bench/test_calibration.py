@@ -21,9 +21,20 @@ NUMBER = r"([-+]?[0-9.]+)"  # the error column is signed: +6.1%, -2.1%
 
 @pytest.mark.slow
 def test_calibrate_quick_prints_prediction_and_measurement(tmp_path):
-    done = subprocess.run([sys.executable, str(REPO / "bench" / "cluster.py"), "--calibrate",
-                           "--quick", "--out", str(tmp_path)], capture_output=True, text=True,
-                          timeout=900, cwd=REPO)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "cluster.py"),
+            "--calibrate",
+            "--quick",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
     for mode in ("sync", "async"):
@@ -46,8 +57,11 @@ def test_calibrate_quick_prints_prediction_and_measurement(tmp_path):
     assert efficiency["mfu"]["value"] > 0 and efficiency["contention"]["value"] > 0
     assert all("source" in item for item in efficiency.values())
     # training is priced from the probe, a short async run of another seed (2, 2 steps)
-    probe = re.search(rf"training price x {NUMBER} in a run: seed-2 async probe, median of 1 "
-                      rf"step over the fit's price", out)
+    probe = re.search(
+        rf"training price x {NUMBER} in a run: seed-2 async probe, median of 1 "
+        rf"step over the fit's price",
+        out,
+    )
     assert probe and float(probe.group(1)) > 0, out
     assert efficiency["train_contention"]["value"] == 1.0
     assert "real async run of seed 2" in efficiency["train_mfu"]["source"]
@@ -62,9 +76,12 @@ def test_the_prediction_evaluates_as_many_prompts_as_the_real_run_did(tmp_path):
     sys.path.insert(0, str(REPO / "bench"))
     from calibration import first_eval_problems
 
-    records = [{"kind": "event", "event": "data_loaded"},
-               {"kind": "eval", "step": 0, "eval/num_problems": 256.0},
-               {"kind": "step", "step": 1}, {"kind": "eval", "step": 40, "eval/num_problems": 8.0}]
+    records = [
+        {"kind": "event", "event": "data_loaded"},
+        {"kind": "eval", "step": 0, "eval/num_problems": 256.0},
+        {"kind": "step", "step": 1},
+        {"kind": "eval", "step": 40, "eval/num_problems": 8.0},
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert first_eval_problems(tmp_path) == 256
     (tmp_path / "metrics.jsonl").write_text(json.dumps(records[0]) + "\n")

@@ -15,8 +15,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-TITLES = {"a": "sync vs async", "b": "effective training throughput", "c": "maximum generation",
-          "d": "interruptible generation", "e": "throughput vs eta", "f": "controller's own cost"}
+TITLES = {
+    "a": "sync vs async",
+    "b": "effective training throughput",
+    "c": "maximum generation",
+    "d": "interruptible generation",
+    "e": "throughput vs eta",
+    "f": "controller's own cost",
+}
 
 
 @pytest.fixture
@@ -29,9 +35,21 @@ def cluster_bench(monkeypatch):
 
 @pytest.mark.slow
 def test_quick_bench_prints_every_table_and_parallel_runs_match_serial(tmp_path, cluster_bench):
-    done = subprocess.run([sys.executable, str(REPO / "bench" / "cluster.py"), "--quick",
-                           "--jobs", "2", "--out", str(tmp_path)], capture_output=True,
-                          text=True, timeout=600, cwd=REPO)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "cluster.py"),
+            "--quick",
+            "--jobs",
+            "2",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
     starts = [out.index(f"{letter}. ") for letter in TITLES]
@@ -44,8 +62,12 @@ def test_quick_bench_prints_every_table_and_parallel_runs_match_serial(tmp_path,
 
     # (f): both modes at 16 and 32 accelerators: step s, cpu s, of which gc, share, ...,
     # the machine's speed (ref us)
-    shares = re.findall(r"^\s+(16|32)\s+(sync|async)\s+[0-9.]+\s+([0-9.]+)\s+([0-9.]+)\s+"
-                        r"([0-9.]+)%\s+\d+\s+[0-9.]+\s+([0-9.]+) ", out, re.MULTILINE)
+    shares = re.findall(
+        r"^\s+(16|32)\s+(sync|async)\s+[0-9.]+\s+([0-9.]+)\s+([0-9.]+)\s+"
+        r"([0-9.]+)%\s+\d+\s+[0-9.]+\s+([0-9.]+) ",
+        out,
+        re.MULTILINE,
+    )
     assert len(shares) == 4, out
     assert all(float(gc) <= float(cpu) and float(ref) > 0 for _, _, cpu, gc, _, ref in shares)
 
@@ -60,8 +82,12 @@ def test_table_r_measures_the_controller_in_the_simulation_and_alone(cluster_ben
     bench = cluster_bench.Bench(quick=True, seed=1, jobs=1)
     text = cluster_bench.table_r(bench)
     # run, in sim s, gc s, share, alone s, gc s, share, alone/in, ref us
-    rows = re.findall(r"^\s+(\d)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)%\s+([0-9.]+)\s+([0-9.]+)"
-                      r"\s+([0-9.]+)%\s+([0-9.]+)\s+([0-9.]+)$", text, re.MULTILINE)
+    rows = re.findall(
+        r"^\s+(\d)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)%\s+([0-9.]+)\s+([0-9.]+)"
+        r"\s+([0-9.]+)%\s+([0-9.]+)\s+([0-9.]+)$",
+        text,
+        re.MULTILINE,
+    )
     assert [row[0] for row in rows] == ["1", "2"], text  # repeated: the machine's noise
     assert all(float(row[3]) > 0 and float(row[6]) > 0 and float(row[8]) > 0 for row in rows), text
     assert all(float(row[2]) <= float(row[1]) and float(row[5]) <= float(row[4]) for row in rows)
@@ -96,17 +122,28 @@ def test_table_a_shares_its_1_5b_runs_with_table_b(cluster_bench, monkeypatch):
 
     def fake(config):
         calls.append(config)
-        return types.SimpleNamespace(step_s=60.0, max_staleness=1,
-                                     trained_tokens_per_s=float(config.num_accelerators))
+        return types.SimpleNamespace(
+            step_s=60.0, max_staleness=1, trained_tokens_per_s=float(config.num_accelerators)
+        )
+
+    def planned(bench, row, n):  # the planner's own search is tested in tests/sim
+        candidate = types.SimpleNamespace(gen_fraction=0.75, rollout_tp=row.rollout_tp)
+        return types.SimpleNamespace(candidate=candidate, step_s=50.0)
 
     monkeypatch.setattr(cluster_bench, "simulate", fake)
+    monkeypatch.setattr(cluster_bench, "planned_best", planned)
     bench = cluster_bench.Bench(quick=False, seed=1, jobs=1)
-    cluster_bench.table_a(bench)
+    table = cluster_bench.table_a(bench)
     cluster_bench.table_b(bench)
-    # (a): 4 models x 2 modes; (b): 5 sizes x 2 modes, of which 1.5B at 128 GPUs is (a)'s
-    assert len(calls) == bench.simulations == 8 + 10 - 2
-    shared = [c for c in calls if c.model == "1.5b" and c.num_accelerators == 128]
+    # (a): 4 models x 3 runs (sync, sync paying its switches, async); (b): 5 sizes x 2
+    # modes, of which 1.5B at 128 GPUs, sync and async, are (a)'s
+    assert len(calls) == bench.simulations == 12 + 10 - 2
+    shared = [
+        c for c in calls if c.model == "1.5b" and c.num_accelerators == 128 and not c.switch_costs
+    ]
     assert len(shared) == 2 and all(c.wire for c in shared)
+    assert sum(c.switch_costs for c in calls) == 4
+    assert "1.20x" in table  # sync / plan: 60 / 50 s
 
 
 def test_default_jobs_are_bounded_by_cores_and_memory(cluster_bench, monkeypatch):
@@ -147,16 +184,19 @@ def test_measured_simulations_run_one_at_a_time(cluster_bench, monkeypatch, wire
         return done
 
     monkeypatch.setattr(bench, "_start", start)
-    tables = [lambda b, mode=mode: [b.run(mode, wire=wire, num_accelerators=n) for n in (16, 32)]
-              for mode in ("sync", "async")]
+    tables = [
+        lambda b, mode=mode: [b.run(mode, wire=wire, num_accelerators=n) for n in (16, 32)]
+        for mode in ("sync", "async")
+    ]
     made = bench.tables(tables)
     assert [len(table.result(timeout=30)) for table in made] == [2, 2]
     bench.close()
     assert bench.simulations == 0 and max(most) == most_at_once
 
 
-def test_the_longest_queued_simulation_starts_first_and_measured_ones_last(cluster_bench,
-                                                                          monkeypatch):
+def test_the_longest_queued_simulation_starts_first_and_measured_ones_last(
+    cluster_bench, monkeypatch
+):
     bench = cluster_bench.Bench(quick=True, seed=1, jobs=2)
     started, pending = [], []
 
@@ -166,14 +206,28 @@ def test_the_longest_queued_simulation_starts_first_and_measured_ones_last(clust
         return done
 
     monkeypatch.setattr(bench, "_start", start)
-    runs = [bench.start("async", wire=wire, num_accelerators=16, max_new_tokens=length)
-            for wire, length in [(False, 100), (False, 200), (True, 9000), (False, 300),
-                                 (False, 400), (True, 8000)]]
+    runs = [
+        bench.start("async", wire=wire, num_accelerators=16, max_new_tokens=length)
+        for wire, length in [
+            (False, 100),
+            (False, 200),
+            (True, 9000),
+            (False, 300),
+            (False, 400),
+            (True, 8000),
+        ]
+    ]
     assert started == [(False, 100), (False, 200)]  # both processes taken at once
     while pending:  # each finished simulation frees its process for the next queued one
         pending.pop(0).set_result(None)
-    assert started == [(False, 100), (False, 200), (False, 400), (False, 300), (True, 9000),
-                       (True, 8000)]
+    assert started == [
+        (False, 100),
+        (False, 200),
+        (False, 400),
+        (False, 300),
+        (True, 9000),
+        (True, 8000),
+    ]
     assert all(run.done() for run in runs)
     bench.close()
 
@@ -190,8 +244,9 @@ def test_no_tables_is_no_work(cluster_bench, jobs):
 def test_strict_table_compares_the_same_runs_with_and_without_strict(cluster_bench, monkeypatch):
     calls = []
     real = cluster_bench.simulate
-    monkeypatch.setattr(cluster_bench, "simulate",
-                        lambda config: calls.append(config) or real(config))
+    monkeypatch.setattr(
+        cluster_bench, "simulate", lambda config: calls.append(config) or real(config)
+    )
     bench = cluster_bench.Bench(quick=True, seed=1, jobs=1)
     table = cluster_bench.table_s(bench)
     rows = [line.split() for line in table.splitlines()[2:4]]

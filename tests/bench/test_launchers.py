@@ -16,12 +16,17 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 @pytest.mark.ray
 def test_launchers_quick_times_both_launchers_and_their_ratio(tmp_path):
-    done = subprocess.run([sys.executable, str(REPO / "bench" / "launchers.py"), "--quick",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=1200)
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "launchers.py"), "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = {label: re.search(rf"{re.escape(label)}\D*?([\d.]+)\s+([\d.]+)\s+([\d.]+)x",
-                             done.stdout)
-            for label in ("start-up", "first step", "replace a lost rollout worker")}
+    rows = {
+        label: re.search(rf"{re.escape(label)}\D*?([\d.]+)\s+([\d.]+)\s+([\d.]+)x", done.stdout)
+        for label in ("start-up", "first step", "replace a lost rollout worker")
+    }
     assert all(rows.values()), done.stdout
     for match in rows.values():
         local, ray, ratio = map(float, match.groups())

@@ -17,8 +17,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_quick_lora_bench_measures_both_tables(tmp_path):
-    done = subprocess.run([sys.executable, "bench/lora.py", "--quick", "--out", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "bench/lora.py", "--quick", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     table = (tmp_path / "table.txt").read_text()
     assert table in done.stdout
@@ -30,8 +35,13 @@ def test_quick_lora_bench_measures_both_tables(tmp_path):
 
 
 def test_quick_lora_learning_trains_and_tabulates(tmp_path):
-    done = subprocess.run([sys.executable, "bench/lora_learning.py", "--quick", "--out",
-                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, "bench/lora_learning.py", "--quick", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     cells = json.loads((tmp_path / "cells.json").read_text())
     assert set(cells) == {"lora-torch"}
@@ -39,5 +49,7 @@ def test_quick_lora_learning_trains_and_tabulates(tmp_path):
     assert result["steps"] == 3 and 0 <= result["pass@1"] <= 1
     assert 0 < result["publish_bytes"] < 1 << 20  # the adapters of the embedded model
     assert "lora-torch" in (tmp_path / "table.txt").read_text()
-    assert not (ROOT / "docs" / "results" / "lora_learning.json").exists() or \
-        "quick" not in (ROOT / "docs" / "results" / "lora_learning.json").read_text()
+    assert (
+        not (ROOT / "docs" / "results" / "lora_learning.json").exists()
+        or "quick" not in (ROOT / "docs" / "results" / "lora_learning.json").read_text()
+    )

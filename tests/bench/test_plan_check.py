@@ -28,11 +28,19 @@ def test_the_table_ranks_both_ways_and_correlates_them(plan_check):
     configs = plan_check.CONFIGS[:4]
     predicted = {c.name: p for c, p in zip(configs, [400.0, 300.0, 200.0, 100.0], strict=True)}
     measured_tput = [350.0, 390.0, 150.0, 120.0]  # the first two swapped
-    state = {"steps": 30, "predicted": predicted,
-             "search": {"first_choice": "async 1 x tp1 + 1 trainers, eta 2, interrupt on",
-                        "tokens_per_s": 401.0, "simulations": 14},
-             "measured": {f"{c.name} | seed 1": {"seconds": 10.0, "tokens": 10 * t}
-                          for c, t in zip(configs, measured_tput, strict=True)}}
+    state = {
+        "steps": 30,
+        "predicted": predicted,
+        "search": {
+            "first_choice": "async 1 x tp1 + 1 trainers, eta 2, interrupt on",
+            "tokens_per_s": 401.0,
+            "simulations": 14,
+        },
+        "measured": {
+            f"{c.name} | seed 1": {"seconds": 10.0, "tokens": 10 * t}
+            for c, t in zip(configs, measured_tput, strict=True)
+        },
+    }
     text = plan_check.report(state, configs, [1])
     ranks = re.findall(r"\s(\d)\s+(\d)\s+\(seeds", text)
     assert ranks == [("1", "2"), ("2", "1"), ("3", "3"), ("4", "4")], text
@@ -42,12 +50,17 @@ def test_the_table_ranks_both_ways_and_correlates_them(plan_check):
 
 @pytest.mark.slow
 def test_quick_check_predicts_and_measures_each_configuration(tmp_path):
-    done = subprocess.run([sys.executable, str(REPO / "bench" / "plan_check.py"), "--quick",
-                           "--out", str(tmp_path)], capture_output=True, text=True,
-                          timeout=900, cwd=REPO)
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "plan_check.py"), "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = re.findall(r"^(.+?)\s+(\d+)\s+(\d+)\s+[-+][0-9.]+%\s+(\d)\s+(\d)", done.stdout,
-                      re.MULTILINE)
+    rows = re.findall(
+        r"^(.+?)\s+(\d+)\s+(\d+)\s+[-+][0-9.]+%\s+(\d)\s+(\d)", done.stdout, re.MULTILINE
+    )
     assert len(rows) == 2, done.stdout
     assert all(int(predicted) > 0 and int(measured) > 0 for _, predicted, measured, _, _ in rows)
     assert "the planner's own search over" in done.stdout

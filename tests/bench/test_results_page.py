@@ -14,9 +14,15 @@ from results_page import publish, write_results
 
 def test_the_page_and_its_json_carry_the_table_and_where_it_was_measured(tmp_path):
     table = "mode  tok/s\n----------\nsync    100\nasync   250"
-    page = write_results("demo", title="Demo bench", command="python bench/demo.py",
-                         table=table, data={"rows": [["sync", 100], ["async", 250]]},
-                         notes="async is 2.5x.", results_dir=tmp_path)
+    page = write_results(
+        "demo",
+        title="Demo bench",
+        command="python bench/demo.py",
+        table=table,
+        data={"rows": [["sync", 100], ["async", 250]]},
+        notes="async is 2.5x.",
+        results_dir=tmp_path,
+    )
     text = page.read_text()
     assert text.startswith("# Demo bench\n")
     assert "`python bench/demo.py`" in text and table in text and "async is 2.5x." in text

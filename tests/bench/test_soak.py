@@ -20,8 +20,11 @@ def test_a_warm_up_followed_by_a_plateau_has_no_second_half_slope():
 
 def test_steady_growth_is_reported_per_hour_and_relative_to_the_size():
     minutes = [float(m) for m in range(60)]
-    series = {"controller": Series(minutes=minutes, rss_mb=[500 + 0.5 * m for m in range(60)],
-                                   fds=[23.0] * 60)}
+    series = {
+        "controller": Series(
+            minutes=minutes, rss_mb=[500 + 0.5 * m for m in range(60)], fds=[23.0] * 60
+        )
+    }
     (row,) = summarize(series)
     assert row["rss_mb_slope_h"] == pytest.approx(30.0)
     assert row["rss_mb_start"] == 500 and row["rss_mb_max"] == pytest.approx(529.5)

@@ -16,15 +16,25 @@ import speedup
 def _runs(mode_shift: float, evaluate_versions: bool) -> list[tuple[dict, list[dict]]]:
     runs = []
     for seed in range(3):
-        records = [{"kind": "eval", "version": 0, "eval/pass@1": 0.3,
-                    "perf/train_elapsed_s": 0.0}]
+        records = [{"kind": "eval", "version": 0, "eval/pass@1": 0.3, "perf/train_elapsed_s": 0.0}]
         for step in range(1, 11):
-            records.append({"kind": "step", "version": step, "perf/train_elapsed_s": 10.0 * step,
-                            "rollout/reward_mean": 0.3 + 0.04 * step + 0.01 * seed})
+            records.append(
+                {
+                    "kind": "step",
+                    "version": step,
+                    "perf/train_elapsed_s": 10.0 * step,
+                    "rollout/reward_mean": 0.3 + 0.04 * step + 0.01 * seed,
+                }
+            )
             if evaluate_versions and step % 5 == 0:
-                records.append({"kind": "eval", "version": step,
-                                "perf/train_elapsed_s": 10.0 * step,
-                                "eval/pass@1": 0.3 + 0.05 * step + mode_shift})
+                records.append(
+                    {
+                        "kind": "eval",
+                        "version": step,
+                        "perf/train_elapsed_s": 10.0 * step,
+                        "eval/pass@1": 0.3 + 0.05 * step + mode_shift,
+                    }
+                )
         summary = {"eval_pass@1_before": 0.3, "eval_pass@1_after": 0.7 + mode_shift + 0.02 * seed}
         runs.append((summary, sorted(records, key=lambda r: r["perf/train_elapsed_s"])))
     return runs
@@ -41,7 +51,9 @@ def test_the_plot_shows_each_modes_mean_with_a_band(tmp_path, evaluate_versions)
     if evaluate_versions:
         assert [len(line.get_xdata()) for line in acc.lines] == [3, 3]  # versions 0, 5, 10
     else:
-        assert [t.get_text() for t in acc.get_xticklabels()] == ["before training",
-                                                                 "after training"]
+        assert [t.get_text() for t in acc.get_xticklabels()] == [
+            "before training",
+            "after training",
+        ]
         assert len(acc.patches) == 4  # before and after, per mode
     assert (tmp_path / "speedup.png").stat().st_size > 10_000

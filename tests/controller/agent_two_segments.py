@@ -6,9 +6,12 @@ from __future__ import annotations
 
 async def run(client, sample):
     first = await client.chat.completions.create(
-        model="policy", messages=[{"role": "user", "content": sample.prompt}], max_tokens=6)
+        model="policy", messages=[{"role": "user", "content": sample.prompt}], max_tokens=6
+    )
     second = await client.chat.completions.create(
-        model="policy", messages=[{"role": "user", "content": sample.prompt + "again\n"}],
-        max_tokens=6)
+        model="policy",
+        messages=[{"role": "user", "content": sample.prompt + "again\n"}],
+        max_tokens=6,
+    )
     text = second.choices[0].message.content or ""
     return {first.id: 0.5, second.id: float(len(text) % 2)}

@@ -21,19 +21,36 @@ HERE = Path(__file__).parent
 
 
 def letter_overrides(run_dir: Path, model_dir: str, *extra: str) -> list[str]:
-    return [f"model.path={model_dir}", f"run_dir={run_dir}", "task.name=letter_task:LetterTask",
-            "trainer.batch_size=8", "task.group_size=4", "trainer.lr=1e-2",
-            "rollout.max_new_tokens=16", "eval.every_steps=0", "eval.max_prompts=4",
-            "logging.progress=false", "logging.tensorboard=false",
-            "controller.heartbeat_interval_s=0.5", "controller.heartbeat_timeout_s=5", *extra]
+    return [
+        f"model.path={model_dir}",
+        f"run_dir={run_dir}",
+        "task.name=letter_task:LetterTask",
+        "trainer.batch_size=8",
+        "task.group_size=4",
+        "trainer.lr=1e-2",
+        "rollout.max_new_tokens=16",
+        "eval.every_steps=0",
+        "eval.max_prompts=4",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        "controller.heartbeat_interval_s=0.5",
+        "controller.heartbeat_timeout_s=5",
+        *extra,
+    ]
 
 
 def start(args: list[str], log: Path) -> subprocess.Popen:
     """The controller CLI with `args`, this folder importable (the task), output to `log`."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
+    )
     with open(log, "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "areal.controller", *args], env=env,
-                                stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [sys.executable, "-m", "areal.controller", *args],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -53,8 +70,9 @@ def last_step(run_dir: Path) -> int:
     return max((r["step"] for r in records(run_dir) if r["kind"] == "step"), default=0)
 
 
-def wait_for(condition: Callable[[], bool], timeout_s: float, what: str,
-             proc: subprocess.Popen | None = None) -> None:
+def wait_for(
+    condition: Callable[[], bool], timeout_s: float, what: str, proc: subprocess.Popen | None = None
+) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         if proc is not None and proc.poll() is not None:

@@ -36,9 +36,16 @@ PROGRAMS = {0: "print(6*7)", 1: "1/0", 2: "while True: pass", 4: "print(6*7)"}
 
 
 class SandboxScriptEnvironment(Environment):
-    def __init__(self, *, task: Any, tokenizer: Any, timeout_s: float = 0.5,
-                 weights_dir: str | None = None, wait_s: float = 30.0,
-                 settle_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        *,
+        task: Any,
+        tokenizer: Any,
+        timeout_s: float = 0.5,
+        weights_dir: str | None = None,
+        wait_s: float = 30.0,
+        settle_s: float = 1.0,
+    ) -> None:
         super().__init__(task=task, tokenizer=tokenizer)
         self.python = PythonTool(timeout_s=timeout_s, memory_mb=256, max_output_chars=80)
         self.weights_dir = Path(weights_dir) if weights_dir else None
@@ -54,13 +61,18 @@ class SandboxScriptEnvironment(Environment):
         case = int(episode.prompt_id.rsplit("-", 1)[1]) % 5
         if case == 3:
             raise RuntimeError("scripted environment failure")
-        if (case == 4 and episode.num_model_turns == 1 and self.weights_dir is not None
-                and episode.prompt_id.startswith("train-")):
+        if (
+            case == 4
+            and episode.num_model_turns == 1
+            and self.weights_dir is not None
+            and episode.prompt_id.startswith("train-")
+        ):
             await self._newer_version_published()
         if episode.num_model_turns == 1 or case == 4:
             result = await self.python.call({"code": PROGRAMS[case]})
-            return Observation(text=f"\n>{result.text}\n", num_tool_calls=1,
-                               num_tool_errors=int(result.failed))
+            return Observation(
+                text=f"\n>{result.text}\n", num_tool_calls=1, num_tool_errors=int(result.failed)
+            )
         text = "".join(t.text for t in episode.turns if t.role is TurnRole.MODEL)
         return self.task.reward(text, episode.reference)
 

@@ -25,8 +25,9 @@ _LATE = "!late"
 class LateRewardTask(LetterTask):
     name = "late_reward"
 
-    def __init__(self, late_index: int = 1, wait_for: int = 32, max_wait_s: float = 60.0,
-                 **letter: Any) -> None:
+    def __init__(
+        self, late_index: int = 1, wait_for: int = 32, max_wait_s: float = 60.0, **letter: Any
+    ) -> None:
         super().__init__(**letter)
         self.late_index, self.wait_for, self.max_wait_s = late_index, wait_for, max_wait_s
         self._finished = 0
@@ -35,8 +36,9 @@ class LateRewardTask(LetterTask):
     def train_prompts(self, seed: int) -> Iterator[Prompt]:
         for prompt in super().train_prompts(seed):
             if prompt.prompt_id == f"train-{self.late_index}":
-                prompt = Prompt(prompt_id=prompt.prompt_id, text=prompt.text,
-                                reference=prompt.reference + _LATE)
+                prompt = Prompt(
+                    prompt_id=prompt.prompt_id, text=prompt.text, reference=prompt.reference + _LATE
+                )
             yield prompt
 
     def reward(self, completion: str, reference: Any) -> RewardOutcome:

@@ -28,8 +28,15 @@ def stats_bomb_header(num_entries: int = 1 << 20) -> bytes:
     records = np.zeros(num_entries, dtype=[("prefix", "u1"), ("key", "S7"), ("value", "u1")])
     records["prefix"] = 0xA7  # fixstr of 7 bytes
     records["key"] = np.char.zfill(np.arange(num_entries).astype("S7"), 7)
-    return (b"\x82" + msgpack.packb("num_running") + b"\x00" + msgpack.packb("stats")
-            + b"\xdf" + num_entries.to_bytes(4, "big") + records.tobytes())
+    return (
+        b"\x82"
+        + msgpack.packb("num_running")
+        + b"\x00"
+        + msgpack.packb("stats")
+        + b"\xdf"
+        + num_entries.to_bytes(4, "big")
+        + records.tobytes()
+    )
 
 
 def _dealer(ctx: zmq.Context, address: str, identity: bytes | None = None) -> zmq.Socket:
@@ -91,17 +98,38 @@ def forged_registers(address: str, count: int = 1000, num_peers: int = 1) -> int
     sent = 0
     for peer in range(num_peers):
         share = count // num_peers + (peer < count % num_peers)
-        sent += _send_all(address, (encode(Register(
-            kind=WorkerKind.ROLLOUT, worker_id=f"forged-{peer}-{i}", pid=i, host="evil",
-            secret="wrong")) for i in range(share)))
+        sent += _send_all(
+            address,
+            (
+                encode(
+                    Register(
+                        kind=WorkerKind.ROLLOUT,
+                        worker_id=f"forged-{peer}-{i}",
+                        pid=i,
+                        host="evil",
+                        secret="wrong",
+                    )
+                )
+                for i in range(share)
+            ),
+        )
     return sent
 
 
-def flood(address: str, num_garbage: int = 20_000, num_forged: int = 1000,
-          num_forged_peers: int = 1, num_spread: int = 100, num_spread_peers: int = 50) -> int:
+def flood(
+    address: str,
+    num_garbage: int = 20_000,
+    num_forged: int = 1000,
+    num_forged_peers: int = 1,
+    num_spread: int = 100,
+    num_spread_peers: int = 50,
+) -> int:
     """`garbage`, then `forged_registers` from one peer, then spread over many peers."""
-    return (garbage(address, num_garbage) + forged_registers(address, num_forged, num_forged_peers)
-            + forged_registers(address, num_spread, num_spread_peers))
+    return (
+        garbage(address, num_garbage)
+        + forged_registers(address, num_forged, num_forged_peers)
+        + forged_registers(address, num_spread, num_spread_peers)
+    )
 
 
 class Pinger:
@@ -115,8 +143,13 @@ class Pinger:
     def ping(self, timeout_s: float = 30.0) -> float:
         """Seconds until the answer; TimeoutError when there is none: the loop is held."""
         start = time.monotonic()
-        self.sock.send_multipart(encode(Register(kind=WorkerKind.REWARD, worker_id="ping", pid=0,
-                                                 host="probe", secret="wrong")))
+        self.sock.send_multipart(
+            encode(
+                Register(
+                    kind=WorkerKind.REWARD, worker_id="ping", pid=0, host="probe", secret="wrong"
+                )
+            )
+        )
         if not self.sock.poll(timeout_s * 1000):
             raise TimeoutError(f"no answer from the controller within {timeout_s} s")
         reply = decode(self.sock.recv_multipart())

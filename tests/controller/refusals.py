@@ -10,8 +10,11 @@ from __future__ import annotations
 import errno
 import os
 
-PLAIN_PEER_REASONS = ("zmtp_mechanism_mismatch", f"no detail: {os.strerror(errno.EPIPE)}",
-                      f"no detail: {os.strerror(errno.ECONNRESET)}")
+PLAIN_PEER_REASONS = (
+    "zmtp_mechanism_mismatch",
+    f"no detail: {os.strerror(errno.EPIPE)}",
+    f"no detail: {os.strerror(errno.ECONNRESET)}",
+)
 
 
 def is_plain_peer_refusal(reason: str) -> bool:

@@ -27,13 +27,24 @@ BATCH, GROUP, STEPS = 8, 4, 2
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, tiny_model_dir):
     run_dir = tmp_path_factory.mktemp("agent") / "run"
-    cfg = load_config(overrides=[
-        f"model.path={tiny_model_dir}", f"run_dir={run_dir}", "task.name=tool_arithmetic",
-        "task.params.num_eval=4", "agent.function=agent_two_segments:run",
-        "rollout.max_new_tokens=16", f"trainer.total_steps={STEPS}",
-        f"trainer.batch_size={BATCH}", f"task.group_size={GROUP}", "eval.every_steps=0",
-        "logging.progress=false", "logging.tensorboard=false", "logging.save_batches=true",
-        "controller.heartbeat_interval_s=0.5"])
+    cfg = load_config(
+        overrides=[
+            f"model.path={tiny_model_dir}",
+            f"run_dir={run_dir}",
+            "task.name=tool_arithmetic",
+            "task.params.num_eval=4",
+            "agent.function=agent_two_segments:run",
+            "rollout.max_new_tokens=16",
+            f"trainer.total_steps={STEPS}",
+            f"trainer.batch_size={BATCH}",
+            f"task.group_size={GROUP}",
+            "eval.every_steps=0",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            "logging.save_batches=true",
+            "controller.heartbeat_interval_s=0.5",
+        ]
+    )
 
     async def go():
         ctl = Controller(cfg)
@@ -46,8 +57,12 @@ def run(tmp_path_factory, tiny_model_dir):
         mp.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
         records, summary = asyncio.run(go())
     batches = [dict(np.load(p)) for p in sorted((run_dir / "batches").glob("step_*.npz"))]
-    return {"records": records, "summary": summary, "batches": batches,
-            "tokenizer": load_tokenizer(tiny_model_dir)}
+    return {
+        "records": records,
+        "summary": summary,
+        "batches": batches,
+        "tokenizer": load_tokenizer(tiny_model_dir),
+    }
 
 
 def test_each_agent_episode_trains_as_two_segments_with_their_rewards(run):
@@ -60,7 +75,7 @@ def test_each_agent_episode_trains_as_two_segments_with_their_rewards(run):
         for i in range(len(cu) - 1):
             seq = slice(cu[i], cu[i + 1])
             sampled = np.flatnonzero(mask[seq])
-            prompt = tokenizer.decode(batch["token_ids"][seq][:sampled[0]])
+            prompt = tokenizer.decode(batch["token_ids"][seq][: sampled[0]])
             assert 1 <= len(sampled) <= 6 and (batch["versions"][seq][sampled] >= 0).all()
             assert (batch["logprobs"][seq][sampled] <= 0).all()
             (again if prompt.endswith("again\n") else first).append(float(batch["rewards"][i]))

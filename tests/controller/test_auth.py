@@ -21,7 +21,12 @@ import zmq.asyncio
 import zmq.auth
 
 from areal.auth import (
-    KeyFileError, ZapHandler, add_client, init_keys, load_client_keys, load_server_keys,
+    KeyFileError,
+    ZapHandler,
+    add_client,
+    init_keys,
+    load_client_keys,
+    load_server_keys,
     watch_handshakes,
 )
 from areal.config import ConfigError, load_config
@@ -35,7 +40,12 @@ from refusals import is_plain_peer_refusal
 def test_init_writes_private_secrets_and_authorises_the_shared_client(tmp_path):
     keys = init_keys(tmp_path / "keys")
     assert sorted(p.name for p in keys.iterdir()) == [
-        "authorized", "client.key", "client.key_secret", "server.key", "server.key_secret"]
+        "authorized",
+        "client.key",
+        "client.key_secret",
+        "server.key",
+        "server.key_secret",
+    ]
     assert [p.name for p in (keys / "authorized").iterdir()] == ["client.key"]
     for name in ("server.key_secret", "client.key_secret"):
         assert stat.S_IMODE((keys / name).stat().st_mode) == 0o600
@@ -64,8 +74,9 @@ async def _exchange(address: str, curve, server_public: bytes | None) -> list:
             sock.curve_serverkey = server_public
             sock.curve_publickey, sock.curve_secretkey = curve
         sock.connect(address)
-        await sock.send_multipart(encode(Register(kind=WorkerKind.ROLLOUT, worker_id="w",
-                                                  pid=1, host="h", secret="")))
+        await sock.send_multipart(
+            encode(Register(kind=WorkerKind.ROLLOUT, worker_id="w", pid=1, host="h", secret=""))
+        )
         while await sock.poll(1500):
             got.append(decode(await sock.recv_multipart()))
     finally:
@@ -93,11 +104,15 @@ def test_only_authorised_keys_get_through_and_refusals_are_logged(tmp_path, capl
         channel = RouterChannel(ctx, "127.0.0.1", 0, curve=load_server_keys(keys))
         failures: list[str] = []
         seen: list = []
-        tasks = [asyncio.create_task(zap.serve()),
-                 asyncio.create_task(watch_handshakes(channel.socket, failures)),
-                 asyncio.create_task(_answer_everyone(channel, seen))]
+        tasks = [
+            asyncio.create_task(zap.serve()),
+            asyncio.create_task(watch_handshakes(channel.socket, failures)),
+            asyncio.create_task(_answer_everyone(channel, seen)),
+        ]
         try:
-            ok = await _exchange(channel.address, (client.public, client.secret), client.server_public)
+            ok = await _exchange(
+                channel.address, (client.public, client.secret), client.server_public
+            )
             stranger = await _exchange(channel.address, zmq.curve_keypair(), client.server_public)
             plain = await _exchange(channel.address, None, None)
             # A key added while running admits new connections without a restart.
@@ -125,14 +140,30 @@ def test_only_authorised_keys_get_through_and_refusals_are_logged(tmp_path, capl
 
 def test_worker_command_line_needs_credentials(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("AREAL_SECRET", "AREAL_KEYS")}
-    result = subprocess.run([sys.executable, "-m", "areal.workers.reward", "--connect",
-                             "tcp://127.0.0.1:1"], env=env, capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "areal.workers.reward", "--connect", "tcp://127.0.0.1:1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert "pass --keys DIR (CurveZMQ) or set $AREAL_SECRET" in result.stderr
-    result = subprocess.run([sys.executable, "-m", "areal.workers.reward", "--connect",
-                             "tcp://127.0.0.1:1", "--keys", str(tmp_path)], env=env,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "areal.workers.reward",
+            "--connect",
+            "tcp://127.0.0.1:1",
+            "--keys",
+            str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and "server.key" in result.stderr
 
 
@@ -152,13 +183,18 @@ def test_auth_resolution_and_remote_configuration_rules():
 
 
 def _register(pool: WorkerPool, identity: bytes, worker_id: str, rank: int):
-    return pool.register(identity, Register(kind=WorkerKind.TRAINER, worker_id=worker_id,
-                                            pid=1, host="h", secret="", rank=rank))
+    return pool.register(
+        identity,
+        Register(
+            kind=WorkerKind.TRAINER, worker_id=worker_id, pid=1, host="h", secret="", rank=rank
+        ),
+    )
 
 
 def test_trainer_ranks_are_unique_and_in_range(tmp_path):
-    pool = WorkerPool(load_config(overrides=["trainer.num_ranks=2"]), tmp_path, "tcp://x:1",
-                      secret=None)
+    pool = WorkerPool(
+        load_config(overrides=["trainer.num_ranks=2"]), tmp_path, "tcp://x:1", secret=None
+    )
     assert _register(pool, b"a", "trainer-a", 0) is not None
     assert _register(pool, b"b", "trainer-b", 0) is None  # rank 0 is held
     assert _register(pool, b"c", "trainer-c", 2) is None  # only ranks 0 and 1

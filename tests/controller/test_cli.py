@@ -13,8 +13,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _controller(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "areal.controller", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "areal.controller", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.mark.slow
@@ -27,9 +32,13 @@ def test_a_wrong_option_is_named(tmp_path):
 
 @pytest.mark.slow
 def test_a_task_the_embedded_model_cannot_warm_start_on_is_refused(tmp_path):
-    done = _controller("task.name=gsm8k", f"task.params.path={REPO}/examples/data/gsm8k_train.jsonl",
-                       f"run_dir={tmp_path / 'run'}", f"cache_dir={tmp_path / 'cache'}",
-                       cwd=tmp_path)
+    done = _controller(
+        "task.name=gsm8k",
+        f"task.params.path={REPO}/examples/data/gsm8k_train.jsonl",
+        f"run_dir={tmp_path / 'run'}",
+        f"cache_dir={tmp_path / 'cache'}",
+        cwd=tmp_path,
+    )
     assert done.returncode == 1
     assert "cannot set up the run: task.name='gsm8k' has no sft_examples" in done.stderr
     assert "model.warmstart.steps=0" in done.stderr and "Traceback" not in done.stderr

@@ -41,9 +41,21 @@ def test_a_run_goes_under_the_configured_thresholds_and_restores_the_process_one
 
     monkeypatch.setattr(StalenessController, "admit", admit)
     before = gc.get_threshold()
-    simulate(sim_config(num_accelerators=16, num_prompts=4, group_size=4, max_new_tokens=2048,
-                        max_concurrent_prompts=8, num_minibatches=1, steps=2, measure_from=1,
-                        seed=3, mode="async", eta=1))
+    simulate(
+        sim_config(
+            num_accelerators=16,
+            num_prompts=4,
+            group_size=4,
+            max_new_tokens=2048,
+            max_concurrent_prompts=8,
+            num_minibatches=1,
+            steps=2,
+            measure_from=1,
+            seed=3,
+            mode="async",
+            eta=1,
+        )
+    )
     configured = tuple(RunConfig().controller.gc_thresholds)
     assert configured != before  # the default differs from Python's: the test tells them apart
     assert seen and set(seen) == {configured}

@@ -16,8 +16,20 @@ from decisions import SECRET, Decisions, config, generated
 from areal.controller.ledger import Purpose, Stage
 from areal.controller.outbox import Outbox
 from areal.messages import (
-    Cancel, Generate, Ready, Register, Score, Scored, Shutdown, Train, Trained, UpdateWeights,
-    Welcome, WeightsChunk, WorkerError, WorkerKind,
+    Cancel,
+    Generate,
+    Ready,
+    Register,
+    Score,
+    Scored,
+    Shutdown,
+    Train,
+    Trained,
+    UpdateWeights,
+    Welcome,
+    WeightsChunk,
+    WorkerError,
+    WorkerKind,
 )
 from areal.tasks.base import Verdict
 
@@ -32,13 +44,19 @@ def _request_ids(out) -> list[str]:
 
 
 def test_a_worker_with_the_secret_is_welcomed_and_a_stranger_is_sent_away(run):
-    out = run.on(b"r0", Register(kind=WorkerKind.ROLLOUT, worker_id="rollout-0", pid=os.getpid(),
-                                 host="h", secret=SECRET))
+    out = run.on(
+        b"r0",
+        Register(
+            kind=WorkerKind.ROLLOUT, worker_id="rollout-0", pid=os.getpid(), host="h", secret=SECRET
+        ),
+    )
     (welcome,) = out.sent()
     assert isinstance(welcome, Welcome) and welcome.version == 0
     assert welcome.config == {"run": "test"} and welcome.weights_path is None
-    out = run.on(b"x", Register(kind=WorkerKind.ROLLOUT, worker_id="intruder", pid=1, host="h",
-                                secret="wrong"))
+    out = run.on(
+        b"x",
+        Register(kind=WorkerKind.ROLLOUT, worker_id="intruder", pid=1, host="h", secret="wrong"),
+    )
     (refusal,) = out.sent()
     assert isinstance(refusal, Shutdown) and refusal.reason == "registration refused"
     assert run.pool.refused == ["intruder"]
@@ -48,8 +66,10 @@ def test_a_worker_with_the_secret_is_welcomed_and_a_stranger_is_sent_away(run):
 def test_samples_are_dispatched_as_a_worker_becomes_ready_in_the_same_decision(run):
     run.admit(1)
     identity = b"rollout-0"
-    run.on(identity, Register(kind=WorkerKind.ROLLOUT, worker_id="rollout-0", pid=1, host="h",
-                              secret=SECRET))
+    run.on(
+        identity,
+        Register(kind=WorkerKind.ROLLOUT, worker_id="rollout-0", pid=1, host="h", secret=SECRET),
+    )
     out = run.on(identity, Ready(version=0))
     assert _request_ids(out) == ["g0-s0-a0", "g0-s1-a0"]
     assert all(dest == identity for dest, _ in out.messages)
@@ -85,14 +105,29 @@ def test_scored_groups_go_to_the_buffer_and_a_non_finite_reward_is_scored_again(
     rollout, reward = run.join(WorkerKind.ROLLOUT), run.join(WorkerKind.REWARD)
     run.on(rollout.identity, generated("g0-s0-a0"))
     run.on(rollout.identity, generated("g0-s1-a0"))
-    out = run.on(reward.identity, Scored(request_ids=["g0-s0-a0", "g0-s1-a0"],
-                                         rewards=[1.0, math.nan], verdicts=[Verdict.OK] * 2,
-                                         details=["", ""], check_s=[0.0, 0.0]))
+    out = run.on(
+        reward.identity,
+        Scored(
+            request_ids=["g0-s0-a0", "g0-s1-a0"],
+            rewards=[1.0, math.nan],
+            verdicts=[Verdict.OK] * 2,
+            details=["", ""],
+            check_s=[0.0, 0.0],
+        ),
+    )
     (again,) = out.sent(Score)
     assert again.request_ids == ["g0-s1-a0"]  # alone, on the least-loaded reward worker
     assert not run.core.ledger.buffer
-    run.on(reward.identity, Scored(request_ids=["g0-s1-a0"], rewards=[0.0],
-                                   verdicts=[Verdict.WRONG], details=[""], check_s=[0.0]))
+    run.on(
+        reward.identity,
+        Scored(
+            request_ids=["g0-s1-a0"],
+            rewards=[0.0],
+            verdicts=[Verdict.WRONG],
+            details=[""],
+            check_s=[0.0],
+        ),
+    )
     (group,) = run.core.ledger.buffer
     assert [t.reward for t in group.trajectories()] == [1.0, 0.0]
 
@@ -122,31 +157,52 @@ def test_rank_0_s_trained_publishes_the_version_before_the_step_is_handed_back(r
     updates = [(dest, msg) for dest, msg in out.messages if isinstance(msg, UpdateWeights)]
     assert [dest for dest, _ in updates] == [h.identity for h in rollouts]
     assert all(m.version == 1 and m.path == "/w/v1" and m.mode == "disk" for _, m in updates)
-    assert ["send" if type(item) is tuple else "wake" for item in out.items] == \
-        ["send", "send", "wake", "wake"]
+    assert ["send" if type(item) is tuple else "wake" for item in out.items] == [
+        "send",
+        "send",
+        "wake",
+        "wake",
+    ]
     assert trained is answer and run.core.weights.version == 1
     assert run.core.weights.latest == "/w/v1"
 
 
 def _train() -> Train:
     n = np.zeros(2, np.int32)
-    return Train(step=1, version=0, token_ids=n, logprobs=n.astype(np.float32), versions=n,
-                 loss_mask=n.astype(bool), cu_seqlens=np.array([0, 2], np.int32),
-                 rewards=np.zeros(1, np.float32), group_ids=np.zeros(1, np.int64))
+    return Train(
+        step=1,
+        version=0,
+        token_ids=n,
+        logprobs=n.astype(np.float32),
+        versions=n,
+        loss_mask=n.astype(bool),
+        cu_seqlens=np.array([0, 2], np.int32),
+        rewards=np.zeros(1, np.float32),
+        group_ids=np.zeros(1, np.int64),
+    )
 
 
 def test_a_weights_chunk_outside_stream_mode_is_refused(run):
     trainer = run.join(WorkerKind.TRAINER)
-    out = run.on(trainer.identity, WeightsChunk(version=1, index=0, num_chunks=1, names=[],
-                                                tensors=[]))
+    out = run.on(
+        trainer.identity, WeightsChunk(version=1, index=0, num_chunks=1, names=[], tensors=[])
+    )
     assert not out.messages and run.core.peer_log.totals["unexpected message"] == 1
 
 
 def test_a_message_from_the_wrong_kind_of_worker_is_refused_and_changes_nothing(run):
     run.admit(1)
     rollout = run.join(WorkerKind.ROLLOUT)
-    out = run.on(rollout.identity, Scored(request_ids=["g0-s0-a0"], rewards=[1.0],
-                                          verdicts=[Verdict.OK], details=[""], check_s=[0.0]))
+    out = run.on(
+        rollout.identity,
+        Scored(
+            request_ids=["g0-s0-a0"],
+            rewards=[1.0],
+            verdicts=[Verdict.OK],
+            details=[""],
+            check_s=[0.0],
+        ),
+    )
     assert not out.messages
     assert run.core.peer_log.totals["unexpected message"] == 1
     assert run.core.ledger.by_request["g0-s0-a0"].stage is Stage.GENERATING
@@ -189,10 +245,16 @@ def test_an_evaluation_round_is_done_when_its_last_group_is_scored(run):
     assert run.core.ledger.groups[0].purpose is Purpose.EVAL
     for request_id in request_ids:
         run.on(rollout.identity, generated(request_id))
-    out = run.on(reward.identity, Scored(
-        request_ids=request_ids, rewards=[1.0] * len(request_ids),
-        verdicts=[Verdict.OK] * len(request_ids), details=[""] * len(request_ids),
-        check_s=[0.0] * len(request_ids)))
+    out = run.on(
+        reward.identity,
+        Scored(
+            request_ids=request_ids,
+            rewards=[1.0] * len(request_ids),
+            verdicts=[Verdict.OK] * len(request_ids),
+            details=[""] * len(request_ids),
+            check_s=[0.0] * len(request_ids),
+        ),
+    )
     assert not round_.done.is_set()
     wake = [item for item in out.items if type(item) is not tuple]
     assert wake == [round_.done.set]

@@ -30,32 +30,57 @@ STEPS, BATCH, GROUP = 2, 4, 2
 
 # Options that do not exclude each other share a run (a run is mostly worker start-up).
 RUNS = {
-    "token_mask": ["trainer.ppo.behav_imp_floor=0.5", "trainer.ppo.eps_clip_high=0.28",
-                   "trainer.ppo.loss_agg_mode=seq-mean-token-mean",
-                   "trainer.advantage.overlong_buffer=4",
-                   "trainer.advantage.overlong_penalty=0.5"],
-    "sequence_clamp": ["trainer.ppo.behav_imp_level=sequence",
-                       "trainer.ppo.behav_cap_mode=clamp", "trainer.ppo.behav_imp_cap=2.0",
-                       "trainer.ppo.loss_agg_mode=seq-mean-token-sum-norm",
-                       "trainer.ppo.loss_agg_norm=16"],
-    "gspo_dynamic_sampling": ["trainer.ppo.policy_loss=gspo", "trainer.ppo.eps_clip=3e-4",
-                              "trainer.ppo.eps_clip_high=4e-4",
-                              "trainer.advantage.dynamic_sampling=true"],
+    "token_mask": [
+        "trainer.ppo.behav_imp_floor=0.5",
+        "trainer.ppo.eps_clip_high=0.28",
+        "trainer.ppo.loss_agg_mode=seq-mean-token-mean",
+        "trainer.advantage.overlong_buffer=4",
+        "trainer.advantage.overlong_penalty=0.5",
+    ],
+    "sequence_clamp": [
+        "trainer.ppo.behav_imp_level=sequence",
+        "trainer.ppo.behav_cap_mode=clamp",
+        "trainer.ppo.behav_imp_cap=2.0",
+        "trainer.ppo.loss_agg_mode=seq-mean-token-sum-norm",
+        "trainer.ppo.loss_agg_norm=16",
+    ],
+    "gspo_dynamic_sampling": [
+        "trainer.ppo.policy_loss=gspo",
+        "trainer.ppo.eps_clip=3e-4",
+        "trainer.ppo.eps_clip_high=4e-4",
+        "trainer.advantage.dynamic_sampling=true",
+    ],
     # mask_truncated can leave a step without loss tokens (no correction metrics): alone
-    "cispo_mask_truncated": ["trainer.ppo.policy_loss=cispo", "trainer.ppo.eps_clip=1.0",
-                             "trainer.ppo.eps_clip_high=0.28",
-                             "trainer.advantage.mask_truncated=true"],
+    "cispo_mask_truncated": [
+        "trainer.ppo.policy_loss=cispo",
+        "trainer.ppo.eps_clip=1.0",
+        "trainer.ppo.eps_clip_high=0.28",
+        "trainer.advantage.mask_truncated=true",
+    ],
 }
 
 
 def _config(run_dir: Path, model_dir: str, options: list[str]):
-    return load_config(overrides=[
-        f"model.path={model_dir}", f"run_dir={run_dir}", "task.name=letter_task:LetterTask",
-        f"trainer.total_steps={STEPS}", f"trainer.batch_size={BATCH}",
-        f"task.group_size={GROUP}", "rollout.max_new_tokens=8", "eval.every_steps=0",
-        "eval.max_prompts=1", "logging.progress=false", "logging.tensorboard=false",
-        "logging.save_batches=true", "trainer.checkpoint_every=0",
-        "controller.heartbeat_interval_s=0.5", "trainer.lr=1e-3", *options])
+    return load_config(
+        overrides=[
+            f"model.path={model_dir}",
+            f"run_dir={run_dir}",
+            "task.name=letter_task:LetterTask",
+            f"trainer.total_steps={STEPS}",
+            f"trainer.batch_size={BATCH}",
+            f"task.group_size={GROUP}",
+            "rollout.max_new_tokens=8",
+            "eval.every_steps=0",
+            "eval.max_prompts=1",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            "logging.save_batches=true",
+            "trainer.checkpoint_every=0",
+            "controller.heartbeat_interval_s=0.5",
+            "trainer.lr=1e-3",
+            *options,
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +136,10 @@ def _dynamic_sampling(ctl, steps, batches):
     assert sum(r.get("rollout/dropped_groups/zero_advantage", 0) for r in steps) > 0, steps
     # The staleness window freed every dropped sample's slot; every trained batch was full.
     dropped = ctl.ledger.dropped_group_ids
-    assert ctl.core.admission.staleness.num_aborted + ctl.core.admission.staleness.num_rejected == len(dropped) * GROUP
+    assert (
+        ctl.core.admission.staleness.num_aborted + ctl.core.admission.staleness.num_rejected
+        == len(dropped) * GROUP
+    )
     assert ctl.core.admission.staleness.num_consumed == STEPS * BATCH
     assert not set(dropped) & set(ctl.ledger.trained_group_ids)
     for batch in batches:  # every trained group has a reward spread
@@ -127,7 +155,7 @@ def _overlong_penalty(ctl, steps, batches):
 def _mask_truncated(ctl, steps, batches):
     for record, batch in zip(steps, batches, strict=True):
         cu, mask = batch["cu_seqlens"], batch["loss_mask"]
-        untrained = sum(not mask[cu[i]:cu[i + 1]].any() for i in range(len(cu) - 1))
+        untrained = sum(not mask[cu[i] : cu[i + 1]].any() for i in range(len(cu) - 1))
         assert untrained == record["rollout/truncated_masked"] > 0
         assert record["train/num_loss_tokens"] == int(mask.sum())
 

@@ -44,17 +44,32 @@ to start, and a step of this task takes well under a second."""
 
 
 def _config(run_dir: Path, model_dir: str, keys: Path, port: int):
-    return load_config(overrides=[
-        f"model.path={model_dir}", f"run_dir={run_dir}", "task.name=letter_task:LetterTask",
-        f"trainer.total_steps={MAX_STEPS}", f"trainer.batch_size={BATCH}",
-        f"task.group_size={GROUP}",
-        "trainer.num_ranks=2", "rollout.num_workers=2", "trainer.lr=1e-2",
-        "rollout.max_new_tokens=16", "eval.every_steps=0", "eval.temperature=1.0",
-        "eval.num_samples=4", "weight_sync.mode=collective", "weight_sync.timeout_s=20",
-        "logging.progress=false", "logging.tensorboard=false",
-        "controller.heartbeat_interval_s=0.5", "controller.heartbeat_timeout_s=10",
-        f"controller.port={port}", f"controller.keys_dir={keys}",
-        "controller.remote_kinds=[rollout,trainer]"])
+    return load_config(
+        overrides=[
+            f"model.path={model_dir}",
+            f"run_dir={run_dir}",
+            "task.name=letter_task:LetterTask",
+            f"trainer.total_steps={MAX_STEPS}",
+            f"trainer.batch_size={BATCH}",
+            f"task.group_size={GROUP}",
+            "trainer.num_ranks=2",
+            "rollout.num_workers=2",
+            "trainer.lr=1e-2",
+            "rollout.max_new_tokens=16",
+            "eval.every_steps=0",
+            "eval.temperature=1.0",
+            "eval.num_samples=4",
+            "weight_sync.mode=collective",
+            "weight_sync.timeout_s=20",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            "controller.heartbeat_interval_s=0.5",
+            "controller.heartbeat_timeout_s=10",
+            f"controller.port={port}",
+            f"controller.keys_dir={keys}",
+            "controller.remote_kinds=[rollout,trainer]",
+        ]
+    )
 
 
 class RemoteWorkers:
@@ -68,9 +83,24 @@ class RemoteWorkers:
     def start(self, kind: str, name: str, rank: int) -> None:
         with open(self.logs / f"{name}.log", "wb") as out:
             self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", f"areal.workers.{kind}", "--connect", self.address,
-                 "--keys", str(self.keys), "--worker-id", name, "--rank", str(rank)],
-                env=self.env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                [
+                    sys.executable,
+                    "-m",
+                    f"areal.workers.{kind}",
+                    "--connect",
+                    self.address,
+                    "--keys",
+                    str(self.keys),
+                    "--worker-id",
+                    name,
+                    "--rank",
+                    str(rank),
+                ],
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
 
     def stop(self) -> None:
         for proc in self.procs.values():
@@ -95,13 +125,23 @@ async def _intrude(address: str, keys: Path) -> dict[str, list]:
                 sock.curve_serverkey = trusted_server
                 sock.curve_publickey, sock.curve_secretkey = stranger
             sock.connect(address)
-            for msg in (Register(kind=WorkerKind.ROLLOUT, worker_id=f"intruder-{name}", pid=1,
-                                 host="evil", secret=""),
-                        Generated(request_id="x", output_ids=np.zeros(3, np.int32),
-                                  logprobs=np.zeros(3, np.float32),
-                                  versions=np.zeros(3, np.int32),
-                                  finish_reason=FinishReason.STOP),
-                        Trained(step=1, version=99, stats={"loss": 0.0})):
+            for msg in (
+                Register(
+                    kind=WorkerKind.ROLLOUT,
+                    worker_id=f"intruder-{name}",
+                    pid=1,
+                    host="evil",
+                    secret="",
+                ),
+                Generated(
+                    request_id="x",
+                    output_ids=np.zeros(3, np.int32),
+                    logprobs=np.zeros(3, np.float32),
+                    versions=np.zeros(3, np.int32),
+                    finish_reason=FinishReason.STOP,
+                ),
+                Trained(step=1, version=99, stats={"loss": 0.0}),
+            ):
                 await sock.send_multipart(encode(msg))
             received[name] = []
             while await sock.poll(3000):
@@ -131,7 +171,9 @@ async def _drive(cfg, keys: Path, logs: Path) -> dict:
             if step == 2:
                 out["intruders"] = await _intrude(address, keys)
                 workers.start("rollout", "rollout-2", 2)  # a late joiner
-            late = [h for h in ctl.core.pool.ready(WorkerKind.ROLLOUT) if h.worker_id == "rollout-2"]
+            late = [
+                h for h in ctl.core.pool.ready(WorkerKind.ROLLOUT) if h.worker_id == "rollout-2"
+            ]
             # It starts from the model directory (version 0): any later version reached it
             # by broadcast after it joined.
             if killed_at is None and late and late[0].version > 0:
@@ -153,8 +195,9 @@ async def _drive(cfg, keys: Path, logs: Path) -> dict:
 def remote_run(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("remote")
     keys = root / "keys"
-    made = subprocess.run([sys.executable, "-m", "areal.auth", "init", str(keys)],
-                          capture_output=True, text=True)
+    made = subprocess.run(
+        [sys.executable, "-m", "areal.auth", "init", str(keys)], capture_output=True, text=True
+    )
     assert made.returncode == 0, made.stderr
     with pytest.MonkeyPatch.context() as mp:
         # The task module must import in this process and in the local reward worker.
@@ -208,16 +251,17 @@ def test_collective_weights_are_exact_and_survive_a_lost_and_a_late_rollout_work
     lost = _events(remote_run, "worker_lost")
     assert [e["worker_id"] for e in lost] == ["rollout-1"]
     joined = _events(remote_run, "weights_group_joined")
-    assert {e["worker_id"] for e in joined} >= {"trainer-0", "rollout-0", "rollout-1",
-                                                "rollout-2"}
+    assert {e["worker_id"] for e in joined} >= {"trainer-0", "rollout-0", "rollout-1", "rollout-2"}
     assert ctl.core.weights.generation >= 2 and ctl.core.weights.num_reformed >= 1
-    rollouts = {h.worker_id: h for h in ctl.core.pool.by_identity.values()
-                if h.kind is WorkerKind.ROLLOUT}
+    rollouts = {
+        h.worker_id: h for h in ctl.core.pool.by_identity.values() if h.kind is WorkerKind.ROLLOUT
+    }
     assert sorted(rollouts) == ["rollout-0", "rollout-2"]
     # Both, the late joiner included, served the final version (the last evaluation ran on it).
     final = remote_run["summary"]["final_version"]
     assert all(h.version == final for h in rollouts.values()), {
-        k: h.version for k, h in rollouts.items()}
+        k: h.version for k, h in rollouts.items()
+    }
 
 
 def test_peers_without_the_key_get_nothing_in_and_nothing_out(remote_run):
@@ -231,4 +275,6 @@ def test_peers_without_the_key_get_nothing_in_and_nothing_out(remote_run):
     # for the plain-TCP peer.
     assert [r["mechanism"] for r in ctl.runtime.zap.refused] == ["CURVE"]
     assert ctl.runtime.handshake_failures, "the plain-TCP peer's refusal was not logged"
-    assert all(map(is_plain_peer_refusal, ctl.runtime.handshake_failures)), ctl.runtime.handshake_failures
+    assert all(map(is_plain_peer_refusal, ctl.runtime.handshake_failures)), (
+        ctl.runtime.handshake_failures
+    )

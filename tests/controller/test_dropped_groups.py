@@ -24,12 +24,24 @@ BATCH, GROUP, STEPS = 8, 4, 4
 
 
 def _config(run_dir: Path, model_dir: str):
-    return load_config(overrides=[
-        f"model.path={model_dir}", f"run_dir={run_dir}", "task.name=letter_task:LetterTask",
-        f"trainer.total_steps={STEPS}", f"trainer.batch_size={BATCH}", f"task.group_size={GROUP}",
-        "staleness.eta=1", "rollout.max_new_tokens=48", "eval.every_steps=0",
-        "eval.max_prompts=2", "logging.progress=false", "logging.tensorboard=false",
-        "trainer.checkpoint_every=0", "controller.heartbeat_interval_s=0.5"])
+    return load_config(
+        overrides=[
+            f"model.path={model_dir}",
+            f"run_dir={run_dir}",
+            "task.name=letter_task:LetterTask",
+            f"trainer.total_steps={STEPS}",
+            f"trainer.batch_size={BATCH}",
+            f"task.group_size={GROUP}",
+            "staleness.eta=1",
+            "rollout.max_new_tokens=48",
+            "eval.every_steps=0",
+            "eval.max_prompts=2",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            "trainer.checkpoint_every=0",
+            "controller.heartbeat_interval_s=0.5",
+        ]
+    )
 
 
 def _every_third(group) -> str | None:
@@ -46,14 +58,20 @@ async def _run(cfg) -> dict:
         if record["kind"] == "step" and record["step"] == 1:
             # Drop a group while some of its samples are still being generated.
             for _ in range(400):
-                running = [g for g in ctl.ledger.groups.values() if g.purpose is Purpose.TRAIN
-                           and any(s.stage is Stage.GENERATING for s in g.samples)]
+                running = [
+                    g
+                    for g in ctl.ledger.groups.values()
+                    if g.purpose is Purpose.TRAIN
+                    and any(s.stage is Stage.GENERATING for s in g.samples)
+                ]
                 if running:
                     break
                 await asyncio.sleep(0.01)
             group = running[0]
-            cancelled = {"group_id": group.group_id, "request_ids": [
-                s.request_id for s in group.samples if s.stage is Stage.GENERATING]}
+            cancelled = {
+                "group_id": group.group_id,
+                "request_ids": [s.request_id for s in group.samples if s.stage is Stage.GENERATING],
+            }
             await ctl.drop_group(group, "by_test")
     summary = await run
     return {"ctl": ctl, "records": records, "summary": summary, "cancelled": cancelled}
@@ -77,7 +95,8 @@ def test_dropped_groups_are_never_trained_and_every_admitted_group_is_accounted_
     assert run["cancelled"]["group_id"] in dropped
     assert all(g % 3 != 0 for g in trained)
     unfinished = {g.group_id for g in ctl.ledger.buffer} | {
-        gid for gid, g in ctl.ledger.groups.items() if g.purpose is Purpose.TRAIN}
+        gid for gid, g in ctl.ledger.groups.items() if g.purpose is Purpose.TRAIN
+    }
     admitted = {entry["group_id"] for entry in ctl.core.admission.log}
     assert admitted == set(trained) | set(dropped) | unfinished
 
@@ -85,8 +104,10 @@ def test_dropped_groups_are_never_trained_and_every_admitted_group_is_accounted_
 def test_every_drop_is_counted_once_in_the_step_records_and_the_summary(run):
     ctl, summary = run["ctl"], run["summary"]
     steps = [r for r in run["records"] if r["kind"] == "step"]
-    by_reason = {reason: sum(r.get(f"rollout/dropped_groups/{reason}", 0) for r in steps)
-                 for reason in ("every_third", "by_test")}
+    by_reason = {
+        reason: sum(r.get(f"rollout/dropped_groups/{reason}", 0) for r in steps)
+        for reason in ("every_third", "by_test")
+    }
     assert by_reason["by_test"] == 1 and by_reason["every_third"] >= 1
     assert sum(r["rollout/dropped_groups"] for r in steps) <= len(ctl.ledger.dropped_group_ids)
     assert summary["dropped_groups"]["by_test"] == 1

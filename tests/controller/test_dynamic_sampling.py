@@ -16,16 +16,26 @@ from areal.types import Trajectory
 
 
 def _group(rewards: list[float], group_id: int = 0) -> Group:
-    group = Group(group_id=group_id, purpose=Purpose.TRAIN,
-                  prompt=Prompt(prompt_id=f"p{group_id}", text="x", reference="a"),
-                  prompt_ids=np.array([1, 2], np.int32), admitted_version=0)
+    group = Group(
+        group_id=group_id,
+        purpose=Purpose.TRAIN,
+        prompt=Prompt(prompt_id=f"p{group_id}", text="x", reference="a"),
+        prompt_ids=np.array([1, 2], np.int32),
+        admitted_version=0,
+    )
     for index, reward in enumerate(rewards):
-        traj = Trajectory.from_generation(prompt_id=f"p{group_id}", group_id=group_id,
-                                          prompt_ids=[1, 2], output_ids=[3, 4],
-                                          output_logprobs=[-1.0, -1.0], output_versions=[0, 0])
+        traj = Trajectory.from_generation(
+            prompt_id=f"p{group_id}",
+            group_id=group_id,
+            prompt_ids=[1, 2],
+            output_ids=[3, 4],
+            output_logprobs=[-1.0, -1.0],
+            output_versions=[0, 0],
+        )
         traj.reward = reward
-        group.samples.append(Sample(group_id=group_id, index=index, stage=Stage.DONE,
-                                    trajectory=traj))
+        group.samples.append(
+            Sample(group_id=group_id, index=index, stage=Stage.DONE, trajectory=traj)
+        )
     return group
 
 
@@ -46,8 +56,11 @@ def test_too_many_drops_in_a_row_fail_the_run_with_the_fix():
     assert check(_group([1.0, 1.0])) == REASON
     assert check(_group([0.5, 0.0])) is None  # a group with signal resets the count
     assert check(_group([1.0, 1.0])) == check(_group([0.0, 0.0])) == REASON
-    with pytest.raises(RunFailed, match=r"dropped 3 prompt groups in a row.*the last: \[1.0\].*"
-                                        r"dynamic_sampling_max_drops"):
+    with pytest.raises(
+        RunFailed,
+        match=r"dropped 3 prompt groups in a row.*the last: \[1.0\].*"
+        r"dynamic_sampling_max_drops",
+    ):
         check(_group([1.0, 1.0]))
     never = DynamicSampling(_cfg("trainer.advantage.dynamic_sampling_max_drops=0"))
     assert all(never(_group([1.0, 1.0])) == REASON for _ in range(500))

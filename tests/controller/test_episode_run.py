@@ -37,17 +37,31 @@ BATCH, GROUP, FIRST, TOTAL = 8, 4, 4, 6
 
 
 def _config(run_dir: Path, model_dir: str, steps: int):
-    return load_config(overrides=[
-        f"model.path={model_dir}", f"run_dir={run_dir}", "task.name=letter_task:LetterTask",
-        "task.params.num_eval=5",
-        "episode.environment=episode_env:SandboxScriptEnvironment", "episode.max_turns=3",
-        f"episode.params.weights_dir={run_dir / 'weights'}",
-        "episode.max_turn_tokens=24", "rollout.max_new_tokens=300",
-        f"trainer.total_steps={steps}", f"trainer.batch_size={BATCH}", f"task.group_size={GROUP}",
-        "staleness.eta=1", "trainer.checkpoint_every=2", "trainer.lr=1e-2",
-        "eval.every_steps=0", "logging.progress=false", "logging.tensorboard=false",
-        "logging.save_batches=true", "weight_sync.keep_versions=100",
-        "controller.heartbeat_interval_s=0.5"])
+    return load_config(
+        overrides=[
+            f"model.path={model_dir}",
+            f"run_dir={run_dir}",
+            "task.name=letter_task:LetterTask",
+            "task.params.num_eval=5",
+            "episode.environment=episode_env:SandboxScriptEnvironment",
+            "episode.max_turns=3",
+            f"episode.params.weights_dir={run_dir / 'weights'}",
+            "episode.max_turn_tokens=24",
+            "rollout.max_new_tokens=300",
+            f"trainer.total_steps={steps}",
+            f"trainer.batch_size={BATCH}",
+            f"task.group_size={GROUP}",
+            "staleness.eta=1",
+            "trainer.checkpoint_every=2",
+            "trainer.lr=1e-2",
+            "eval.every_steps=0",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            "logging.save_batches=true",
+            "weight_sync.keep_versions=100",
+            "controller.heartbeat_interval_s=0.5",
+        ]
+    )
 
 
 async def _run(cfg, resume: bool) -> dict:
@@ -66,8 +80,12 @@ def runs(tmp_path_factory, tiny_model_dir):
         first = asyncio.run(_run(_config(run_dir, tiny_model_dir, FIRST), resume=False))
         batches_of_first = sorted((run_dir / "batches").glob("step_*.npz"))
         second = asyncio.run(_run(_config(run_dir, tiny_model_dir, TOTAL), resume=True))
-    return {"first": first, "second": second, "run_dir": run_dir,
-            "batches": [dict(np.load(p)) for p in batches_of_first]}
+    return {
+        "first": first,
+        "second": second,
+        "run_dir": run_dir,
+        "batches": [dict(np.load(p)) for p in batches_of_first],
+    }
 
 
 def _steps(run: dict) -> list[dict]:
@@ -81,8 +99,13 @@ def _sequences(batch: dict):
     for s in range(len(cu) - 1):
         part = slice(cu[s], cu[s + 1])
         mask = batch["loss_mask"][part]
-        yield (batch["token_ids"][part], mask, batch["versions"][part],
-               batch["logprobs"][part], int(np.argmax(mask)))
+        yield (
+            batch["token_ids"][part],
+            mask,
+            batch["versions"][part],
+            batch["logprobs"][part],
+            int(np.argmax(mask)),
+        )
 
 
 def _observation_spans(mask: np.ndarray, start: int) -> list[slice]:
@@ -119,7 +142,8 @@ def test_observation_tokens_are_context_and_never_trained(runs, tiny_model_dir):
 
 
 def test_model_token_logprobs_are_those_of_their_version_with_observations_in_context(
-        runs, tiny_model_dir):
+    runs, tiny_model_dir
+):
     run_dir, batches = runs["run_dir"], runs["batches"]
     model = load_model(tiny_model_dir)
     versions_needed = sorted({int(v) for b in batches for v in np.unique(b["versions"]) if v >= 0})
@@ -134,12 +158,17 @@ def test_model_token_logprobs_are_those_of_their_version_with_observations_in_co
             at = (b["versions"] == version) & b["loss_mask"]
             if at.any():
                 with torch.no_grad():
-                    lp = packed_logprobs(model, torch.from_numpy(b["token_ids"]).long(),
-                                         torch.from_numpy(b["cu_seqlens"]),
-                                         temperature=1.0).numpy()
+                    lp = packed_logprobs(
+                        model,
+                        torch.from_numpy(b["token_ids"]).long(),
+                        torch.from_numpy(b["cu_seqlens"]),
+                        temperature=1.0,
+                    ).numpy()
                 diff = np.abs(lp[at] - b["logprobs"][at])
-                assert diff.max() < 2e-4, (f"batch {i}, version {version}: max diff "
-                                           f"{diff.max():.2e}, mean {diff.mean():.2e}")
+                assert diff.max() < 2e-4, (
+                    f"batch {i}, version {version}: max diff "
+                    f"{diff.max():.2e}, mean {diff.mean():.2e}"
+                )
     assert num_spanning > 0, "no episode was sampled by more than one policy version"
 
 

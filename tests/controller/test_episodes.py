@@ -13,16 +13,22 @@ from areal.tasks.base import Verdict
 
 
 def _episode(reward: float, verdict: Verdict | None) -> Generated:
-    return Generated(request_id="g0-s0-a0", output_ids=np.arange(3, dtype=np.int32),
-                     logprobs=np.zeros(3, np.float32), versions=np.zeros(3, np.int32),
-                     finish_reason=FinishReason.STOP, episode_end=EpisodeEnd.ENVIRONMENT,
-                     reward=reward, verdict=verdict, detail="env said so")
+    return Generated(
+        request_id="g0-s0-a0",
+        output_ids=np.arange(3, dtype=np.int32),
+        logprobs=np.zeros(3, np.float32),
+        versions=np.zeros(3, np.int32),
+        finish_reason=FinishReason.STOP,
+        episode_end=EpisodeEnd.ENVIRONMENT,
+        reward=reward,
+        verdict=verdict,
+        detail="env said so",
+    )
 
 
 def test_an_episode_keeps_its_environments_reward():
     outcome = episode_scored(_episode(0.5, Verdict.WRONG))
-    assert (outcome.reward, outcome.verdict, outcome.detail) == (0.5, Verdict.WRONG,
-                                                                 "env said so")
+    assert (outcome.reward, outcome.verdict, outcome.detail) == (0.5, Verdict.WRONG, "env said so")
 
 
 def test_an_episode_without_a_verdict_is_an_error():
@@ -43,13 +49,28 @@ def test_agent_episodes_report_calls_segments_retries_and_endpoint_seconds():
     from areal.types import Trajectory
 
     def episode(turns, segments, retries):
-        t = Trajectory.from_generation(prompt_id="p", group_id=0, prompt_ids=[1],
-                                       output_ids=[2, 3], output_logprobs=[0.0, 0.0],
-                                       output_versions=[0, 0])
-        t.episode = {"turns": turns, "tool_calls": 1, "tool_errors": 0, "tool_s": 0.1,
-                     "end": "agent", "agent": True, "segments": segments, "retries": retries,
-                     "queue_s": 0.1 * turns, "decode_s": 0.5 * turns, "model_tokens": 2,
-                     "observation_tokens": 0}
+        t = Trajectory.from_generation(
+            prompt_id="p",
+            group_id=0,
+            prompt_ids=[1],
+            output_ids=[2, 3],
+            output_logprobs=[0.0, 0.0],
+            output_versions=[0, 0],
+        )
+        t.episode = {
+            "turns": turns,
+            "tool_calls": 1,
+            "tool_errors": 0,
+            "tool_s": 0.1,
+            "end": "agent",
+            "agent": True,
+            "segments": segments,
+            "retries": retries,
+            "queue_s": 0.1 * turns,
+            "decode_s": 0.5 * turns,
+            "model_tokens": 2,
+            "observation_tokens": 0,
+        }
         return t
 
     metrics = episode_metrics([episode(2, 1, 0), episode(4, 2, 3)], "episode/")

@@ -21,13 +21,20 @@ CAPACITY = 4
 
 
 def test_cancelled_training_requests_free_the_workers_slots_for_the_final_evaluation(tmp_path):
-    cfg = load_config(overrides=[f"rollout.max_concurrent={CAPACITY}", f"run_dir={tmp_path}",
-                                 "task.group_size=2", "trainer.batch_size=2"])
+    cfg = load_config(
+        overrides=[
+            f"rollout.max_concurrent={CAPACITY}",
+            f"run_dir={tmp_path}",
+            "task.group_size=2",
+            "trainer.batch_size=2",
+        ]
+    )
     ledger = Ledger()
     pool = WorkerPool(cfg, tmp_path, "tcp://127.0.0.1:1", secret=None)
     generation = Generation(cfg, ledger, pool, stop_token_ids=[0])
-    worker = WorkerHandle(worker_id="rollout-0", kind=WorkerKind.ROLLOUT, identity=b"r0",
-                          ready=True)
+    worker = WorkerHandle(
+        worker_id="rollout-0", kind=WorkerKind.ROLLOUT, identity=b"r0", ready=True
+    )
     pool.by_identity[worker.identity] = worker
     prompt = Prompt(prompt_id="p", text="1+1=", reference="2")
     for _ in range(3):  # 6 training samples: 4 dispatched (the worker is full), 2 pending
@@ -54,20 +61,33 @@ def test_each_sample_is_sent_with_its_own_seed_named_by_what_it_is(tmp_path):
     """Training samples by (run seed, draw position, index), held-out samples by (run seed,
     prompt id, index): a retried attempt, another worker or another evaluation round gets
     the same stream (areal.seeds)."""
-    cfg = load_config(overrides=[f"run_dir={tmp_path}", "task.group_size=2", "seed=7",
-                                 "trainer.batch_size=2"])
+    cfg = load_config(
+        overrides=[f"run_dir={tmp_path}", "task.group_size=2", "seed=7", "trainer.batch_size=2"]
+    )
     ledger = Ledger()
     pool = WorkerPool(cfg, tmp_path, "tcp://127.0.0.1:1", secret=None)
     generation = Generation(cfg, ledger, pool, stop_token_ids=[0])
-    worker = WorkerHandle(worker_id="rollout-0", kind=WorkerKind.ROLLOUT, identity=b"r0",
-                          ready=True)
+    worker = WorkerHandle(
+        worker_id="rollout-0", kind=WorkerKind.ROLLOUT, identity=b"r0", ready=True
+    )
     pool.by_identity[worker.identity] = worker
     generation.room.offer(worker)
-    ledger.add_group(Prompt(prompt_id="t", text="", reference="1"), np.array([5], np.int32), 2,
-                     version=0, position=41)
+    ledger.add_group(
+        Prompt(prompt_id="t", text="", reference="1"),
+        np.array([5], np.int32),
+        2,
+        version=0,
+        position=41,
+    )
     for round_id in range(2):
-        ledger.add_group(Prompt(prompt_id="eval-3", text="", reference="1"),
-                         np.array([5], np.int32), 2, 0, Purpose.EVAL, eval_round=round_id)
+        ledger.add_group(
+            Prompt(prompt_id="eval-3", text="", reference="1"),
+            np.array([5], np.int32),
+            2,
+            0,
+            Purpose.EVAL,
+            eval_round=round_id,
+        )
     out = Outbox()
     generation.dispatch(out)
     seeds = [msg.seed for msg in out.sent(Generate)]

@@ -43,8 +43,19 @@ from areal.config import load_config
 from areal.controller import Controller
 from areal.codec import decode, encode
 from areal.messages import (
-    Generate, Generated, FinishReason, Heartbeat, MsgType, Ready, Register, Score, Scored,
-    Welcome, WorkerError, WorkerKind, schemas,
+    Generate,
+    Generated,
+    FinishReason,
+    Heartbeat,
+    MsgType,
+    Ready,
+    Register,
+    Score,
+    Scored,
+    Welcome,
+    WorkerError,
+    WorkerKind,
+    schemas,
 )
 from areal.tasks.base import Verdict
 
@@ -150,8 +161,9 @@ class FakeWorker:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IDENTITY, os.urandom(16))
         self.sock.connect(address)
-        self.send(Register(kind=kind, worker_id=worker_id, pid=os.getpid(), host="probe",
-                           secret=SECRET))
+        self.send(
+            Register(kind=kind, worker_id=worker_id, pid=os.getpid(), host="probe", secret=SECRET)
+        )
         self.welcome = self.recv_until(Welcome)
 
     def send(self, msg) -> None:
@@ -178,8 +190,12 @@ class FakeWorker:
 
 def _attack(address: str, name: str, *args: int) -> str:
     """Run one of probes.py's attacks in its own process (its buffers are not ours)."""
-    done = subprocess.run([sys.executable, probes.__file__, address, name, *map(str, args)],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, probes.__file__, address, name, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout.strip()
 
@@ -215,13 +231,25 @@ def live(tmp_path_factory, tiny_model_dir, warnings_seen):
         probe_sock.bind(("127.0.0.1", 0))
         port = probe_sock.getsockname()[1]
     run_dir = tmp_path_factory.mktemp("hostile") / "run"
-    cfg = load_config(overrides=[
-        f"model.path={tiny_model_dir}", f"run_dir={run_dir}", "trainer.total_steps=100000",
-        "trainer.batch_size=4", "task.group_size=2", "eval.max_prompts=2", "eval.every_steps=0",
-        "logging.progress=false", "logging.tensorboard=false", "rollout.max_new_tokens=32",
-        f"controller.port={port}", f"controller.secret={SECRET}",
-        "controller.heartbeat_interval_s=0.5", "controller.heartbeat_timeout_s=15",
-        "trainer.checkpoint_every=0"])
+    cfg = load_config(
+        overrides=[
+            f"model.path={tiny_model_dir}",
+            f"run_dir={run_dir}",
+            "trainer.total_steps=100000",
+            "trainer.batch_size=4",
+            "task.group_size=2",
+            "eval.max_prompts=2",
+            "eval.every_steps=0",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            "rollout.max_new_tokens=32",
+            f"controller.port={port}",
+            f"controller.secret={SECRET}",
+            "controller.heartbeat_interval_s=0.5",
+            "controller.heartbeat_timeout_s=15",
+            "trainer.checkpoint_every=0",
+        ]
+    )
     ctx, _, monitors = _squatters(port)
     run = LiveRun(cfg)
     run.thread.start()
@@ -268,8 +296,10 @@ def test_three_100_mb_frames_leave_memory_bounded(live):
     with PeakRss() as rss:
         _attack(live.address, "big_frames", 3, 100 << 20)
         probes.ping(live.address)
-    print(f"resident set: +{rss.increase_mb:.0f} MB at peak, "
-          f"{(rss.after - rss.baseline) / 2**20:+.0f} MB after (300 MB sent)")
+    print(
+        f"resident set: +{rss.increase_mb:.0f} MB at peak, "
+        f"{(rss.after - rss.baseline) / 2**20:+.0f} MB after (300 MB sent)"
+    )
     assert rss.increase_mb < 450  # was ~900 MB for 300 MB sent
     assert rss.after - rss.baseline < 100 << 20
 
@@ -281,9 +311,13 @@ def test_floods_write_bounded_warnings_and_records(live, warnings_seen):
     # 20,000 garbage, 1,000 forged Registers from one peer, 100 from 50 (the per-reason cap).
     _attack(live.address, "flood", 20_000, 1000, 1, 100, 50)
     probes.ping(live.address)
-    live.wait_for(lambda: ctl.core.num_malformed - malformed >= 20_000
-                  and ctl.core.peer_log.totals["registration refused"] - refused >= 1101,
-                  "every flooded message handled")
+    live.wait_for(
+        lambda: (
+            ctl.core.num_malformed - malformed >= 20_000
+            and ctl.core.peer_log.totals["registration refused"] - refused >= 1101
+        ),
+        "every flooded message handled",
+    )
     new_warnings = len(warnings_seen.texts) - warnings_before
     new_records = [r for r in live.records[records_before:] if r["kind"] == "event"]
     print(f"21,100 refused messages: {new_warnings} warnings, {len(new_records)} event records")
@@ -291,13 +325,16 @@ def test_floods_write_bounded_warnings_and_records(live, warnings_seen):
     assert new_warnings <= 80 and len(new_records) <= 80  # was 22,000 lines and 1,002 records
 
 
-def _refused_once_then_lost(live, fake: FakeWorker, worker_id: str, detail: str,
-                            steps: int) -> None:
+def _refused_once_then_lost(
+    live, fake: FakeWorker, worker_id: str, detail: str, steps: int
+) -> None:
     """`fake` sent one message contradicting the ledger: it ends itself (what it holds goes
     back), its one refusal names `detail`, and the run trains on past `steps`."""
     fake.send(WorkerError(error="probe finished", fatal=True))
-    live.wait_for(lambda: any(r["worker_id"] == worker_id for r in live.events("worker_lost")),
-                  "the fake worker's loss")
+    live.wait_for(
+        lambda: any(r["worker_id"] == worker_id for r in live.events("worker_lost")),
+        "the fake worker's loss",
+    )
     refusals = [r for r in live.events("peer_refused") if r["peer"] == worker_id]
     assert [r["reason"] for r in refusals] == ["contradicts the ledger"]
     assert detail in refusals[0]["detail"]
@@ -309,10 +346,15 @@ def test_an_inconsistent_generated_is_dropped_and_the_run_goes_on(live):
         fake.send(Ready(version=fake.welcome.version))
         request = fake.recv_until(Generate)
         steps = live.num_steps()
-        fake.send(Generated(request_id=request.request_id,
-                            output_ids=np.arange(5, dtype=np.int32),
-                            logprobs=np.zeros(3, np.float32), versions=np.zeros(5, np.int32),
-                            finish_reason=FinishReason.LENGTH))
+        fake.send(
+            Generated(
+                request_id=request.request_id,
+                output_ids=np.arange(5, dtype=np.int32),
+                logprobs=np.zeros(3, np.float32),
+                versions=np.zeros(5, np.int32),
+                finish_reason=FinishReason.LENGTH,
+            )
+        )
         _refused_once_then_lost(live, fake, "fake-rollout", "lengths [5, 3, 5]", steps)
         group_id, index, _ = request.request_id.split("-")
         group = live.ctl.ledger.groups.get(int(group_id[1:]))
@@ -326,8 +368,15 @@ def test_a_group_is_scored_in_one_message_and_an_inconsistent_scored_is_checked_
         assert len(score.request_ids) == len(score.completion_ids) == 2  # task.group_size
         assert len({r.split("-")[0] for r in score.request_ids}) == 1  # one group's samples
         steps = live.num_steps()
-        fake.send(Scored(request_ids=score.request_ids, rewards=[1.0],
-                         verdicts=[Verdict.OK] * 2, details=["", ""], check_s=[0.0, 0.0]))
+        fake.send(
+            Scored(
+                request_ids=score.request_ids,
+                rewards=[1.0],
+                verdicts=[Verdict.OK] * 2,
+                details=["", ""],
+                check_s=[0.0, 0.0],
+            )
+        )
         _refused_once_then_lost(live, fake, "fake-reward", "lengths [2, 1, 2, 2, 2]", steps)
         group_id = int(score.request_ids[0].split("-")[0][1:])
         assert group_id not in live.ctl.ledger.groups  # scored again elsewhere: settled
@@ -342,8 +391,11 @@ def test_a_score_that_failed_as_a_whole_is_checked_again_while_its_worker_lives(
         score = fake.recv_until(Score)
         group_id = int(score.request_ids[0].split("-")[0][1:])
         steps = live.num_steps()
-        fake.send(WorkerError(error="RuntimeError: the checker pool is broken",
-                              request_ids=score.request_ids))
+        fake.send(
+            WorkerError(
+                error="RuntimeError: the checker pool is broken", request_ids=score.request_ids
+            )
+        )
         # A retry may come back here: this worker fails every Score it gets.
         deadline = time.monotonic() + 120
         while group_id in live.ctl.ledger.groups and time.monotonic() < deadline:
@@ -352,8 +404,11 @@ def test_a_score_that_failed_as_a_whole_is_checked_again_while_its_worker_lives(
                 again = fake.recv_until(Score, timeout_s=0.5)
             except AssertionError:  # no Score meanwhile
                 continue
-            fake.send(WorkerError(error="RuntimeError: the checker pool is broken",
-                                  request_ids=again.request_ids))
+            fake.send(
+                WorkerError(
+                    error="RuntimeError: the checker pool is broken", request_ids=again.request_ids
+                )
+            )
         assert group_id not in live.ctl.ledger.groups, "the group stayed held"
         assert not any(r["worker_id"] == "failing-reward" for r in live.events("worker_lost"))
         fake.send(WorkerError(error="probe finished", fatal=True))
@@ -361,34 +416,62 @@ def test_a_score_that_failed_as_a_whole_is_checked_again_while_its_worker_lives(
 
 
 def _forged_headers() -> st.SearchStrategy[bytes]:
-    scalars = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
-               | st.text(max_size=12) | st.binary(max_size=12))
-    values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
-                          | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+    scalars = (
+        st.none()
+        | st.booleans()
+        | st.integers(-(2**63), 2**64 - 1)
+        | st.floats()
+        | st.text(max_size=12)
+        | st.binary(max_size=12)
+    )
+    values = st.recursive(
+        scalars,
+        lambda inner: (
+            st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+        ),
+        max_leaves=12,
+    )
     names = sorted({f.name for schema in schemas().values() for f in dataclasses.fields(schema)})
     return st.dictionaries(st.sampled_from(names), values, max_size=6).map(msgpack.packb)
 
 
-_VALID = [encode(m) for m in (
-    Register(kind=WorkerKind.ROLLOUT, worker_id="w", pid=1, host="h", secret="wrong"),
-    Heartbeat(num_running=2, stats={"a": 1.0}), WorkerError(error="e"),
-    Scored(request_ids=["g1-s0-a0"], rewards=[float("nan")], verdicts=[Verdict.OK],
-           details=[""], check_s=[0.0]),
-    Generated(request_id="g0-s0-a0", output_ids=np.arange(4, dtype=np.int32),
-              logprobs=np.zeros(4, np.float32), versions=np.zeros(4, np.int32),
-              finish_reason=FinishReason.STOP))]
+_VALID = [
+    encode(m)
+    for m in (
+        Register(kind=WorkerKind.ROLLOUT, worker_id="w", pid=1, host="h", secret="wrong"),
+        Heartbeat(num_running=2, stats={"a": 1.0}),
+        WorkerError(error="e"),
+        Scored(
+            request_ids=["g1-s0-a0"],
+            rewards=[float("nan")],
+            verdicts=[Verdict.OK],
+            details=[""],
+            check_s=[0.0],
+        ),
+        Generated(
+            request_id="g0-s0-a0",
+            output_ids=np.arange(4, dtype=np.int32),
+            logprobs=np.zeros(4, np.float32),
+            versions=np.zeros(4, np.int32),
+            finish_reason=FinishReason.STOP,
+        ),
+    )
+]
 _HEADERS = st.one_of(
     st.binary(max_size=300),
     _forged_headers(),
     st.integers(4 << 10, 1 << 20).map(bytes),  # oversized: a Register, and small kinds
     st.tuples(st.sampled_from(_VALID), st.floats(0, 1)).map(
-        lambda pair: pair[0][1][: int(len(pair[0][1]) * pair[1])]),  # truncated
+        lambda pair: pair[0][1][: int(len(pair[0][1]) * pair[1])]
+    ),  # truncated
 )
 _FRAMES = st.one_of(
-    st.tuples(st.sampled_from([bytes([k]) for k in MsgType if k is not MsgType.READY])
-              | st.binary(max_size=3), _HEADERS,
-              st.lists(st.binary(max_size=64) | st.integers(0, 1 << 20).map(bytes), max_size=3)
-              ).map(lambda t: [t[0], t[1], *t[2]]),
+    st.tuples(
+        st.sampled_from([bytes([k]) for k in MsgType if k is not MsgType.READY])
+        | st.binary(max_size=3),
+        _HEADERS,
+        st.lists(st.binary(max_size=64) | st.integers(0, 1 << 20).map(bytes), max_size=3),
+    ).map(lambda t: [t[0], t[1], *t[2]]),
     st.sampled_from(_VALID).map(list),
     st.lists(st.binary(max_size=64), min_size=1, max_size=5),
 )
@@ -396,12 +479,18 @@ _FRAMES = st.one_of(
 
 def test_fuzzed_frames_leave_the_loop_alive_and_memory_bounded(live):
     ctx = zmq.Context()
-    with FakeWorker(live.address, WorkerKind.REWARD, "fuzzer") as fake, \
-            probes.Pinger(live.address) as pinger:
+    with (
+        FakeWorker(live.address, WorkerKind.REWARD, "fuzzer") as fake,
+        probes.Pinger(live.address) as pinger,
+    ):
         stranger = probes._dealer(ctx, live.address)
 
-        @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None,
-                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+        @settings(
+            max_examples=FUZZ_EXAMPLES,
+            deadline=None,
+            database=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        )
         @given(frames=_FRAMES, registered=st.booleans())
         def check(frames: list[bytes], registered: bool) -> None:
             (fake.sock if registered else stranger).send_multipart(frames)
@@ -429,8 +518,9 @@ def test_the_run_finishes_and_no_secret_reaches_its_files_or_logs(live, warnings
     lost = {r["worker_id"] for r in live.events("worker_lost")}
     assert "fake-rollout" in lost and not set(SQUATTED_NAMES) & lost  # no real worker was lost
     suppressed = live.events("peer_refused_suppressed")
-    assert sum(r["count"] for r in suppressed) + len(live.events("peer_refused")) \
-        == sum(summary["peer_refusals"].values())
+    assert sum(r["count"] for r in suppressed) + len(live.events("peer_refused")) == sum(
+        summary["peer_refusals"].values()
+    )
     run_dir = Path(summary["run_dir"])
     assert "secret: null" in (run_dir / "config.yaml").read_text()
     for path in run_dir.rglob("*"):

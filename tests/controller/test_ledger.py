@@ -17,9 +17,13 @@ def _prompt(i=0):
 
 
 def _generated(sample, n=3, version=0):
-    return Generated(request_id=sample.request_id, output_ids=np.arange(n, dtype=np.int32),
-                     logprobs=np.full(n, -0.5, np.float32), versions=np.full(n, version, np.int32),
-                     finish_reason=FinishReason.STOP)
+    return Generated(
+        request_id=sample.request_id,
+        output_ids=np.arange(n, dtype=np.int32),
+        logprobs=np.full(n, -0.5, np.float32),
+        versions=np.full(n, version, np.int32),
+        finish_reason=FinishReason.STOP,
+    )
 
 
 def _outcome(reward=1.0):
@@ -132,8 +136,9 @@ def test_lost_reward_worker_returns_its_samples_for_rescoring():
 def test_eval_groups_never_enter_the_replay_buffer():
     ledger = Ledger()
     ledger.add_group(_prompt(0), np.array([5], np.int32), size=1, version=0)
-    group = ledger.add_group(_prompt(1), np.array([5], np.int32), size=1, version=0,
-                             purpose=Purpose.EVAL, front=True)
+    group = ledger.add_group(
+        _prompt(1), np.array([5], np.int32), size=1, version=0, purpose=Purpose.EVAL, front=True
+    )
     sample = ledger.pending.popleft()
     assert sample.group_id == group.group_id  # eval work goes first
     assert _run_sample(ledger, sample) is group
@@ -142,14 +147,17 @@ def test_eval_groups_never_enter_the_replay_buffer():
 
 def test_untrained_positions_cover_running_and_buffered_groups_not_trained_ones():
     ledger = Ledger()
-    groups = [ledger.add_group(_prompt(i), np.array([5], np.int32), size=1, version=0,
-                               position=10 + i) for i in range(4)]
+    groups = [
+        ledger.add_group(_prompt(i), np.array([5], np.int32), size=1, version=0, position=10 + i)
+        for i in range(4)
+    ]
     for _ in groups[:3]:
         _run_sample(ledger, ledger.pending.popleft())
     ledger.take_batch(1)  # position 10 trained; 11, 12 buffered; 13 still pending
     assert ledger.untrained_positions() == [11, 12, 13]
-    ledger.add_group(_prompt(9), np.array([5], np.int32), size=1, version=0,
-                     purpose=Purpose.EVAL)  # evaluation groups are not part of the stream
+    ledger.add_group(
+        _prompt(9), np.array([5], np.int32), size=1, version=0, purpose=Purpose.EVAL
+    )  # evaluation groups are not part of the stream
     assert ledger.untrained_positions() == [11, 12, 13]
 
 
@@ -193,8 +201,9 @@ def test_dropping_a_buffered_group_takes_it_out_of_the_buffer_once():
 
 def test_evaluation_groups_are_never_dropped():
     ledger = Ledger()
-    group = ledger.add_group(_prompt(), np.array([5], np.int32), size=1, version=0,
-                             purpose=Purpose.EVAL)
+    group = ledger.add_group(
+        _prompt(), np.array([5], np.int32), size=1, version=0, purpose=Purpose.EVAL
+    )
     with pytest.raises(ValueError, match="evaluation group"):
         ledger.drop_group(group)
 
@@ -205,16 +214,28 @@ def test_an_agent_episodes_segments_become_trajectories_of_its_group():
     sample = ledger.pending.popleft()
     ledger.start_generation(sample, W1, now=0.0)
     msg = Generated(
-        request_id=sample.request_id, output_ids=np.arange(5, dtype=np.int32),
-        logprobs=np.full(5, -0.5, np.float32), versions=np.zeros(5, np.int32),
-        loss_mask=np.ones(5, bool), finish_reason=FinishReason.STOP,
-        prompt_ids=np.array([7, 8, 9], np.int32), segment_prompt_lens=[2, 1],
-        segment_output_lens=[2, 3], segment_rewards=[0.25, 1.0], reward=1.0,
-        episode_end=EpisodeEnd.AGENT, verdict=Verdict.OK, num_turns=3)
+        request_id=sample.request_id,
+        output_ids=np.arange(5, dtype=np.int32),
+        logprobs=np.full(5, -0.5, np.float32),
+        versions=np.zeros(5, np.int32),
+        loss_mask=np.ones(5, bool),
+        finish_reason=FinishReason.STOP,
+        prompt_ids=np.array([7, 8, 9], np.int32),
+        segment_prompt_lens=[2, 1],
+        segment_output_lens=[2, 3],
+        segment_rewards=[0.25, 1.0],
+        reward=1.0,
+        episode_end=EpisodeEnd.AGENT,
+        verdict=Verdict.OK,
+        num_turns=3,
+    )
     assert ledger.finish_generation(msg, W1) is sample
     first, last = group.trajectories()
     assert (first.token_ids.tolist(), first.num_prompt_tokens, first.reward) == (
-        [7, 8, 0, 1], 2, 0.25)
+        [7, 8, 0, 1],
+        2,
+        0.25,
+    )
     assert (last.token_ids.tolist(), last.num_prompt_tokens) == ([9, 2, 3, 4], 1)
     assert last is sample.trajectory and first.episode == {} and last.episode["segments"] == 2
     assert last.episode["model_tokens"] == 5

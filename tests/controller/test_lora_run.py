@@ -36,12 +36,24 @@ BATCH, GROUP, FIRST, TOTAL, RANK = 8, 4, 4, 6, 4
 
 
 def _config(run_dir: Path, model_dir: str, steps: int, *extra: str):
-    return load_config(overrides=[
-        f"model.path={model_dir}", f"run_dir={run_dir}", "task.name=letter_task:LetterTask",
-        f"trainer.total_steps={steps}", f"trainer.batch_size={BATCH}", f"task.group_size={GROUP}",
-        "trainer.checkpoint_every=2", "trainer.lr=1e-2", "rollout.max_new_tokens=16",
-        "eval.every_steps=0", "logging.progress=false", "logging.tensorboard=false",
-        "controller.heartbeat_interval_s=0.5", *extra])
+    return load_config(
+        overrides=[
+            f"model.path={model_dir}",
+            f"run_dir={run_dir}",
+            "task.name=letter_task:LetterTask",
+            f"trainer.total_steps={steps}",
+            f"trainer.batch_size={BATCH}",
+            f"task.group_size={GROUP}",
+            "trainer.checkpoint_every=2",
+            "trainer.lr=1e-2",
+            "rollout.max_new_tokens=16",
+            "eval.every_steps=0",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            "controller.heartbeat_interval_s=0.5",
+            *extra,
+        ]
+    )
 
 
 LORA = [f"trainer.lora.rank={RANK}", "trainer.lora.alpha=8", "weight_sync.mode=collective"]
@@ -61,10 +73,10 @@ def runs(tmp_path_factory, tiny_model_dir):
         mp.syspath_prepend(str(HERE))  # the task imports here and in the workers
         mp.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
         first = asyncio.run(_run(_config(root / "lora", tiny_model_dir, FIRST, *LORA)))
-        second = asyncio.run(_run(_config(root / "lora", tiny_model_dir, TOTAL, *LORA),
-                                  resume=True))
-        shm = asyncio.run(_run(_config(root / "shm", tiny_model_dir, 3,
-                                       "weight_sync.mode=shm")))
+        second = asyncio.run(
+            _run(_config(root / "lora", tiny_model_dir, TOTAL, *LORA), resume=True)
+        )
+        shm = asyncio.run(_run(_config(root / "shm", tiny_model_dir, 3, "weight_sync.mode=shm")))
     return {"first": first, "second": second, "shm": shm, "root": root}
 
 
@@ -78,17 +90,21 @@ def _evals(run: dict) -> list[dict]:
 
 def test_every_version_is_the_adapter_and_reaches_the_rollout_workers(runs, tiny_model_dir):
     model = load_model(tiny_model_dir)
-    adapter_bytes = sum(4 * RANK * (p.shape[0] + p.shape[1]) for n, p in model.named_parameters()
-                        if p.dim() == 2 and n.rpartition(".")[0].rpartition(".")[2] in
-                        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                         "down_proj"))
+    adapter_bytes = sum(
+        4 * RANK * (p.shape[0] + p.shape[1])
+        for n, p in model.named_parameters()
+        if p.dim() == 2
+        and n.rpartition(".")[0].rpartition(".")[2]
+        in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    )
     steps = _steps(runs["first"]) + _steps(runs["second"])
     assert [r["step"] for r in steps] == list(range(1, TOTAL + 1))
     assert {r["train/publish_bytes"] for r in steps} == {adapter_bytes}
     assert adapter_bytes < sum(4 * p.numel() for p in model.parameters()) / 5
     fresh = [r for r in steps if r.get("train/fresh_token_frac", 0) > 0]
-    stale = [r["train/logprob_diff_stale"] for r in steps
-             if r.get("train/logprob_diff_stale", 0) > 0]
+    stale = [
+        r["train/logprob_diff_stale"] for r in steps if r.get("train/logprob_diff_stale", 0) > 0
+    ]
     assert fresh, "no step trained tokens of its own version"
     assert max(r["train/logprob_diff_fresh_max"] for r in fresh) < 1e-3 < max(stale, default=1)
 
@@ -112,8 +128,11 @@ def test_the_final_model_is_merged_and_carries_its_adapter(runs, tiny_model_dir)
     adapter = load_adapter_dir(final / "adapter")
     assert not (final / "adapter_model.safetensors").exists()
     merged = load_model(final)  # plain transformers, no PEFT
-    reference = add_adapters(load_model(tiny_model_dir), load_config(
-        overrides=[f"trainer.lora.rank={RANK}", "trainer.lora.alpha=8"]).trainer.lora, seed=0)
+    reference = add_adapters(
+        load_model(tiny_model_dir),
+        load_config(overrides=[f"trainer.lora.rank={RANK}", "trainer.lora.alpha=8"]).trainer.lora,
+        seed=0,
+    )
     copy_adapters(reference, adapter)
     ids = torch.tensor([[5, 9, 17, 33, 2, 60, 7]])
     with torch.no_grad():

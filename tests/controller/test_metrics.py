@@ -14,8 +14,11 @@ def test_a_log_gets_a_plain_line_every_n_steps_and_at_the_last(capsys):
     progress.close()
     out, err = capsys.readouterr()
     lines = out.splitlines()
-    assert [line.split()[2] for line in lines if line.startswith("train step")] == \
-        ["10/25", "20/25", "25/25"]
+    assert [line.split()[2] for line in lines if line.startswith("train step")] == [
+        "10/25",
+        "20/25",
+        "25/25",
+    ]
     assert "evaluation: pass@1 0.42" in lines
     assert "reward_mean 0.5  loss 0.0123" in lines[0]
     assert "\r" not in out + err and "it/s" not in err  # no bar drawn, none repeated

@@ -17,8 +17,9 @@ class Clock:
 
 def _log(clock: Clock, **kwargs) -> tuple[PeerLog, list[dict]]:
     records: list[dict] = []
-    log = PeerLog(lambda event, **values: records.append({"event": event, **values}),
-                  clock=clock, **kwargs)
+    log = PeerLog(
+        lambda event, **values: records.append({"event": event, **values}), clock=clock, **kwargs
+    )
     return log, records
 
 
@@ -33,10 +34,16 @@ def test_one_peer_flooding_is_written_a_few_times_then_counted(caplog):
         log.flush_if_due()  # the window is not over: nothing written
         clock.now = 61.0
         log.flush_if_due()
-    assert records[-1] == {"event": "peer_refused_suppressed", "reason": "malformed",
-                           "count": 19_997, "num_peers": 1}
+    assert records[-1] == {
+        "event": "peer_refused_suppressed",
+        "reason": "malformed",
+        "count": 19_997,
+        "num_peers": 1,
+    }
     assert len(caplog.records) == 4
-    assert "suppressed 19997 more 'malformed' reports from 1 peers" in caplog.records[-1].getMessage()
+    assert (
+        "suppressed 19997 more 'malformed' reports from 1 peers" in caplog.records[-1].getMessage()
+    )
     assert log.report("peer a", "malformed", "again")  # a new window writes again
 
 

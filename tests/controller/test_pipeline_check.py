@@ -44,15 +44,30 @@ ATOL = 1e-5
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, tiny_model_dir) -> Path:
     run_dir = tmp_path_factory.mktemp("pipeline") / "run"
-    cfg = load_config(overrides=[
-        f"model.path={tiny_model_dir}", f"run_dir={run_dir}", "task.name=letter_task:LetterTask",
-        "mode=async", "staleness.eta=2", "trainer.ppo.prox_logp=recompute",
-        f"trainer.total_steps={STEPS}", "trainer.batch_size=8", "task.group_size=4",
-        "rollout.max_new_tokens=24", "rollout.num_workers=2", "trainer.lr=3e-3",
-        f"trainer.audit_steps=[{','.join(map(str, AUDITED))}]", "eval.every_steps=0",
-        "eval.max_prompts=1", f"weight_sync.keep_versions={STEPS + 1}",
-        "trainer.checkpoint_every=0", "logging.progress=false", "logging.tensorboard=false",
-        "controller.heartbeat_interval_s=0.5"])
+    cfg = load_config(
+        overrides=[
+            f"model.path={tiny_model_dir}",
+            f"run_dir={run_dir}",
+            "task.name=letter_task:LetterTask",
+            "mode=async",
+            "staleness.eta=2",
+            "trainer.ppo.prox_logp=recompute",
+            f"trainer.total_steps={STEPS}",
+            "trainer.batch_size=8",
+            "task.group_size=4",
+            "rollout.max_new_tokens=24",
+            "rollout.num_workers=2",
+            "trainer.lr=3e-3",
+            f"trainer.audit_steps=[{','.join(map(str, AUDITED))}]",
+            "eval.every_steps=0",
+            "eval.max_prompts=1",
+            f"weight_sync.keep_versions={STEPS + 1}",
+            "trainer.checkpoint_every=0",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            "controller.heartbeat_interval_s=0.5",
+        ]
+    )
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(str(HERE))
         mp.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
@@ -66,8 +81,9 @@ def _weights(model_dir: str, version: int, run_dir: Path) -> dict[str, torch.Ten
     return load_tensors(model_dir if version == 0 else version_dir(run_dir, version))
 
 
-def _plain_logprobs(model: torch.nn.Module, tokens: np.ndarray, cu_seqlens: np.ndarray,
-                    temperature: float) -> np.ndarray:
+def _plain_logprobs(
+    model: torch.nn.Module, tokens: np.ndarray, cu_seqlens: np.ndarray, temperature: float
+) -> np.ndarray:
     """[N] log-prob of each token given the ones before it in its sequence (0 for a first
     token), one unpadded sequence per forward."""
     out = np.zeros(len(tokens), np.float64)
@@ -75,8 +91,9 @@ def _plain_logprobs(model: torch.nn.Module, tokens: np.ndarray, cu_seqlens: np.n
         for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist(), strict=True):
             ids = torch.from_numpy(tokens[start:end].astype(np.int64))[None]
             logits = model(input_ids=ids).logits[0, :-1].double() / temperature
-            out[start + 1:end] = torch.log_softmax(logits, -1).gather(
-                -1, ids[0, 1:, None]).squeeze(-1).numpy()
+            out[start + 1 : end] = (
+                torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1).numpy()
+            )
     return out
 
 
@@ -88,7 +105,8 @@ def _model(tiny_model_dir: str, tensors: dict[str, torch.Tensor]) -> torch.nn.Mo
 
 @pytest.mark.parametrize("step", AUDITED)
 def test_the_loss_used_the_proximal_and_behaviour_policies_the_method_names(
-        run_dir, tiny_model_dir, step):
+    run_dir, tiny_model_dir, step
+):
     batch = load_batch(run_dir, step)
     version = batch["version"]
     record = next(r for r in read_records(run_dir) if r["kind"] == "step" and r["step"] == step)
@@ -103,15 +121,20 @@ def test_the_loss_used_the_proximal_and_behaviour_policies_the_method_names(
     tokens, cu = batch["token_ids"], batch["cu_seqlens"]
     prox = _plain_logprobs(_model(tiny_model_dir, start), tokens, cu, temperature=1.0)
     prox_err = np.abs(batch["prox_logprobs"][mask] - prox[mask])
-    assert prox_err.max() < ATOL, (f"prox: max |diff| {prox_err.max():.2e}, "
-                                   f"mean {prox_err.mean():.2e}")
+    assert prox_err.max() < ATOL, (
+        f"prox: max |diff| {prox_err.max():.2e}, mean {prox_err.mean():.2e}"
+    )
 
     versions = batch["versions"]
     sampled_by = sorted(set(versions[mask].tolist()))
     assert min(sampled_by) < version, f"step {step} trained no stale token: {sampled_by}"
     for v in sampled_by:
-        behav = _plain_logprobs(_model(tiny_model_dir, _weights(tiny_model_dir, v, run_dir)),
-                                tokens, cu, temperature=1.0)
+        behav = _plain_logprobs(
+            _model(tiny_model_dir, _weights(tiny_model_dir, v, run_dir)),
+            tokens,
+            cu,
+            temperature=1.0,
+        )
         these = mask & (versions == v)
         err = np.abs(batch["behav_logprobs"][these] - behav[these])
         assert err.max() < ATOL, f"behav v{v}: max |diff| {err.max():.2e}, mean {err.mean():.2e}"

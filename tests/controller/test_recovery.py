@@ -10,10 +10,18 @@ from areal.messages import Train
 
 def _step(step: int, rank: int = 0) -> Train:
     n = np.zeros(3, np.int32)
-    return Train(step=step, version=step - 1, token_ids=n, logprobs=n.astype(np.float32),
-                 versions=n, loss_mask=n.astype(bool), cu_seqlens=np.array([0, 3], np.int32),
-                 rewards=np.zeros(1, np.float32), group_ids=np.zeros(1, np.int64),
-                 minibatch_sizes=[rank])
+    return Train(
+        step=step,
+        version=step - 1,
+        token_ids=n,
+        logprobs=n.astype(np.float32),
+        versions=n,
+        loss_mask=n.astype(bool),
+        cu_seqlens=np.array([0, 3], np.int32),
+        rewards=np.zeros(1, np.float32),
+        group_ids=np.zeros(1, np.int64),
+        minibatch_sizes=[rank],
+    )
 
 
 def test_steps_since_the_newest_checkpoint_are_replayed_in_order_for_every_rank():
@@ -28,7 +36,9 @@ def test_steps_since_the_newest_checkpoint_are_replayed_in_order_for_every_rank(
     recovery.record([_step(6, 0), _step(6, 1)])
     (replay,) = recovery.replays(before_step=6)
     assert [(m.step, m.version, m.minibatch_sizes, m.replay) for m in replay] == [
-        (5, 4, [0], True), (5, 4, [1], True)]
+        (5, 4, [0], True),
+        (5, 4, [1], True),
+    ]
     assert all(not m.replay for m in recovery.steps[0])  # what was kept is unchanged
 
 

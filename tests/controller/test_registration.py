@@ -11,14 +11,21 @@ from areal.messages import Register, WorkerKind
 
 
 def _register(pool: WorkerPool, identity: bytes, worker_id: str, secret: str):
-    return pool.register(identity, Register(kind=WorkerKind.ROLLOUT, worker_id=worker_id, pid=1,
-                                            host="h", secret=secret))
+    return pool.register(
+        identity,
+        Register(kind=WorkerKind.ROLLOUT, worker_id=worker_id, pid=1, host="h", secret=secret),
+    )
 
 
 def test_forged_registrations_are_counted_in_bounded_memory(tmp_path, caplog):
     seen = []
-    pool = WorkerPool(load_config(), tmp_path, "tcp://x:1", secret="right",
-                      on_refused=lambda identity, msg, why: seen.append(why))
+    pool = WorkerPool(
+        load_config(),
+        tmp_path,
+        "tcp://x:1",
+        secret="right",
+        on_refused=lambda identity, msg, why: seen.append(why),
+    )
     with caplog.at_level(logging.WARNING):
         for i in range(1000):
             assert _register(pool, b"evil", f"forged-{i}", "wrong") is None

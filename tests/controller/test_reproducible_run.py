@@ -33,23 +33,53 @@ NUMERIC_RTOL = 1e-4
 
 
 def _timing(key: str) -> bool:
-    return key.startswith("perf/") or key.endswith(("_s", "_s_mean")) or key in (
-        "time", "trained_tokens_per_s", "run_dir", "rollout/in_flight", "reward/queue",
-        "buffer/trajectories", "eval/seconds")
+    return (
+        key.startswith("perf/")
+        or key.endswith(("_s", "_s_mean"))
+        or key
+        in (
+            "time",
+            "trained_tokens_per_s",
+            "run_dir",
+            "rollout/in_flight",
+            "reward/queue",
+            "buffer/trajectories",
+            "eval/seconds",
+        )
+    )
 
 
 def _run(tmp: Path, model_dir: str, seed: int, name: str) -> tuple[dict, list[dict], list[dict]]:
-    cfg = load_config(overrides=[
-        f"model.path={model_dir}", f"run_dir={tmp / name}", "task.name=letter_task:LetterTask",
-        f"seed={seed}", "mode=sync", f"trainer.total_steps={STEPS}", "trainer.batch_size=8",
-        "task.group_size=4", "rollout.max_new_tokens=16", "rollout.num_workers=2",
-        "trainer.lr=3e-3", "eval.every_steps=0", "eval.max_prompts=4", "eval.temperature=1.0",
-        "eval.num_samples=4", "trainer.checkpoint_every=0", "logging.progress=false",
-        "logging.tensorboard=false", "controller.heartbeat_interval_s=0.5"])
+    cfg = load_config(
+        overrides=[
+            f"model.path={model_dir}",
+            f"run_dir={tmp / name}",
+            "task.name=letter_task:LetterTask",
+            f"seed={seed}",
+            "mode=sync",
+            f"trainer.total_steps={STEPS}",
+            "trainer.batch_size=8",
+            "task.group_size=4",
+            "rollout.max_new_tokens=16",
+            "rollout.num_workers=2",
+            "trainer.lr=3e-3",
+            "eval.every_steps=0",
+            "eval.max_prompts=4",
+            "eval.temperature=1.0",
+            "eval.num_samples=4",
+            "trainer.checkpoint_every=0",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            "controller.heartbeat_interval_s=0.5",
+        ]
+    )
     summary = asyncio.run(Controller(cfg).run())
     records = read_records(tmp / name)
-    return (summary, [r for r in records if r["kind"] == "step"],
-            [r for r in records if r["kind"] == "eval"])
+    return (
+        summary,
+        [r for r in records if r["kind"] == "step"],
+        [r for r in records if r["kind"] == "eval"],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +88,10 @@ def runs(tmp_path_factory, tiny_model_dir):
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(str(HERE))
         mp.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
-        return {name: _run(tmp, tiny_model_dir, seed, name)
-                for name, seed in (("first", 5), ("again", 5), ("other", 6))}
+        return {
+            name: _run(tmp, tiny_model_dir, seed, name)
+            for name, seed in (("first", 5), ("again", 5), ("other", 6))
+        }
 
 
 def _assert_same(a, b, where: str) -> None:

@@ -28,12 +28,23 @@ BATCH, GROUP, FIRST, TOTAL = 8, 4, 4, 6
 
 
 def _config(run_dir: Path, model_dir: str, steps: int):
-    return load_config(overrides=[
-        f"model.path={model_dir}", f"run_dir={run_dir}", "task.name=letter_task:LetterTask",
-        f"trainer.total_steps={steps}", f"trainer.batch_size={BATCH}", f"task.group_size={GROUP}",
-        "trainer.checkpoint_every=2", "trainer.lr=1e-2", "rollout.max_new_tokens=16",
-        "eval.every_steps=0", "logging.progress=false", "logging.tensorboard=false",
-        "controller.heartbeat_interval_s=0.5"])
+    return load_config(
+        overrides=[
+            f"model.path={model_dir}",
+            f"run_dir={run_dir}",
+            "task.name=letter_task:LetterTask",
+            f"trainer.total_steps={steps}",
+            f"trainer.batch_size={BATCH}",
+            f"task.group_size={GROUP}",
+            "trainer.checkpoint_every=2",
+            "trainer.lr=1e-2",
+            "rollout.max_new_tokens=16",
+            "eval.every_steps=0",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            "controller.heartbeat_interval_s=0.5",
+        ]
+    )
 
 
 async def _run(cfg, resume: bool) -> dict:
@@ -56,8 +67,9 @@ def runs(tmp_path_factory, tiny_model_dir):
         mp.syspath_prepend(str(HERE))  # the task imports here and in the workers
         mp.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
         first = asyncio.run(_run(_config(run_dir, tiny_model_dir, FIRST), resume=False))
-        state = json.loads((run_dir / "checkpoints" / "step_000004" / "controller.json")
-                           .read_text())
+        state = json.loads(
+            (run_dir / "checkpoints" / "step_000004" / "controller.json").read_text()
+        )
         second = asyncio.run(_run(_config(run_dir, tiny_model_dir, TOTAL), resume=True))
     return {"first": first, "second": second, "state": state, "run_dir": run_dir}
 
@@ -82,8 +94,11 @@ def test_a_checkpoints_resume_state_is_written_after_its_steps_record(runs):
     # A run killed between the two must not resume after a step that has no record: the
     # controller's part of the checkpoint (with its "checkpoint" event) follows the record.
     records = runs["first"]["records"]
-    order = [(r["kind"], r.get("step")) for r in records if r["kind"] == "step"
-             or r.get("event") == "checkpoint"]
+    order = [
+        (r["kind"], r.get("step"))
+        for r in records
+        if r["kind"] == "step" or r.get("event") == "checkpoint"
+    ]
     checkpoints = [step for kind, step in order if kind == "event"]
     assert checkpoints == [2, 4]
     for step in checkpoints:
@@ -100,8 +115,11 @@ def test_rollout_workers_start_from_the_checkpoint_weights(runs):
     # numerics, ~1e-6); weights of another version differ by orders of magnitude more, as
     # the first run's stale tokens (one version behind their trainer) show.
     resumed = next(r for r in runs["second"]["records"] if r["kind"] == "step")
-    stale = [r["train/logprob_diff_stale"] for r in runs["first"]["records"]
-             if r["kind"] == "step" and r.get("train/logprob_diff_stale", 0) > 0]
+    stale = [
+        r["train/logprob_diff_stale"]
+        for r in runs["first"]["records"]
+        if r["kind"] == "step" and r.get("train/logprob_diff_stale", 0) > 0
+    ]
     assert resumed["train/fresh_token_frac"] > 0
     assert resumed["train/logprob_diff_fresh_max"] < 1e-3 < max(stale, default=1.0)
 
@@ -116,7 +134,7 @@ def test_the_prompt_stream_continues_and_no_prompt_is_trained_twice(runs):
     assert state["untrained"] and not set(state["untrained"]) & set(first_trained)
     # The groups left untrained at the checkpoint are admitted again first, then new ones.
     admitted = [e["position"] for e in second["ctl"].core.admission.log]
-    assert admitted[:len(state["untrained"])] == state["untrained"]
+    assert admitted[: len(state["untrained"])] == state["untrained"]
     assert admitted[len(state["untrained"])] == state["drawn"]
 
 

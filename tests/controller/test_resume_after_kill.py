@@ -19,8 +19,16 @@ from pathlib import Path
 import pytest
 
 from areal.records import read_records
-from cli_runs import all_gone, kill_hard, last_step, letter_overrides, log_tail, run_to_end, \
-    start, wait_for
+from cli_runs import (
+    all_gone,
+    kill_hard,
+    last_step,
+    letter_overrides,
+    log_tail,
+    run_to_end,
+    start,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -40,8 +48,13 @@ def accounting(run_dir: Path) -> dict[str, list[int]]:
     trained = [p for r in steps for p in r["rollout/trained_positions"]]
     dropped = [p for r in steps for p in r["rollout/dropped_positions"]]
     dropped += summary["rollout/dropped_positions"]
-    return {"steps": [r["step"] for r in steps], "trained": trained, "dropped": dropped,
-            "untrained": summary["untrained_positions"], "drawn": summary["num_drawn"]}
+    return {
+        "steps": [r["step"] for r in steps],
+        "trained": trained,
+        "dropped": dropped,
+        "untrained": summary["untrained_positions"],
+        "drawn": summary["num_drawn"],
+    }
 
 
 # Disk mode (the default) is killed and resumed the same way by bench/chaos.py --quick in
@@ -49,8 +62,13 @@ def accounting(run_dir: Path) -> dict[str, list[int]]:
 @pytest.mark.parametrize("mode", ["stream", "collective"])
 def test_a_run_killed_hard_resumes_and_trains_every_group_once(mode, tmp_path, tiny_model_dir):
     run_dir, log = tmp_path / "run", tmp_path / "controller.log"
-    args = letter_overrides(run_dir, tiny_model_dir, f"trainer.total_steps={TOTAL}",
-                            "trainer.checkpoint_every=4", f"weight_sync.mode={mode}")
+    args = letter_overrides(
+        run_dir,
+        tiny_model_dir,
+        f"trainer.total_steps={TOTAL}",
+        "trainer.checkpoint_every=4",
+        f"weight_sync.mode={mode}",
+    )
     proc = start(args, log)
     try:
         wait_for(lambda: last_step(run_dir) >= KILL_AFTER, 240, f"step {KILL_AFTER}", proc)
@@ -75,8 +93,11 @@ def test_a_run_killed_hard_resumes_and_trains_every_group_once(mode, tmp_path, t
     assert len(done["trained"]) == len(set(done["trained"])) == TOTAL * 2
     everything = done["trained"] + done["dropped"] + done["untrained"]
     assert sorted(everything) == list(range(done["drawn"]))
-    superseded = [r["step"] for r in read_records(run_dir, superseded=True)
-                  if r["kind"] == "step" and r.get("superseded")]
+    superseded = [
+        r["step"]
+        for r in read_records(run_dir, superseded=True)
+        if r["kind"] == "step" and r.get("superseded")
+    ]
     # The killed run's steps past the resumed checkpoint, each superseded once; none when
     # the kill came right after the step-8 checkpoint.
     assert superseded == list(range(after + 1, killed_at + 1))

@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 
 from areal.controller.resume import (
-    STATE, ResumeState, clear_after, find_state, kept_dropped_groups, write_state,
+    STATE,
+    ResumeState,
+    clear_after,
+    find_state,
+    kept_dropped_groups,
+    write_state,
 )
 from areal.controller.weight_retry import newest_on_disk
 from areal.controller.setup import RunSetup, _endless
@@ -25,8 +30,9 @@ def _checkpoint(run_dir, step, *, trainer=True, controller=True, weights=True):
     if weights:
         (path / "weights").mkdir()
     if controller:
-        write_state(ResumeState(step=step, version=step, drawn=3 * step, untrained=[step],
-                                path=str(path)))
+        write_state(
+            ResumeState(step=step, version=step, drawn=3 * step, untrained=[step], path=str(path))
+        )
     return path
 
 
@@ -56,8 +62,14 @@ class CountingTask:
 
 
 def _setup() -> RunSetup:
-    setup = RunSetup(cfg=None, run_dir=None, task=CountingTask(), tokenizer=None,
-                     eval_prompts=[], stop_token_ids=[])
+    setup = RunSetup(
+        cfg=None,
+        run_dir=None,
+        task=CountingTask(),
+        tokenizer=None,
+        eval_prompts=[],
+        stop_token_ids=[],
+    )
     setup.tokenize = lambda prompt: [int(prompt.text)]
     setup._train_iter = _endless(setup.task, seed=0)
     return setup
@@ -89,6 +101,7 @@ def test_a_prompt_being_drawn_is_not_counted_until_it_is_drawn():
         entered.set()
         release.wait(10)
         return tokenize(prompt)
+
     setup.tokenize = slow_tokenize
 
     async def main():
@@ -110,9 +123,17 @@ def test_a_prompt_being_drawn_is_not_counted_until_it_is_drawn():
 def test_the_summary_of_a_resumed_run_names_the_steps_it_trained():
     from areal.controller.report import summary_lines
 
-    summary = {"eval_pass@1_before": 0.25, "eval_pass@1_after": 0.5, "steps": 6,
-               "wall_time_s": 12.4, "mode": "async", "run_dir": "runs/x", "trained_tokens": 10,
-               "trained_tokens_per_s": 2.0, "interruptions_total": 0}
+    summary = {
+        "eval_pass@1_before": 0.25,
+        "eval_pass@1_after": 0.5,
+        "steps": 6,
+        "wall_time_s": 12.4,
+        "mode": "async",
+        "run_dir": "runs/x",
+        "trained_tokens": 10,
+        "trained_tokens_per_s": 2.0,
+        "interruptions_total": 0,
+    }
     assert "run finished: 6 steps in 12 s" in summary_lines(summary)[1]
     summary["resumed_after_step"] = 4
     assert "run finished: steps 5-6 (resumed) in 12 s" in summary_lines(summary)[1]
@@ -137,10 +158,13 @@ def test_a_resume_removes_what_the_stopped_run_wrote_after_its_checkpoint(tmp_pa
 
 
 def test_the_dropped_groups_a_resume_keeps_are_those_up_to_its_step(tmp_path):
-    lines = [{"kind": "step", "step": s, "rollout/dropped_groups/reward_error": 1}
-             for s in (1, 2, 3)]
-    lines += [{"kind": "event", "event": "resumed", "step": 1, "version": 1},
-              {"kind": "step", "step": 2, "rollout/dropped_groups/stale": 2}]
+    lines = [
+        {"kind": "step", "step": s, "rollout/dropped_groups/reward_error": 1} for s in (1, 2, 3)
+    ]
+    lines += [
+        {"kind": "event", "event": "resumed", "step": 1, "version": 1},
+        {"kind": "step", "step": 2, "rollout/dropped_groups/stale": 2},
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     state = ResumeState(step=2, version=2, drawn=0)
     assert kept_dropped_groups(tmp_path, state) == {"reward_error": 1, "stale": 2}

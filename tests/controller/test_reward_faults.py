@@ -81,9 +81,16 @@ async def _run(cfg) -> dict:
 
 @pytest.mark.slow
 def test_a_flaky_verifier_gives_no_false_zeros(tmp_path, tiny_model_dir):
-    cfg = load_config(overrides=letter_overrides(
-        tmp_path / "run", tiny_model_dir, f"trainer.total_steps={STEPS}",
-        "trainer.checkpoint_every=0", "task.params.flaky=0.5", "reward.retries=1"))
+    cfg = load_config(
+        overrides=letter_overrides(
+            tmp_path / "run",
+            tiny_model_dir,
+            f"trainer.total_steps={STEPS}",
+            "trainer.checkpoint_every=0",
+            "task.params.flaky=0.5",
+            "reward.retries=1",
+        )
+    )
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(str(HERE))
         mp.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
@@ -100,8 +107,9 @@ def test_a_flaky_verifier_gives_no_false_zeros(tmp_path, tiny_model_dir):
     # rate); some window held a success, and a rate is above 0 exactly when failures are.
     rates = [r["reward/infra_failure_rate"] for r in steps]
     assert all(0 <= rate <= 1 for rate in rates) and min(rates) < 1
-    assert all((r["reward/infra_failure_rate"] > 0) == (r["reward/infra_failures"] > 0)
-               for r in steps)
+    assert all(
+        (r["reward/infra_failure_rate"] > 0) == (r["reward/infra_failures"] > 0) for r in steps
+    )
     # The rates of a step's window sum to 1; a window in which no check ended (its batch was
     # scored before the previous record was written) has none.
     sums = [sum(v for k, v in r.items() if k.startswith("reward/verdict_rate/")) for r in steps]

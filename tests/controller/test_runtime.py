@@ -35,13 +35,27 @@ BATCH, GROUP, ETA, STEPS = 8, 4, 1, 6
 
 
 def _config(run_dir: Path, model_dir: str, *overrides: str):
-    return load_config(overrides=[
-        f"model.path={model_dir}", f"run_dir={run_dir}", f"trainer.total_steps={STEPS}",
-        f"trainer.batch_size={BATCH}", f"task.group_size={GROUP}", f"staleness.eta={ETA}",
-        "eval.max_prompts=4", "eval.every_steps=0", "logging.progress=false",
-        "logging.tensorboard=false", "logging.save_batches=true", "rollout.max_new_tokens=300",
-        "weight_sync.keep_versions=100", "controller.heartbeat_interval_s=0.5",
-        "controller.heartbeat_timeout_s=30", "trainer.lr=1e-3", *overrides])
+    return load_config(
+        overrides=[
+            f"model.path={model_dir}",
+            f"run_dir={run_dir}",
+            f"trainer.total_steps={STEPS}",
+            f"trainer.batch_size={BATCH}",
+            f"task.group_size={GROUP}",
+            f"staleness.eta={ETA}",
+            "eval.max_prompts=4",
+            "eval.every_steps=0",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            "logging.save_batches=true",
+            "rollout.max_new_tokens=300",
+            "weight_sync.keep_versions=100",
+            "controller.heartbeat_interval_s=0.5",
+            "controller.heartbeat_timeout_s=30",
+            "trainer.lr=1e-3",
+            *overrides,
+        ]
+    )
 
 
 async def _send_garbage(address: str) -> None:
@@ -53,8 +67,17 @@ async def _send_garbage(address: str) -> None:
         sock.connect(address)
         await sock.send_multipart([b"\xff", b"not msgpack"])
         await sock.send_multipart([bytes([MsgType.GENERATED]), b"\x81\xa1x\x01"])
-        await sock.send_multipart(encode(Register(kind=WorkerKind.ROLLOUT, worker_id="intruder",
-                                                  pid=1, host="evil", secret="wrong")))
+        await sock.send_multipart(
+            encode(
+                Register(
+                    kind=WorkerKind.ROLLOUT,
+                    worker_id="intruder",
+                    pid=1,
+                    host="evil",
+                    secret="wrong",
+                )
+            )
+        )
         reply = await asyncio.wait_for(sock.recv_multipart(), 10)
         assert reply[0] == bytes([MsgType.SHUTDOWN])  # refused
     finally:
@@ -80,8 +103,13 @@ async def _drive_faulty_run(cfg) -> dict:
             in_flight_at_kill = len(rollout.in_flight)
             os.kill(killed_pid, signal.SIGKILL)
     summary = await run
-    return {"ctl": ctl, "records": records, "summary": summary, "killed_pid": killed_pid,
-            "in_flight_at_kill": in_flight_at_kill}
+    return {
+        "ctl": ctl,
+        "records": records,
+        "summary": summary,
+        "killed_pid": killed_pid,
+        "in_flight_at_kill": in_flight_at_kill,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +135,8 @@ def test_killed_rollout_worker_loses_no_group_and_trains_none_twice(faulty_run):
     assert len(trained) == len(set(trained)) == STEPS * BATCH // GROUP
     admitted = {entry["group_id"] for entry in ctl.core.admission.log}
     unfinished = {g.group_id for g in ctl.ledger.buffer} | {
-        gid for gid, g in ctl.ledger.groups.items() if g.purpose is Purpose.TRAIN}
+        gid for gid, g in ctl.ledger.groups.items() if g.purpose is Purpose.TRAIN
+    }
     assert admitted == set(trained) | unfinished  # every admitted group is accounted for
     assert not set(trained) & unfinished
 
@@ -133,8 +162,12 @@ def test_admission_never_exceeds_the_staleness_bound(faulty_run):
 
 def _logprobs_under(model, token_ids, cu_seqlens, temperature):
     with torch.no_grad():
-        return packed_logprobs(model, torch.from_numpy(token_ids).long(),
-                               torch.from_numpy(cu_seqlens), temperature=temperature)
+        return packed_logprobs(
+            model,
+            torch.from_numpy(token_ids).long(),
+            torch.from_numpy(cu_seqlens),
+            temperature=temperature,
+        )
 
 
 def test_interrupted_sequences_keep_per_version_logprobs(faulty_run, tiny_model_dir):
@@ -154,7 +187,7 @@ def test_interrupted_sequences_keep_per_version_logprobs(faulty_run, tiny_model_
     for i, b in enumerate(batches):
         cu = b["cu_seqlens"]
         for s in range(len(cu) - 1):
-            seq_versions = b["versions"][cu[s]:cu[s + 1]]
+            seq_versions = b["versions"][cu[s] : cu[s + 1]]
             num_mixed += len(set(seq_versions[seq_versions >= 0].tolist())) > 1
         for version, lp in recomputed[i]:
             mask = b["versions"] == version
@@ -162,13 +195,19 @@ def test_interrupted_sequences_keep_per_version_logprobs(faulty_run, tiny_model_
                 continue
             diff = np.abs(lp[mask] - b["logprobs"][mask])
             assert diff.max() < 2e-4, (
-                f"batch {i}, version {version}: max diff {diff.max():.2e}, mean {diff.mean():.2e}")
+                f"batch {i}, version {version}: max diff {diff.max():.2e}, mean {diff.mean():.2e}"
+            )
     assert num_mixed > 0, "no sequence was interrupted by a weight update"
 
 
 def test_sync_mode_trains_only_on_fresh_data_via_embedding_api(tmp_path, tiny_model_dir):
-    cfg = _config(tmp_path / "run", tiny_model_dir, "mode=sync", "trainer.total_steps=3",
-                  "weight_sync.mode=stream")
+    cfg = _config(
+        tmp_path / "run",
+        tiny_model_dir,
+        "mode=sync",
+        "trainer.total_steps=3",
+        "weight_sync.mode=stream",
+    )
 
     async def drive():
         ctl = Controller(cfg)
@@ -186,8 +225,9 @@ def test_sync_mode_trains_only_on_fresh_data_via_embedding_api(tmp_path, tiny_mo
     summary, steps, evals, kinds = asyncio.run(drive())
     assert kinds["step"] == 3 and kinds["eval"] == 2 and kinds["summary"] == 1
     # The evaluations before and after training sample with exactly their own version.
-    assert [(r["version"], r["eval/token_version_min"], r["eval/token_version_max"])
-            for r in evals] == [(0, 0.0, 0.0), (3, 3.0, 3.0)]
+    assert [
+        (r["version"], r["eval/token_version_min"], r["eval/token_version_max"]) for r in evals
+    ] == [(0, 0.0, 0.0), (3, 3.0, 3.0)]
     assert [r["staleness/hist"] for r in steps] == [{"0": BATCH}] * 3
     assert all(r["rollout/interruptions"] == 0 for r in steps)
     assert summary["final_version"] == 3
@@ -198,6 +238,9 @@ def test_sync_mode_trains_only_on_fresh_data_via_embedding_api(tmp_path, tiny_mo
 def test_a_request_the_engine_refuses_fails_the_run_instead_of_hanging(tmp_path, tiny_model_dir):
     # The tiny model has 512 positions: every prompt + 512 new tokens is refused.
     cfg = _config(tmp_path / "run", tiny_model_dir, "rollout.max_new_tokens=512")
-    with pytest.raises(RunFailed, match=r"could not generate request g\d+-s\d+-a\d+: "
-                                         r"ValueError: .*exceeds the engine's max_seq_len=512"):
+    with pytest.raises(
+        RunFailed,
+        match=r"could not generate request g\d+-s\d+-a\d+: "
+        r"ValueError: .*exceeds the engine's max_seq_len=512",
+    ):
         asyncio.run(asyncio.wait_for(Controller(cfg).run(), 120))

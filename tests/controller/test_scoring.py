@@ -30,25 +30,38 @@ def test_a_score_waits_for_a_reward_worker_and_goes_out_when_one_is_ready(tmp_pa
     run.core.dispatch(out)
     assert not out.messages  # no reward worker yet
     reward_id = b"reward-0"
-    run.on(reward_id, Register(kind=WorkerKind.REWARD, worker_id="reward-0", pid=1, host="h",
-                               secret=SECRET))
+    run.on(
+        reward_id,
+        Register(kind=WorkerKind.REWARD, worker_id="reward-0", pid=1, host="h", secret=SECRET),
+    )
     (score,) = run.on(reward_id, Ready()).sent(Score)
     assert score.request_ids == ids and run.core.scoring.num_queued == 0
 
 
 @pytest.mark.parametrize("on_error,kept", [("drop", False), ("zero", True)])
 def test_an_infrastructure_failure_is_retried_then_settled_by_on_error(tmp_path, on_error, kept):
-    run = Decisions(config(tmp_path, "reward.retries=1", f"reward.on_error={on_error}"),
-                    tmp_path)
+    run = Decisions(config(tmp_path, "reward.retries=1", f"reward.on_error={on_error}"), tmp_path)
     reward = run.join(WorkerKind.REWARD)
     ids = _generated_group(run)
-    timeout = Scored(request_ids=ids, rewards=[0.0, 1.0], verdicts=[Verdict.TIMEOUT, Verdict.OK],
-                     details=["slow", ""], check_s=[9.0, 0.1])
+    timeout = Scored(
+        request_ids=ids,
+        rewards=[0.0, 1.0],
+        verdicts=[Verdict.TIMEOUT, Verdict.OK],
+        details=["slow", ""],
+        check_s=[9.0, 0.1],
+    )
     (again,) = run.on(reward.identity, timeout).sent(Score)
     assert again.request_ids == ["g0-s0-a0"]  # the failed check alone, the other accepted
-    out = run.on(reward.identity, Scored(request_ids=["g0-s0-a0"], rewards=[0.0],
-                                         verdicts=[Verdict.TIMEOUT], details=["slow"],
-                                         check_s=[9.0]))
+    out = run.on(
+        reward.identity,
+        Scored(
+            request_ids=["g0-s0-a0"],
+            rewards=[0.0],
+            verdicts=[Verdict.TIMEOUT],
+            details=["slow"],
+            check_s=[9.0],
+        ),
+    )
     assert not out.sent(Score)
     assert run.core.scoring.faults.num_failures == 2
     if kept:

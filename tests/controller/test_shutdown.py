@@ -25,10 +25,15 @@ from cli_runs import all_gone, last_step, letter_overrides, log_tail, start, wai
 
 @pytest.mark.slow
 def test_sigterm_finishes_the_step_writes_the_summary_and_stops_every_worker(
-        tmp_path, tiny_model_dir):
+    tmp_path, tiny_model_dir
+):
     run_dir, log = tmp_path / "run", tmp_path / "controller.log"
-    proc = start(letter_overrides(run_dir, tiny_model_dir, "trainer.total_steps=1000",
-                                  "trainer.checkpoint_every=0"), log)
+    proc = start(
+        letter_overrides(
+            run_dir, tiny_model_dir, "trainer.total_steps=1000", "trainer.checkpoint_every=0"
+        ),
+        log,
+    )
     try:
         wait_for(lambda: last_step(run_dir) >= 2, 240, "step 2", proc)
         workers = workers_of(proc)
@@ -62,13 +67,16 @@ def test_a_run_directory_that_cannot_be_written_is_one_line(tmp_path):
         (tmp_path / "file").write_text("")
         target, reason = tmp_path / "file" / "run", "Not a directory"
     try:
-        done = subprocess.run([sys.executable, "-m", "areal.controller", f"run_dir={target}"],
-                              capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-m", "areal.controller", f"run_dir={target}"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     finally:
         subprocess.run(["chattr", "-i", str(locked)], capture_output=True)
     assert done.returncode == 1 and "Traceback" not in done.stderr
-    assert f"cannot set up the run: run_dir='{target}' cannot be written ({reason})" \
-        in done.stderr
+    assert f"cannot set up the run: run_dir='{target}' cannot be written ({reason})" in done.stderr
 
 
 def test_a_final_model_that_cannot_be_written_leaves_the_previous_one_whole(tmp_path):

@@ -20,22 +20,33 @@ W, R = b"rollout-1", b"reward-1"
 def _group(ledger: Ledger, versions_per_sample: list[list[int] | None], score: bool = False):
     """A group of len(versions_per_sample) samples; a list of token versions generates that
     sample (scored too if `score`), None leaves it pending."""
-    group = ledger.add_group(Prompt(prompt_id="p", text="1+1=", reference="2"),
-                             np.array([5, 6], np.int32), size=len(versions_per_sample), version=0)
+    group = ledger.add_group(
+        Prompt(prompt_id="p", text="1+1=", reference="2"),
+        np.array([5, 6], np.int32),
+        size=len(versions_per_sample),
+        version=0,
+    )
     for sample, versions in zip(group.samples, versions_per_sample, strict=True):
         if versions is None:
             continue
         ledger.pending.remove(sample)
         ledger.start_generation(sample, W, now=0.0)
         n = len(versions)
-        ledger.finish_generation(Generated(
-            request_id=sample.request_id, output_ids=np.arange(n, dtype=np.int32),
-            logprobs=np.full(n, -0.5, np.float32), versions=np.array(versions, np.int32),
-            finish_reason=FinishReason.STOP), W)
+        ledger.finish_generation(
+            Generated(
+                request_id=sample.request_id,
+                output_ids=np.arange(n, dtype=np.int32),
+                logprobs=np.full(n, -0.5, np.float32),
+                versions=np.array(versions, np.int32),
+                finish_reason=FinishReason.STOP,
+            ),
+            W,
+        )
         if score:
             ledger.start_scoring(sample, R)
-            ledger.finish_scoring(sample.request_id,
-                                  RewardOutcome(reward=1.0, verdict=Verdict.OK), R)
+            ledger.finish_scoring(
+                sample.request_id, RewardOutcome(reward=1.0, verdict=Verdict.OK), R
+            )
     return group
 
 

@@ -29,15 +29,27 @@ BATCH, GROUP, STEPS, ETA, LATE_AFTER = 8, 4, 8, 1, 32
 
 
 def _config(run_dir: Path, model_dir: str, strict: bool):
-    return load_config(overrides=[
-        f"model.path={model_dir}", f"run_dir={run_dir}",
-        "task.name=late_reward_task:LateRewardTask",
-        f"task.params={{late_index: 1, wait_for: {LATE_AFTER}, max_wait_s: 30}}",
-        f"trainer.total_steps={STEPS}", f"trainer.batch_size={BATCH}", f"task.group_size={GROUP}",
-        f"staleness.eta={ETA}", f"staleness.strict={strict}", "rollout.max_new_tokens=32",
-        "reward.timeout_s=60", "eval.every_steps=0", "eval.max_prompts=1",
-        "logging.progress=false", "logging.tensorboard=false", "trainer.checkpoint_every=0",
-        "controller.heartbeat_interval_s=0.5"])
+    return load_config(
+        overrides=[
+            f"model.path={model_dir}",
+            f"run_dir={run_dir}",
+            "task.name=late_reward_task:LateRewardTask",
+            f"task.params={{late_index: 1, wait_for: {LATE_AFTER}, max_wait_s: 30}}",
+            f"trainer.total_steps={STEPS}",
+            f"trainer.batch_size={BATCH}",
+            f"task.group_size={GROUP}",
+            f"staleness.eta={ETA}",
+            f"staleness.strict={strict}",
+            "rollout.max_new_tokens=32",
+            "reward.timeout_s=60",
+            "eval.every_steps=0",
+            "eval.max_prompts=1",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            "trainer.checkpoint_every=0",
+            "controller.heartbeat_interval_s=0.5",
+        ]
+    )
 
 
 async def _run(cfg) -> dict:
@@ -49,8 +61,9 @@ async def _run(cfg) -> dict:
 
 async def _both(tmp: Path, model_dir: str) -> dict[bool, dict]:
     # Concurrently: the two runs spend much of their time waiting on worker start-up.
-    off, on = await asyncio.gather(*(_run(_config(tmp / f"strict-{s}", model_dir, s))
-                                     for s in (False, True)))
+    off, on = await asyncio.gather(
+        *(_run(_config(tmp / f"strict-{s}", model_dir, s)) for s in (False, True))
+    )
     return {False: off, True: on}
 
 
@@ -86,10 +99,14 @@ def test_the_straggler_is_dropped_as_stale_and_its_cost_counted(runs):
     assert summary["dropped_tokens"] >= sum(r["rollout/dropped_tokens"] for r in steps)
     # Admission replaced what was dropped: every admitted group is accounted for.
     live = {g.group_id for g in ctl.ledger.buffer} | {
-        gid for gid, g in ctl.ledger.groups.items() if g.purpose is Purpose.TRAIN}
+        gid for gid, g in ctl.ledger.groups.items() if g.purpose is Purpose.TRAIN
+    }
     admitted = {e["group_id"] for e in ctl.core.admission.log}
     assert admitted == set(ctl.ledger.trained_group_ids) | set(ctl.ledger.dropped_group_ids) | live
-    assert ctl.core.admission.staleness.num_aborted + ctl.core.admission.staleness.num_rejected == num_stale * GROUP
+    assert (
+        ctl.core.admission.staleness.num_aborted + ctl.core.admission.staleness.num_rejected
+        == num_stale * GROUP
+    )
 
 
 def test_with_strict_off_the_straggler_is_trained_beyond_eta_as_before(runs):
@@ -100,4 +117,6 @@ def test_with_strict_off_the_straggler_is_trained_beyond_eta_as_before(runs):
     assert straggler in ctl.ledger.trained_group_ids
     assert max(_staleness_max(run)) >= ETA + 2, _staleness_max(run)
     # Admission itself kept the bound: N_r <= (version + eta + 1) * B at every admission.
-    assert all(e["num_admitted"] <= (e["version"] + ETA + 1) * BATCH for e in ctl.core.admission.log)
+    assert all(
+        e["num_admitted"] <= (e["version"] + ETA + 1) * BATCH for e in ctl.core.admission.log
+    )

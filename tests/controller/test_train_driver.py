@@ -20,9 +20,16 @@ def _complete(run: Decisions, group_id: int, version: int, rollout, reward) -> N
     ids = [f"g{group_id}-s{i}-a0" for i in range(2)]
     for request_id in ids:
         run.on(rollout.identity, generated(request_id, version=version))
-    run.on(reward.identity, Scored(request_ids=ids, rewards=[1.0, 0.0],
-                                   verdicts=[Verdict.OK, Verdict.WRONG], details=["", ""],
-                                   check_s=[0.0, 0.0]))
+    run.on(
+        reward.identity,
+        Scored(
+            request_ids=ids,
+            rewards=[1.0, 0.0],
+            verdicts=[Verdict.OK, Verdict.WRONG],
+            details=["", ""],
+            check_s=[0.0, 0.0],
+        ),
+    )
 
 
 def test_without_strict_the_first_complete_groups_are_taken_and_trained_in_draw_order(tmp_path):
@@ -41,8 +48,16 @@ def test_without_strict_the_first_complete_groups_are_taken_and_trained_in_draw_
 
 
 def test_strict_takes_the_earliest_deadline_first_and_drops_what_missed_it(tmp_path):
-    run = Decisions(config(tmp_path, "staleness.strict=true", "staleness.eta=1",
-                           "trainer.batch_size=4", "rollout.max_concurrent=64"), tmp_path)
+    run = Decisions(
+        config(
+            tmp_path,
+            "staleness.strict=true",
+            "staleness.eta=1",
+            "trainer.batch_size=4",
+            "rollout.max_concurrent=64",
+        ),
+        tmp_path,
+    )
     run.admit(4)
     rollout, reward = run.join(WorkerKind.ROLLOUT), run.join(WorkerKind.REWARD)
     run.core.weights.version = 2  # published meanwhile (weight_sync.py owns it)

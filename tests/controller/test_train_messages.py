@@ -21,22 +21,39 @@ def _groups(rng: np.random.Generator, num_groups: int, group_size: int) -> list[
     groups = []
     for g in range(num_groups):
         prompt = rng.integers(0, 50, rng.integers(1, 6)).astype(np.int32)
-        group = Group(group_id=g, purpose=Purpose.TRAIN, prompt=Prompt(
-            prompt_id=f"p{g}", text="", reference=None), prompt_ids=prompt, admitted_version=0)
+        group = Group(
+            group_id=g,
+            purpose=Purpose.TRAIN,
+            prompt=Prompt(prompt_id=f"p{g}", text="", reference=None),
+            prompt_ids=prompt,
+            admitted_version=0,
+        )
         for i in range(group_size):
             n = int(rng.integers(1, 40))
-            ids, logprobs, versions = (rng.integers(0, 50, n), -rng.random(n),
-                                       np.sort(rng.integers(0, 3, n)))
+            ids, logprobs, versions = (
+                rng.integers(0, 50, n),
+                -rng.random(n),
+                np.sort(rng.integers(0, 3, n)),
+            )
             if i % 2:  # a rollout worker's dtypes: the trajectory keeps the arrays uncopied
-                ids, logprobs, versions = (ids.astype(np.int32), logprobs.astype(np.float32),
-                                           versions.astype(np.int32))
+                ids, logprobs, versions = (
+                    ids.astype(np.int32),
+                    logprobs.astype(np.float32),
+                    versions.astype(np.int32),
+                )
             trajectory = Trajectory.from_generation(
-                prompt_id=f"p{g}", group_id=g, prompt_ids=prompt, output_ids=ids,
-                output_logprobs=logprobs, output_versions=versions,
-                finish_reason=str(rng.choice(["stop", "length"])))
+                prompt_id=f"p{g}",
+                group_id=g,
+                prompt_ids=prompt,
+                output_ids=ids,
+                output_logprobs=logprobs,
+                output_versions=versions,
+                finish_reason=str(rng.choice(["stop", "length"])),
+            )
             trajectory.reward = float(rng.integers(0, 2))
-            group.samples.append(Sample(group_id=g, index=i, stage=Stage.DONE,
-                                        trajectory=trajectory))
+            group.samples.append(
+                Sample(group_id=g, index=i, stage=Stage.DONE, trajectory=trajectory)
+            )
         groups.append(group)
     return groups
 
@@ -47,29 +64,46 @@ def _reference(groups: list[Group], cfg, num_ranks: int, num_minibatches: int) -
     out = []
     for shard in shard_batch(batch, advantages, num_ranks, num_minibatches):
         part = shard.batch
-        out.append(dict(
-            token_ids=part.token_ids.numpy().astype(np.int32), logprobs=part.logprobs.numpy(),
-            versions=part.versions.numpy().astype(np.int32), loss_mask=part.loss_mask.numpy(),
-            cu_seqlens=part.cu_seqlens.numpy(), rewards=part.rewards.numpy(),
-            group_ids=part.group_ids.numpy(), advantages=shard.advantages.numpy(),
-            minibatch_sizes=shard.minibatch_sizes,
-            minibatch_loss_tokens=shard.minibatch_loss_tokens,
-            minibatch_loss_seqs=shard.minibatch_loss_seqs))
+        out.append(
+            dict(
+                token_ids=part.token_ids.numpy().astype(np.int32),
+                logprobs=part.logprobs.numpy(),
+                versions=part.versions.numpy().astype(np.int32),
+                loss_mask=part.loss_mask.numpy(),
+                cu_seqlens=part.cu_seqlens.numpy(),
+                rewards=part.rewards.numpy(),
+                group_ids=part.group_ids.numpy(),
+                advantages=shard.advantages.numpy(),
+                minibatch_sizes=shard.minibatch_sizes,
+                minibatch_loss_tokens=shard.minibatch_loss_tokens,
+                minibatch_loss_seqs=shard.minibatch_loss_seqs,
+            )
+        )
     return out
 
 
-SHAPING = ["trainer.advantage.overlong_buffer=10", "trainer.advantage.mask_truncated=true",
-           "rollout.max_new_tokens=40"]
+SHAPING = [
+    "trainer.advantage.overlong_buffer=10",
+    "trainer.advantage.mask_truncated=true",
+    "rollout.max_new_tokens=40",
+]
 
 
-@pytest.mark.parametrize("num_ranks,num_minibatches,shaping", [
-    (1, 1, []), (3, 2, []), (8, 4, SHAPING), (40, 1, SHAPING)])
+@pytest.mark.parametrize(
+    "num_ranks,num_minibatches,shaping", [(1, 1, []), (3, 2, []), (8, 4, SHAPING), (40, 1, SHAPING)]
+)
 def test_train_messages_equal_the_pack_and_shard_path(num_ranks, num_minibatches, shaping):
     rng = np.random.default_rng(num_ranks)
     groups = _groups(rng, num_groups=6, group_size=4)  # 24 sequences: 40 ranks get some empty
-    cfg = load_config(overrides=[f"trainer.num_ranks={num_ranks}",
-                                 f"trainer.num_minibatches={num_minibatches}",
-                                 "task.group_size=4", "trainer.batch_size=24", *shaping])
+    cfg = load_config(
+        overrides=[
+            f"trainer.num_ranks={num_ranks}",
+            f"trainer.num_minibatches={num_minibatches}",
+            "task.group_size=4",
+            "trainer.batch_size=24",
+            *shaping,
+        ]
+    )
     messages = train_messages(cfg, 3, 2, groups)
     reference = _reference(groups, cfg, num_ranks, num_minibatches)
     assert len(messages) == len(reference) == num_ranks

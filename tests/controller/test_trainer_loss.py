@@ -26,10 +26,18 @@ from areal.messages import Shutdown, Train, Trained, WorkerKind
 
 def _train(step: int, rank: int) -> Train:
     n = np.zeros(2, np.int32)
-    return Train(step=step, version=step - 1, token_ids=n, logprobs=n.astype(np.float32),
-                 versions=n, loss_mask=n.astype(bool), cu_seqlens=np.array([0, 2], np.int32),
-                 rewards=np.zeros(1, np.float32), group_ids=np.zeros(1, np.int64),
-                 minibatch_sizes=[rank])
+    return Train(
+        step=step,
+        version=step - 1,
+        token_ids=n,
+        logprobs=n.astype(np.float32),
+        versions=n,
+        loss_mask=n.astype(bool),
+        cu_seqlens=np.array([0, 2], np.int32),
+        rewards=np.zeros(1, np.float32),
+        group_ids=np.zeros(1, np.int64),
+        minibatch_sizes=[rank],
+    )
 
 
 class _Trainers:
@@ -37,20 +45,37 @@ class _Trainers:
     prints and asks of the weight sync."""
 
     def __init__(self, tmp_path: Path) -> None:
-        cfg = load_config(overrides=["trainer.num_ranks=2", "controller.remote_kinds=[trainer]",
-                                     f"run_dir={tmp_path}"])
+        cfg = load_config(
+            overrides=[
+                "trainer.num_ranks=2",
+                "controller.remote_kinds=[trainer]",
+                f"run_dir={tmp_path}",
+            ]
+        )
         self.pool = WorkerPool(cfg, tmp_path, "tcp://127.0.0.1:1", secret=None)
         self.sent: list[tuple[bytes, object]] = []
         self.lines: list[str] = []
         self.weights_told: list[str] = []
-        self.trainers = Trainers(cfg, self.pool, Changed(), self._send, "tcp://127.0.0.1:1",
-                                 lambda *a, **k: None, self.lines.append,
-                                 lambda worker_id: tmp_path / f"{worker_id}.log",
-                                 lambda: self.weights_told.append("trainers lost"))
+        self.trainers = Trainers(
+            cfg,
+            self.pool,
+            Changed(),
+            self._send,
+            "tcp://127.0.0.1:1",
+            lambda *a, **k: None,
+            self.lines.append,
+            lambda worker_id: tmp_path / f"{worker_id}.log",
+            lambda: self.weights_told.append("trainers lost"),
+        )
         self.ranks = []
         for rank in range(2):
-            handle = WorkerHandle(worker_id=f"trainer-{rank}", kind=WorkerKind.TRAINER, rank=rank,
-                                  identity=f"t{rank}".encode(), ready=True)
+            handle = WorkerHandle(
+                worker_id=f"trainer-{rank}",
+                kind=WorkerKind.TRAINER,
+                rank=rank,
+                identity=f"t{rank}".encode(),
+                ready=True,
+            )
             self.pool.by_identity[handle.identity] = handle
             self.ranks.append(handle)
         self.trainers.formed = True
@@ -70,8 +95,9 @@ def test_the_step_in_progress_ends_as_far_as_rank_0_got(tmp_path, caplog, rank0_
     _, rank1 = t.ranks
 
     async def scenario():
-        step = asyncio.create_task(t.trainers.run_step(5, [_train(5, 0), _train(5, 1)],
-                                                       lambda: False))
+        step = asyncio.create_task(
+            t.trainers.run_step(5, [_train(5, 0), _train(5, 1)], lambda: False)
+        )
         await asyncio.sleep(0)  # sent to both ranks
         if rank0_published:
             assert t.trainers.answer(Trained(step=5, version=5, stats={}, rank=0))
@@ -88,8 +114,11 @@ def test_the_step_in_progress_ends_as_far_as_rank_0_got(tmp_path, caplog, rank0_
         assert result.version == 5
     else:
         assert [m.step for m in result[0]] == [5, 5]  # kept, to be sent again
-        assert re.search(r"step 5: trainer rank 1 \(trainer-1 .*\) lost \(silent\); it is sent "
-                         "again", caplog.text), caplog.text
+        assert re.search(
+            r"step 5: trainer rank 1 \(trainer-1 .*\) lost \(silent\); it is sent "
+            "again",
+            caplog.text,
+        ), caplog.text
     # Either way every rank is restarted: the survivor is told to stop and come back.
     train, stop = [msg for identity, msg in t.sent if identity == b"t0"]
     assert isinstance(train, Train) and isinstance(stop, Shutdown) and stop.rejoin

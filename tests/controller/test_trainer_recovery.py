@@ -30,13 +30,26 @@ BATCH, GROUP, STEPS, EVERY, KILL_AFTER = 8, 4, 8, 3, 4
 
 
 def _config(run_dir: Path, model_dir: str, *overrides: str):
-    return load_config(overrides=[
-        f"model.path={model_dir}", f"run_dir={run_dir}", f"trainer.total_steps={STEPS}",
-        f"trainer.batch_size={BATCH}", f"task.group_size={GROUP}", "staleness.eta=1",
-        f"trainer.checkpoint_every={EVERY}", "eval.max_prompts=4", "eval.every_steps=0",
-        "logging.progress=false", "logging.tensorboard=false", "rollout.max_new_tokens=48",
-        "controller.heartbeat_interval_s=0.5", "controller.heartbeat_timeout_s=30",
-        "trainer.lr=1e-3", *overrides])
+    return load_config(
+        overrides=[
+            f"model.path={model_dir}",
+            f"run_dir={run_dir}",
+            f"trainer.total_steps={STEPS}",
+            f"trainer.batch_size={BATCH}",
+            f"task.group_size={GROUP}",
+            "staleness.eta=1",
+            f"trainer.checkpoint_every={EVERY}",
+            "eval.max_prompts=4",
+            "eval.every_steps=0",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            "rollout.max_new_tokens=48",
+            "controller.heartbeat_interval_s=0.5",
+            "controller.heartbeat_timeout_s=30",
+            "trainer.lr=1e-3",
+            *overrides,
+        ]
+    )
 
 
 async def _kill_trainer_mid_step(cfg, victim: str) -> dict:
@@ -58,16 +71,28 @@ async def _kill_trainer_mid_step(cfg, victim: str) -> dict:
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory, tiny_model_dir):
     run_dir = tmp_path_factory.mktemp("one-rank") / "run"
-    return asyncio.run(_kill_trainer_mid_step(
-        _config(run_dir, tiny_model_dir, "weight_sync.mode=disk"), "trainer-0"))
+    return asyncio.run(
+        _kill_trainer_mid_step(
+            _config(run_dir, tiny_model_dir, "weight_sync.mode=disk"), "trainer-0"
+        )
+    )
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory, tiny_model_dir):
     run_dir = tmp_path_factory.mktemp("two-ranks") / "run"
-    return asyncio.run(_kill_trainer_mid_step(
-        _config(run_dir, tiny_model_dir, "weight_sync.mode=collective", "trainer.num_ranks=2",
-                "weight_sync.timeout_s=20"), "trainer-1"))
+    return asyncio.run(
+        _kill_trainer_mid_step(
+            _config(
+                run_dir,
+                tiny_model_dir,
+                "weight_sync.mode=collective",
+                "trainer.num_ranks=2",
+                "weight_sync.timeout_s=20",
+            ),
+            "trainer-1",
+        )
+    )
 
 
 def _events(run: dict, name: str) -> list[dict]:
@@ -88,7 +113,9 @@ def test_a_killed_trainer_rank_is_restarted_and_the_run_completes(run_name, requ
     run = request.getfixturevalue(run_name)
     _check_nothing_lost(run)
     lost = _events(run, "worker_lost")
-    assert [r["worker_id"] for r in lost] == ["trainer-0" if run_name == "one_rank" else "trainer-1"]
+    assert [r["worker_id"] for r in lost] == [
+        "trainer-0" if run_name == "one_rank" else "trainer-1"
+    ]
     (restored,) = _events(run, "trainer_restored")
     # The trainer resumes from the newest checkpoint before the loss (every EVERY steps) and
     # replays the steps published since; the interrupted step is then sent again.
@@ -111,7 +138,11 @@ def test_two_ranks_form_their_group_again_and_broadcast_from_the_new_rank_0(two_
     assert ctl.core.trainers.group.generation == 2
     joined = list(_events(two_ranks, "trainer_group_joined"))
     assert sorted((r["generation"], r["worker_id"]) for r in joined) == [
-        (1, "trainer-0"), (1, "trainer-1"), (2, "trainer-0"), (2, "trainer-1")]
+        (1, "trainer-0"),
+        (1, "trainer-1"),
+        (2, "trainer-0"),
+        (2, "trainer-1"),
+    ]
     # The weights group was formed again with the new sender, and every rollout worker
     # serves the final version.
     assert ctl.core.weights.num_reformed >= 1
@@ -128,8 +159,11 @@ def test_without_checkpoints_a_lost_trainer_fails_the_run_and_says_why(tmp_path,
             if record["kind"] == "step":
                 os.kill(ctl.core.pool.expected["trainer-0"].process.pid, signal.SIGKILL)
                 break
-        with pytest.raises(RunFailed, match=r"trainer rank 0 \(trainer-0 .*\) lost .*"
-                           r"trainer.checkpoint_every=0: no checkpoint to restart from"):
+        with pytest.raises(
+            RunFailed,
+            match=r"trainer rank 0 \(trainer-0 .*\) lost .*"
+            r"trainer.checkpoint_every=0: no checkpoint to restart from",
+        ):
             await run
         return ctl
 

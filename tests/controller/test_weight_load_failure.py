@@ -40,8 +40,9 @@ async def _freeze_and_delete(ctl: Controller) -> dict:
         version = ctl.version
         while ctl.version == version:
             await asyncio.sleep(0.01)
-        deleted = [p for p in (ctl.run_dir / "weights").iterdir()
-                   if int(p.name.removeprefix("v")) > served]
+        deleted = [
+            p for p in (ctl.run_dir / "weights").iterdir() if int(p.name.removeprefix("v")) > served
+        ]
         for path in deleted:
             shutil.rmtree(path)
     finally:
@@ -57,14 +58,24 @@ async def _run(cfg) -> dict:
         records.append(record)
         if record["kind"] == "step" and record["step"] == 2:
             fault = await _freeze_and_delete(ctl)
-    return {"ctl": ctl, "records": records, "summary": await asyncio.wait_for(run, 120),
-            "fault": fault}
+    return {
+        "ctl": ctl,
+        "records": records,
+        "summary": await asyncio.wait_for(run, 120),
+        "fault": fault,
+    }
 
 
 def test_a_failed_weight_load_is_retried_and_the_run_finishes(tmp_path, tiny_model_dir):
-    cfg = load_config(overrides=letter_overrides(
-        tmp_path / "run", tiny_model_dir, f"trainer.total_steps={STEPS}",
-        "trainer.checkpoint_every=0", "controller.heartbeat_timeout_s=30"))
+    cfg = load_config(
+        overrides=letter_overrides(
+            tmp_path / "run",
+            tiny_model_dir,
+            f"trainer.total_steps={STEPS}",
+            "trainer.checkpoint_every=0",
+            "controller.heartbeat_timeout_s=30",
+        )
+    )
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(str(HERE))
         mp.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))

@@ -28,5 +28,6 @@ def test_a_worker_failing_too_often_in_a_row_is_lost_and_a_load_forgets():
         retries.failed("rollout-1", 3, "corrupt")
     retry, lose = retries.due()
     assert retry == [] and [(w, f.attempts, f.error) for w, f in lose] == [
-        ("rollout-1", MAX_FAILURES, "corrupt")]
+        ("rollout-1", MAX_FAILURES, "corrupt")
+    ]
     assert retries.failing == {}

@@ -12,8 +12,19 @@ from decisions import SECRET, Decisions, config
 from areal.controller.outbox import Outbox
 from areal.controller.weight_retry import MAX_FAILURES
 from areal.messages import (
-    BroadcastWeights, GroupName, GroupState, GroupStatus, JoinGroup, Register, Tensor, Trained,
-    UpdateWeights, Welcome, WeightsChunk, WeightsUpdated, WorkerKind,
+    BroadcastWeights,
+    GroupName,
+    GroupState,
+    GroupStatus,
+    JoinGroup,
+    Register,
+    Tensor,
+    Trained,
+    UpdateWeights,
+    Welcome,
+    WeightsChunk,
+    WeightsUpdated,
+    WorkerKind,
 )
 
 
@@ -30,8 +41,9 @@ def _version_dir(tmp_path, version: int) -> str:
 
 def _publish(run: Decisions, version: int, members=(), **fields) -> Outbox:
     out = Outbox()
-    run.core.weights.publish(Trained(step=version, version=version, stats={}, **fields),
-                             list(members), out)
+    run.core.weights.publish(
+        Trained(step=version, version=version, stats={}, **fields), list(members), out
+    )
     return out
 
 
@@ -55,8 +67,7 @@ def test_disk_mode_announces_each_version_and_a_joining_worker_loads_the_newest(
     assert first.version == 0
 
 
-def test_a_failed_load_is_retried_with_the_newest_loadable_version_then_the_worker_lost(
-        tmp_path):
+def test_a_failed_load_is_retried_with_the_newest_loadable_version_then_the_worker_lost(tmp_path):
     run = _decisions(tmp_path, "disk")
     worker = run.join(WorkerKind.ROLLOUT)
     v1 = _version_dir(tmp_path, 1)
@@ -71,8 +82,9 @@ def test_a_failed_load_is_retried_with_the_newest_loadable_version_then_the_work
     for _ in range(MAX_FAILURES):
         run.on(worker.identity, WeightsUpdated(version=2, error="corrupt"))
     lost = run.core.weights.retry(Outbox())
-    assert [(h.worker_id, why.split(" (")[0]) for h, why in lost] == \
-        [("rollout-0", "could not load weights")]
+    assert [(h.worker_id, why.split(" (")[0]) for h, why in lost] == [
+        ("rollout-0", "could not load weights")
+    ]
 
 
 def test_stream_mode_relays_chunks_keeps_them_for_late_joiners_and_resends_them(tmp_path):
@@ -82,20 +94,31 @@ def test_stream_mode_relays_chunks_keeps_them_for_late_joiners_and_resends_them(
     out = _publish(run, 1, num_chunks=2)
     (update,) = out.sent(UpdateWeights)
     assert update.mode == "stream" and update.num_chunks == 2
-    chunks = [WeightsChunk(version=1, index=i, num_chunks=2, names=["w"],
-                           tensors=[Tensor(np.zeros(2, np.float32))]) for i in range(2)]
+    chunks = [
+        WeightsChunk(
+            version=1, index=i, num_chunks=2, names=["w"], tensors=[Tensor(np.zeros(2, np.float32))]
+        )
+        for i in range(2)
+    ]
     for chunk in chunks:
         relayed = run.on(trainer.identity, chunk)
         assert relayed.messages == [(worker.identity, chunk)]
     late = run.on(b"late", _register(WorkerKind.ROLLOUT, "rollout-1"))
-    assert [type(m).__name__ for m in late.sent()] == ["Welcome", "UpdateWeights",
-                                                       "WeightsChunk", "WeightsChunk"]
+    assert [type(m).__name__ for m in late.sent()] == [
+        "Welcome",
+        "UpdateWeights",
+        "WeightsChunk",
+        "WeightsChunk",
+    ]
     assert late.sent(UpdateWeights)[0].num_chunks == 2
     run.on(worker.identity, WeightsUpdated(version=1, error="bad chunk"))
     out = Outbox()
     run.core.weights.retry(out)
-    assert [type(m).__name__ for m in out.sent()] == ["UpdateWeights", "WeightsChunk",
-                                                      "WeightsChunk"]
+    assert [type(m).__name__ for m in out.sent()] == [
+        "UpdateWeights",
+        "WeightsChunk",
+        "WeightsChunk",
+    ]
     assert _publish(run, 2, num_chunks=1) and run.core.weights.chunks == []
 
 
@@ -110,17 +133,27 @@ def test_collective_mode_reforms_its_group_only_when_members_change_or_fail(tmp_
     manifest = [{"num_bytes": 8, "tensors": []}]
     out = _publish(run, 1, members=members, manifest=manifest)
     joins = out.sent(JoinGroup)
-    assert [(j.rank, j.world_size, j.group) for j in joins] == \
-        [(0, 3, GroupName.WEIGHTS), (1, 3, GroupName.WEIGHTS), (2, 3, GroupName.WEIGHTS)]
+    assert [(j.rank, j.world_size, j.group) for j in joins] == [
+        (0, 3, GroupName.WEIGHTS),
+        (1, 3, GroupName.WEIGHTS),
+        (2, 3, GroupName.WEIGHTS),
+    ]
     assert out.messages[0][0] == trainer.identity
-    assert [type(m).__name__ for m in out.sent()[3:]] == ["UpdateWeights", "UpdateWeights",
-                                                          "BroadcastWeights"]
+    assert [type(m).__name__ for m in out.sent()[3:]] == [
+        "UpdateWeights",
+        "UpdateWeights",
+        "BroadcastWeights",
+    ]
     # the same members: no new group
     out = _publish(run, 2, members=members)
     assert not out.sent(JoinGroup) and out.sent(BroadcastWeights)[0].generation == 1
     # a member reports the broadcast failed: re-formed and broadcast again at the tick
-    run.on(workers[1].identity, GroupStatus(group=GroupName.WEIGHTS, generation=1,
-                                            state=GroupState.FAILED, error="peer died"))
+    run.on(
+        workers[1].identity,
+        GroupStatus(
+            group=GroupName.WEIGHTS, generation=1, state=GroupState.FAILED, error="peer died"
+        ),
+    )
     assert weights.tick_candidates()
     out = Outbox()
     weights.tick(members[:1], out)
@@ -133,8 +166,7 @@ def test_collective_mode_reforms_its_group_only_when_members_change_or_fail(tmp_
     assert weights.candidates(joining=handle)[-1] is handle
 
 
-def test_shm_mode_announces_slots_and_sends_the_newest_to_joining_and_failing_workers(
-        tmp_path):
+def test_shm_mode_announces_slots_and_sends_the_newest_to_joining_and_failing_workers(tmp_path):
     run = _decisions(tmp_path, "shm")
     worker = run.join(WorkerKind.ROLLOUT)
     slots = [str(tmp_path / "shm" / f"slot-{i}.bin") for i in range(2)]
@@ -155,8 +187,9 @@ def test_shm_mode_announces_slots_and_sends_the_newest_to_joining_and_failing_wo
 
 def test_a_chunk_is_refused_outside_stream_mode(tmp_path):
     run = _decisions(tmp_path, "disk")
-    assert run.core.weights.on_chunk(WeightsChunk(version=1, index=0, num_chunks=1, names=[],
-                                                  tensors=[]), Outbox())
+    assert run.core.weights.on_chunk(
+        WeightsChunk(version=1, index=0, num_chunks=1, names=[], tensors=[]), Outbox()
+    )
 
 
 @pytest.mark.parametrize("mode", ["disk", "stream", "collective", "shm"])

@@ -11,13 +11,15 @@ from areal.messages import WorkerKind
 
 
 def _worker(i: int) -> WorkerHandle:
-    return WorkerHandle(worker_id=f"w{i}", kind=WorkerKind.ROLLOUT, identity=f"w{i}".encode(),
-                        ready=True)
+    return WorkerHandle(
+        worker_id=f"w{i}", kind=WorkerKind.ROLLOUT, identity=f"w{i}".encode(), ready=True
+    )
 
 
 def _scan(workers: list[WorkerHandle], capacity: int) -> WorkerHandle | None:
-    ready = [w for w in workers if w.ready and w.identity is not None
-             and len(w.in_flight) < capacity]
+    ready = [
+        w for w in workers if w.ready and w.identity is not None and len(w.in_flight) < capacity
+    ]
     return min(ready, key=lambda w: len(w.in_flight), default=None)
 
 

@@ -28,15 +28,18 @@ def test_the_api_source_tree_is_the_installed_package_layout(hooks):
 
 
 def test_results_table_links_existing_pages_and_names_the_command_of_missing_ones(
-        hooks, tmp_path, monkeypatch):
+    hooks, tmp_path, monkeypatch
+):
     monkeypatch.setattr(hooks, "RESULTS", tmp_path)
     (tmp_path / "chaos.md").write_text("# chaos\n")
     table = hooks.results_table("../")
     rows = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines()[2:]}
     assert len(rows) == len(hooks.PAGES)
     assert "[chaos](../results/chaos.md)" in rows["Faults injected into one run"]
-    assert "not run yet: `python bench/speedup.py --seeds 3`" in \
-        rows["Synchronous vs asynchronous training"]
+    assert (
+        "not run yet: `python bench/speedup.py --seeds 3`"
+        in rows["Synchronous vs asynchronous training"]
+    )
 
 
 def test_every_bench_that_publishes_is_listed(hooks):

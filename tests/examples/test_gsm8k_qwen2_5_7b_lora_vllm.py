@@ -25,8 +25,14 @@ sys.path.insert(0, str(REPO / "tests" / "areal" / "tasks"))
 from qwen_style import build_qwen_style_tokenizer  # noqa: E402
 
 QWEN25_7B = Qwen2Config(  # config.json of Qwen/Qwen2.5-7B-Instruct
-    vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-    num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False)
+    vocab_size=152064,
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    tie_word_embeddings=False,
+)
 
 
 def _model_dir(tmp_path: Path) -> Path:
@@ -38,9 +44,14 @@ def _model_dir(tmp_path: Path) -> Path:
 
 
 def _config(model_dir: Path):
-    return load_config(RECIPE, [f"model.path={model_dir}",
-                                f"task.params.path={DATA / 'gsm8k_train.jsonl'}",
-                                f"task.params.eval_path={DATA / 'gsm8k_test.jsonl'}"])
+    return load_config(
+        RECIPE,
+        [
+            f"model.path={model_dir}",
+            f"task.params.path={DATA / 'gsm8k_train.jsonl'}",
+            f"task.params.eval_path={DATA / 'gsm8k_test.jsonl'}",
+        ],
+    )
 
 
 def test_the_recipe_loads_and_renders_chat_prompts(tmp_path):
@@ -61,7 +72,10 @@ def test_lora_options_reach_vllm_and_the_adapters_match_on_both_sides(tmp_path):
     lora = cfg.trainer.lora
     engine = VllmEngine(cfg.model.path, device="cpu", lora=lora)
     assert {k: engine._args[k] for k in ("enable_lora", "max_lora_rank", "max_loras")} == {
-        "enable_lora": True, "max_lora_rank": 32, "max_loras": 2}
+        "enable_lora": True,
+        "max_lora_rank": 32,
+        "max_loras": 2,
+    }
     with torch.device("meta"):
         model = Qwen2ForCausalLM(QWEN25_7B)
     base_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}

@@ -23,8 +23,9 @@ def test_the_2x8_gpu_example_fills_two_nodes_with_tp2_servers_and_fsdp_ranks(tin
     assert cfg.launcher == "ray" and cfg.trainer.data_parallel == "fsdp"
     groups = requested_groups(cfg)
     rollout = [groups[WorkerKind.ROLLOUT, i] for i in range(4)]
-    assert all(g.bundles == [{"CPU": 8, "GPU": 2}] and g.strategy == "STRICT_PACK"
-               for g in rollout)  # a TP-2 server's GPUs: one bundle, one node
+    assert all(
+        g.bundles == [{"CPU": 8, "GPU": 2}] and g.strategy == "STRICT_PACK" for g in rollout
+    )  # a TP-2 server's GPUs: one bundle, one node
     trainer = groups[WorkerKind.TRAINER, 0]
     assert trainer.bundles == [{"CPU": 8, "GPU": 1}] * 8 and trainer.strategy == "STRICT_PACK"
     ordered = [trainer, *rollout, *(groups[WorkerKind.REWARD, i] for i in range(4))]
@@ -45,7 +46,11 @@ def test_the_local_cpu_example_is_the_same_shape_on_one_machine():
     assert cfg.weight_sync.mode == "collective"
     groups = requested_groups(cfg)
     assert sorted((k.value, i) for k, i in groups) == [
-        ("reward", 0), ("rollout", 0), ("rollout", 1), ("trainer", 0)]
+        ("reward", 0),
+        ("rollout", 0),
+        ("rollout", 1),
+        ("trainer", 0),
+    ]
     plan = first_fit(list(groups.values()), [{"CPU": 5}])  # the local instance's CPUs
     assert all(spots and set(spots) == {0} for spots in plan)
     assert _devices(cfg.rollout.devices, cfg.ray.rollout.num_gpus, 2) == []

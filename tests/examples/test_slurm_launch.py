@@ -47,18 +47,42 @@ def test_the_slurm_script_runs_a_job_to_the_end(slurm, tmp_path, tiny_model_dir)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env = dict(os.environ, CONFIG=str(config), KEYS_DIR=str(keys), PORT=str(port),
-               GPUS_PER_NODE="0", NUM_RANKS="1", NUM_ROLLOUT="1",
-               PYTHONPATH=os.pathsep.join([str(CONTROLLER_TESTS), os.environ.get("PYTHONPATH", "")]),
-               PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]))
-    overrides = [o for o in letter_overrides(run_dir, tiny_model_dir, "trainer.total_steps=3")
-                 if not o.startswith("controller.heartbeat")]
+    env = dict(
+        os.environ,
+        CONFIG=str(config),
+        KEYS_DIR=str(keys),
+        PORT=str(port),
+        GPUS_PER_NODE="0",
+        NUM_RANKS="1",
+        NUM_ROLLOUT="1",
+        PYTHONPATH=os.pathsep.join([str(CONTROLLER_TESTS), os.environ.get("PYTHONPATH", "")]),
+        PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
+    )
+    overrides = [
+        o
+        for o in letter_overrides(run_dir, tiny_model_dir, "trainer.total_steps=3")
+        if not o.startswith("controller.heartbeat")
+    ]
     out = tmp_path / "slurm-%j.out"
     done = subprocess.run(
-        ["sbatch", "--wait", "--parsable", "--nodes=1", "--ntasks-per-node=3",
-         "--gpus-per-node=0", f"--output={out}", f"--chdir={REPO}", "--export=ALL",
-         str(REPO / "examples" / "launch" / "slurm.sh"), *overrides],
-        env=env, capture_output=True, text=True, timeout=900)
+        [
+            "sbatch",
+            "--wait",
+            "--parsable",
+            "--nodes=1",
+            "--ntasks-per-node=3",
+            "--gpus-per-node=0",
+            f"--output={out}",
+            f"--chdir={REPO}",
+            "--export=ALL",
+            str(REPO / "examples" / "launch" / "slurm.sh"),
+            *overrides,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     (log,) = tmp_path.glob("slurm-*.out") or [None]
     text = log.read_text(errors="replace") if log else ""
     assert done.returncode == 0, (done.stdout, done.stderr, text[-4000:])

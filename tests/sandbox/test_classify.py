@@ -42,8 +42,14 @@ def test_limits_take_precedence_over_the_exit_status():
 
 def test_stderr_markers_refine_failures_but_never_make_a_success():
     assert _status(_exited(1), "Traceback...\nMemoryError\n")[0] is ExecStatus.MEMORY_LIMIT
-    assert _status(signal.SIGABRT, "terminate called after throwing an instance of 'std::bad_alloc'",
-                   language=CPP)[0] is ExecStatus.MEMORY_LIMIT
+    assert (
+        _status(
+            signal.SIGABRT,
+            "terminate called after throwing an instance of 'std::bad_alloc'",
+            language=CPP,
+        )[0]
+        is ExecStatus.MEMORY_LIMIT
+    )
     assert _status(_exited(1), "OSError: [Errno 27] File too large")[0] is ExecStatus.OUTPUT_LIMIT
     assert _status(_exited(0), "MemoryError")[0] is ExecStatus.OK
     assert _status(_exited(1), "std::bad_alloc")[0] is ExecStatus.RUNTIME_ERROR  # not a C++ run

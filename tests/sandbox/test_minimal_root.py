@@ -31,8 +31,11 @@ def _top_level(visible: tuple[str, ...]) -> set[str]:
 def planted(tmp_path):
     """World-readable files where a program must not find them: beside the host's root
     folders, and beside the interpreter's folder (its parent is partly exposed)."""
-    paths = [Path(f"/opt/areal-planted-{os.getpid()}"), Path(f"/var/tmp/areal-planted-{os.getpid()}"),
-             Path(sys.prefix).parent / f"areal-planted-{os.getpid()}"]
+    paths = [
+        Path(f"/opt/areal-planted-{os.getpid()}"),
+        Path(f"/var/tmp/areal-planted-{os.getpid()}"),
+        Path(sys.prefix).parent / f"areal-planted-{os.getpid()}",
+    ]
     for path in paths:
         path.write_text("host secret\n")
         path.chmod(0o644)
@@ -61,17 +64,22 @@ def test_a_file_planted_outside_the_exposed_set_cannot_be_read_or_listed(sandbox
     result = sandbox.run(source, limits=QUICK)
     assert result.status is ExecStatus.OK, result.stderr_text
     seen = json.loads(result.stdout_text)
-    assert seen == {str(planted[0]): ["FileNotFoundError", "FileNotFoundError"],
-                    str(planted[1]): ["FileNotFoundError", "FileNotFoundError"],
-                    str(planted[2]): ["FileNotFoundError", False]}  # the folder, not the file
+    assert seen == {
+        str(planted[0]): ["FileNotFoundError", "FileNotFoundError"],
+        str(planted[1]): ["FileNotFoundError", "FileNotFoundError"],
+        str(planted[2]): ["FileNotFoundError", False],
+    }  # the folder, not the file
 
 
 def test_the_root_holds_only_the_minimal_set_the_report_names(sandbox):
     report = sandbox.isolation
     assert report.minimal_root and report.root_switch in ("pivot_root", "chroot")
     assert "/usr" in report.visible and os.path.realpath(sys.base_prefix) in report.visible
-    result = sandbox.run("import os\nprint(sorted(os.listdir('/')))\nprint(sorted(os.listdir('/etc')))\n"
-                         "print(sorted(os.listdir('/dev')))", limits=QUICK)
+    result = sandbox.run(
+        "import os\nprint(sorted(os.listdir('/')))\nprint(sorted(os.listdir('/etc')))\n"
+        "print(sorted(os.listdir('/dev')))",
+        limits=QUICK,
+    )
     assert result.status is ExecStatus.OK, result.stderr_text
     root, etc, dev = (eval(line) for line in result.stdout_text.splitlines())
     assert set(root) == _top_level(report.visible)
@@ -102,8 +110,11 @@ def _venv_in(folder: Path) -> Path:
     """A virtualenv in `folder` that imports this checkout of areal, plus a module installed
     only there (`only_in_this_venv`)."""
     venv = folder / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
-                   check=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
+        check=True,
+        timeout=120,
+    )
     (site,) = venv.glob("lib/python3*/site-packages")
     finders = [m for name, m in sys.modules.items() if name.startswith("__editable___areal")]
     if finders:  # an editable install: the same finder, first on the new venv's path
@@ -130,8 +141,9 @@ def private_folder(request):
 
 
 @pytest.mark.parametrize("minimal_root", [True, False])
-def test_an_interpreter_in_a_private_folder_runs_and_imports_its_packages(private_folder,
-                                                                          minimal_root):
+def test_an_interpreter_in_a_private_folder_runs_and_imports_its_packages(
+    private_folder, minimal_root
+):
     python = _venv_in(private_folder)
     with Sandbox(SandboxConfig(python=str(python), minimal_root=minimal_root)) as sb:
         report = sb.isolation
@@ -139,7 +151,11 @@ def test_an_interpreter_in_a_private_folder_runs_and_imports_its_packages(privat
         source = "import sys, only_in_this_venv\nprint(sys.prefix, only_in_this_venv.ANSWER)"
         for language in (PYTHON, PYTHON_EXEC):
             result = sb.run(source, language=language, limits=QUICK)
-            assert result.status is ExecStatus.OK, (language.name, result.detail, result.stderr_text)
+            assert result.status is ExecStatus.OK, (
+                language.name,
+                result.detail,
+                result.stderr_text,
+            )
             assert result.stdout_text == f"{python.parent.parent} 42\n"
         # Exposed read-only: the venv cannot be changed from inside.
         write = sb.run(f"open({str(python.parent / 'x')!r}, 'w')", limits=QUICK)
@@ -149,6 +165,8 @@ def test_an_interpreter_in_a_private_folder_runs_and_imports_its_packages(privat
 def test_start_fails_loudly_when_the_interpreter_cannot_run_inside():
     # Without the system folders the dynamic linker is missing: python cannot be exec'd.
     sb = Sandbox(SandboxConfig(system_paths=()))
-    with pytest.raises(SandboxStartError, match=r"the interpreter '.*' does not run inside the sandbox"):
+    with pytest.raises(
+        SandboxStartError, match=r"the interpreter '.*' does not run inside the sandbox"
+    ):
         sb.start()
     sb.close()

@@ -42,8 +42,14 @@ async def test_parallelism_is_bounded_and_counts_are_visible():
     outcomes = await asyncio.gather(*tasks)
     assert [o.reward for o in outcomes] == [float(i) for i in range(10)]
     assert gauge.peak == 3
-    assert pool.counts() == {"in_flight": 0, "queued": 0, "completed": 10, "errors": 0, "timeouts": 0,
-                             "abandoned": 0}
+    assert pool.counts() == {
+        "in_flight": 0,
+        "queued": 0,
+        "completed": 10,
+        "errors": 0,
+        "timeouts": 0,
+        "abandoned": 0,
+    }
     assert pool.metrics()["reward/completed"] == 10.0 and pool.metrics()["reward/check_s_mean"] > 0
     pool.close()
 
@@ -57,7 +63,9 @@ async def test_timeout_gives_reward_zero_and_keeps_the_slot_until_the_thread_end
     assert pool.counts()["abandoned"] == 1 and pool.in_flight == 1
     started = time.monotonic()
     follow_up = await pool.check(gauge.check, 0.0, 1.0, timeout_s=5.0)
-    assert follow_up.verdict is Verdict.OK and time.monotonic() - started > 0.5  # waited for the slot
+    assert (
+        follow_up.verdict is Verdict.OK and time.monotonic() - started > 0.5
+    )  # waited for the slot
     assert gauge.peak == 1 and pool.counts()["abandoned"] == 0 and pool.counts()["timeouts"] == 1
 
 
@@ -75,7 +83,9 @@ async def test_crashing_checks_give_reward_zero_with_the_error_and_the_pool_goes
     assert "raised KeyError" in crash.detail and "answer" in crash.detail
     assert (await pool.check(exits, "t", "r")).verdict is Verdict.ERROR
     assert (await pool.check(lambda c, r: "nonsense", "t", "r")).verdict is Verdict.ERROR
-    assert (await pool.check(lambda c, r: 0.5, "t", "r")) == RewardOutcome(reward=0.5, verdict=Verdict.OK)
+    assert (await pool.check(lambda c, r: 0.5, "t", "r")) == RewardOutcome(
+        reward=0.5, verdict=Verdict.OK
+    )
     assert pool.counts()["errors"] == 3 and pool.counts()["completed"] == 4
 
 
@@ -115,11 +125,23 @@ async def test_real_checkers_time_out_into_verdicts(sandbox):
     verifier = MathVerifier(num_workers=1)
     try:
         code, math_ok, math_slow = await asyncio.gather(
-            pool.check(lambda c, r: asyncio.run(code_reward_async(c, r, sandbox=sandbox)), endless, reference),
-            pool.check(lambda c, r: math_reward(c, r, verifier=verifier), "\\boxed{\\frac{1}{2}}", "0.5",
-                       timeout_s=120),
-            pool.check(lambda c, r: math_reward(c, r, timeout_s=0.5, verifier=verifier),
-                       "\\boxed{9^{9^{9^{9}}}}", "1", timeout_s=120),
+            pool.check(
+                lambda c, r: asyncio.run(code_reward_async(c, r, sandbox=sandbox)),
+                endless,
+                reference,
+            ),
+            pool.check(
+                lambda c, r: math_reward(c, r, verifier=verifier),
+                "\\boxed{\\frac{1}{2}}",
+                "0.5",
+                timeout_s=120,
+            ),
+            pool.check(
+                lambda c, r: math_reward(c, r, timeout_s=0.5, verifier=verifier),
+                "\\boxed{9^{9^{9^{9}}}}",
+                "1",
+                timeout_s=120,
+            ),
         )
     finally:
         verifier.close()

@@ -15,8 +15,17 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 
-from areal.sandbox import (CPP, PYTHON_EXEC, ExecStatus, IsolationError, IsolationReport, Limits,
-                           Sandbox, SandboxConfig, SandboxConfigError)
+from areal.sandbox import (
+    CPP,
+    PYTHON_EXEC,
+    ExecStatus,
+    IsolationError,
+    IsolationReport,
+    Limits,
+    Sandbox,
+    SandboxConfig,
+    SandboxConfigError,
+)
 from areal.sandbox.client import check_isolation_policy
 
 QUICK = Limits(wall_s=5.0, cpu_s=5.0)
@@ -29,8 +38,9 @@ def test_stdin_argv_and_extra_files_reach_the_program(sandbox):
         print(sum(map(int, data)), sys.argv[1:], open('table.txt').read().strip())
         print(__name__, sys.argv[0])
         """)
-    result = sandbox.run(source, stdin="1 2 3\n4\n", argv=("-x", "y"), files={"table.txt": b"T\n"},
-                         limits=QUICK)
+    result = sandbox.run(
+        source, stdin="1 2 3\n4\n", argv=("-x", "y"), files={"table.txt": b"T\n"}, limits=QUICK
+    )
     assert result.status is ExecStatus.OK, result.stderr_text
     assert result.stdout_text.splitlines() == ["10 ['-x', 'y'] T", "__main__ /tmp/work/main.py"]
     assert result.exit_code == 0 and result.signal is None
@@ -41,7 +51,9 @@ def test_exit_status_exceptions_and_stderr_are_reported(sandbox):
     assert sandbox.run("import sys; sys.exit(7)").exit_code == 7
     failed = sandbox.run("def f():\n    raise ValueError('bad input')\nf()")
     assert failed.status is ExecStatus.RUNTIME_ERROR and failed.exit_code == 1
-    assert "ValueError: bad input" in failed.stderr_text and 'main.py", line 2' in failed.stderr_text
+    assert (
+        "ValueError: bad input" in failed.stderr_text and 'main.py", line 2' in failed.stderr_text
+    )
     message = sandbox.run("raise SystemExit('goodbye')")
     assert message.exit_code == 1 and message.stderr_text == "goodbye\n"
     syntax = sandbox.run("def (:")
@@ -69,20 +81,23 @@ def test_in_process_python_behaves_like_a_fresh_interpreter(sandbox):
 
 def test_large_stdin_and_stdout_round_trip(sandbox):
     payload = ("0123456789" * 100 + "\n") * 2000  # ~2 MB, larger than any pipe buffer
-    result = sandbox.run("import sys\nsys.stdout.write(sys.stdin.read())", stdin=payload, limits=QUICK)
+    result = sandbox.run(
+        "import sys\nsys.stdout.write(sys.stdin.read())", stdin=payload, limits=QUICK
+    )
     assert result.status is ExecStatus.OK and result.stdout_text == payload
 
 
 def test_python_exec_language_runs_a_fresh_interpreter(sandbox):
-    result = sandbox.run("import sys\nprint(sys.argv[0], input())", stdin="x\n",
-                         language=PYTHON_EXEC, limits=QUICK)
+    result = sandbox.run(
+        "import sys\nprint(sys.argv[0], input())", stdin="x\n", language=PYTHON_EXEC, limits=QUICK
+    )
     assert result.status is ExecStatus.OK, (result.detail, result.stderr_text)
     assert result.stdout_text == "main.py x\n"
 
 
 @pytest.mark.slow
 def test_cpp_is_compiled_and_run_in_the_sandbox(sandbox):
-    source = "#include <cstdio>\nint main(){int a,b;scanf(\"%d %d\",&a,&b);printf(\"%d\\n\",a+b);}"
+    source = '#include <cstdio>\nint main(){int a,b;scanf("%d %d",&a,&b);printf("%d\\n",a+b);}'
     result = sandbox.run(source, stdin="2 40", language=CPP, limits=QUICK)
     assert result.status is ExecStatus.OK, (result.detail, result.stderr_text)
     assert result.stdout_text == "42\n"
@@ -93,12 +108,15 @@ def test_cpp_is_compiled_and_run_in_the_sandbox(sandbox):
 def test_concurrent_runs_from_threads_and_asyncio_get_their_own_results(sandbox):
     source = "import time\nn = int(input())\ntime.sleep(0.05)\nprint(n * n)"
     with ThreadPoolExecutor(8) as executor:
-        results = list(executor.map(lambda n: sandbox.run(source, stdin=f"{n}\n", limits=QUICK), range(16)))
+        results = list(
+            executor.map(lambda n: sandbox.run(source, stdin=f"{n}\n", limits=QUICK), range(16))
+        )
     assert [r.stdout_text for r in results] == [f"{n * n}\n" for n in range(16)]
 
     async def many():
-        return await asyncio.gather(*(sandbox.run_async(source, stdin=f"{n}\n", limits=QUICK)
-                                      for n in range(16)))
+        return await asyncio.gather(
+            *(sandbox.run_async(source, stdin=f"{n}\n", limits=QUICK) for n in range(16))
+        )
 
     assert [r.stdout_text for r in asyncio.run(many())] == [f"{n * n}\n" for n in range(16)]
 
@@ -111,11 +129,16 @@ def test_isolation_report_matches_what_a_program_observes(sandbox):
     assert report.mount_namespace and report.read_only_root
     assert "RLIMIT_NPROC" in report.rlimits and report.run_uids[0] >= 61000
     first, last = report.run_uids
-    assert last - first + 1 == sandbox.config.max_concurrency and f"uids {first}.." in report.unprivileged
+    assert (
+        last - first + 1 == sandbox.config.max_concurrency
+        and f"uids {first}.." in report.unprivileged
+    )
     seen = sandbox.run("import os\nprint(os.getpid(), os.getuid(), sorted(os.listdir('/tmp')))")
     pid, uid, tmp = seen.stdout_text.split(" ", 2)
     # The run's own /tmp: its working directory, and the way to exposed paths below /tmp.
-    exposed_below_tmp = {entry.split("/")[2] for entry in report.visible if entry.startswith("/tmp/")}
+    exposed_below_tmp = {
+        entry.split("/")[2] for entry in report.visible if entry.startswith("/tmp/")
+    }
     assert pid == "1" and first <= int(uid) <= last
     assert eval(tmp) == sorted({"work", *exposed_below_tmp})
 
@@ -132,12 +155,17 @@ def test_peak_memory_is_the_whole_runs_own(sandbox):
     if not sandbox.isolation.memory_cgroup:
         pytest.skip("no memory cgroup: peak is the main process's ru_maxrss")
     small = sandbox.run("print(1)")
-    big = sandbox.run("import os, time\nif os.fork() == 0:\n    x = bytearray(b'x') * (80 << 20)\n"
-                      "    os._exit(0)\ny = bytearray(b'y') * (60 << 20)\nos.wait()", limits=QUICK)
+    big = sandbox.run(
+        "import os, time\nif os.fork() == 0:\n    x = bytearray(b'x') * (80 << 20)\n"
+        "    os._exit(0)\ny = bytearray(b'y') * (60 << 20)\nos.wait()",
+        limits=QUICK,
+    )
     assert big.status is ExecStatus.OK, big.stderr_text
     assert small.peak_memory_bytes < 40 << 20  # the launcher's shared pages are not charged
     assert big.peak_memory_bytes > 60 << 20, big.peak_memory_bytes
-    mine = glob.glob(f"/sys/fs/cgroup/memory/**/areal-sandbox-{sandbox.launcher_pid}", recursive=True)
+    mine = glob.glob(
+        f"/sys/fs/cgroup/memory/**/areal-sandbox-{sandbox.launcher_pid}", recursive=True
+    )
     assert len(mine) == 1 and glob.glob(f"{mine[0]}/run-*") == []  # removed before answering
 
 
@@ -158,8 +186,11 @@ def test_running_without_isolation_is_refused_unless_allowed():
 def test_launcher_death_is_survived(sandbox_factory):
     sb = sandbox_factory()
     old = sb.launcher_pid
-    slow = threading.Thread(target=lambda: results.append(sb.run("import time; time.sleep(0.5); print('done')",
-                                                                   limits=QUICK)))
+    slow = threading.Thread(
+        target=lambda: results.append(
+            sb.run("import time; time.sleep(0.5); print('done')", limits=QUICK)
+        )
+    )
     results = []
     slow.start()
     time.sleep(0.2)
@@ -179,8 +210,11 @@ def test_launcher_death_is_survived(sandbox_factory):
 def test_close_kills_in_flight_runs(sandbox_factory):
     sb = sandbox_factory()
     results = []
-    runner = threading.Thread(target=lambda: results.append(sb.run("import time; time.sleep(60)",
-                                                                    limits=Limits(wall_s=60, cpu_s=60))))
+    runner = threading.Thread(
+        target=lambda: results.append(
+            sb.run("import time; time.sleep(60)", limits=Limits(wall_s=60, cpu_s=60))
+        )
+    )
     runner.start()
     time.sleep(0.3)
     launcher = psutil.Process(sb.launcher_pid)
@@ -199,8 +233,10 @@ def test_user_namespace_mode_isolates_without_root_privileges(sandbox_factory):
     sb = sandbox_factory(SandboxConfig(mode="userns"))
     report = sb.isolation
     assert report.mode == "userns" and report.level == "full", report.describe()
-    bomb = sb.run("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
-                  limits=Limits(wall_s=1, cpu_s=5, num_processes=16))
+    bomb = sb.run(
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+        limits=Limits(wall_s=1, cpu_s=5, num_processes=16),
+    )
     assert bomb.status is ExecStatus.TIMEOUT
     net = sb.run("import socket\nsocket.create_connection(('127.0.0.1', 22), timeout=1)")
     assert net.status is ExecStatus.RUNTIME_ERROR and "unreachable" in net.stderr_text

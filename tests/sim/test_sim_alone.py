@@ -24,8 +24,11 @@ from tests.sim.test_sim_run import SMALL
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_the_replayed_controller_sends_every_message_the_simulated_one_sent(mode):
-    settings = dict(mode=mode, **SMALL) if mode == "async" else \
-        dict(mode=mode, placement="colocated", **dict(SMALL, num_accelerators=8))
+    settings = (
+        dict(mode=mode, **SMALL)
+        if mode == "async"
+        else dict(mode=mode, placement="colocated", **dict(SMALL, num_accelerators=8))
+    )
     seen = {}
     real_replay = run_mod.replay
 
@@ -62,8 +65,11 @@ def test_the_controller_sends_each_group_for_scoring_in_one_message():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(run_mod, "replay", replay)
         result = simulate(sim_config(measure_alone=True, **SMALL))
-    scores = [msgpack.unpackb(header)["request_ids"] for _, kind, header in sent
-              if kind == bytes([MsgType.SCORE])]
+    scores = [
+        msgpack.unpackb(header)["request_ids"]
+        for _, kind, header in sent
+        if kind == bytes([MsgType.SCORE])
+    ]
     groups = [{int(r.split("-")[0][1:]) for r in request_ids} for request_ids in scores]
     assert all(len(g) == 1 for g in groups)  # one group's samples in each
     score_of = {g.pop(): request_ids for g, request_ids in zip(groups, scores, strict=True)}
@@ -83,8 +89,9 @@ def _tampered(tamper):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(run_mod, "replay", replay)
-        simulate(sim_config(mode="async", measure_alone=True, **dict(SMALL, steps=3,
-                                                                       measure_from=1)))
+        simulate(
+            sim_config(mode="async", measure_alone=True, **dict(SMALL, steps=3, measure_from=1))
+        )
 
 
 def test_a_message_sent_otherwise_than_in_the_simulation_stops_the_replay():
@@ -92,8 +99,7 @@ def test_a_message_sent_otherwise_than_in_the_simulation_stops_the_replay():
         destination, kind, header = recording.sent_frames[200]
         recording.sent_frames[200] = (destination, kind, header + b"x")
 
-    with pytest.raises(alone_mod.ReplayDiverged, match="message 200 the replayed controller "
-                                                       "sent"):
+    with pytest.raises(alone_mod.ReplayDiverged, match="message 200 the replayed controller sent"):
         _tampered(tamper)
 
 

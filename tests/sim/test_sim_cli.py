@@ -21,7 +21,18 @@ def test_a_bad_option_is_an_error_that_names_it(capsys):
 
 
 def test_a_small_question_gets_an_answer(capsys):
-    assert main(["num_accelerators=8", "num_prompts=4", "group_size=2", "max_new_tokens=1024",
-                 "steps=3", "measure_from=1"]) == 0
+    assert (
+        main(
+            [
+                "num_accelerators=8",
+                "num_prompts=4",
+                "group_size=2",
+                "max_new_tokens=1024",
+                "steps=3",
+                "measure_from=1",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "8 x h800, model 1.5b, async" in out and "trained tokens/s" in out

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from areal.sim.cost import (
-    COSTS_FILE, CostModel, Efficiency, _sum_max_of_lines, accelerator, cost_model, load_costs,
+    COSTS_FILE,
+    CostModel,
+    Efficiency,
+    _sum_max_of_lines,
+    accelerator,
+    cost_model,
+    load_costs,
     model_shape,
 )
 
@@ -13,11 +19,18 @@ COSTS = load_costs(COSTS_FILE)
 
 
 def _model(**eff: float) -> CostModel:
-    base = dict(mfu=0.5, hbm=0.5, link=0.5, step_overhead_s=0.0, layer_step_overhead_s=0.0,
-                seq_step_overhead_s=0.0)
+    base = dict(
+        mfu=0.5,
+        hbm=0.5,
+        link=0.5,
+        step_overhead_s=0.0,
+        layer_step_overhead_s=0.0,
+        seq_step_overhead_s=0.0,
+    )
     base.update(eff)
-    return CostModel(accelerator(COSTS, "h800"), model_shape(COSTS, "1.5b"), Efficiency(**base),
-                     mem_fraction=0.8)
+    return CostModel(
+        accelerator(COSTS, "h800"), model_shape(COSTS, "1.5b"), Efficiency(**base), mem_fraction=0.8
+    )
 
 
 def test_model_shapes_match_the_published_parameter_counts():
@@ -62,8 +75,12 @@ def test_decode_steps_sum_each_steps_roofline_with_growing_context():
 
 
 def test_sum_max_of_lines_against_brute_force():
-    for a, b, n in [((1.0, 0.5), (3.0, 0.1), 20), ((5.0, 0.0), (0.0, 1.0), 9),
-                    ((2.0, 1.0), (2.0, 1.0), 4), ((0.0, 1.0), (10.0, 2.0), 7)]:
+    for a, b, n in [
+        ((1.0, 0.5), (3.0, 0.1), 20),
+        ((5.0, 0.0), (0.0, 1.0), 9),
+        ((2.0, 1.0), (2.0, 1.0), 4),
+        ((0.0, 1.0), (10.0, 2.0), 7),
+    ]:
         brute = sum(max(a[0] + a[1] * k, b[0] + b[1] * k) for k in range(n))
         assert _sum_max_of_lines(a, b, n) == pytest.approx(brute)
 
@@ -80,14 +97,17 @@ def test_prefill_and_training_flops_by_hand():
     cost = _model()
     m = cost.model
     lengths = [100, 300]
-    flops = 2 * m.matmul_params * 400 + 2 * m.layers * m.hidden * (100 ** 2 + 300 ** 2)
+    flops = 2 * m.matmul_params * 400 + 2 * m.layers * m.hidden * (100**2 + 300**2)
     assert cost.prefill_s(lengths, 1) == pytest.approx(
-        max(flops / (989.5e12 * 0.5), m.weight_bytes / (3.35e12 * 0.5)))
+        max(flops / (989.5e12 * 0.5), m.weight_bytes / (3.35e12 * 0.5))
+    )
     # forward + backward (3 passes) + the proximal log-prob pass; one rank: no all-reduce
     assert cost.train_s(lengths, 4, 1, recompute_prox=True) == pytest.approx(
-        4 * flops / (989.5e12 * 0.5))
+        4 * flops / (989.5e12 * 0.5)
+    )
     assert cost.train_s(lengths, 4, 1, recompute_prox=False) == pytest.approx(
-        3 * flops / (989.5e12 * 0.5))
+        3 * flops / (989.5e12 * 0.5)
+    )
 
 
 def test_ring_allreduce_by_hand():
@@ -101,11 +121,15 @@ def test_ring_allreduce_by_hand():
 def test_every_number_in_the_cost_file_has_a_source(tmp_path):
     for section in ("accelerators", "models"):
         for name in COSTS[section]:
-            cost_model(COSTS, name if section == "accelerators" else "h800",
-                       name if section == "models" else "1.5b")
+            cost_model(
+                COSTS,
+                name if section == "accelerators" else "h800",
+                name if section == "models" else "1.5b",
+            )
     broken = COSTS_FILE.read_text().replace(
         'hbm_bytes: {value: 80.0e+9, source: "80 GB HBM3, as H100 SXM (NVIDIA H100 datasheet)"}',
-        "hbm_bytes: {value: 80.0e+9}")
+        "hbm_bytes: {value: 80.0e+9}",
+    )
     path = tmp_path / "costs.yaml"
     path.write_text(broken)
     with pytest.raises(ValueError, match="accelerators.h800.hbm_bytes: every number needs"):
@@ -131,10 +155,11 @@ def test_lora_publishes_the_adapters_and_skips_the_base_weight_gradients():
     # One rank, no proximal pass: (1 + 2 * (1 - 0.5)) / 3 of the base FLOPs, plus the
     # adapters' own 6 * P_a per token.
     lengths = [1000] * 8
-    base = full.model.forward_flops(8000, 8 * 1000 ** 2)
+    base = full.model.forward_flops(8000, 8 * 1000**2)
     expected = (2 * base + 3 * 2 * lora.adapter_params * 8000) / (3 * base)
-    assert lora.train_s(lengths, 1, 1, False) / full.train_s(lengths, 1, 1, False) \
-        == pytest.approx(expected)
+    assert lora.train_s(lengths, 1, 1, False) / full.train_s(lengths, 1, 1, False) == pytest.approx(
+        expected
+    )
     assert cost_model(COSTS, "h800", "7b", lora_rank=0).lora is None
     with pytest.raises(ValueError, match="needs a `lora` entry"):
         cost_model({k: v for k, v in COSTS.items() if k != "lora"}, "h800", "7b", lora_rank=8)
@@ -147,7 +172,8 @@ def test_a_colocated_switch_by_hand():
     sleep, wake = (c[k]["value"] * 64e9 for k in ("sleep_efficiency", "wake_efficiency"))
     moved = cost.model.weight_bytes / 2 + 14 * cost.model.params / 256  # tp 2, 256 ranks
     assert cost.switch_s(256, 2) == pytest.approx(
-        moved / sleep + moved / wake + c["wake_overhead_s"]["value"], rel=1e-12)
+        moved / sleep + moved / wake + c["wake_overhead_s"]["value"], rel=1e-12
+    )
     cpu = cost_model(costs, "cpu-2core", "tiny")
     with pytest.raises(ValueError, match="host_bandwidth"):
         cpu.switch_s(2, 1)

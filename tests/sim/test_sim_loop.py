@@ -32,9 +32,12 @@ def test_timers_fire_in_virtual_order_the_same_way_every_time():
                 await asyncio.sleep(delay)
                 order.append((name, asyncio.get_running_loop().time()))
 
-        await asyncio.gather(worker("a", [1.5, 2.0, 0.25]), worker("b", [0.5, 3.5]),
-                             asyncio.wait_for(worker("c", [10.0]), timeout=7.0),
-                             return_exceptions=True)
+        await asyncio.gather(
+            worker("a", [1.5, 2.0, 0.25]),
+            worker("b", [0.5, 3.5]),
+            asyncio.wait_for(worker("c", [10.0]), timeout=7.0),
+            return_exceptions=True,
+        )
         return order
 
     first = run_virtual(main)
@@ -108,8 +111,11 @@ def test_more_busy_threads_than_cores_share_the_cores():
             await host.work(kind, seconds)
             done.append(loop.time())
 
-        await asyncio.gather(work(WorkerKind.TRAINER, 2.0), work(WorkerKind.ROLLOUT, 2.0),
-                             work(WorkerKind.ROLLOUT, 1.0))
+        await asyncio.gather(
+            work(WorkerKind.TRAINER, 2.0),
+            work(WorkerKind.ROLLOUT, 2.0),
+            work(WorkerKind.ROLLOUT, 1.0),
+        )
         return done
 
     # 1 s of work at 2/3 speed: 1.5 s; then two threads on two cores: 1 s left each

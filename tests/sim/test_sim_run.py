@@ -10,9 +10,17 @@ from areal.records import read_records
 from areal.sim.config import load_sim_config, sim_config
 from areal.sim.run import simulate
 
-SMALL = dict(num_accelerators=16, num_prompts=8, group_size=4, max_new_tokens=8192,
-             max_concurrent_prompts=24,
-             num_minibatches=2, steps=6, measure_from=2, seed=3)
+SMALL = dict(
+    num_accelerators=16,
+    num_prompts=8,
+    group_size=4,
+    max_new_tokens=8192,
+    max_concurrent_prompts=24,
+    num_minibatches=2,
+    steps=6,
+    measure_from=2,
+    seed=3,
+)
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +48,7 @@ def test_interrupts_sequences_keeps_the_bound_and_trains_every_group_once(async_
     # The bound holds at admission (docs/design.md section 5): N_r <= (i + eta + 1) * B. Token
     # staleness may exceed eta (batches are taken in finishing order, not admission order).
     batch = SMALL["num_prompts"] * SMALL["group_size"]
-    assert r.admissions and all(live <= (version + 2 + 1) * batch
-                                for live, version in r.admissions)
+    assert r.admissions and all(live <= (version + 2 + 1) * batch for live, version in r.admissions)
     assert max(live - (version + 2 + 1) * batch for live, version in r.admissions) > -batch
     groups_per_step = SMALL["num_prompts"]
     assert len(r.trained_group_ids) == SMALL["steps"] * groups_per_step
@@ -51,9 +58,15 @@ def test_interrupts_sequences_keeps_the_bound_and_trains_every_group_once(async_
 
 def test_the_same_seed_gives_the_same_timeline(async_run):
     again = simulate(sim_config(mode="async", eta=2, **SMALL))
-    for field in ("step_times", "staleness", "interruptions", "interrupted_in_window",
-                  "trained_group_ids",
-                  "generated_tokens_per_s", "multi_version_trajectories"):
+    for field in (
+        "step_times",
+        "staleness",
+        "interruptions",
+        "interrupted_in_window",
+        "trained_group_ids",
+        "generated_tokens_per_s",
+        "multi_version_trajectories",
+    ):
         assert getattr(again, field) == getattr(async_run, field), field
     # encoding every message on the wire costs real time, never simulated time
     unwired = simulate(sim_config(mode="async", eta=2, wire=False, **SMALL))
@@ -70,8 +83,15 @@ def test_another_seed_gives_another_timeline(async_run):
 @pytest.mark.slow
 def test_raising_eta_raises_throughput_up_to_the_trainers_pace():
     # A 7B model on 4 trainer ranks and 28 rollout servers: training is the slower side.
-    base = dict(SMALL, model="7b", num_accelerators=32, gen_fraction=0.875,
-                max_concurrent_prompts=64, steps=12, measure_from=6)
+    base = dict(
+        SMALL,
+        model="7b",
+        num_accelerators=32,
+        gen_fraction=0.875,
+        max_concurrent_prompts=64,
+        steps=12,
+        measure_from=6,
+    )
     results = {eta: simulate(sim_config(mode="async", eta=eta, **base)) for eta in (0, 1, 4, None)}
     tput = [results[eta].trained_tokens_per_s for eta in (0, 1, 4, None)]
     assert tput[0] < tput[1] < tput[2] < tput[3]
@@ -84,8 +104,9 @@ def test_raising_eta_raises_throughput_up_to_the_trainers_pace():
 
 
 def test_sync_colocated_run_never_interrupts_and_is_on_policy():
-    r = simulate(sim_config(mode="sync", placement="colocated", **dict(SMALL, steps=3,
-                                                                       measure_from=1)))
+    r = simulate(
+        sim_config(mode="sync", placement="colocated", **dict(SMALL, steps=3, measure_from=1))
+    )
     assert r.interruptions == 0 and r.multi_version_trajectories == 0
     assert r.interrupted_in_window == 0
     assert r.max_staleness == 0
@@ -98,8 +119,11 @@ def test_strict_staleness_holds_the_bound_on_trained_tokens_by_dropping_groups()
     assert strict.max_staleness <= 1
     assert strict.dropped_groups > 0 and strict.dropped_tokens > 0
     # every step still trains a full batch of distinct groups
-    assert len(strict.trained_group_ids) == len(set(strict.trained_group_ids)) \
+    assert (
+        len(strict.trained_group_ids)
+        == len(set(strict.trained_group_ids))
         == SMALL["steps"] * SMALL["num_prompts"]
+    )
 
 
 @pytest.mark.slow
@@ -107,8 +131,18 @@ def test_interruptions_count_sequences_that_never_finished():
     """A short run with long completions: updates interrupt sequences that are still
     running when it ends, so no completion received reports them (bench/cluster.py's quick
     table d); the simulated servers count them. Without interruption, updates drain."""
-    base = dict(num_accelerators=32, num_prompts=32, group_size=8, max_new_tokens=8192,
-                num_minibatches=2, steps=4, measure_from=2, seed=1, mode="async", eta=8)
+    base = dict(
+        num_accelerators=32,
+        num_prompts=32,
+        group_size=8,
+        max_new_tokens=8192,
+        num_minibatches=2,
+        steps=4,
+        measure_from=2,
+        seed=1,
+        mode="async",
+        eta=8,
+    )
     on = simulate(sim_config(interrupt=True, **base))
     off = simulate(sim_config(interrupt=False, **base))
     assert on.interruptions == 0 < on.interrupted_in_window
@@ -119,24 +153,28 @@ def test_interruptions_count_sequences_that_never_finished():
 def test_the_start_evaluates_as_many_prompts_as_asked_beside_the_first_groups(tmp_path):
     """A real run evaluates its held-out prompts before training while its first training
     groups are generated; the simulated run does the same with `eval_prompts` of them."""
-    result = simulate(sim_config(mode="async", eta=2, eval_prompts=12, run_dir=str(tmp_path),
-                                 **SMALL))
+    result = simulate(
+        sim_config(mode="async", eta=2, eval_prompts=12, run_dir=str(tmp_path), **SMALL)
+    )
     evals = [r for r in read_records(tmp_path) if r["kind"] == "eval"]
     assert [r["eval/num_problems"] for r in evals] == [12, 12]  # at the start and the end
     assert len(result.trained_group_ids) == SMALL["steps"] * SMALL["num_prompts"]
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["mode=async", "placement=colocated"], "needs mode='sync'"),
-    (["gen_fraction=1.0"], "gen_fraction=1.0 must be in"),
-    (["steps=3", "measure_from=3"], "measure_from=3 must be in"),
-    (["num_accelerators=2", "rollout_tp=2"], "leaves no rollout server or no trainer rank"),
-    (["eta=-1"], "eta=-1"),
-    (["eval_prompts=0"], "eval_prompts=0 must be >= 1"),
-    (["mode=fast"], "mode='fast' is not one of"),
-    (["no_such_key=1"], "no_such_key"),
-    (["num_accelerators"], "key=value"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["mode=async", "placement=colocated"], "needs mode='sync'"),
+        (["gen_fraction=1.0"], "gen_fraction=1.0 must be in"),
+        (["steps=3", "measure_from=3"], "measure_from=3 must be in"),
+        (["num_accelerators=2", "rollout_tp=2"], "leaves no rollout server or no trainer rank"),
+        (["eta=-1"], "eta=-1"),
+        (["eval_prompts=0"], "eval_prompts=0 must be >= 1"),
+        (["mode=fast"], "mode='fast' is not one of"),
+        (["no_such_key=1"], "no_such_key"),
+        (["num_accelerators"], "key=value"),
+    ],
+)
 def test_bad_options_are_named(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_sim_config(None, overrides)

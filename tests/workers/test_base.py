@@ -38,8 +38,9 @@ async def _serve_until(shutdown: Shutdown | None, overrides: list[str] = ()):
     try:
         identity, msg = await asyncio.wait_for(channel.recv(), 10)
         seen.append(type(msg))
-        await channel.send(identity, Welcome(config=config_to_dict(load_config(
-            overrides=overrides)), version=4))
+        await channel.send(
+            identity, Welcome(config=config_to_dict(load_config(overrides=overrides)), version=4)
+        )
         while not isinstance(msg, Ready):
             identity, msg = await asyncio.wait_for(channel.recv(), 10)
         seen.append(type(msg))
@@ -54,7 +55,8 @@ async def _serve_until(shutdown: Shutdown | None, overrides: list[str] = ()):
 @pytest.mark.parametrize("rejoin, code", [(False, 0), (True, REJOIN_EXIT_CODE)])
 def test_shutdown_exit_code_says_whether_to_start_the_worker_again(rejoin, code):
     exit_code, seen, version, worker = asyncio.run(
-        _serve_until(Shutdown(reason="test", rejoin=rejoin)))
+        _serve_until(Shutdown(reason="test", rejoin=rejoin))
+    )
     assert seen == [Register, Ready] and version == 4
     assert exit_code == code
     assert not worker.finished
@@ -66,7 +68,10 @@ def test_only_a_finished_run_asks_for_final_artifacts():
 
 
 def test_a_worker_stops_on_its_own_when_the_controller_falls_silent():
-    exit_code, _, _, worker = asyncio.run(_serve_until(None, [
-        "controller.heartbeat_interval_s=0.1", "controller.heartbeat_timeout_s=0.5"]))
+    exit_code, _, _, worker = asyncio.run(
+        _serve_until(
+            None, ["controller.heartbeat_interval_s=0.1", "controller.heartbeat_timeout_s=0.5"]
+        )
+    )
     assert exit_code == 3  # controller lost
     assert not worker.finished  # so a trainer writes no final_model

@@ -16,7 +16,11 @@ import torch
 import torch.multiprocessing as mp
 
 from areal.workers.collective import (
-    Superseded, WeightsGroup, connect_store, host_store, snapshot_weights,
+    Superseded,
+    WeightsGroup,
+    connect_store,
+    host_store,
+    snapshot_weights,
 )
 
 BUCKET_BYTES = 4096
@@ -24,11 +28,13 @@ BUCKET_BYTES = 4096
 
 def _weights(version: int) -> list[tuple[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(version)
-    return [("embed.weight", torch.randn(40, 16, generator=gen).bfloat16()),
-            ("layer.weight", torch.randn(33, 17, generator=gen)),  # 2244 B: not 16-aligned
-            ("layer.bias", torch.randn(17, generator=gen)),
-            ("big.weight", torch.randn(2000, generator=gen)),  # 8000 B > one bucket
-            ("counter", torch.tensor([version, 7], dtype=torch.int64))]
+    return [
+        ("embed.weight", torch.randn(40, 16, generator=gen).bfloat16()),
+        ("layer.weight", torch.randn(33, 17, generator=gen)),  # 2244 B: not 16-aligned
+        ("layer.bias", torch.randn(17, generator=gen)),
+        ("big.weight", torch.randn(2000, generator=gen)),  # 8000 B > one bucket
+        ("counter", torch.tensor([version, 7], dtype=torch.int64)),
+    ]
 
 
 def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -86,5 +92,6 @@ def test_operations_of_a_replaced_generation_are_skipped():
     with pytest.raises(Superseded):
         group.receive(snapshot.manifest, 2)
     with pytest.raises(Superseded):
-        group.join(store="127.0.0.1:1", generation=2, rank=1, world_size=2, backend="gloo",
-                   timeout_s=1)
+        group.join(
+            store="127.0.0.1:1", generation=2, rank=1, world_size=2, backend="gloo", timeout_s=1
+        )

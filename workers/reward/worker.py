@@ -31,12 +31,16 @@ class RewardWorker(Worker):
         cfg = self.config
         self.task = await asyncio.to_thread(load_task, cfg.task.name, cfg.task.params)
         self.tokenizer = await asyncio.to_thread(
-            load_tokenizer, cfg.model.tokenizer_path or cfg.model.path,
-            trust_remote_code=cfg.model.trust_remote_code, cache_dir=cfg.cache_dir)
+            load_tokenizer,
+            cfg.model.tokenizer_path or cfg.model.path,
+            trust_remote_code=cfg.model.trust_remote_code,
+            cache_dir=cfg.cache_dir,
+        )
         from areal.sandbox.pool import CheckerPool
 
-        self.pool = CheckerPool(max_concurrency=cfg.reward.max_concurrency,
-                                timeout_s=cfg.reward.timeout_s)
+        self.pool = CheckerPool(
+            max_concurrency=cfg.reward.max_concurrency, timeout_s=cfg.reward.timeout_s
+        )
         return welcome.version
 
     def num_running(self) -> int:
@@ -54,13 +58,18 @@ class RewardWorker(Worker):
     async def _score(self, msg: Score) -> None:
         """Check every completion of `msg` at once (the pool bounds the parallelism) and
         answer with one Scored, in the same order."""
-        outcomes = await asyncio.gather(*(
-            self._check(ids, msg.reference) for ids in msg.completion_ids))
-        await self.send(Scored(
-            request_ids=msg.request_ids, rewards=[float(o.reward) for o, _ in outcomes],
-            verdicts=[o.verdict for o, _ in outcomes],
-            details=[o.detail[:2000] for o, _ in outcomes],
-            check_s=[seconds for _, seconds in outcomes]))
+        outcomes = await asyncio.gather(
+            *(self._check(ids, msg.reference) for ids in msg.completion_ids)
+        )
+        await self.send(
+            Scored(
+                request_ids=msg.request_ids,
+                rewards=[float(o.reward) for o, _ in outcomes],
+                verdicts=[o.verdict for o, _ in outcomes],
+                details=[o.detail[:2000] for o, _ in outcomes],
+                check_s=[seconds for _, seconds in outcomes],
+            )
+        )
 
     async def _check(self, completion_ids: Any, reference: Any) -> tuple[RewardOutcome, float]:
         """(outcome, seconds) of one completion; a completion the tokenizer cannot decode is
@@ -69,8 +78,11 @@ class RewardWorker(Worker):
         try:
             text = self.tokenizer.decode(completion_ids.tolist(), skip_special_tokens=True)
         except Exception as err:
-            return RewardOutcome(reward=0.0, verdict=Verdict.ERROR,
-                                 detail=f"could not decode the completion: {err!r}"), 0.0
+            return RewardOutcome(
+                reward=0.0,
+                verdict=Verdict.ERROR,
+                detail=f"could not decode the completion: {err!r}",
+            ), 0.0
         outcome: RewardOutcome = await self.pool.check(self.task.reward, text, reference)
         return outcome, time.monotonic() - start
 

@@ -88,23 +88,32 @@ class SamplingParams:
     batches. None: the engine's own stream."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
-                or self.max_new_tokens < 1:
-            raise ValueError(f"SamplingParams.max_new_tokens={self.max_new_tokens!r} must be an "
-                             "int >= 1")
+        if (
+            isinstance(self.max_new_tokens, bool)
+            or not isinstance(self.max_new_tokens, int)
+            or self.max_new_tokens < 1
+        ):
+            raise ValueError(
+                f"SamplingParams.max_new_tokens={self.max_new_tokens!r} must be an int >= 1"
+            )
         if not 0 <= self.temperature < float("inf"):
-            raise ValueError(f"SamplingParams.temperature={self.temperature!r} must be >= 0 "
-                             "(0: greedy)")
+            raise ValueError(
+                f"SamplingParams.temperature={self.temperature!r} must be >= 0 (0: greedy)"
+            )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingParams.top_p={self.top_p!r} must be in (0, 1]")
         stop = tuple(int(t) for t in self.stop_token_ids)
         if any(t < 0 for t in stop):
             raise ValueError(f"SamplingParams.stop_token_ids={list(stop)} holds a negative id")
         object.__setattr__(self, "stop_token_ids", stop)
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not 0 <= self.seed < 1 << 63):
-            raise ValueError(f"SamplingParams.seed={self.seed!r} must be an int in [0, 2**63) "
-                             "or None")
+        if self.seed is not None and (
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not 0 <= self.seed < 1 << 63
+        ):
+            raise ValueError(
+                f"SamplingParams.seed={self.seed!r} must be an int in [0, 2**63) or None"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -124,8 +133,9 @@ class EngineOutput:
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
-            raise ValueError(f"EngineOutput: {len(self.token_ids)} tokens but "
-                             f"{len(self.logprobs)} log-probs")
+            raise ValueError(
+                f"EngineOutput: {len(self.token_ids)} tokens but {len(self.logprobs)} log-probs"
+            )
 
 
 @dataclass(frozen=True)
@@ -197,8 +207,9 @@ class Engine(ABC):
         """Load the model and start serving (created -> running)."""
 
     @abstractmethod
-    async def generate(self, request_id: str, prompt_ids: Sequence[int],
-                       params: SamplingParams) -> EngineOutput:
+    async def generate(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> EngineOutput:
         """Sample a completion of `prompt_ids` ([P] token ids, P >= 1).
 
         `request_id` must be unique among this engine's running requests. Returns early with
@@ -291,12 +302,20 @@ class SerialControlEngine(Engine):
 
     def _require(self, state: EngineState, method: str, fix: str) -> None:
         if self._state is not state:
-            raise EngineStateError(f"{method}() needs a {state.value} engine, but it is "
-                                   f"{self._state.value}; {fix}")
+            raise EngineStateError(
+                f"{method}() needs a {state.value} engine, but it is {self._state.value}; {fix}"
+            )
 
 
-def check_request(request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *,
-                  vocab_size: int, max_seq_len: int, fix: str) -> list[int]:
+def check_request(
+    request_id: str,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    *,
+    vocab_size: int,
+    max_seq_len: int,
+    fix: str,
+) -> list[int]:
     """The prompt as a list of ints, after the checks every engine makes before submitting:
     not empty, token ids inside the vocabulary, prompt + budget within `max_seq_len`
     (`fix`: how to raise that limit on this engine)."""
@@ -305,17 +324,20 @@ def check_request(request_id: str, prompt_ids: Sequence[int], params: SamplingPa
         raise ValueError(f"request {request_id!r}: the prompt is empty")
     bad = [t for t in (*prompt, *params.stop_token_ids) if not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"request {request_id!r}: token id {bad[0]} is outside the "
-                         f"vocabulary [0, {vocab_size})")
+        raise ValueError(
+            f"request {request_id!r}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+        )
     if len(prompt) + params.max_new_tokens > max_seq_len:
         raise ValueError(
             f"request {request_id!r}: prompt ({len(prompt)}) + max_new_tokens "
-            f"({params.max_new_tokens}) exceeds the engine's max_seq_len={max_seq_len}{fix}")
+            f"({params.max_new_tokens}) exceeds the engine's max_seq_len={max_seq_len}{fix}"
+        )
     return prompt
 
 
-def processed_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, *,
-                       temperature: float, top_p: float = 1.0) -> torch.Tensor:
+def processed_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, *, temperature: float, top_p: float = 1.0
+) -> torch.Tensor:
     """[N] behaviour log-probs of `token_ids` [N] under `logits` [N, V] (the definition).
 
     temperature 0: greedy, a point mass, so 0.0 for the argmax token (and -inf otherwise).

@@ -78,13 +78,19 @@ class EpisodeResult:
     num_interruptions: int = 0
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {"output_ids": np.asarray(self.token_ids, np.int32),
-                "logprobs": np.asarray(self.logprobs, np.float32),
-                "versions": np.asarray(self.versions, np.int32),
-                "loss_mask": np.asarray(self.loss_mask, bool)}
+        return {
+            "output_ids": np.asarray(self.token_ids, np.int32),
+            "logprobs": np.asarray(self.logprobs, np.float32),
+            "versions": np.asarray(self.versions, np.int32),
+            "loss_mask": np.asarray(self.loss_mask, bool),
+        }
 
-    def append(self, token_ids: Sequence[int], logprobs: Sequence[float] | None,
-               versions: Sequence[int] | None) -> None:
+    def append(
+        self,
+        token_ids: Sequence[int],
+        logprobs: Sequence[float] | None,
+        versions: Sequence[int] | None,
+    ) -> None:
         """Model tokens (with log-probs and versions) or, with None, observation tokens."""
         sampled = logprobs is not None
         self.token_ids += token_ids
@@ -96,8 +102,13 @@ class EpisodeResult:
 class EpisodeRunner:
     """Runs episodes of one environment on one generator (see the module docstring)."""
 
-    def __init__(self, generator: InterruptibleGenerator, environment: Environment,
-                 tokenizer: Any, limits: EpisodeLimits) -> None:
+    def __init__(
+        self,
+        generator: InterruptibleGenerator,
+        environment: Environment,
+        tokenizer: Any,
+        limits: EpisodeLimits,
+    ) -> None:
         self.generator = generator
         self.environment = environment
         self.tokenizer = tokenizer
@@ -107,35 +118,62 @@ class EpisodeRunner:
     async def _tokenizer_call(self, fn, *args, **kwargs):
         # One thread: a fast tokenizer must not be used from two threads at once.
         return await asyncio.get_running_loop().run_in_executor(
-            self._tokenizer_thread, lambda: fn(*args, **kwargs))
+            self._tokenizer_thread, lambda: fn(*args, **kwargs)
+        )
 
-    async def run(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-                  *, prompt_id: str = "", reference: Any = None) -> EpisodeResult:
+    async def run(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        prompt_id: str = "",
+        reference: Any = None,
+    ) -> EpisodeResult:
         """One episode from `prompt_ids`; `params.max_new_tokens` is its token budget."""
         prompt = [int(t) for t in prompt_ids]
         result = EpisodeResult()
-        episode = Episode(prompt_id=prompt_id, reference=reference, max_turns=self.limits.max_turns,
-                          prompt=await self._tokenizer_call(self.tokenizer.decode, prompt))
+        episode = Episode(
+            prompt_id=prompt_id,
+            reference=reference,
+            max_turns=self.limits.max_turns,
+            prompt=await self._tokenizer_call(self.tokenizer.decode, prompt),
+        )
         while True:
             budget = params.max_new_tokens - len(result.token_ids)
             if self.limits.max_turn_tokens is not None:
                 budget = min(budget, self.limits.max_turn_tokens)
             if budget < 1:
-                return self._limit(result, EpisodeEnd.TOKEN_LIMIT, "its token budget "
-                                   f"(rollout.max_new_tokens={params.max_new_tokens}) ran out")
+                return self._limit(
+                    result,
+                    EpisodeEnd.TOKEN_LIMIT,
+                    f"its token budget (rollout.max_new_tokens={params.max_new_tokens}) ran out",
+                )
             turn = await self.generator.generate(
-                f"{request_id}/t{result.num_turns}", prompt + result.token_ids,
-                dataclasses.replace(params, max_new_tokens=budget, seed=None if params.seed is None
-                                    else continuation_seed(params.seed, len(result.token_ids))))
+                f"{request_id}/t{result.num_turns}",
+                prompt + result.token_ids,
+                dataclasses.replace(
+                    params,
+                    max_new_tokens=budget,
+                    seed=None
+                    if params.seed is None
+                    else continuation_seed(params.seed, len(result.token_ids)),
+                ),
+            )
             result.append(turn.token_ids, turn.logprobs, turn.versions)
             result.num_turns += 1
             result.num_interruptions += turn.num_interruptions
             result.finish_reason = turn.finish_reason
-            episode.turns.append(Turn(
-                role=TurnRole.MODEL, token_ids=turn.token_ids,
-                text=await self._tokenizer_call(self.tokenizer.decode, turn.token_ids,
-                                                skip_special_tokens=True),
-                stopped=turn.finish_reason is FinishReason.STOP))
+            episode.turns.append(
+                Turn(
+                    role=TurnRole.MODEL,
+                    token_ids=turn.token_ids,
+                    text=await self._tokenizer_call(
+                        self.tokenizer.decode, turn.token_ids, skip_special_tokens=True
+                    ),
+                    stopped=turn.finish_reason is FinishReason.STOP,
+                )
+            )
             answer = await self._step(episode, result)
             if not isinstance(answer, Observation):
                 result.outcome = answer
@@ -143,16 +181,24 @@ class EpisodeRunner:
             result.num_tool_calls += answer.num_tool_calls
             result.num_tool_errors += answer.num_tool_errors
             if result.num_turns >= self.limits.max_turns:
-                return self._limit(result, EpisodeEnd.TURN_LIMIT,
-                                   f"the turn limit (episode.max_turns={self.limits.max_turns})")
+                return self._limit(
+                    result,
+                    EpisodeEnd.TURN_LIMIT,
+                    f"the turn limit (episode.max_turns={self.limits.max_turns})",
+                )
             observed = await self._tokenizer_call(self._encode, answer.text)
             if len(result.token_ids) + len(observed) >= params.max_new_tokens:
-                return self._limit(result, EpisodeEnd.TOKEN_LIMIT, f"an observation of "
-                                   f"{len(observed)} tokens that does not fit its token budget "
-                                   f"(rollout.max_new_tokens={params.max_new_tokens})")
+                return self._limit(
+                    result,
+                    EpisodeEnd.TOKEN_LIMIT,
+                    f"an observation of "
+                    f"{len(observed)} tokens that does not fit its token budget "
+                    f"(rollout.max_new_tokens={params.max_new_tokens})",
+                )
             result.append(observed, None, None)
-            episode.turns.append(Turn(role=TurnRole.OBSERVATION, text=answer.text,
-                                      token_ids=observed))
+            episode.turns.append(
+                Turn(role=TurnRole.OBSERVATION, text=answer.text, token_ids=observed)
+            )
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
@@ -165,16 +211,24 @@ class EpisodeRunner:
             async with asyncio.timeout(timeout):
                 answer = await self.environment.step(episode)
         except TimeoutError:
-            return self._failed(result, Verdict.TIMEOUT, f"the environment did not answer turn "
-                                f"{result.num_turns} within episode.step_timeout_s={timeout}")
+            return self._failed(
+                result,
+                Verdict.TIMEOUT,
+                f"the environment did not answer turn "
+                f"{result.num_turns} within episode.step_timeout_s={timeout}",
+            )
         except Exception as err:  # fault boundary: a failing environment ends its episode
             log.warning("environment failed in episode %s: %r", episode.prompt_id, err)
             return self._failed(result, Verdict.ERROR, f"the environment raised {err!r}")
         finally:
             result.tool_s += time.monotonic() - start
         if not isinstance(answer, (Observation, RewardOutcome)):
-            return self._failed(result, Verdict.ERROR, f"the environment returned a "
-                                f"{type(answer).__name__}, not an Observation or RewardOutcome")
+            return self._failed(
+                result,
+                Verdict.ERROR,
+                f"the environment returned a "
+                f"{type(answer).__name__}, not an Observation or RewardOutcome",
+            )
         return answer
 
     @staticmethod
@@ -185,8 +239,9 @@ class EpisodeRunner:
     @staticmethod
     def _limit(result: EpisodeResult, end: EpisodeEnd, what: str) -> EpisodeResult:
         result.end, result.finish_reason = end, FinishReason.LENGTH
-        result.outcome = RewardOutcome(reward=0.0, verdict=Verdict.NO_ANSWER,
-                                       detail=f"the episode ended at {what}")
+        result.outcome = RewardOutcome(
+            reward=0.0, verdict=Verdict.NO_ANSWER, detail=f"the episode ended at {what}"
+        )
         return result
 
     async def close(self) -> None:
@@ -204,28 +259,41 @@ async def start_episodes(cfg: RunConfig, generator: InterruptibleGenerator) -> E
     from areal.tasks.environment import load_environment
 
     def build() -> tuple[Environment, Any]:
-        tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path,
-                                   trust_remote_code=cfg.model.trust_remote_code,
-                                   cache_dir=cfg.cache_dir)
+        tokenizer = load_tokenizer(
+            cfg.model.tokenizer_path or cfg.model.path,
+            trust_remote_code=cfg.model.trust_remote_code,
+            cache_dir=cfg.cache_dir,
+        )
         task = load_task(cfg.task.name, cfg.task.params)
         task.use_tokenizer(tokenizer)
-        return load_environment(cfg.episode.environment, cfg.episode.params, task=task,
-                                tokenizer=tokenizer), tokenizer
+        return load_environment(
+            cfg.episode.environment, cfg.episode.params, task=task, tokenizer=tokenizer
+        ), tokenizer
 
     environment, tokenizer = await asyncio.to_thread(build)
     await environment.start()
-    limits = EpisodeLimits(max_turns=cfg.episode.max_turns,
-                           max_turn_tokens=cfg.episode.max_turn_tokens,
-                           step_timeout_s=cfg.episode.step_timeout_s)
+    limits = EpisodeLimits(
+        max_turns=cfg.episode.max_turns,
+        max_turn_tokens=cfg.episode.max_turn_tokens,
+        step_timeout_s=cfg.episode.step_timeout_s,
+    )
     return EpisodeRunner(generator, environment, tokenizer, limits)
 
 
 def generated_episode(request_id: str, episode: EpisodeResult, seconds: float) -> Generated:
     """The Generated message of a finished episode."""
     return Generated(
-        request_id=request_id, **episode.arrays(), finish_reason=episode.finish_reason,
-        num_interruptions=episode.num_interruptions, generation_s=seconds,
-        episode_end=episode.end, reward=float(episode.outcome.reward),
-        verdict=episode.outcome.verdict, detail=episode.outcome.detail[:2000],
-        num_turns=episode.num_turns, num_tool_calls=episode.num_tool_calls,
-        num_tool_errors=episode.num_tool_errors, tool_s=episode.tool_s)
+        request_id=request_id,
+        **episode.arrays(),
+        finish_reason=episode.finish_reason,
+        num_interruptions=episode.num_interruptions,
+        generation_s=seconds,
+        episode_end=episode.end,
+        reward=float(episode.outcome.reward),
+        verdict=episode.outcome.verdict,
+        detail=episode.outcome.detail[:2000],
+        num_turns=episode.num_turns,
+        num_tool_calls=episode.num_tool_calls,
+        num_tool_errors=episode.num_tool_errors,
+        tool_s=episode.tool_s,
+    )

@@ -27,8 +27,10 @@ async def make_engine(cfg: RunConfig, index: int = 0) -> Engine:
         engine: Engine = TorchEngine.from_config(cfg, index)  # index: its device and seed
     elif name == "vllm":
         if importlib.util.find_spec("vllm") is None:
-            raise RuntimeError("rollout.engine='vllm' but vLLM is not installed; "
-                               "pip install -e '.[vllm]' or use rollout.engine=torch")
+            raise RuntimeError(
+                "rollout.engine='vllm' but vLLM is not installed; "
+                "pip install -e '.[vllm]' or use rollout.engine=torch"
+            )
         from areal.workers.rollout.vllm_engine import VllmEngine
 
         engine = VllmEngine.from_config(cfg, index)  # index: its GPU(s) and seed

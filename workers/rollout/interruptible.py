@@ -48,7 +48,12 @@ import numpy as np
 
 from areal.seeds import continuation_seed
 from areal.workers.rollout.engine import (
-    Engine, EngineState, EngineStateError, FinishReason, SamplingParams, WeightSource,
+    Engine,
+    EngineState,
+    EngineStateError,
+    FinishReason,
+    SamplingParams,
+    WeightSource,
 )
 
 log = logging.getLogger(__name__)
@@ -122,8 +127,9 @@ class InterruptibleGenerator:
         self._num_holds = max(0, self._num_holds - 1)
         self._refresh_gate()
 
-    async def generate(self, request_id: str, prompt_ids: Sequence[int],
-                       params: SamplingParams) -> GenerationResult:
+    async def generate(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> GenerationResult:
         """Sample a full completion of `prompt_ids`, across weight updates."""
         prompt = [int(t) for t in prompt_ids]
         tokens: list[int] = []
@@ -140,12 +146,15 @@ class InterruptibleGenerator:
             # No await between the gate check and the submission (see the module doc).
             version, epoch = self._version, self._epoch
             segment = dataclasses.replace(
-                params, max_new_tokens=params.max_new_tokens - len(tokens),
-                seed=None if params.seed is None else continuation_seed(params.seed, len(tokens)))
+                params,
+                max_new_tokens=params.max_new_tokens - len(tokens),
+                seed=None if params.seed is None else continuation_seed(params.seed, len(tokens)),
+            )
             self._enter_engine()
             try:
-                out = await self._engine.generate(f"{request_id}#{num_interruptions}",
-                                                  prompt + tokens, segment)
+                out = await self._engine.generate(
+                    f"{request_id}#{num_interruptions}", prompt + tokens, segment
+                )
             finally:
                 self._exit_engine()
             tokens += out.token_ids
@@ -153,9 +162,14 @@ class InterruptibleGenerator:
             versions += [version] * len(out.token_ids)
             reason = self._final_reason(out.finish_reason, tokens, params)
             if reason is not FinishReason.ABORT:
-                return GenerationResult(token_ids=tokens, logprobs=logprobs, versions=versions,
-                                        finish_reason=reason,
-                                        num_interruptions=num_interruptions, wait_s=wait_s)
+                return GenerationResult(
+                    token_ids=tokens,
+                    logprobs=logprobs,
+                    versions=versions,
+                    finish_reason=reason,
+                    num_interruptions=num_interruptions,
+                    wait_s=wait_s,
+                )
             if epoch == self._epoch:
                 if self._engine.state is EngineState.CLOSED:
                     raise EngineStateError(f"request {request_id!r}: the engine was closed")
@@ -166,8 +180,9 @@ class InterruptibleGenerator:
                 )
             num_interruptions += 1
 
-    async def update_weights(self, source: WeightSource, version: int, *,
-                             interrupt: bool = True) -> int:
+    async def update_weights(
+        self, source: WeightSource, version: int, *, interrupt: bool = True
+    ) -> int:
         """Serve `source` as policy `version` from now on; returns the segments interrupted.
 
         interrupt=True: running segments are aborted at once and continue under the new
@@ -180,8 +195,10 @@ class InterruptibleGenerator:
             stopping, load = False, None
             try:
                 if version <= self._version:
-                    raise ValueError(f"weights version {version} is not newer than the served "
-                                     f"version {self._version}")
+                    raise ValueError(
+                        f"weights version {version} is not newer than the served "
+                        f"version {self._version}"
+                    )
                 self._updating = True
                 self._epoch += 1
                 self._refresh_gate()
@@ -191,8 +208,7 @@ class InterruptibleGenerator:
                 # is cancelled (the copy itself runs on in the engine's thread regardless).
                 load = asyncio.ensure_future(self._load(source, version))
                 await asyncio.shield(load)
-                log.debug("serving version %d (%d segments interrupted)", version,
-                          num_interrupted)
+                log.debug("serving version %d (%d segments interrupted)", version, num_interrupted)
                 return num_interrupted
             finally:
                 try:
@@ -221,8 +237,9 @@ class InterruptibleGenerator:
         return num_interrupted
 
     @staticmethod
-    def _final_reason(reason: FinishReason, tokens: list[int],
-                      params: SamplingParams) -> FinishReason:
+    def _final_reason(
+        reason: FinishReason, tokens: list[int], params: SamplingParams
+    ) -> FinishReason:
         # A segment aborted right after its stop token or last budgeted token is complete.
         if reason is FinishReason.ABORT and tokens:
             if tokens[-1] in params.stop_token_ids:

@@ -57,8 +57,9 @@ class SeededDraws(ContinuousBatchingLogitsProcessor):
         draws = []
         for request in requests_with_new_token:
             seed = request.state.logit_processor_kwargs.get("seed")
-            draws.append(_NO_SEED if seed is None
-                         else uniform(seed, len(request.state.generated_tokens)))
+            draws.append(
+                _NO_SEED if seed is None else uniform(seed, len(request.state.generated_tokens))
+            )
         return torch.tensor(draws, dtype=torch.float32).view(dtype=torch.int32)
 
     def __call__(self, scores: torch.FloatTensor, tensor_arg: torch.Tensor) -> torch.FloatTensor:
@@ -71,9 +72,11 @@ def install(manager: Any) -> SeededDraws:
     (before `warmup()`), then `install_sampler` after."""
     cb_config = manager.continuous_batching_config
     if cb_config.use_async_batching or any(cb_config.cuda_graph_booleans):
-        raise RuntimeError("seeded sampling needs synchronous batching without CUDA graphs "
-                           f"(use_async_batching={cb_config.use_async_batching}, "
-                           f"use_cuda_graph={cb_config.use_cuda_graph})")
+        raise RuntimeError(
+            "seeded sampling needs synchronous batching without CUDA graphs "
+            f"(use_async_batching={cb_config.use_async_batching}, "
+            f"use_cuda_graph={cb_config.use_cuda_graph})"
+        )
     if manager.batch_processor is not None:
         raise RuntimeError("install() must run before the manager's batch processor is built")
     draws = SeededDraws()

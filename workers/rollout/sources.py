@@ -25,7 +25,11 @@ import torch
 from areal.config import RunConfig
 from areal.models.weight_slots import SlotReader
 from areal.workers.rollout.engine import (
-    AdapterWeights, DiskWeights, SlotWeights, TensorWeights, WeightSource,
+    AdapterWeights,
+    DiskWeights,
+    SlotWeights,
+    TensorWeights,
+    WeightSource,
 )
 
 _SLOTS = SlotReader()
@@ -55,8 +59,9 @@ def path_source(cfg: RunConfig, path: str, version: int) -> WeightSource | Pendi
     return PendingSlot(path, version) if lora else SlotWeights(path, version)
 
 
-def tensor_source(cfg: RunConfig, tensors: Mapping[str, torch.Tensor],
-                  version: int) -> WeightSource:
+def tensor_source(
+    cfg: RunConfig, tensors: Mapping[str, torch.Tensor], version: int
+) -> WeightSource:
     """The source of a version that arrived as tensors (stream and collective modes)."""
     if cfg.trainer.lora.enabled:
         return AdapterWeights(version, tensors=tensors)

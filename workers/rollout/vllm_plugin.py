@@ -95,7 +95,8 @@ def require_active():
             "the areal vLLM plugin is not active in this process, so CPU layers dropped their "
             "weights at load and cannot be updated in place; reinstall the package "
             "(pip install -e .) so that its vllm.general_plugins entry point is registered, "
-            "and do not exclude 'areal' through VLLM_PLUGINS")
+            "and do not exclude 'areal' through VLLM_PLUGINS"
+        )
     return original
 
 

@@ -52,8 +52,9 @@ class CheckpointLayout:
     @classmethod
     def of_directory(cls, path: str | Path, *, tied_lm_head: bool) -> CheckpointLayout:
         """Read from the safetensors headers of `path` (no tensor data is read)."""
-        return cls(safetensors_shapes(path),
-                   frozenset({"lm_head.weight"}) if tied_lm_head else frozenset())
+        return cls(
+            safetensors_shapes(path), frozenset({"lm_head.weight"}) if tied_lm_head else frozenset()
+        )
 
     def check(self, shapes: Mapping[str, tuple[int, ...]], what: str) -> None:
         """Raise WeightMismatchError on the first unknown, missing or reshaped tensor."""
@@ -64,14 +65,19 @@ class CheckpointLayout:
                     continue
                 raise WeightMismatchError(
                     f"{what}: tensor {name!r} is not in the served model's checkpoint "
-                    f"({len(self.shapes)} tensors, e.g. {next(iter(self.shapes), None)!r})")
+                    f"({len(self.shapes)} tensors, e.g. {next(iter(self.shapes), None)!r})"
+                )
             if tuple(shape) != tuple(expected):
-                raise WeightMismatchError(f"{what}: tensor {name!r} has shape {tuple(shape)}, "
-                                          f"the served model's has {tuple(expected)}")
+                raise WeightMismatchError(
+                    f"{what}: tensor {name!r} has shape {tuple(shape)}, "
+                    f"the served model's has {tuple(expected)}"
+                )
         missing = [name for name in self.shapes if name not in shapes]
         if missing:
-            raise WeightMismatchError(f"{what}: no tensor for {missing[0]!r} ({len(missing)} "
-                                      "missing); updates must carry the full weight set")
+            raise WeightMismatchError(
+                f"{what}: no tensor for {missing[0]!r} ({len(missing)} "
+                "missing); updates must carry the full weight set"
+            )
 
 
 def safetensors_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
@@ -79,8 +85,10 @@ def safetensors_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     directory = Path(path)
     index = directory / _INDEX_FILE
     if index.is_file():
-        files = [directory / name for name in
-                 sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        files = [
+            directory / name
+            for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        ]
     else:
         files = sorted(directory.glob("*.safetensors"))
     if not files:
@@ -103,9 +111,11 @@ class SharedWeights:
 
     def rpc_args(self) -> dict:
         """Plain msgpack-friendly values (collective_rpc encodes its arguments)."""
-        return {"path": self.path, "num_bytes": self.num_bytes,
-                "specs": [[s.name, s.dtype, list(s.shape), s.offset, s.num_bytes]
-                          for s in self.specs]}
+        return {
+            "path": self.path,
+            "num_bytes": self.num_bytes,
+            "specs": [[s.name, s.dtype, list(s.shape), s.offset, s.num_bytes] for s in self.specs],
+        }
 
     def remove(self) -> None:
         Path(self.path).unlink(missing_ok=True)
@@ -116,8 +126,15 @@ def write_shared(tensors: Mapping[str, torch.Tensor]) -> SharedWeights:
     specs, offset = [], 0
     for name, tensor in tensors.items():
         num_bytes = tensor.numel() * tensor.element_size()
-        specs.append(TensorSpec(name=name, dtype=str(tensor.dtype).removeprefix("torch."),
-                                shape=tuple(tensor.shape), offset=offset, num_bytes=num_bytes))
+        specs.append(
+            TensorSpec(
+                name=name,
+                dtype=str(tensor.dtype).removeprefix("torch."),
+                shape=tuple(tensor.shape),
+                offset=offset,
+                num_bytes=num_bytes,
+            )
+        )
         offset += -(-num_bytes // _ALIGN) * _ALIGN
     directory = _SHM_DIR if os.access(_SHM_DIR, os.W_OK) else Path(tempfile.gettempdir())
     fd, path = tempfile.mkstemp(dir=directory, prefix="areal-weights-", suffix=".bin")
@@ -128,7 +145,7 @@ def write_shared(tensors: Mapping[str, torch.Tensor]) -> SharedWeights:
         buffer = torch.from_file(path, shared=True, size=shared.num_bytes, dtype=torch.uint8)
         for spec, tensor in zip(specs, tensors.values(), strict=True):
             raw = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-            buffer[spec.offset:spec.offset + spec.num_bytes].copy_(raw)
+            buffer[spec.offset : spec.offset + spec.num_bytes].copy_(raw)
     except BaseException:
         shared.remove()
         raise
@@ -141,9 +158,11 @@ def read_shared(rpc_args: dict) -> list[tuple[str, torch.Tensor]]:
     The mapping is private and read-only in intent: nothing written to the views reaches the
     file. It lives as long as the returned tensors do.
     """
-    buffer = torch.from_file(rpc_args["path"], shared=False, size=rpc_args["num_bytes"],
-                             dtype=torch.uint8)
-    specs = [TensorSpec(name=name, dtype=dtype, shape=tuple(shape), offset=offset,
-                        num_bytes=num_bytes)
-             for name, dtype, shape, offset, num_bytes in rpc_args["specs"]]
+    buffer = torch.from_file(
+        rpc_args["path"], shared=False, size=rpc_args["num_bytes"], dtype=torch.uint8
+    )
+    specs = [
+        TensorSpec(name=name, dtype=dtype, shape=tuple(shape), offset=offset, num_bytes=num_bytes)
+        for name, dtype, shape, offset, num_bytes in rpc_args["specs"]
+    ]
     return unflatten_bucket(buffer, specs)

@@ -39,8 +39,18 @@ from typing import Any
 import torch
 
 from areal.messages import (
-    Cancel, Generate, Generated, GroupName, GroupState, GroupStatus, JoinGroup, UpdateWeights,
-    Welcome, WeightsChunk, WeightsUpdated, WorkerKind,
+    Cancel,
+    Generate,
+    Generated,
+    GroupName,
+    GroupState,
+    GroupStatus,
+    JoinGroup,
+    UpdateWeights,
+    Welcome,
+    WeightsChunk,
+    WeightsUpdated,
+    WorkerKind,
 )
 from areal.workers.base import Worker
 from areal.workers.collective import WeightsMember, report_weights_op
@@ -78,8 +88,12 @@ class RolloutWorker(Worker):
         self._announced = 0
         """The newest version an UpdateWeights(collective) announced."""
         self.episodes = await start_episodes(cfg, self.generator)
-        self.agents = await start_agents(cfg, self.generator, rank=self.rank,
-                                         context_len=getattr(self.engine, "max_seq_len", None))
+        self.agents = await start_agents(
+            cfg,
+            self.generator,
+            rank=self.rank,
+            context_len=getattr(self.engine, "max_seq_len", None),
+        )
         self.spawn(self._update_loop(), "weight-updates")
         # What it serves now (stream/collective: the current version arrives after Ready).
         return self.generator.version
@@ -127,17 +141,20 @@ class RolloutWorker(Worker):
 
     def _on_chunk(self, msg: WeightsChunk) -> None:
         if self._stream is None or self._stream[0].version != msg.version:
-            log.warning("dropping a weight chunk of version %d: no stream update pending",
-                        msg.version)
+            log.warning(
+                "dropping a weight chunk of version %d: no stream update pending", msg.version
+            )
             return
         update, chunks = self._stream
         chunks.append(msg)
         if len(chunks) == update.num_chunks:
-            tensors = {name: tensor for chunk in chunks
-                       for name, tensor in zip(chunk.names, chunk.tensors, strict=True)}
+            tensors = {
+                name: tensor
+                for chunk in chunks
+                for name, tensor in zip(chunk.names, chunk.tensors, strict=True)
+            }
             self._stream = None
-            self._updates.put_nowait((update, tensor_source(self.config, tensors,
-                                                            update.version)))
+            self._updates.put_nowait((update, tensor_source(self.config, tensors, update.version)))
 
     def _weights(self) -> WeightsMember:
         if self._weights_member is None:
@@ -146,13 +163,14 @@ class RolloutWorker(Worker):
 
     def _on_join(self, msg: JoinGroup) -> None:
         joined = self._weights().join(msg, msg.store)
-        self.spawn(report_weights_op(self.send, msg.generation, joined, "join"),
-                   f"join-weights-{msg.generation}")
+        self.spawn(
+            report_weights_op(self.send, msg.generation, joined, "join"),
+            f"join-weights-{msg.generation}",
+        )
 
     def _on_collective_update(self, msg: UpdateWeights) -> None:
         member = self._weights()
-        received = member.thread.submit(lambda: member.group.receive(msg.manifest,
-                                                                     msg.generation))
+        received = member.thread.submit(lambda: member.group.receive(msg.manifest, msg.generation))
         # One hold at a time: it is released by the next update actually applied, or when
         # no announced version is left to apply (`_drop_collective_update`).
         self._announced = max(self._announced, msg.version)
@@ -171,15 +189,22 @@ class RolloutWorker(Worker):
             self._collective_hold = False
             self.generator.release_hold()
 
-    async def _collective_source(self, update: UpdateWeights,
-                                 received: asyncio.Future) -> WeightSource | None:
+    async def _collective_source(
+        self, update: UpdateWeights, received: asyncio.Future
+    ) -> WeightSource | None:
         """The received weights, or None: failed (reported) or already served."""
         try:
             tensors = await received
         except Exception as err:  # fault boundary: the controller re-forms and re-sends
             log.error("weights broadcast of version %d failed: %r", update.version, err)
-            await self.send(GroupStatus(group=GroupName.WEIGHTS, generation=update.generation,
-                                        state=GroupState.FAILED, error=repr(err)))
+            await self.send(
+                GroupStatus(
+                    group=GroupName.WEIGHTS,
+                    generation=update.generation,
+                    state=GroupState.FAILED,
+                    error=repr(err),
+                )
+            )
             self._drop_collective_update()
             return None
         if update.version <= self.generator.version:
@@ -205,22 +230,33 @@ class RolloutWorker(Worker):
                 if isinstance(source, PendingSlot):  # shm + LoRA: copied out under its lock
                     source = await asyncio.to_thread(source.read)
                 num_interrupted = await self.generator.update_weights(
-                    source, update.version, interrupt=update.interrupt)
+                    source, update.version, interrupt=update.interrupt
+                )
             except Exception as err:  # fault boundary: report; the controller sends it again
                 if isinstance(source, PendingSlot):  # never reached update_weights
                     self.generator.release_hold()
-                log.error("loading weights version %d failed: %r; serving version %d until "
-                          "the controller sends weights again", update.version, err,
-                          self.generator.version)
-                await self.send(WeightsUpdated(version=update.version,
-                                               error=f"{type(err).__name__}: {err}"))
+                log.error(
+                    "loading weights version %d failed: %r; serving version %d until "
+                    "the controller sends weights again",
+                    update.version,
+                    err,
+                    self.generator.version,
+                )
+                await self.send(
+                    WeightsUpdated(version=update.version, error=f"{type(err).__name__}: {err}")
+                )
                 continue
-            await self.send(WeightsUpdated(version=update.version,
-                                           pause_s=time.monotonic() - start,
-                                           num_interrupted=num_interrupted))
+            await self.send(
+                WeightsUpdated(
+                    version=update.version,
+                    pause_s=time.monotonic() - start,
+                    num_interrupted=num_interrupted,
+                )
+            )
 
-    def _newest_path_update(self, update: UpdateWeights,
-                            source: WeightSource) -> tuple[UpdateWeights, WeightSource]:
+    def _newest_path_update(
+        self, update: UpdateWeights, source: WeightSource
+    ) -> tuple[UpdateWeights, WeightSource]:
         """Skip to the newest queued disk or shm update: each is a full weight set (or the
         whole adapter), and the trainer prunes old version directories / overwrites old
         slots (weight_sync.keep_versions), so a worker that fell behind must not try to
@@ -234,30 +270,48 @@ class RolloutWorker(Worker):
 
     async def _generate(self, msg: Generate) -> None:
         start = time.monotonic()
-        params = SamplingParams(max_new_tokens=msg.max_new_tokens, temperature=msg.temperature,
-                                top_p=msg.top_p, stop_token_ids=list(msg.stop_token_ids),
-                                seed=msg.seed)
+        params = SamplingParams(
+            max_new_tokens=msg.max_new_tokens,
+            temperature=msg.temperature,
+            top_p=msg.top_p,
+            stop_token_ids=list(msg.stop_token_ids),
+            seed=msg.seed,
+        )
         if self.agents is not None:
             agent_episode = await self.agents.run(
-                msg.request_id, params, prompt_id=msg.prompt_id, prompt_text=msg.prompt_text,
-                reference=msg.reference)
+                msg.request_id,
+                params,
+                prompt_id=msg.prompt_id,
+                prompt_text=msg.prompt_text,
+                reference=msg.reference,
+            )
             self._generated_tokens += agent_episode.num_model_tokens
-            await self.send(generated_agent_episode(msg.request_id, agent_episode,
-                                                    msg.prompt_ids))
+            await self.send(generated_agent_episode(msg.request_id, agent_episode, msg.prompt_ids))
             return
         if self.episodes is not None:
-            episode = await self.episodes.run(msg.request_id, msg.prompt_ids.tolist(), params,
-                                              prompt_id=msg.prompt_id, reference=msg.reference)
+            episode = await self.episodes.run(
+                msg.request_id,
+                msg.prompt_ids.tolist(),
+                params,
+                prompt_id=msg.prompt_id,
+                reference=msg.reference,
+            )
             self._generated_tokens += sum(episode.loss_mask)
             await self.send(generated_episode(msg.request_id, episode, time.monotonic() - start))
             return
         result = await self.generator.generate(msg.request_id, msg.prompt_ids.tolist(), params)
         self._generated_tokens += len(result.token_ids)
-        await self.send(Generated(
-            request_id=msg.request_id, output_ids=result.token_ids_array(),
-            logprobs=result.logprobs_array(), versions=result.versions_array(),
-            finish_reason=result.finish_reason, num_interruptions=result.num_interruptions,
-            generation_s=time.monotonic() - start))
+        await self.send(
+            Generated(
+                request_id=msg.request_id,
+                output_ids=result.token_ids_array(),
+                logprobs=result.logprobs_array(),
+                versions=result.versions_array(),
+                finish_reason=result.finish_reason,
+                num_interruptions=result.num_interruptions,
+                generation_s=time.monotonic() - start,
+            )
+        )
 
     async def close(self) -> None:
         if getattr(self, "agents", None) is not None:

@@ -38,15 +38,27 @@ def save_start_weights(run_dir: str | Path, step: int, tensors: NamedTensors) ->
     save_tensors(audit_dir(run_dir, step) / "weights", tensors, metadata={"step": str(step)})
 
 
-def save_batch(run_dir: str | Path, step: int, rank: int, batch: PackedBatch,
-               prox_logprobs: torch.Tensor, version: int) -> Path:
+def save_batch(
+    run_dir: str | Path,
+    step: int,
+    rank: int,
+    batch: PackedBatch,
+    prox_logprobs: torch.Tensor,
+    version: int,
+) -> Path:
     """Rank `rank`'s batch of step `step` with the log-probs its loss used."""
     path = audit_dir(run_dir, step) / f"rank_{rank}.npz"
     path.parent.mkdir(parents=True, exist_ok=True)
-    np.savez(path, token_ids=batch.token_ids.numpy(), cu_seqlens=batch.cu_seqlens.numpy(),
-             versions=batch.versions.numpy(), loss_mask=batch.loss_mask.numpy(),
-             behav_logprobs=batch.logprobs.numpy(), prox_logprobs=prox_logprobs.numpy(),
-             version=np.int64(version))
+    np.savez(
+        path,
+        token_ids=batch.token_ids.numpy(),
+        cu_seqlens=batch.cu_seqlens.numpy(),
+        versions=batch.versions.numpy(),
+        loss_mask=batch.loss_mask.numpy(),
+        behav_logprobs=batch.logprobs.numpy(),
+        prox_logprobs=prox_logprobs.numpy(),
+        version=np.int64(version),
+    )
     return path
 
 

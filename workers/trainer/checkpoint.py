@@ -34,7 +34,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_state_dict, set_state_dict,
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
 )
 
 from areal.models.lora import has_adapters
@@ -54,9 +56,15 @@ def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
 
 
-def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    run_dir: str | Path, step: int, version: int, keep: int,
-                    write_weights: Callable[[Path], Any] | None = None) -> Path:
+def save_checkpoint(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    run_dir: str | Path,
+    step: int,
+    version: int,
+    keep: int,
+    write_weights: Callable[[Path], Any] | None = None,
+) -> Path:
     """Save on every rank of the default group (a collective when there are several);
     rank 0 also calls `write_weights(<checkpoint>/weights)` (the published form of its
     weights, workers/trainer/publish.save_weights_dir), then marks the checkpoint complete
@@ -91,8 +99,9 @@ def read_info(path: str | Path) -> CheckpointInfo:
         raise ValueError(f"{path} is not a complete trainer checkpoint ({META}: {err})") from err
 
 
-def load_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    path: str | Path) -> CheckpointInfo:
+def load_checkpoint(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str | Path
+) -> CheckpointInfo:
     """Load weights and optimiser state in place (every rank of the default group)."""
     info = read_info(path)
     model_state, optim_state = _state(model, optimizer)
@@ -101,9 +110,13 @@ def load_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         dcp.load(state, checkpoint_id=info.path)
     # LoRA: strict=False, since the frozen base is absent on purpose; every trainable key
     # was asked of dcp.load above, which fails on any the checkpoint lacks.
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"],
-                   options=_options(model, strict=not has_adapters(model)))
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=_options(model, strict=not has_adapters(model)),
+    )
     return info
 
 

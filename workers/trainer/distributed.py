@@ -56,8 +56,7 @@ def resolve_mode(mode: str, device: str) -> str:
 class DataParallel:
     """Collectives of one trainer rank; world_size 1 (`single()`) makes them no-ops."""
 
-    def __init__(self, rank: int, world_size: int, mode: str,
-                 bucket_bytes: int = 64 << 20) -> None:
+    def __init__(self, rank: int, world_size: int, mode: str, bucket_bytes: int = 64 << 20) -> None:
         self.rank = rank
         self.world_size = world_size
         self.mode = mode
@@ -68,18 +67,35 @@ class DataParallel:
         return cls(0, 1, "allreduce")
 
     @classmethod
-    def join(cls, store: dist.Store, *, rank: int, world_size: int, backend: str, mode: str,
-             timeout_s: float, generation: int = 1, bucket_bytes: int = 64 << 20
-             ) -> DataParallel:
+    def join(
+        cls,
+        store: dist.Store,
+        *,
+        rank: int,
+        world_size: int,
+        backend: str,
+        mode: str,
+        timeout_s: float,
+        generation: int = 1,
+        bucket_bytes: int = 64 << 20,
+    ) -> DataParallel:
         """Join the default process group through `store` (blocks until all ranks are in)."""
-        device_id = torch.device("cuda", torch.cuda.current_device()) \
-            if backend == "nccl" else None
+        device_id = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
         dist.init_process_group(
-            backend, store=dist.PrefixStore(f"trainer/{generation}", store), rank=rank,
-            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s),
-            device_id=device_id)
-        log.info("trainer rank %d/%d joined the data-parallel group (%s, %s)", rank,
-                 world_size, backend, mode)
+            backend,
+            store=dist.PrefixStore(f"trainer/{generation}", store),
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device_id,
+        )
+        log.info(
+            "trainer rank %d/%d joined the data-parallel group (%s, %s)",
+            rank,
+            world_size,
+            backend,
+            mode,
+        )
         return cls(rank, world_size, mode, bucket_bytes)
 
     @property
@@ -124,12 +140,17 @@ class DataParallel:
                 return None
             return adapter_tensors(model) if adapters else list(named_tensors(model))
         from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions, get_model_state_dict,
+            StateDictOptions,
+            get_model_state_dict,
         )
 
         names = [] if adapters else [name for name, _ in named_tensors(model)]  # tied once
-        full = get_model_state_dict(model, options=StateDictOptions(
-            full_state_dict=True, cpu_offload=True, ignore_frozen_params=adapters))
+        full = get_model_state_dict(
+            model,
+            options=StateDictOptions(
+                full_state_dict=True, cpu_offload=True, ignore_frozen_params=adapters
+            ),
+        )
         if self.rank != 0:
             return None
         if adapters:
@@ -153,8 +174,9 @@ class DataParallel:
             return
         # A parameter with a gradient on no rank keeps grad None, as on a single rank
         # (AdamW skips it); one with a gradient somewhere gets zeros where it has none.
-        has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.int32,
-                                device=self._device())
+        has_grad = torch.tensor(
+            [p.grad is not None for p in params], dtype=torch.int32, device=self._device()
+        )
         dist.all_reduce(has_grad, op=dist.ReduceOp.MAX)
         params = [p for p, has in zip(params, has_grad.tolist(), strict=True) if has]
         for param in params:
@@ -165,11 +187,12 @@ class DataParallel:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
             offset = 0
             for grad in bucket:
-                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
 
-    def sum_and_max(self, sums: torch.Tensor, maxes: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def sum_and_max(
+        self, sums: torch.Tensor, maxes: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """[K] float64 sums and [M] float64 maxima, reduced over ranks (copies)."""
         sums, maxes = sums.clone(), maxes.clone()
         if self.active:
@@ -196,8 +219,11 @@ def _buckets(tensors: list[torch.Tensor], max_bytes: int) -> Iterator[list[torch
     size = 0
     for tensor in tensors:
         nbytes = tensor.numel() * tensor.element_size()
-        if bucket and (size + nbytes > max_bytes or tensor.dtype != bucket[0].dtype
-                       or tensor.device != bucket[0].device):
+        if bucket and (
+            size + nbytes > max_bytes
+            or tensor.dtype != bucket[0].dtype
+            or tensor.device != bucket[0].device
+        ):
             yield bucket
             bucket, size = [], 0
         bucket.append(tensor)

@@ -59,8 +59,9 @@ class DiskPublisher:
         self.cfg = cfg
 
     def publish(self, tensors: NamedTensors, version: int) -> Publication:
-        return Publication(version=version,
-                           weights_path=publish_to_disk(tensors, self.cfg, version))
+        return Publication(
+            version=version, weights_path=publish_to_disk(tensors, self.cfg, version)
+        )
 
     def close(self, finished: bool) -> None:
         pass
@@ -82,8 +83,9 @@ class CollectivePublisher:
         self.cfg = cfg
 
     def publish(self, tensors: NamedTensors, version: int) -> Publication:
-        return Publication(version=version,
-                           snapshot=collective_snapshot(tensors, self.cfg, version))
+        return Publication(
+            version=version, snapshot=collective_snapshot(tensors, self.cfg, version)
+        )
 
     def close(self, finished: bool) -> None:
         pass
@@ -94,9 +96,11 @@ class ShmPublisher:
     one is a single copy (areal.models.weight_slots)."""
 
     def __init__(self, cfg: RunConfig) -> None:
-        self.writer = SlotWriter(slot_directory(cfg.weight_sync.shm_dir, cfg.run_dir),
-                                 cfg.weight_sync.keep_versions,
-                                 lock_timeout_s=cfg.weight_sync.timeout_s)
+        self.writer = SlotWriter(
+            slot_directory(cfg.weight_sync.shm_dir, cfg.run_dir),
+            cfg.weight_sync.keep_versions,
+            lock_timeout_s=cfg.weight_sync.timeout_s,
+        )
 
     def publish(self, tensors: NamedTensors, version: int) -> Publication:
         return Publication(version=version, weights_path=self.writer.publish(tensors, version))
@@ -108,8 +112,12 @@ class ShmPublisher:
 
 
 Publisher = DiskPublisher | StreamPublisher | CollectivePublisher | ShmPublisher
-_PUBLISHERS: dict[str, type] = {"disk": DiskPublisher, "stream": StreamPublisher,
-                                "collective": CollectivePublisher, "shm": ShmPublisher}
+_PUBLISHERS: dict[str, type] = {
+    "disk": DiskPublisher,
+    "stream": StreamPublisher,
+    "collective": CollectivePublisher,
+    "shm": ShmPublisher,
+}
 
 
 def make_publisher(cfg: RunConfig) -> Publisher:
@@ -117,8 +125,9 @@ def make_publisher(cfg: RunConfig) -> Publisher:
     try:
         return _PUBLISHERS[cfg.weight_sync.mode](cfg)
     except KeyError:
-        raise ValueError(f"weight_sync.mode={cfg.weight_sync.mode!r} is not one of "
-                         f"{', '.join(_PUBLISHERS)}") from None
+        raise ValueError(
+            f"weight_sync.mode={cfg.weight_sync.mode!r} is not one of {', '.join(_PUBLISHERS)}"
+        ) from None
 
 
 def version_dir(run_dir: str | Path, version: int) -> Path:
@@ -134,14 +143,14 @@ def publish_to_disk(tensors: NamedTensors, cfg: RunConfig, version: int) -> str:
     return str(directory)
 
 
-def save_weights_dir(directory: Path, tensors: NamedTensors, cfg: RunConfig,
-                     version: int) -> Path:
+def save_weights_dir(directory: Path, tensors: NamedTensors, cfg: RunConfig, version: int) -> Path:
     """The directory rollout workers load `version` from: model.safetensors, or with LoRA
     a PEFT adapter directory (also what a checkpoint keeps for workers to resume from)."""
     metadata = {"version": str(version)}
     if cfg.trainer.lora.enabled:
-        return save_adapter_dir(directory, tensors, cfg.trainer.lora,
-                                base_model=cfg.model.path, metadata=metadata)
+        return save_adapter_dir(
+            directory, tensors, cfg.trainer.lora, base_model=cfg.model.path, metadata=metadata
+        )
     save_tensors(directory, tensors, metadata=metadata)
     return directory
 
@@ -149,19 +158,31 @@ def save_weights_dir(directory: Path, tensors: NamedTensors, cfg: RunConfig,
 def _prune(root: Path, keep: int, newest: Path) -> None:
     """Keep the `keep` newest versions up to `newest` (just published). Newer ones are not
     this trainer's to judge (a resumed run removes those of the run it continues first)."""
-    versions = sorted(p for p in root.iterdir()
-                      if p.is_dir() and p.name.startswith("v") and p.name <= newest.name)
+    versions = sorted(
+        p for p in root.iterdir() if p.is_dir() and p.name.startswith("v") and p.name <= newest.name
+    )
     for old in versions[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 
 
 def stream_chunks(tensors: NamedTensors, cfg: RunConfig, version: int) -> list[WeightsChunk]:
     """`tensors` as WeightsChunk messages (CPU copies, buckets of bucket_mb)."""
-    buckets = list(bucket_tensors(((n, t.detach().to("cpu", copy=True)) for n, t in tensors),
-                                  cfg.weight_sync.bucket_mb << 20))
-    return [WeightsChunk(version=version, index=i, num_chunks=len(buckets),
-                         names=[name for name, _ in bucket], tensors=[t for _, t in bucket])
-            for i, bucket in enumerate(buckets)]
+    buckets = list(
+        bucket_tensors(
+            ((n, t.detach().to("cpu", copy=True)) for n, t in tensors),
+            cfg.weight_sync.bucket_mb << 20,
+        )
+    )
+    return [
+        WeightsChunk(
+            version=version,
+            index=i,
+            num_chunks=len(buckets),
+            names=[name for name, _ in bucket],
+            tensors=[t for _, t in bucket],
+        )
+        for i, bucket in enumerate(buckets)
+    ]
 
 
 def collective_snapshot(tensors: NamedTensors, cfg: RunConfig, version: int) -> WeightSnapshot:

@@ -41,8 +41,16 @@ from typing import Any
 import torch
 
 from areal.messages import (
-    BroadcastWeights, GroupName, GroupState, GroupStatus, JoinGroup, Ready, Train, Trained,
-    Welcome, WorkerKind,
+    BroadcastWeights,
+    GroupName,
+    GroupState,
+    GroupStatus,
+    JoinGroup,
+    Ready,
+    Train,
+    Trained,
+    Welcome,
+    WorkerKind,
 )
 from areal.models.hf import load_model
 from areal.models.tokenizer import load_tokenizer
@@ -51,15 +59,26 @@ from areal.models.weights import load_tensors, save_tensors
 from areal.types import PackedBatch
 from areal.workers.base import Worker
 from areal.workers.collective import (
-    SerialThread, WeightSnapshot, WeightsMember, advertised_host, host_store, join_store,
-    pin_interface, report_weights_op,
+    SerialThread,
+    WeightSnapshot,
+    WeightsMember,
+    advertised_host,
+    host_store,
+    join_store,
+    pin_interface,
+    report_weights_op,
 )
 from areal.workers.trainer import audit
 from areal.workers.trainer.distributed import DataParallel, resolve_mode
 from areal.workers.trainer.ppo import PPOTrainer
 from areal.workers.trainer.checkpoint import load_checkpoint, read_info, save_checkpoint
 from areal.workers.trainer.publish import (
-    Publication, Publisher, make_publisher, save_weights_dir, version_dir, write_directory,
+    Publication,
+    Publisher,
+    make_publisher,
+    save_weights_dir,
+    version_dir,
+    write_directory,
 )
 
 log = logging.getLogger(__name__)
@@ -81,7 +100,8 @@ def batch_from_message(msg: Train) -> PackedBatch:
         loss_mask=torch.from_numpy(msg.loss_mask.astype(bool)),
         cu_seqlens=torch.from_numpy(msg.cu_seqlens.astype("int32")),
         rewards=torch.from_numpy(msg.rewards.astype("float32")),
-        group_ids=torch.from_numpy(msg.group_ids.astype("int64")))
+        group_ids=torch.from_numpy(msg.group_ids.astype("int64")),
+    )
 
 
 class TrainerWorker(Worker):
@@ -96,9 +116,13 @@ class TrainerWorker(Worker):
         self.device = trainer_device(cfg.trainer.devices, self.rank)
         if self.device == "cuda":
             torch.cuda.set_device(0)
-        self.model = await asyncio.to_thread(load_model, cfg.model.path, dtype=cfg.model.dtype,
-                                             device=self.device,
-                                             trust_remote_code=cfg.model.trust_remote_code)
+        self.model = await asyncio.to_thread(
+            load_model,
+            cfg.model.path,
+            dtype=cfg.model.dtype,
+            device=self.device,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
         self.checkpoint = read_info(welcome.checkpoint) if welcome.checkpoint else None
         self.version = self.checkpoint.version if self.checkpoint else 0
         self.resume_to = welcome.version
@@ -112,8 +136,9 @@ class TrainerWorker(Worker):
         if self.rank == 0 and (cfg.trainer.num_ranks > 1 or cfg.weight_sync.mode == "collective"):
             host = advertised_host(self.address, cfg.trainer.store_host)
             pin_interface(host)
-            self._store, self._store_address = host_store(host, cfg.trainer.store_port,
-                                                          cfg.trainer.dist_timeout_s)
+            self._store, self._store_address = host_store(
+                host, cfg.trainer.store_port, cfg.trainer.dist_timeout_s
+            )
             log.info("process groups meet at %s", self._store_address)
         self._snapshots: dict[int, WeightSnapshot] = {}
         self._weights: WeightsMember | None = None
@@ -145,22 +170,34 @@ class TrainerWorker(Worker):
             await self._train_thread.submit(lambda: self._join_trainer_group_sync(msg))
         except Exception as err:  # fault boundary: the controller fails the run, naming us
             log.exception("rank %d could not join the trainer group", self.rank)
-            await self.send(GroupStatus(group=GroupName.TRAINER, generation=msg.generation,
-                                        state=GroupState.FAILED, error=repr(err)))
+            await self.send(
+                GroupStatus(
+                    group=GroupName.TRAINER,
+                    generation=msg.generation,
+                    state=GroupState.FAILED,
+                    error=repr(err),
+                )
+            )
             return
-        await self.send(GroupStatus(group=GroupName.TRAINER, generation=msg.generation,
-                                    state=GroupState.JOINED))
+        await self.send(
+            GroupStatus(group=GroupName.TRAINER, generation=msg.generation, state=GroupState.JOINED)
+        )
 
     def _join_trainer_group_sync(self, msg: JoinGroup) -> None:
         cfg = self.config.trainer
         store = self._store  # rank 0 hosts it
         if store is None:
             store = join_store(msg.store, msg.timeout_s)
-        self.dp = DataParallel.join(store, rank=msg.rank, world_size=msg.world_size,
-                                    backend=msg.backend, timeout_s=msg.timeout_s,
-                                    mode=resolve_mode(cfg.data_parallel, self.device),
-                                    generation=msg.generation,
-                                    bucket_bytes=self.config.weight_sync.bucket_mb << 20)
+        self.dp = DataParallel.join(
+            store,
+            rank=msg.rank,
+            world_size=msg.world_size,
+            backend=msg.backend,
+            timeout_s=msg.timeout_s,
+            mode=resolve_mode(cfg.data_parallel, self.device),
+            generation=msg.generation,
+            bucket_bytes=self.config.weight_sync.bucket_mb << 20,
+        )
         self.trainer = PPOTrainer(self.model, self.config, self.dp)
         self._restore_sync()
 
@@ -170,23 +207,32 @@ class TrainerWorker(Worker):
             return
         start = time.perf_counter()
         load_checkpoint(self.trainer.model, self.trainer.optimizer, self.checkpoint.path)
-        log.info("rank %d resumed from %s (step %d, version %d) in %.2f s", self.rank,
-                 self.checkpoint.path, self.checkpoint.step, self.checkpoint.version,
-                 time.perf_counter() - start)
+        log.info(
+            "rank %d resumed from %s (step %d, version %d) in %.2f s",
+            self.rank,
+            self.checkpoint.path,
+            self.checkpoint.step,
+            self.checkpoint.version,
+            time.perf_counter() - start,
+        )
 
     # -- training steps -------------------------------------------------------------------------
 
     async def _train(self, msg: Train) -> None:
         if self.trainer is None:
-            raise RuntimeError(f"Train for step {msg.step} before the data-parallel group of "
-                               f"{self.config.trainer.num_ranks} ranks was formed")
+            raise RuntimeError(
+                f"Train for step {msg.step} before the data-parallel group of "
+                f"{self.config.trainer.num_ranks} ranks was formed"
+            )
         if msg.version != self.version:
-            raise RuntimeError(f"Train for version {msg.version} but the trainer holds "
-                               f"version {self.version}")
+            raise RuntimeError(
+                f"Train for version {msg.version} but the trainer holds version {self.version}"
+            )
         self._busy = True
         try:
             stats, published, checkpoint = await self._train_thread.submit(
-                lambda: self._step_sync(msg))
+                lambda: self._step_sync(msg)
+            )
             self.version = msg.version + 1
             await self._send_trained(msg, stats, published, checkpoint)
         finally:
@@ -201,10 +247,12 @@ class TrainerWorker(Worker):
         batch = batch_from_message(msg)
         plan = {}
         if msg.minibatch_sizes:
-            plan = {"advantages": torch.from_numpy(msg.advantages.astype("float32")),
-                    "minibatch_sizes": list(msg.minibatch_sizes),
-                    "minibatch_loss_tokens": list(msg.minibatch_loss_tokens),
-                    "minibatch_loss_seqs": list(msg.minibatch_loss_seqs)}
+            plan = {
+                "advantages": torch.from_numpy(msg.advantages.astype("float32")),
+                "minibatch_sizes": list(msg.minibatch_sizes),
+                "minibatch_loss_tokens": list(msg.minibatch_loss_tokens),
+                "minibatch_loss_seqs": list(msg.minibatch_loss_seqs),
+            }
         audited = msg.step in self.config.trainer.audit_steps and not msg.replay
         if audited:
             start_weights = self.dp.full_weights(self.trainer.model)
@@ -212,8 +260,9 @@ class TrainerWorker(Worker):
                 audit.save_start_weights(self.config.run_dir, msg.step, start_weights)
         stats = self.trainer.step(batch, msg.version, **plan)
         if audited:
-            audit.save_batch(self.config.run_dir, msg.step, self.rank, batch,
-                             self.trainer.last_prox, msg.version)
+            audit.save_batch(
+                self.config.run_dir, msg.step, self.rank, batch, self.trainer.last_prox, msg.version
+            )
         version = msg.version + 1
         if msg.replay and version < self.resume_to:
             return stats, None, ""
@@ -224,16 +273,20 @@ class TrainerWorker(Worker):
                 return stats, None, ""
             stats.update(self._replay_check(tensors, version))
             # Collective mode: a late joiner may need this version broadcast again.
-            return stats, self._publisher().publish(tensors, version) \
-                if self.config.weight_sync.mode == "collective" else None, ""
+            return (
+                stats,
+                self._publisher().publish(tensors, version)
+                if self.config.weight_sync.mode == "collective"
+                else None,
+                "",
+            )
         published = None
         if tensors is not None:
             if self.dp.fsdp:
                 self._final_weights = tensors  # gathered CPU copies: what close() saves
             published = self._publisher().publish(tensors, version)
             stats["publish_s"] = time.perf_counter() - start
-            stats["publish_bytes"] = float(sum(t.numel() * t.element_size()
-                                               for _, t in tensors))
+            stats["publish_bytes"] = float(sum(t.numel() * t.element_size() for _, t in tensors))
         return stats, published, self._checkpoint_sync(msg, stats, tensors)
 
     def _publisher(self) -> Publisher:
@@ -242,38 +295,58 @@ class TrainerWorker(Worker):
             self._weights_publisher = make_publisher(self.config)
         return self._weights_publisher
 
-    def _checkpoint_sync(self, msg: Train, stats: dict[str, float],
-                         tensors: list[tuple[str, torch.Tensor]] | None) -> str:
+    def _checkpoint_sync(
+        self, msg: Train, stats: dict[str, float], tensors: list[tuple[str, torch.Tensor]] | None
+    ) -> str:
         every = self.config.trainer.checkpoint_every
         if not every or msg.step % every:
             return ""
         start = time.perf_counter()
         version = msg.version + 1
-        write = None if tensors is None else (
-            lambda directory: save_weights_dir(directory, tensors, self.config, version))
-        path = save_checkpoint(self.trainer.model, self.trainer.optimizer, self.config.run_dir,
-                               msg.step, version, self.config.trainer.keep_checkpoints,
-                               write_weights=write)
+        write = (
+            None
+            if tensors is None
+            else (lambda directory: save_weights_dir(directory, tensors, self.config, version))
+        )
+        path = save_checkpoint(
+            self.trainer.model,
+            self.trainer.optimizer,
+            self.config.run_dir,
+            msg.step,
+            version,
+            self.config.trainer.keep_checkpoints,
+            write_weights=write,
+        )
         stats["checkpoint_s"] = time.perf_counter() - start
         return str(path) if self.rank == 0 else ""
 
-    def _replay_check(self, tensors: list[tuple[str, torch.Tensor]],
-                      version: int) -> dict[str, float]:
+    def _replay_check(
+        self, tensors: list[tuple[str, torch.Tensor]], version: int
+    ) -> dict[str, float]:
         """Largest |difference| between the weights after the replay and those the lost
         trainer published for `version` (disk mode: they are still kept)."""
         published = version_dir(self.config.run_dir, version)
         if not published.exists():
             return {}
         saved = load_tensors(published)
-        diff = max((float((t.float().cpu() - saved[name].float()).abs().max())
-                    for name, t in tensors), default=0.0)
+        diff = max(
+            (float((t.float().cpu() - saved[name].float()).abs().max()) for name, t in tensors),
+            default=0.0,
+        )
         return {"replay_max_abs_diff": diff}
 
-    async def _send_trained(self, msg: Train, stats: dict[str, float],
-                            published: Publication | None, checkpoint: str) -> None:
+    async def _send_trained(
+        self, msg: Train, stats: dict[str, float], published: Publication | None, checkpoint: str
+    ) -> None:
         version = msg.version + 1
-        trained = Trained(step=msg.step, version=version, stats=stats, rank=self.rank,
-                          replay=msg.replay, checkpoint=checkpoint)
+        trained = Trained(
+            step=msg.step,
+            version=version,
+            stats=stats,
+            rank=self.rank,
+            replay=msg.replay,
+            checkpoint=checkpoint,
+        )
         if published is not None:
             trained.weights_path = published.weights_path
             trained.num_chunks = len(published.chunks)
@@ -302,11 +375,15 @@ class TrainerWorker(Worker):
         member = self._weights_member()
         snapshot = self._snapshots.get(msg.version)
         if snapshot is None:
-            raise RuntimeError(f"asked to broadcast version {msg.version}; this rank holds "
-                               f"{sorted(self._snapshots)}")
+            raise RuntimeError(
+                f"asked to broadcast version {msg.version}; this rank holds "
+                f"{sorted(self._snapshots)}"
+            )
         sent = member.thread.submit(lambda: member.group.send(snapshot, msg.generation))
-        self.spawn(report_weights_op(self.send, msg.generation, sent,
-                                     f"broadcast of v{msg.version}"), f"broadcast-{msg.version}")
+        self.spawn(
+            report_weights_op(self.send, msg.generation, sent, f"broadcast of v{msg.version}"),
+            f"broadcast-{msg.version}",
+        )
 
     # -- shutdown -------------------------------------------------------------------------------
 
@@ -314,16 +391,18 @@ class TrainerWorker(Worker):
         if getattr(self, "model", None) is None:
             return
         if self._busy:  # a step is blocked in a collective (a peer died): save nothing
-            log.warning("rank %d shuts down in the middle of a step; final model not saved",
-                        self.rank)
+            log.warning(
+                "rank %d shuts down in the middle of a step; final model not saved", self.rank
+            )
             return
         if self.rank == 0 and self.version > 0 and self.finished:
             target = Path(self.config.run_dir) / "final_model"
             try:
                 await asyncio.to_thread(write_directory, target, self._save_final)
             except OSError as err:  # a full disk: the previous final_model/ (if any) stays
-                log.error("final policy (version %d) NOT saved to %s: %s", self.version,
-                          target, err)
+                log.error(
+                    "final policy (version %d) NOT saved to %s: %s", self.version, target, err
+                )
             else:
                 log.info("saved the final policy (version %d) to %s", self.version, target)
         if self._weights_publisher is not None:
@@ -339,11 +418,13 @@ class TrainerWorker(Worker):
         else:
             self.model.save_pretrained(target, safe_serialization=True)
         cfg = self.config.model
-        load_tokenizer(cfg.tokenizer_path or cfg.path, trust_remote_code=cfg.trust_remote_code,
-                       cache_dir=self.config.cache_dir).save_pretrained(target)
+        load_tokenizer(
+            cfg.tokenizer_path or cfg.path,
+            trust_remote_code=cfg.trust_remote_code,
+            cache_dir=self.config.cache_dir,
+        ).save_pretrained(target)
 
-    def _save_final_lora(self, target: Path,
-                         final: list[tuple[str, torch.Tensor]] | None) -> None:
+    def _save_final_lora(self, target: Path, final: list[tuple[str, torch.Tensor]] | None) -> None:
         """LoRA: the merged model (base + (alpha / rank) B A from the untouched base
         checkpoint, loadable without PEFT) and the adapter itself in `adapter/`."""
         cfg = self.config
@@ -354,5 +435,10 @@ class TrainerWorker(Worker):
         self.model.config.save_pretrained(target)
         if getattr(self.model, "generation_config", None) is not None:
             self.model.generation_config.save_pretrained(target)
-        save_adapter_dir(target / "adapter", adapters.items(), cfg.trainer.lora,
-                         base_model=cfg.model.path, metadata={"version": str(self.version)})
+        save_adapter_dir(
+            target / "adapter",
+            adapters.items(),
+            cfg.trainer.lora,
+            base_model=cfg.model.path,
+            metadata={"version": str(self.version)},
+        )

@@ -30,15 +30,21 @@ async def run(client: Any, sample: AgentSample) -> RewardOutcome:
     answer = ""
     for _ in range(MAX_CALLS):
         completion = await client.chat.completions.create(
-            model="policy", messages=messages, tools=[CALCULATOR.definition()])
+            model="policy", messages=messages, tools=[CALCULATOR.definition()]
+        )
         message = completion.choices[0].message
         answer = message.content or ""
         if not message.tool_calls:
             break
         messages.append(message.model_dump(exclude_none=True))
         for call in message.tool_calls:
-            messages.append({"role": "tool", "tool_call_id": call.id,
-                             "content": await calculate(call.function.arguments)})
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": call.id,
+                    "content": await calculate(call.function.arguments),
+                }
+            )
     return await sample.score(answer)
 
 

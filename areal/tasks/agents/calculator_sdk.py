@@ -34,13 +34,20 @@ def calculator(expression: str) -> str:
 
 async def run(client: Any, sample: AgentSample) -> RewardOutcome:
     from agents import (
-        Agent, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled,
+        Agent,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
     )
     from agents.exceptions import MaxTurnsExceeded
 
     set_tracing_disabled(True)
-    agent = Agent(name="calculator", tools=[function_tool(calculator)],
-                  model=OpenAIChatCompletionsModel(model="policy", openai_client=client))
+    agent = Agent(
+        name="calculator",
+        tools=[function_tool(calculator)],
+        model=OpenAIChatCompletionsModel(model="policy", openai_client=client),
+    )
     try:
         result = await Runner.run(agent, input=sample.prompt, max_turns=MAX_TURNS)
     except MaxTurnsExceeded:

@@ -9,7 +9,11 @@ import torch
 
 
 def _assert_close(
-    actual: torch.Tensor, expected: torch.Tensor, *, atol: float = 0.0, rtol: float = 0.0,
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    atol: float = 0.0,
+    rtol: float = 0.0,
     what: str = "values",
 ) -> None:
     """Fail with the max and mean absolute difference (and where the max is) when not close."""

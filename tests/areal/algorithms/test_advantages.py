@@ -22,8 +22,9 @@ from areal.types import Trajectory, pack
 ESTIMATORS = ["grpo", "drgrpo", "rloo"]
 
 
-def _naive_group_advantages(rewards: list[float], group_ids: list[int], estimator: str,
-                            eps: float) -> list[float]:
+def _naive_group_advantages(
+    rewards: list[float], group_ids: list[int], estimator: str, eps: float
+) -> list[float]:
     """Per-sequence loop over the textbook formulas (float64 Python arithmetic)."""
     out = []
     for r, g in zip(rewards, group_ids, strict=True):
@@ -44,7 +45,9 @@ def _naive_group_advantages(rewards: list[float], group_ids: list[int], estimato
 def test_shape_rewards_scales_then_biases_then_clips(assert_close):
     rewards = torch.tensor([-3.0, 0.5, 2.0])
     # scale 2 -> [-6, 1, 4]; bias 1 -> [-5, 2, 5]; clip 3 -> [-3, 2, 3]
-    assert_close(shape_rewards(rewards, scale=2.0, bias=1.0, clip=3.0), torch.tensor([-3.0, 2.0, 3.0]))
+    assert_close(
+        shape_rewards(rewards, scale=2.0, bias=1.0, clip=3.0), torch.tensor([-3.0, 2.0, 3.0])
+    )
     assert_close(shape_rewards(rewards, scale=2.0, bias=1.0), torch.tensor([-5.0, 2.0, 5.0]))
     assert_close(shape_rewards(rewards), rewards)
 
@@ -67,8 +70,14 @@ def test_integer_rewards_become_float32(assert_close):
 HAND_REWARDS = [2.0, 1.0, 4.0, 0.0, 9.0, 7.0]
 HAND_GROUPS = [5, 9, 5, 9, 5, 100]
 HAND_EXPECTED = {
-    "grpo": [-3 / math.sqrt(13), 0.5 / math.sqrt(0.5), -1 / math.sqrt(13),
-             -0.5 / math.sqrt(0.5), 4 / math.sqrt(13), 0.0],
+    "grpo": [
+        -3 / math.sqrt(13),
+        0.5 / math.sqrt(0.5),
+        -1 / math.sqrt(13),
+        -0.5 / math.sqrt(0.5),
+        4 / math.sqrt(13),
+        0.0,
+    ],
     "drgrpo": [-3.0, 0.5, -1.0, -0.5, 4.0, 0.0],
     # r_i minus the mean of the others: 2-(4+9)/2, 1-0, 4-(2+9)/2, 0-1, 9-(2+4)/2, singleton.
     "rloo": [-4.5, 1.0, -1.5, -1.0, 6.0, 0.0],
@@ -77,26 +86,39 @@ HAND_EXPECTED = {
 
 @pytest.mark.parametrize("estimator", ESTIMATORS)
 def test_group_advantages_hand_computed(estimator, assert_close):
-    adv = group_advantages(torch.tensor(HAND_REWARDS, dtype=torch.float64),
-                           torch.tensor(HAND_GROUPS), estimator=estimator, eps=0.0)
-    assert_close(adv, torch.tensor(HAND_EXPECTED[estimator], dtype=torch.float64), atol=1e-12,
-                 what=estimator)
+    adv = group_advantages(
+        torch.tensor(HAND_REWARDS, dtype=torch.float64),
+        torch.tensor(HAND_GROUPS),
+        estimator=estimator,
+        eps=0.0,
+    )
+    assert_close(
+        adv, torch.tensor(HAND_EXPECTED[estimator], dtype=torch.float64), atol=1e-12, what=estimator
+    )
 
 
 def test_grpo_uses_unbiased_group_std(assert_close):
     # [1, 0, 0, 1]: mean 0.5; unbiased std sqrt(1/3) gives +-0.866, population std 0.5 gives +-1.
-    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=torch.float64),
-                           torch.zeros(4, dtype=torch.long), eps=0.0)
-    assert_close(adv, torch.tensor([1.0, -1.0, -1.0, 1.0], dtype=torch.float64) * math.sqrt(3) / 2,
-                 atol=1e-12)
+    adv = group_advantages(
+        torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=torch.float64),
+        torch.zeros(4, dtype=torch.long),
+        eps=0.0,
+    )
+    assert_close(
+        adv,
+        torch.tensor([1.0, -1.0, -1.0, 1.0], dtype=torch.float64) * math.sqrt(3) / 2,
+        atol=1e-12,
+    )
 
 
 def test_grpo_eps_is_added_to_the_std(assert_close):
-    adv = group_advantages(torch.tensor([0.0, 2.0], dtype=torch.float64),
-                           torch.zeros(2, dtype=torch.long), eps=0.5)
+    adv = group_advantages(
+        torch.tensor([0.0, 2.0], dtype=torch.float64), torch.zeros(2, dtype=torch.long), eps=0.5
+    )
     # deviations [-1, 1], unbiased std sqrt(2); divided by sqrt(2) + 0.5.
-    assert_close(adv, torch.tensor([-1.0, 1.0], dtype=torch.float64) / (math.sqrt(2) + 0.5),
-                 atol=1e-12)
+    assert_close(
+        adv, torch.tensor([-1.0, 1.0], dtype=torch.float64) / (math.sqrt(2) + 0.5), atol=1e-12
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -125,8 +147,9 @@ def test_equal_reward_groups_are_exactly_zero_among_other_groups(values, sizes, 
 
 @pytest.mark.parametrize("estimator", ESTIMATORS)
 def test_singleton_groups_give_zero(estimator):
-    adv = group_advantages(torch.tensor([3.0, -1.0, 0.25]), torch.tensor([0, 1, 2]),
-                           estimator=estimator)
+    adv = group_advantages(
+        torch.tensor([3.0, -1.0, 0.25]), torch.tensor([0, 1, 2]), estimator=estimator
+    )
     assert adv.tolist() == [0.0, 0.0, 0.0], adv.tolist()
 
 
@@ -140,13 +163,18 @@ group_batches = st.lists(
 def test_group_advantages_match_naive_reference(batch, estimator, assert_close):
     group_ids = [g for g, _ in batch]
     rewards = [r for _, r in batch]
-    adv = group_advantages(torch.tensor(rewards, dtype=torch.float64), torch.tensor(group_ids),
-                           estimator=estimator, eps=1e-6)
+    adv = group_advantages(
+        torch.tensor(rewards, dtype=torch.float64),
+        torch.tensor(group_ids),
+        estimator=estimator,
+        eps=1e-6,
+    )
     expected = _naive_group_advantages(rewards, group_ids, estimator, eps=1e-6)
     # The naive reference does not shift by the group minimum, so allow rounding noise
     # amplified by 1/(std + eps) for nearly-equal groups.
-    assert_close(adv, torch.tensor(expected, dtype=torch.float64), atol=1e-6, rtol=1e-9,
-                 what=estimator)
+    assert_close(
+        adv, torch.tensor(expected, dtype=torch.float64), atol=1e-6, rtol=1e-9, what=estimator
+    )
 
 
 @given(batch=group_batches, estimator=st.sampled_from(ESTIMATORS))
@@ -205,8 +233,12 @@ def test_batch_and_group_normalisation_use_the_same_std_convention(assert_close)
     rewards = torch.tensor([0.0, 1.0, 1.0, 0.5, 3.0], dtype=torch.float64)
     group = group_advantages(rewards, torch.zeros(5, dtype=torch.long), eps=0.0)
     assert_close(normalize_batch(rewards, eps=0.0), group, atol=1e-12)
-    assert_close(group, (rewards - rewards.mean()) / rewards.std(), atol=1e-12,
-                 what="torch.std's default (unbiased)")
+    assert_close(
+        group,
+        (rewards - rewards.mean()) / rewards.std(),
+        atol=1e-12,
+        what="torch.std's default (unbiased)",
+    )
 
 
 def test_normalize_batch_with_mask_uses_masked_entries_and_zeroes_the_rest(assert_close):
@@ -220,7 +252,10 @@ def test_normalize_batch_with_mask_uses_masked_entries_and_zeroes_the_rest(asser
 
 def test_normalize_batch_degenerate_inputs_give_exact_zero():
     assert normalize_batch(torch.full((5,), 0.1)).tolist() == [0.0] * 5
-    assert normalize_batch(torch.tensor([2.0, 3.0]), torch.tensor([False, False])).tolist() == [0, 0]
+    assert normalize_batch(torch.tensor([2.0, 3.0]), torch.tensor([False, False])).tolist() == [
+        0,
+        0,
+    ]
     assert normalize_batch(torch.tensor([4.0])).tolist() == [0.0]
     with pytest.raises(ValueError, match="mask must be a bool tensor"):
         normalize_batch(torch.ones(3), torch.ones(3))
@@ -231,12 +266,18 @@ def test_compute_advantages_hand_computed(assert_close):
     group_ids = torch.zeros(4, dtype=torch.long)
     cfg = AdvantageConfig(estimator="drgrpo", reward_scale=2.0, reward_bias=-1.0)
     # shaped [-1, 1, 1, 1], mean 0.5
-    assert_close(compute_advantages(rewards, group_ids, cfg),
-                 torch.tensor([-1.5, 0.5, 0.5, 0.5], dtype=torch.float64), atol=1e-12)
+    assert_close(
+        compute_advantages(rewards, group_ids, cfg),
+        torch.tensor([-1.5, 0.5, 0.5, 0.5], dtype=torch.float64),
+        atol=1e-12,
+    )
     cfg.reward_clip = 0.5
     # shaped and clipped [-0.5, 0.5, 0.5, 0.5], mean 0.25
-    assert_close(compute_advantages(rewards, group_ids, cfg),
-                 torch.tensor([-0.75, 0.25, 0.25, 0.25], dtype=torch.float64), atol=1e-12)
+    assert_close(
+        compute_advantages(rewards, group_ids, cfg),
+        torch.tensor([-0.75, 0.25, 0.25, 0.25], dtype=torch.float64),
+        atol=1e-12,
+    )
 
 
 @pytest.mark.parametrize("estimator", ESTIMATORS)
@@ -245,14 +286,23 @@ def test_compute_advantages_composes_the_steps_in_order(estimator, batch_norm, a
     gen = torch.Generator().manual_seed(1)
     rewards = torch.randn(24, generator=gen, dtype=torch.float64) * 2
     group_ids = torch.arange(24) // 4
-    cfg = AdvantageConfig(estimator=estimator, reward_scale=0.5, reward_bias=0.3,
-                          reward_clip=0.8, batch_norm=batch_norm)
-    expected = group_advantages(shape_rewards(rewards, scale=0.5, bias=0.3, clip=0.8), group_ids,
-                                estimator=estimator)
+    cfg = AdvantageConfig(
+        estimator=estimator,
+        reward_scale=0.5,
+        reward_bias=0.3,
+        reward_clip=0.8,
+        batch_norm=batch_norm,
+    )
+    expected = group_advantages(
+        shape_rewards(rewards, scale=0.5, bias=0.3, clip=0.8), group_ids, estimator=estimator
+    )
     if batch_norm:
         expected = normalize_batch(expected)
-    assert_close(compute_advantages(rewards, group_ids, cfg), expected,
-                 what=f"{estimator} batch_norm={batch_norm}")
+    assert_close(
+        compute_advantages(rewards, group_ids, cfg),
+        expected,
+        what=f"{estimator} batch_norm={batch_norm}",
+    )
 
 
 def test_token_advantages_repeat_each_value_over_its_tokens(assert_close):
@@ -261,9 +311,17 @@ def test_token_advantages_repeat_each_value_over_its_tokens(assert_close):
 
 
 def test_token_advantages_agree_with_the_packed_batch_layout(assert_close):
-    trajs = [Trajectory.from_generation(prompt_id=f"p{i}", group_id=i, prompt_ids=[1] * (i + 1),
-                                        output_ids=[2] * (3 - i), output_logprobs=[-0.1] * (3 - i),
-                                        output_versions=[0] * (3 - i)) for i in range(3)]
+    trajs = [
+        Trajectory.from_generation(
+            prompt_id=f"p{i}",
+            group_id=i,
+            prompt_ids=[1] * (i + 1),
+            output_ids=[2] * (3 - i),
+            output_logprobs=[-0.1] * (3 - i),
+            output_versions=[0] * (3 - i),
+        )
+        for i in range(3)
+    ]
     batch = pack(trajs)
     seq_adv = torch.tensor([0.25, -1.0, 4.0])
     assert_close(token_advantages(seq_adv, batch.cu_seqlens), seq_adv[batch.seq_index()])

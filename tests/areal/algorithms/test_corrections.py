@@ -29,14 +29,15 @@ def _batch(seed: int, num_seqs: int = 12, spread: float = 1.0) -> dict[str, torc
     seq = torch.repeat_interleave(torch.arange(num_seqs), lengths)
     mask = torch.rand(n, generator=gen) < 0.85
     for s in range(num_seqs):
-        mask[cu[s]:cu[s] + NUM_PROMPT] = False
-    mask[cu[3]:cu[4]] = False  # sequence 3 has no loss token
+        mask[cu[s] : cu[s] + NUM_PROMPT] = False
+    mask[cu[3] : cu[4]] = False  # sequence 3 has no loss token
     prox = -torch.rand(n, generator=gen, dtype=F64) * 3
     behav_offset = spread * torch.randn(num_seqs, generator=gen, dtype=F64)
     theta_offset = 0.3 * torch.randn(num_seqs, generator=gen, dtype=F64)
     return {
-        "logprobs": (prox + theta_offset[seq] + 0.2 * torch.randn(n, generator=gen, dtype=F64)
-                     ).requires_grad_(),
+        "logprobs": (
+            prox + theta_offset[seq] + 0.2 * torch.randn(n, generator=gen, dtype=F64)
+        ).requires_grad_(),
         "prox_logprobs": prox,
         "behav_logprobs": prox + behav_offset[seq] + 0.5 * torch.randn(n, generator=gen, dtype=F64),
         "advantages": torch.randn(num_seqs, generator=gen, dtype=F64)[seq],
@@ -46,9 +47,19 @@ def _batch(seed: int, num_seqs: int = 12, spread: float = 1.0) -> dict[str, torc
     }
 
 
-def _reference(inp, *, eps_clip=0.2, eps_clip_high=None, behav_imp_cap=None,
-               behav_imp_floor=None, behav_cap_mode="mask", behav_imp_level="token",
-               policy_loss="ppo", loss_agg_mode="token-mean", loss_agg_norm=None):
+def _reference(
+    inp,
+    *,
+    eps_clip=0.2,
+    eps_clip_high=None,
+    behav_imp_cap=None,
+    behav_imp_floor=None,
+    behav_cap_mode="mask",
+    behav_imp_level="token",
+    policy_loss="ppo",
+    loss_agg_mode="token-mean",
+    loss_agg_norm=None,
+):
     """Loop over sequences, then tokens, with Python floats for everything but pi_theta.
 
     Returns (loss value, a tensor whose gradient w.r.t. logprobs is the loss's, stats).
@@ -62,9 +73,14 @@ def _reference(inp, *, eps_clip=0.2, eps_clip_high=None, behav_imp_cap=None,
     seqs = [tokens for tokens in seqs if tokens]
     num_tokens = sum(len(tokens) for tokens in seqs)
     value, grad_source = 0.0, lp.new_zeros(())
-    st = dict(num_tokens=num_tokens, num_used_tokens=0, num_capped=0, num_clipped=0,
-              sum_loss=0.0, num_loss_units=len(seqs) if loss_agg_mode != "token-mean"
-              else num_tokens)
+    st = dict(
+        num_tokens=num_tokens,
+        num_used_tokens=0,
+        num_capped=0,
+        num_clipped=0,
+        sum_loss=0.0,
+        num_loss_units=len(seqs) if loss_agg_mode != "token-mean" else num_tokens,
+    )
     for tokens in seqs:
         log_w = {t: prox[t] - behav[t] for t in tokens}
         seq_w = math.exp(sum(log_w.values()) / len(tokens))
@@ -77,8 +93,9 @@ def _reference(inp, *, eps_clip=0.2, eps_clip_high=None, behav_imp_cap=None,
             factor = 1.0 / (loss_agg_norm * len(seqs))
         for t in tokens:
             w = seq_w if behav_imp_level == "sequence" else math.exp(log_w[t])
-            out = (behav_imp_cap is not None and w > behav_imp_cap) or \
-                (behav_imp_floor is not None and w < behav_imp_floor)
+            out = (behav_imp_cap is not None and w > behav_imp_cap) or (
+                behav_imp_floor is not None and w < behav_imp_floor
+            )
             st["num_capped"] += out
             if out and behav_cap_mode == "mask":
                 continue
@@ -110,8 +127,9 @@ def _reference(inp, *, eps_clip=0.2, eps_clip_high=None, behav_imp_cap=None,
         st[f"num_{split}_tokens"] = len(chosen)
         st[f"sum_{split}_abs_diff"] = sum(diffs)
         st[f"max_{split}_abs_diff"] = max(diffs, default=0.0)
-        st[f"sum_{split}_behav_kl"] = sum(math.expm1(prox[t] - behav[t]) - (prox[t] - behav[t])
-                                          for t in chosen)
+        st[f"sum_{split}_behav_kl"] = sum(
+            math.expm1(prox[t] - behav[t]) - (prox[t] - behav[t]) for t in chosen
+        )
     return value, grad_source, st
 
 
@@ -120,22 +138,37 @@ def _check_stats(stats: PPOStats, expected: dict) -> None:
         got = getattr(stats, name)
         if name.startswith(("num_", "max_")):
             assert got == pytest.approx(want, abs=0 if name.startswith("num_") else 1e-15), (
-                f"{name}: got {got!r}, want {want!r}")
+                f"{name}: got {got!r}, want {want!r}"
+            )
         else:
             assert abs(got - want) <= 1e-12 * max(1.0, abs(want)), (
-                f"{name}: got {got!r}, want {want!r}, |diff| = {abs(got - want):.3e}")
+                f"{name}: got {got!r}, want {want!r}, |diff| = {abs(got - want):.3e}"
+            )
 
 
-BOUNDS = [dict(behav_imp_cap=2.0), dict(behav_imp_floor=0.5, behav_imp_cap=2.0),
-          dict(behav_imp_floor=0.7)]
-CORRECTION_GRID = [dict(behav_imp_level=level, behav_cap_mode=mode, **bounds)
-                   for level in ("token", "sequence") for mode in ("mask", "clamp")
-                   for bounds in BOUNDS]
-OBJECTIVE_GRID = [dict(policy_loss=kind, loss_agg_mode=agg, loss_agg_norm=20.0,
-                       behav_imp_level=level, behav_imp_cap=2.0)
-                  for kind in ("ppo", "gspo", "cispo")
-                  for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-                  for level in ("token", "sequence")]
+BOUNDS = [
+    dict(behav_imp_cap=2.0),
+    dict(behav_imp_floor=0.5, behav_imp_cap=2.0),
+    dict(behav_imp_floor=0.7),
+]
+CORRECTION_GRID = [
+    dict(behav_imp_level=level, behav_cap_mode=mode, **bounds)
+    for level in ("token", "sequence")
+    for mode in ("mask", "clamp")
+    for bounds in BOUNDS
+]
+OBJECTIVE_GRID = [
+    dict(
+        policy_loss=kind,
+        loss_agg_mode=agg,
+        loss_agg_norm=20.0,
+        behav_imp_level=level,
+        behav_imp_cap=2.0,
+    )
+    for kind in ("ppo", "gspo", "cispo")
+    for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+    for level in ("token", "sequence")
+]
 
 
 def _name(options: dict) -> str:
@@ -151,8 +184,12 @@ def test_loss_gradient_and_stats_match_the_per_sequence_reference(options, asser
     value, grad_source, expected = _reference(inp, **options)
     (ref_grad,) = torch.autograd.grad(grad_source, inp["logprobs"], allow_unused=True)
     assert_close(loss, torch.tensor(value, dtype=F64), atol=1e-12, what="loss")
-    assert_close(grad, ref_grad if ref_grad is not None else torch.zeros_like(grad),
-                 atol=1e-12, what="d loss / d logprobs")
+    assert_close(
+        grad,
+        ref_grad if ref_grad is not None else torch.zeros_like(grad),
+        atol=1e-12,
+        what="d loss / d logprobs",
+    )
     _check_stats(stats, expected)
     assert stats.num_clipped > 0, "inputs should exercise the clip"
     assert 0 < stats.num_capped < stats.num_tokens, "inputs should exercise the bounds"
@@ -165,10 +202,21 @@ def test_gradcheck_in_float64(kind, level):
     derivative of its value, a stop-gradient weight: the next test checks it analytically.)"""
     inp = _batch(seed=11, num_seqs=6)
     theta = inp.pop("logprobs").detach().requires_grad_()
-    options = dict(eps_clip=0.2, behav_imp_cap=2.0, behav_imp_floor=0.5, policy_loss=kind,
-                   behav_imp_level=level, loss_agg_mode="seq-mean-token-mean")
-    assert torch.autograd.gradcheck(lambda lp: decoupled_ppo_loss(lp, **inp, **options)[0],
-                                    (theta,), eps=1e-7, atol=1e-8, fast_mode=True)
+    options = dict(
+        eps_clip=0.2,
+        behav_imp_cap=2.0,
+        behav_imp_floor=0.5,
+        policy_loss=kind,
+        behav_imp_level=level,
+        loss_agg_mode="seq-mean-token-mean",
+    )
+    assert torch.autograd.gradcheck(
+        lambda lp: decoupled_ppo_loss(lp, **inp, **options)[0],
+        (theta,),
+        eps=1e-7,
+        atol=1e-8,
+        fast_mode=True,
+    )
 
 
 def test_cispo_gradient_is_the_clipped_weight_times_the_advantage(assert_close):
@@ -192,20 +240,27 @@ def test_options_coincide_where_the_papers_say_they_do(assert_close):
     n = len(inp["loss_mask"])
     singles = dict(inp, cu_seqlens=torch.arange(n + 1, dtype=torch.int32))
     token, _ = decoupled_ppo_loss(**singles, **base)
-    for options in (dict(policy_loss="gspo"), dict(behav_imp_level="sequence"),
-                    dict(loss_agg_mode="seq-mean-token-mean")):
+    for options in (
+        dict(policy_loss="gspo"),
+        dict(behav_imp_level="sequence"),
+        dict(loss_agg_mode="seq-mean-token-mean"),
+    ):
         other, _ = decoupled_ppo_loss(**singles, **base, **options)
         assert_close(other, token.detach(), atol=1e-14, what=str(options))
     # Sequences of equal loss-token counts: a sequence mean of token means is the token
     # mean, and Dr.GRPO's constant L equal to that count gives the same.
     size, num = 7, n // 7
-    equal = {k: v[:size * num] for k, v in inp.items() if k != "cu_seqlens"}
+    equal = {k: v[: size * num] for k, v in inp.items() if k != "cu_seqlens"}
     equal["logprobs"] = equal["logprobs"].detach().requires_grad_()
-    equal.update(loss_mask=torch.ones(size * num, dtype=torch.bool),
-                 cu_seqlens=torch.arange(0, size * num + 1, size, dtype=torch.int32))
+    equal.update(
+        loss_mask=torch.ones(size * num, dtype=torch.bool),
+        cu_seqlens=torch.arange(0, size * num + 1, size, dtype=torch.int32),
+    )
     reference, _ = decoupled_ppo_loss(**equal, **base)
-    for options in (dict(loss_agg_mode="seq-mean-token-mean"),
-                    dict(loss_agg_mode="seq-mean-token-sum-norm", loss_agg_norm=size)):
+    for options in (
+        dict(loss_agg_mode="seq-mean-token-mean"),
+        dict(loss_agg_mode="seq-mean-token-sum-norm", loss_agg_norm=size),
+    ):
         other, _ = decoupled_ppo_loss(**equal, **base, **options)
         assert_close(other, reference.detach(), atol=1e-14, what=str(options))
 
@@ -215,13 +270,19 @@ def test_icepop_two_sided_mask_by_hand():
     # r = 1 everywhere, A = 1: each kept token contributes -w; masked ones 0 but count.
     prox = torch.zeros(4, dtype=F64)
     behav = torch.tensor([-1.2, 1.0, -0.3, 0.0], dtype=F64)
-    inp = dict(logprobs=prox.clone().requires_grad_(), prox_logprobs=prox, behav_logprobs=behav,
-               advantages=torch.ones(4, dtype=F64), loss_mask=torch.ones(4, dtype=torch.bool))
+    inp = dict(
+        logprobs=prox.clone().requires_grad_(),
+        prox_logprobs=prox,
+        behav_logprobs=behav,
+        advantages=torch.ones(4, dtype=F64),
+        loss_mask=torch.ones(4, dtype=torch.bool),
+    )
     loss, stats = decoupled_ppo_loss(**inp, behav_imp_floor=0.5, behav_imp_cap=2.0)
     assert loss.item() == pytest.approx(-(math.exp(0.3) + 1.0) / 4, abs=1e-15)
     assert (stats.num_capped, stats.num_used_tokens) == (2, 2)
-    clamped, stats = decoupled_ppo_loss(**inp, behav_imp_floor=0.5, behav_imp_cap=2.0,
-                                        behav_cap_mode="clamp")
+    clamped, stats = decoupled_ppo_loss(
+        **inp, behav_imp_floor=0.5, behav_imp_cap=2.0, behav_cap_mode="clamp"
+    )
     assert clamped.item() == pytest.approx(-(2.0 + 0.5 + math.exp(0.3) + 1.0) / 4, abs=1e-15)
     assert (stats.num_capped, stats.num_used_tokens) == (2, 4)
 
@@ -233,7 +294,7 @@ def _cut(inp: dict, bounds: list[int]) -> list[dict]:
     for first, last in zip(bounds[:-1], bounds[1:], strict=True):
         lo, hi = int(cu[first]), int(cu[last])
         piece = {k: v[lo:hi] for k, v in inp.items() if k != "cu_seqlens"}
-        piece["cu_seqlens"] = (cu[first:last + 1] - lo).to(torch.int32)
+        piece["cu_seqlens"] = (cu[first : last + 1] - lo).to(torch.int32)
         pieces.append(piece)
     return pieces
 
@@ -242,9 +303,16 @@ def _cut(inp: dict, bounds: list[int]) -> list[dict]:
 @pytest.mark.parametrize("kind", ["ppo", "gspo", "cispo"])
 def test_pieces_with_the_global_normalizer_sum_to_the_whole_batch(agg, kind, assert_close):
     inp = _batch(seed=14, num_seqs=16)
-    options = dict(eps_clip=0.2, eps_clip_high=0.3, behav_imp_cap=2.0, behav_imp_floor=0.5,
-                   behav_imp_level="sequence", policy_loss=kind, loss_agg_mode=agg,
-                   loss_agg_norm=24.0)
+    options = dict(
+        eps_clip=0.2,
+        eps_clip_high=0.3,
+        behav_imp_cap=2.0,
+        behav_imp_floor=0.5,
+        behav_imp_level="sequence",
+        policy_loss=kind,
+        loss_agg_mode=agg,
+        loss_agg_norm=24.0,
+    )
     full_loss, full_stats = decoupled_ppo_loss(**inp, **options)
     (full_grad,) = torch.autograd.grad(full_loss, inp["logprobs"])
     segments = Segments.of_loss_tokens(inp["cu_seqlens"], inp["loss_mask"])
@@ -287,8 +355,13 @@ def test_metrics_show_only_the_active_corrections_and_seen_splits():
     inp["fresh"] = torch.ones_like(inp["fresh"])
     _, stats = decoupled_ppo_loss(**inp, behav_imp_cap=2.0)
     metrics = stats.metrics("", corrections=("behav_masked", "clipped"))
-    assert {"logprob_diff_fresh", "logprob_diff_fresh_max", "behav_kl_fresh",
-            "behav_masked_frac_fresh", "clipped_frac_fresh"} <= set(metrics)
+    assert {
+        "logprob_diff_fresh",
+        "logprob_diff_fresh_max",
+        "behav_kl_fresh",
+        "behav_masked_frac_fresh",
+        "clipped_frac_fresh",
+    } <= set(metrics)
     assert not any("stale" in k or "clamped" in k for k in metrics), metrics
     assert metrics["fresh_token_frac"] == 1.0
     no_split = decoupled_ppo_loss(**dict(inp, fresh=None), behav_imp_cap=2.0)[1].metrics()
@@ -298,8 +371,11 @@ def test_metrics_show_only_the_active_corrections_and_seen_splits():
 def test_sequence_options_without_boundaries_and_bad_bounds_are_refused():
     inp = _batch(seed=17)
     no_cu = dict(inp, cu_seqlens=None)
-    with pytest.raises(ValueError, match=r"policy_loss='gspo', loss_agg_mode='seq-mean-token-"
-                                         r"mean' works per sequence; pass cu_seqlens"):
+    with pytest.raises(
+        ValueError,
+        match=r"policy_loss='gspo', loss_agg_mode='seq-mean-token-"
+        r"mean' works per sequence; pass cu_seqlens",
+    ):
         decoupled_ppo_loss(**no_cu, policy_loss="gspo", loss_agg_mode="seq-mean-token-mean")
     with pytest.raises(ValueError, match="behav_imp_floor=3.0 is above behav_imp_cap=2.0"):
         decoupled_ppo_loss(**inp, behav_imp_floor=3.0, behav_imp_cap=2.0)
@@ -312,15 +388,24 @@ def test_sequence_options_without_boundaries_and_bad_bounds_are_refused():
     with pytest.raises(ValueError, match="loss_agg_mode='mean' is not one of"):
         decoupled_ppo_loss(**inp, loss_agg_mode="mean")
     with pytest.raises(ValueError, match="must start at 0 and end at the"):
-        decoupled_ppo_loss(**dict(inp, cu_seqlens=inp["cu_seqlens"][:-1]),
-                           loss_agg_mode="seq-mean-token-mean")
+        decoupled_ppo_loss(
+            **dict(inp, cu_seqlens=inp["cu_seqlens"][:-1]), loss_agg_mode="seq-mean-token-mean"
+        )
 
 
 def test_config_options_reach_the_loss():
-    cfg = PPOConfig(behav_imp_floor=0.5, behav_imp_level="sequence", policy_loss="gspo",
-                    loss_agg_mode="seq-mean-token-sum-norm")
+    cfg = PPOConfig(
+        behav_imp_floor=0.5,
+        behav_imp_level="sequence",
+        policy_loss="gspo",
+        loss_agg_mode="seq-mean-token-sum-norm",
+    )
     assert correction_loss_options(cfg, max_new_tokens=300) == dict(
-        behav_imp_floor=0.5, behav_imp_level="sequence", policy_loss="gspo",
-        loss_agg_mode="seq-mean-token-sum-norm", loss_agg_norm=300)
+        behav_imp_floor=0.5,
+        behav_imp_level="sequence",
+        policy_loss="gspo",
+        loss_agg_mode="seq-mean-token-sum-norm",
+        loss_agg_norm=300,
+    )
     cfg.loss_agg_norm = 64
     assert correction_loss_options(cfg, max_new_tokens=300)["loss_agg_norm"] == 64

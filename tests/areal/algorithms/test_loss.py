@@ -27,15 +27,30 @@ def _inputs(n: int, seed: int, spread: float = 0.8) -> dict[str, torch.Tensor]:
     }
 
 
-def _reference(inp, *, eps_clip, eps_clip_high=None, behav_imp_cap=None, behav_cap_mode="mask",
-               loss_normalizer=None):
+def _reference(
+    inp,
+    *,
+    eps_clip,
+    eps_clip_high=None,
+    behav_imp_cap=None,
+    behav_cap_mode="mask",
+    loss_normalizer=None,
+):
     """Token-by-token loop over the textbook formula; prox/behav/advantages as Python floats,
     so autograd can only reach `logprobs`. Returns (loss, dict of stats)."""
     lp, mask = inp["logprobs"], inp["loss_mask"].tolist()
     high = eps_clip if eps_clip_high is None else eps_clip_high
     total = lp.new_zeros(())
-    st = dict(num_tokens=0, num_used_tokens=0, num_capped=0, num_clipped=0, sum_loss=0.0,
-              sum_behav_w=0.0, sum_approx_kl=0.0, max_behav_w=0.0)
+    st = dict(
+        num_tokens=0,
+        num_used_tokens=0,
+        num_capped=0,
+        num_clipped=0,
+        sum_loss=0.0,
+        sum_behav_w=0.0,
+        sum_approx_kl=0.0,
+        max_behav_w=0.0,
+    )
     for t, in_loss in enumerate(mask):
         if not in_loss:
             continue
@@ -76,7 +91,8 @@ def _assert_stats_equal(stats: PPOStats, expected: dict, *, rtol: float = 1e-12)
             assert got == want, f"{name}: got {got!r}, want {want!r} (diff {got - want:.3e})"
         else:
             assert abs(got - want) <= rtol * max(1.0, abs(want)), (
-                f"{name}: got {got!r}, want {want!r}, |diff| = {abs(got - want):.3e}")
+                f"{name}: got {got!r}, want {want!r}, |diff| = {abs(got - want):.3e}"
+            )
 
 
 OPTION_GRID = [
@@ -90,7 +106,9 @@ OPTION_GRID = [
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("options", OPTION_GRID, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+@pytest.mark.parametrize(
+    "options", OPTION_GRID, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items())
+)
 def test_loss_and_gradient_match_per_token_reference(options, seed, assert_close):
     inp = _inputs(300, seed)
     loss, stats = decoupled_ppo_loss(**inp, **options)
@@ -110,10 +128,13 @@ def test_hand_computed_clip_and_clip_higher():
     # (1.5, +1) -> 1.2 clipped | (1.5, -1) -> -1.5 | (0.5, -1) -> -0.8 clipped | (0.5, +1) -> 0.5
     # (1.1, +1) -> 1.1.  Sum 0.5, loss -0.5/5.  Clip higher 0.6: (1.5, +1) -> 1.5, loss -0.8/5.
     r = torch.tensor([1.5, 1.5, 0.5, 0.5, 1.1], dtype=F64)
-    inp = dict(logprobs=r.log(), prox_logprobs=torch.zeros(5, dtype=F64),
-               behav_logprobs=torch.zeros(5, dtype=F64),
-               advantages=torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0], dtype=F64),
-               loss_mask=torch.ones(5, dtype=torch.bool))
+    inp = dict(
+        logprobs=r.log(),
+        prox_logprobs=torch.zeros(5, dtype=F64),
+        behav_logprobs=torch.zeros(5, dtype=F64),
+        advantages=torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0], dtype=F64),
+        loss_mask=torch.ones(5, dtype=torch.bool),
+    )
     loss, stats = decoupled_ppo_loss(**inp, eps_clip=0.2)
     assert abs(loss.item() + 0.1) < 1e-12, loss.item()
     assert stats.metrics()["train/clip_frac"] == 2 / 5, stats
@@ -136,8 +157,9 @@ def test_naive_ppo_is_the_textbook_clipped_objective_without_a_dual_clip():
     adv = torch.tensor([1.0, -1.0, -1.0, -1.0, 1.0, 0.7, 0.0], dtype=F64)
     behav = -torch.rand(len(r), generator=torch.Generator().manual_seed(0), dtype=F64)
     logprobs = (behav + r.log()).requires_grad_()
-    loss, stats = decoupled_ppo_loss(logprobs, behav, behav, adv,
-                                     torch.ones(len(r), dtype=torch.bool), eps_clip=eps)
+    loss, stats = decoupled_ppo_loss(
+        logprobs, behav, behav, adv, torch.ones(len(r), dtype=torch.bool), eps_clip=eps
+    )
     loss = loss * len(r)  # the token sum (the loss is the token mean)
     textbook = torch.minimum(r * adv, r.clamp(1 - eps, 1 + eps) * adv)
     assert abs(loss.item() + textbook.sum().item()) < 1e-12, (loss.item(), textbook)
@@ -158,9 +180,15 @@ def test_naive_ppo_is_the_textbook_clipped_objective_without_a_dual_clip():
 def test_masked_tokens_are_counted_by_the_bound_they_crossed():
     prox = torch.zeros(4, dtype=F64)
     behav = torch.tensor([0.0, -2.0, 2.0, 0.1], dtype=F64)  # w = 1, e^2, e^-2, e^-0.1
-    _, stats = decoupled_ppo_loss(prox.clone().requires_grad_(), prox, behav,
-                                  torch.ones(4, dtype=F64), torch.ones(4, dtype=torch.bool),
-                                  behav_imp_cap=5.0, behav_imp_floor=0.2)
+    _, stats = decoupled_ppo_loss(
+        prox.clone().requires_grad_(),
+        prox,
+        behav,
+        torch.ones(4, dtype=F64),
+        torch.ones(4, dtype=torch.bool),
+        behav_imp_cap=5.0,
+        behav_imp_floor=0.2,
+    )
     assert (stats.num_capped, stats.num_above_cap, stats.num_below_floor) == (2, 1, 1)
     metrics = stats.metrics()
     assert metrics["train/behav_above_cap_frac"] == metrics["train/behav_below_floor_frac"] == 0.25
@@ -176,12 +204,16 @@ def test_reduces_to_standard_ppo_when_prox_equals_behav(eps_clip_high, assert_cl
     ppo = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1 + high) * adv)
     expected = ppo[mask].mean()
     for cap in (None, 1.0):  # w == 1 exactly: a cap of 1 must not change anything
-        loss, stats = decoupled_ppo_loss(**inp, eps_clip=0.2, eps_clip_high=eps_clip_high,
-                                         behav_imp_cap=cap)
+        loss, stats = decoupled_ppo_loss(
+            **inp, eps_clip=0.2, eps_clip_high=eps_clip_high, behav_imp_cap=cap
+        )
         assert_close(loss, expected.detach(), atol=1e-12, what=f"loss cap={cap}")
-        assert_close(torch.autograd.grad(loss, lp)[0],
-                     torch.autograd.grad(expected, lp, retain_graph=True)[0],
-                     atol=1e-12, what=f"grad cap={cap}")
+        assert_close(
+            torch.autograd.grad(loss, lp)[0],
+            torch.autograd.grad(expected, lp, retain_graph=True)[0],
+            atol=1e-12,
+            what=f"grad cap={cap}",
+        )
         assert stats.num_capped == 0 and stats.max_behav_w == 1.0, stats
         assert stats.sum_behav_w == stats.num_tokens, stats
 
@@ -196,8 +228,12 @@ def test_only_theta_logprobs_receive_gradient(assert_close):
     inp["prox_logprobs"] = prox_leaf * scale
     loss, _ = decoupled_ppo_loss(**inp, eps_clip=0.2, behav_imp_cap=2.0)
     loss.backward()
-    for name, tensor in [("prox", prox_leaf), ("scale", scale), ("behav", inp["behav_logprobs"]),
-                         ("advantages", inp["advantages"])]:
+    for name, tensor in [
+        ("prox", prox_leaf),
+        ("scale", scale),
+        ("behav", inp["behav_logprobs"]),
+        ("advantages", inp["advantages"]),
+    ]:
         assert tensor.grad is None, f"{name} received a gradient: {tensor.grad}"
     grad = inp["logprobs"].grad
     assert grad is not None and bool((grad[~inp["loss_mask"]] == 0).all()), grad
@@ -205,11 +241,13 @@ def test_only_theta_logprobs_receive_gradient(assert_close):
 
 
 def _boundary_inputs(prox_value: float) -> dict[str, torch.Tensor]:
-    return dict(logprobs=torch.tensor([-1.0, -0.5], dtype=F64, requires_grad=True),
-                prox_logprobs=torch.tensor([prox_value, -0.6], dtype=F64),
-                behav_logprobs=torch.tensor([-2.0, -0.6], dtype=F64),
-                advantages=torch.tensor([0.7, -0.3], dtype=F64),
-                loss_mask=torch.tensor([True, True]))
+    return dict(
+        logprobs=torch.tensor([-1.0, -0.5], dtype=F64, requires_grad=True),
+        prox_logprobs=torch.tensor([prox_value, -0.6], dtype=F64),
+        behav_logprobs=torch.tensor([-2.0, -0.6], dtype=F64),
+        advantages=torch.tensor([0.7, -0.3], dtype=F64),
+        loss_mask=torch.tensor([True, True]),
+    )
 
 
 @pytest.mark.parametrize("mode", ["mask", "clamp"])
@@ -235,8 +273,12 @@ def test_cap_keeps_w_equal_to_cap_and_acts_just_above(mode, assert_close):
         ref, _ = _reference(inp, eps_clip=0.2, behav_imp_cap=below, behav_cap_mode="clamp")
         assert_close(loss, ref.detach(), atol=1e-15, what="token 0 clamped to the cap")
         # token 0's term is linear in w: its contribution shrinks by below / w0
-        assert_close((loss - only1).detach(), (uncapped - only1).detach() * (below / w0),
-                     atol=1e-15, what="w scaled to the cap")
+        assert_close(
+            (loss - only1).detach(),
+            (uncapped - only1).detach() * (below / w0),
+            atol=1e-15,
+            what="w scaled to the cap",
+        )
 
 
 def test_infinite_weights_and_garbage_outside_the_loss_give_finite_gradients(assert_close):
@@ -276,8 +318,9 @@ def test_a_token_with_an_undefined_term_is_dropped_not_nan(case, mode, assert_cl
     # The same as leaving token 7 out of the loss while it still counts in the denominator.
     without = dict(inp, loss_mask=inp["loss_mask"].clone())
     without["loss_mask"][7] = False
-    ref_loss, ref_stats = decoupled_ppo_loss(**without, **options,
-                                             loss_normalizer=int(inp["loss_mask"].sum()))
+    ref_loss, ref_stats = decoupled_ppo_loss(
+        **without, **options, loss_normalizer=int(inp["loss_mask"].sum())
+    )
     (ref_grad,) = torch.autograd.grad(ref_loss, without["logprobs"])
     assert_close(loss.detach(), ref_loss.detach(), atol=1e-15, what="loss")
     assert_close(grad, ref_grad, atol=1e-15, what="gradient")
@@ -288,11 +331,18 @@ def test_a_token_with_an_undefined_term_is_dropped_not_nan(case, mode, assert_cl
     assert stats.metrics()["train/undefined_frac"] == 1 / stats.num_tokens
 
 
-@pytest.mark.parametrize("options", [dict(policy_loss="gspo"), dict(policy_loss="cispo"),
-                                     dict(behav_imp_level="sequence", behav_imp_cap=None)],
-                         ids=["gspo", "cispo", "sequence_w"])
-def test_an_undefined_term_drops_its_token_or_its_sequence_with_finite_gradients(options,
-                                                                                 assert_close):
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(policy_loss="gspo"),
+        dict(policy_loss="cispo"),
+        dict(behav_imp_level="sequence", behav_imp_cap=None),
+    ],
+    ids=["gspo", "cispo", "sequence_w"],
+)
+def test_an_undefined_term_drops_its_token_or_its_sequence_with_finite_gradients(
+    options, assert_close
+):
     """GSPO's ratio and a sequence-level w are the sequence's: one pi_prox (or pi_behav) of
     0 leaves the whole sequence without a value, so the whole sequence is dropped."""
     inp = _inputs(40, seed=14)
@@ -309,10 +359,15 @@ def test_an_undefined_term_drops_its_token_or_its_sequence_with_finite_gradients
     assert (grad[dropped] == 0).all() and (grad[:10] != 0).any(), grad
     kept = torch.ones(40, dtype=torch.bool)
     kept[dropped] = False
-    without = dict(inp, loss_mask=kept, prox_logprobs=inp["prox_logprobs"].clamp(min=-5.0),
-                   behav_logprobs=inp["behav_logprobs"].clamp(min=-5.0))
-    ref_loss, _ = decoupled_ppo_loss(**without, **options, cu_seqlens=cu_seqlens,
-                                     loss_normalizer=40)
+    without = dict(
+        inp,
+        loss_mask=kept,
+        prox_logprobs=inp["prox_logprobs"].clamp(min=-5.0),
+        behav_logprobs=inp["behav_logprobs"].clamp(min=-5.0),
+    )
+    ref_loss, _ = decoupled_ppo_loss(
+        **without, **options, cu_seqlens=cu_seqlens, loss_normalizer=40
+    )
     assert_close(loss.detach(), ref_loss.detach(), atol=1e-12, what="the rest of the batch")
 
 
@@ -320,19 +375,27 @@ def test_a_zero_behaviour_probability_under_a_clamp_cap_keeps_the_capped_weight(
     inp = _inputs(20, seed=12)
     inp["loss_mask"][:] = True
     inp["behav_logprobs"][4] = float("-inf")
-    loss, stats = decoupled_ppo_loss(**inp, eps_clip=0.2, behav_imp_cap=2.0,
-                                     behav_cap_mode="clamp")
-    ref_loss, _ = _reference(dict(inp, behav_logprobs=inp["behav_logprobs"].clamp(min=-50.0)),
-                             eps_clip=0.2, behav_imp_cap=2.0, behav_cap_mode="clamp")
+    loss, stats = decoupled_ppo_loss(**inp, eps_clip=0.2, behav_imp_cap=2.0, behav_cap_mode="clamp")
+    ref_loss, _ = _reference(
+        dict(inp, behav_logprobs=inp["behav_logprobs"].clamp(min=-50.0)),
+        eps_clip=0.2,
+        behav_imp_cap=2.0,
+        behav_cap_mode="clamp",
+    )
     assert_close(loss.detach(), ref_loss.detach(), atol=1e-12, what="w = inf clamped to 2")
     assert stats.num_undefined == 0 and stats.num_capped >= 1, stats
 
 
-@pytest.mark.parametrize("name,value", [("prox_logprobs", float("nan")),
-                                        ("behav_logprobs", float("nan")),
-                                        ("prox_logprobs", float("inf")),
-                                        ("advantages", float("-inf")),
-                                        ("advantages", float("nan"))])
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("prox_logprobs", float("nan")),
+        ("behav_logprobs", float("nan")),
+        ("prox_logprobs", float("inf")),
+        ("advantages", float("-inf")),
+        ("advantages", float("nan")),
+    ],
+)
 def test_corrupt_values_on_loss_tokens_are_refused_with_their_name(name, value):
     inp = _inputs(30, seed=13)
     inp["loss_mask"][5] = True
@@ -379,7 +442,8 @@ def test_micro_batches_with_global_normalizer_sum_to_the_full_batch(mode, num_pi
     mean_of_means = sum(means) / len(means)
     assert abs(mean_of_means - full_loss.item()) > 1e-6, (
         "the mean of per-piece means should differ from the token mean, else this test could "
-        "not tell a global normaliser from a local one")
+        "not tell a global normaliser from a local one"
+    )
 
     merged = PPOStats.reduce(pieces)
     _assert_stats_equal(merged, vars(full_stats))
@@ -388,8 +452,10 @@ def test_micro_batches_with_global_normalizer_sum_to_the_full_batch(mode, num_pi
 
 
 def test_stats_survive_an_all_reduce_through_tensors():
-    ranks = [decoupled_ppo_loss(**_inputs(100, seed=s), eps_clip=0.2, behav_imp_cap=2.0)[1]
-             for s in range(3)]
+    ranks = [
+        decoupled_ppo_loss(**_inputs(100, seed=s), eps_clip=0.2, behav_imp_cap=2.0)[1]
+        for s in range(3)
+    ]
     sums = torch.stack([r.to_tensors()[0] for r in ranks]).sum(0)  # all_reduce(SUM)
     maxes = torch.stack([r.to_tensors()[1] for r in ranks]).amax(0)  # all_reduce(MAX)
     assert PPOStats.from_tensors(sums, maxes) == PPOStats.reduce(ranks)
@@ -397,14 +463,31 @@ def test_stats_survive_an_all_reduce_through_tensors():
 
 
 def test_stats_metrics_are_namespaced_ratios():
-    stats = PPOStats(num_tokens=10, num_used_tokens=8, num_capped=2, num_clipped=2, sum_loss=-3.0,
-                     sum_behav_w=12.0, sum_approx_kl=0.5, max_behav_w=4.0)
+    stats = PPOStats(
+        num_tokens=10,
+        num_used_tokens=8,
+        num_capped=2,
+        num_clipped=2,
+        sum_loss=-3.0,
+        sum_behav_w=12.0,
+        sum_approx_kl=0.5,
+        max_behav_w=4.0,
+    )
     assert stats.metrics() == {
-        "train/loss": -0.3, "train/clip_frac": 0.25, "train/clip_low_frac": 0.0,
-        "train/clip_high_frac": 0.0, "train/unclipped_outside_frac": 0.0, "train/ratio_max": 0.0,
-        "train/behav_w_mean": 1.2, "train/behav_w_max": 4.0, "train/behav_cap_frac": 0.2,
-        "train/behav_above_cap_frac": 0.0, "train/behav_below_floor_frac": 0.0,
-        "train/approx_kl": 0.05, "train/undefined_frac": 0.0, "train/num_loss_tokens": 10.0,
+        "train/loss": -0.3,
+        "train/clip_frac": 0.25,
+        "train/clip_low_frac": 0.0,
+        "train/clip_high_frac": 0.0,
+        "train/unclipped_outside_frac": 0.0,
+        "train/ratio_max": 0.0,
+        "train/behav_w_mean": 1.2,
+        "train/behav_w_max": 4.0,
+        "train/behav_cap_frac": 0.2,
+        "train/behav_above_cap_frac": 0.0,
+        "train/behav_below_floor_frac": 0.0,
+        "train/approx_kl": 0.05,
+        "train/undefined_frac": 0.0,
+        "train/num_loss_tokens": 10.0,
     }
 
 
@@ -425,5 +508,6 @@ def test_invalid_arguments_are_refused_with_the_fix():
 
 def test_options_come_from_the_ppo_config():
     cfg = PPOConfig(eps_clip=0.1, eps_clip_high=0.3, behav_imp_cap=4.0, behav_cap_mode="clamp")
-    assert ppo_loss_options(cfg) == dict(eps_clip=0.1, eps_clip_high=0.3, behav_imp_cap=4.0,
-                                         behav_cap_mode="clamp")
+    assert ppo_loss_options(cfg) == dict(
+        eps_clip=0.1, eps_clip_high=0.3, behav_imp_cap=4.0, behav_cap_mode="clamp"
+    )

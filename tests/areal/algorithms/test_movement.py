@@ -25,8 +25,7 @@ def _inputs(n: int, seed: int) -> tuple[torch.Tensor, ...]:
 def _reference(behav, prox, new, mask) -> dict[str, float]:
     k3 = lambda log_rho: math.expm1(log_rho) - log_rho  # noqa: E731
     out = dict.fromkeys(movement.SUM_FIELDS, 0.0)
-    for b, p, n, m in zip(behav.tolist(), prox.tolist(), new.tolist(), mask.tolist(),
-                          strict=True):
+    for b, p, n, m in zip(behav.tolist(), prox.tolist(), new.tolist(), mask.tolist(), strict=True):
         if not m:
             continue
         w = math.exp(p - b)
@@ -55,8 +54,12 @@ def test_pieces_merge_into_the_whole_batch():
     whole = movement.movement_sums(behav, prox, new, mask, eps_low=EPS, eps_high=EPS)
     merged = dict.fromkeys(movement.SUM_FIELDS, 0.0)
     for part in torch.arange(300).chunk(3):
-        merged = movement.merge(merged, movement.movement_sums(
-            behav[part], prox[part], new[part], mask[part], eps_low=EPS, eps_high=EPS))
+        merged = movement.merge(
+            merged,
+            movement.movement_sums(
+                behav[part], prox[part], new[part], mask[part], eps_low=EPS, eps_high=EPS
+            ),
+        )
     for name in movement.SUM_FIELDS:
         assert merged[name] == pytest.approx(whole[name], rel=1e-9), name
 
@@ -64,8 +67,9 @@ def test_pieces_merge_into_the_whole_batch():
 def test_metrics_name_each_bin_and_skip_what_was_not_measured():
     behav = torch.zeros(4)
     prox = torch.tensor([1.0, 1.0, 1.1, 3.0]).log()  # w = 1, 1, 1.1, 3
-    sums = movement.movement_sums(behav, prox, None, torch.ones(4, dtype=torch.bool),
-                                  eps_low=EPS, eps_high=EPS)
+    sums = movement.movement_sums(
+        behav, prox, None, torch.ones(4, dtype=torch.bool), eps_low=EPS, eps_high=EPS
+    )
     metrics = movement.movement_metrics(sums, "train/")
     assert metrics["train/behav_w_frac/0.95-1.05"] == 0.5
     assert metrics["train/behav_w_frac/1.05-1.2"] == 0.25

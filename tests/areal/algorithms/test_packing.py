@@ -88,12 +88,16 @@ def test_allocation_properties(lengths, max_tokens, min_bins):
     for b, load in zip(bins, loads, strict=True):
         assert load <= max_tokens or len(b) == 1, f"bin {b} holds {load} > {max_tokens} tokens"
         assert b == sorted(b), f"bin {b} not in batch order"
-    normal = [load for b, load in zip(bins, loads, strict=True)
-              if all(lengths[i] <= max_tokens for i in b)]
+    normal = [
+        load
+        for b, load in zip(bins, loads, strict=True)
+        if all(lengths[i] <= max_tokens for i in b)
+    ]
     longest = max([x for x in lengths if x <= max_tokens], default=0)
     if normal:
         assert max(normal) - min(normal) <= longest, (
-            f"imbalance {max(normal) - min(normal)} > longest {longest}: loads {normal}")
+            f"imbalance {max(normal) - min(normal)} > longest {longest}: loads {normal}"
+        )
     num_ffd = len(first_fit_decreasing(lengths, max_tokens))
     assert len(bins) >= max(num_ffd, min(min_bins, len(lengths))), (len(bins), num_ffd)
     assert bins == allocate_micro_batches(list(lengths), max_tokens, min_bins), "not deterministic"

@@ -13,7 +13,10 @@ from areal.algorithms.proximal import loglinear_interpolate, loglinear_prox_logp
 
 def _random_logprobs(n: int, seed: int, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return (-torch.rand(n, generator=gen, dtype=dtype) * 5, -torch.rand(n, generator=gen, dtype=dtype) * 5)
+    return (
+        -torch.rand(n, generator=gen, dtype=dtype) * 5,
+        -torch.rand(n, generator=gen, dtype=dtype) * 5,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
@@ -38,8 +41,9 @@ def test_hand_computed_interpolation(assert_close):
     theta = torch.tensor([-9.0, -9.0, -1.0, -1.0, -1.0, -1.0], dtype=torch.float64)
     versions = torch.tensor([-1, -1, 4, 3, 1, 0])
     prox = loglinear_prox_logprobs(behav, theta, versions, theta_version=5)
-    assert_close(prox, torch.tensor([0.0, 0.0, -2.0, -1.5, -1.25, -1.2], dtype=torch.float64),
-                 atol=1e-15)
+    assert_close(
+        prox, torch.tensor([0.0, 0.0, -2.0, -1.5, -1.25, -1.2], dtype=torch.float64), atol=1e-15
+    )
 
 
 @given(
@@ -48,8 +52,9 @@ def test_hand_computed_interpolation(assert_close):
     seed=st.integers(0, 2**16),
 )
 @settings(max_examples=150, deadline=None)
-def test_matches_the_formula_and_stays_between_behav_and_theta(versions, theta_version, seed,
-                                                              assert_close):
+def test_matches_the_formula_and_stays_between_behav_and_theta(
+    versions, theta_version, seed, assert_close
+):
     behav, theta = _random_logprobs(len(versions), seed, dtype=torch.float64)
     prox = loglinear_prox_logprobs(behav, theta, torch.tensor(versions), theta_version)
     expected = []
@@ -100,6 +105,12 @@ def test_on_policy_tokens_give_unit_behaviour_weight_in_the_loss():
     behav, theta = _random_logprobs(64, seed=5, dtype=torch.float64)
     versions = torch.tensor([-1] * 8 + [2] * 56)
     prox = loglinear_prox_logprobs(behav, theta, versions, theta_version=3)
-    _, stats = decoupled_ppo_loss(theta.requires_grad_(), prox, behav, torch.ones(64, dtype=torch.float64),
-                                  versions >= 0, behav_imp_cap=1.0)
+    _, stats = decoupled_ppo_loss(
+        theta.requires_grad_(),
+        prox,
+        behav,
+        torch.ones(64, dtype=torch.float64),
+        versions >= 0,
+        behav_imp_cap=1.0,
+    )
     assert stats.max_behav_w == 1.0 and stats.sum_behav_w == 56 and stats.num_capped == 0, stats

@@ -15,15 +15,22 @@ def _batch(lengths: list[int], num_prompt: int = 3) -> PackedBatch:
     mask = torch.zeros(total, dtype=torch.bool)
     offset = 0
     for length in lengths:
-        mask[offset + min(num_prompt, length):offset + length] = True
+        mask[offset + min(num_prompt, length) : offset + length] = True
         offset += length
     return PackedBatch(
-        token_ids=torch.arange(total), logprobs=torch.zeros(total),
-        versions=torch.zeros(total, dtype=torch.long), loss_mask=mask,
-        cu_seqlens=torch.cat([torch.zeros(1, dtype=torch.int32),
-                              torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)]),
+        token_ids=torch.arange(total),
+        logprobs=torch.zeros(total),
+        versions=torch.zeros(total, dtype=torch.long),
+        loss_mask=mask,
+        cu_seqlens=torch.cat(
+            [
+                torch.zeros(1, dtype=torch.int32),
+                torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32),
+            ]
+        ),
         rewards=torch.arange(len(lengths), dtype=torch.float32),
-        group_ids=torch.arange(len(lengths)) // 2)
+        group_ids=torch.arange(len(lengths)) // 2,
+    )
 
 
 @pytest.mark.parametrize("num_ranks,num_minibatches", [(1, 1), (2, 1), (2, 3), (3, 2), (4, 4)])
@@ -42,7 +49,7 @@ def test_shards_cover_the_batch_once_with_single_rank_minibatches(num_ranks, num
         members = []
         for s in shards:
             start = sum(s.minibatch_sizes[:m])
-            members += s.seq_indices[start:start + s.minibatch_sizes[m]]
+            members += s.seq_indices[start : start + s.minibatch_sizes[m]]
         assert sorted(members) == single[m]
         expected_tokens = int(sum(batch.select(single[m]).loss_mask))
         assert all(s.minibatch_loss_tokens[m] == expected_tokens for s in shards)

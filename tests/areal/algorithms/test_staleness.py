@@ -124,8 +124,11 @@ def test_metrics_are_namespaced_counts():
     ctl = StalenessController(batch_size=2, eta=0)
     ctl.admit(2, version=0)
     ctl.finish(1)
-    assert ctl.metrics(version=0) == {"staleness/in_flight": 1.0, "staleness/buffered": 1.0,
-                                      "staleness/capacity": 0.0}
+    assert ctl.metrics(version=0) == {
+        "staleness/in_flight": 1.0,
+        "staleness/buffered": 1.0,
+        "staleness/capacity": 0.0,
+    }
 
 
 @pytest.mark.parametrize("batch_size", [1, 3, 4])
@@ -148,8 +151,10 @@ def test_greedy_in_order_generation_reaches_but_never_exceeds_eta(batch_size, et
 
 
 ops = st.lists(
-    st.tuples(st.sampled_from(["admit", "finish", "abort", "reject", "train", "admit_max"]),
-              st.integers(0, 9)),
+    st.tuples(
+        st.sampled_from(["admit", "finish", "abort", "reject", "train", "admit_max"]),
+        st.integers(0, 9),
+    ),
     max_size=80,
 )
 

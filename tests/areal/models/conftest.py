@@ -30,18 +30,53 @@ def _tiny_configs() -> dict[str, tuple[type, object]]:
     """Architectures beyond the embedded Qwen2: untied Llama, tied GPT-2 (learned absolute
     positions), and Gemma-2 (soft-capped logits, sliding-window layers with a window of 4)."""
     return {
-        "llama": (LlamaForCausalLM, LlamaConfig(
-            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
-            tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=2)),
-        "gpt2": (GPT2LMHeadModel, GPT2Config(
-            vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=2, n_positions=128,
-            bos_token_id=0, eos_token_id=1)),
-        "gemma2": (Gemma2ForCausalLM, Gemma2Config(
-            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=4,
-            final_logit_softcapping=5.0, attn_logit_softcapping=None,
-            max_position_embeddings=128, bos_token_id=0, eos_token_id=1, pad_token_id=2)),
+        "llama": (
+            LlamaForCausalLM,
+            LlamaConfig(
+                vocab_size=VOCAB,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                max_position_embeddings=128,
+                tie_word_embeddings=False,
+                bos_token_id=0,
+                eos_token_id=1,
+                pad_token_id=2,
+            ),
+        ),
+        "gpt2": (
+            GPT2LMHeadModel,
+            GPT2Config(
+                vocab_size=VOCAB,
+                n_embd=64,
+                n_layer=2,
+                n_head=2,
+                n_positions=128,
+                bos_token_id=0,
+                eos_token_id=1,
+            ),
+        ),
+        "gemma2": (
+            Gemma2ForCausalLM,
+            Gemma2Config(
+                vocab_size=VOCAB,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=32,
+                sliding_window=4,
+                final_logit_softcapping=5.0,
+                attn_logit_softcapping=None,
+                max_position_embeddings=128,
+                bos_token_id=0,
+                eos_token_id=1,
+                pad_token_id=2,
+            ),
+        ),
     }
 
 
@@ -94,8 +129,9 @@ def shared_model(model_dirs: dict[str, Path]) -> Callable[..., torch.nn.Module]:
     return get
 
 
-def _assert_close(actual: torch.Tensor, expected: torch.Tensor, *, atol: float = 0.0,
-                  what: str = "values") -> None:
+def _assert_close(
+    actual: torch.Tensor, expected: torch.Tensor, *, atol: float = 0.0, what: str = "values"
+) -> None:
     """Fail with the max and mean absolute difference (and where the max is) when not close."""
     actual, expected = actual.detach().cpu().double(), expected.detach().cpu().double()
     assert actual.shape == expected.shape, (

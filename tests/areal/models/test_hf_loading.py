@@ -15,8 +15,9 @@ from areal.models.tiny import build_char_tokenizer, build_tiny_model
 
 def test_load_model_restores_the_saved_weights(tiny_dir: Path, assert_close) -> None:
     tokenizer = build_char_tokenizer()
-    built = build_tiny_model(TinyModelConfig(), len(tokenizer), tokenizer.eos_token_id,
-                             tokenizer.pad_token_id, seed=0)
+    built = build_tiny_model(
+        TinyModelConfig(), len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id, seed=0
+    )
     loaded = load_model(tiny_dir)
     ids = torch.tensor([tokenizer.encode("12+30=42\n")])
     with torch.no_grad():

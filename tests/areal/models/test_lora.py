@@ -11,8 +11,17 @@ import torch
 from areal.config import LoraConfig
 from areal.models.hf import load_model
 from areal.models.lora import (
-    AdapterMismatchError, add_adapters, adapter_shapes, adapter_tensors, copy_adapters,
-    file_name, is_adapter_dir, load_adapter_dir, merge_into_base, param_name, peft_config,
+    AdapterMismatchError,
+    add_adapters,
+    adapter_shapes,
+    adapter_tensors,
+    copy_adapters,
+    file_name,
+    is_adapter_dir,
+    load_adapter_dir,
+    merge_into_base,
+    param_name,
+    peft_config,
     save_adapter_dir,
 )
 from areal.models.weights import load_tensors
@@ -22,8 +31,9 @@ LORA = LoraConfig(rank=4, alpha=8.0)
 
 def _randomise(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    tensors = {n: torch.randn(t.shape, generator=generator) * 0.1
-               for n, t in adapter_tensors(model)}
+    tensors = {
+        n: torch.randn(t.shape, generator=generator) * 0.1 for n, t in adapter_tensors(model)
+    }
     copy_adapters(model, tensors)
     return tensors
 
@@ -62,8 +72,7 @@ def test_saved_directory_loads_in_peft_to_the_same_logits(tiny_dir, tmp_path, as
 
     model = add_adapters(load_model(tiny_dir), LORA, seed=0).eval()
     tensors = _randomise(model, seed=1)
-    save_adapter_dir(tmp_path / "adapter", adapter_tensors(model), LORA,
-                     base_model=str(tiny_dir))
+    save_adapter_dir(tmp_path / "adapter", adapter_tensors(model), LORA, base_model=str(tiny_dir))
     assert is_adapter_dir(tmp_path / "adapter") and not is_adapter_dir(tiny_dir)
     loaded = load_adapter_dir(tmp_path / "adapter")
     assert set(loaded) == set(tensors)
@@ -99,8 +108,10 @@ def test_bad_adapter_sets_are_refused_before_any_copy(tiny_dir):
     cases = [
         (dict(good, **{first: torch.ones(3, good[first].shape[1])}), "has shape"),
         ({n: t for n, t in good.items() if n != first}, "no tensor for adapter weight"),
-        (dict(good, **{"base_model.model.lm_head.lora_A.weight": torch.ones(4, 8)}),
-         "no counterpart"),
+        (
+            dict(good, **{"base_model.model.lm_head.lora_A.weight": torch.ones(4, 8)}),
+            "no counterpart",
+        ),
     ]
     for tensors, match in cases:
         with pytest.raises(AdapterMismatchError, match=match):

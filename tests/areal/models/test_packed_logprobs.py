@@ -22,8 +22,9 @@ ARCHITECTURES = ("qwen2", "llama", "gpt2", "gemma2")
 ATOL = 1e-5
 
 
-def _pack(lengths: tuple[int, ...], vocab_size: int, seed: int = 0
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def _pack(
+    lengths: tuple[int, ...], vocab_size: int, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     token_ids = torch.randint(0, vocab_size, (int(cu_seqlens[-1]),), generator=generator)
@@ -39,10 +40,12 @@ def test_packed_logprobs_and_entropy_equal_per_sequence_forward(
     model = shared_model(name, attn)
     token_ids, cu_seqlens = _pack(LENGTHS, model.config.vocab_size)
     with torch.no_grad():
-        logprobs, entropy = packed_logprobs_and_entropy(model, token_ids, cu_seqlens,
-                                                        temperature=temperature)
-        ref_logprobs, ref_entropy = reference_logprobs_and_entropy(model, token_ids, cu_seqlens,
-                                                                   temperature=temperature)
+        logprobs, entropy = packed_logprobs_and_entropy(
+            model, token_ids, cu_seqlens, temperature=temperature
+        )
+        ref_logprobs, ref_entropy = reference_logprobs_and_entropy(
+            model, token_ids, cu_seqlens, temperature=temperature
+        )
         only_logprobs = packed_logprobs(model, token_ids, cu_seqlens, temperature=temperature)
     assert logprobs.dtype == entropy.dtype == torch.float32
     assert_close(logprobs, ref_logprobs, atol=ATOL, what=f"{name}/{attn} log-probs")
@@ -66,8 +69,7 @@ def test_temperature_changes_the_distribution(shared_model) -> None:
 
 
 @pytest.mark.parametrize("chunk_size", [1, 4, 1000])
-def test_chunked_log_softmax_matches_one_chunk(shared_model, assert_close,
-                                               chunk_size: int) -> None:
+def test_chunked_log_softmax_matches_one_chunk(shared_model, assert_close, chunk_size: int) -> None:
     model = shared_model("llama")
     token_ids, cu_seqlens = _pack(LENGTHS, model.config.vocab_size)
     with torch.no_grad():
@@ -78,15 +80,15 @@ def test_chunked_log_softmax_matches_one_chunk(shared_model, assert_close,
 
 
 @pytest.mark.parametrize("name", ["qwen2", "gpt2"])
-def test_head_runs_on_chunks_of_hidden_states_only(shared_model, assert_close,
-                                                   name: str) -> None:
+def test_head_runs_on_chunks_of_hidden_states_only(shared_model, assert_close, name: str) -> None:
     """The [N, V] logits never exist: lm_head only ever sees <= chunk_size rows; and the
     model's own forward (chunk_head=False) gives the same values."""
     model = shared_model(name)
     token_ids, cu_seqlens = _pack(LENGTHS, model.config.vocab_size)
     rows_seen: list[int] = []
     handle = model.get_output_embeddings().register_forward_hook(
-        lambda module, args, out: rows_seen.append(args[0].shape[-2]))
+        lambda module, args, out: rows_seen.append(args[0].shape[-2])
+    )
     try:
         with torch.no_grad():
             chunked = packed_logprobs(model, token_ids, cu_seqlens, chunk_size=4)
@@ -100,8 +102,12 @@ def test_head_runs_on_chunks_of_hidden_states_only(shared_model, assert_close,
 
 def test_chunk_head_is_refused_where_logits_are_post_processed(shared_model) -> None:
     with pytest.raises(ValueError, match=r"model_type='gemma2' may transform logits"):
-        packed_logprobs(shared_model("gemma2"), torch.zeros(3, dtype=torch.long),
-                        torch.tensor([0, 3]), chunk_head=True)
+        packed_logprobs(
+            shared_model("gemma2"),
+            torch.zeros(3, dtype=torch.long),
+            torch.tensor([0, 3]),
+            chunk_head=True,
+        )
 
 
 @pytest.mark.parametrize("chunk_size", [None, 4])
@@ -115,11 +121,11 @@ def test_gradient_through_packed_equals_per_sequence(
     token_ids, cu_seqlens = _pack(LENGTHS, model.config.vocab_size)
     weights = torch.rand(len(token_ids), generator=torch.Generator().manual_seed(1))
     params = [p for p in model.parameters() if p.requires_grad]
-    logprobs, entropy = packed_logprobs_and_entropy(model, token_ids, cu_seqlens,
-                                                    temperature=0.8, chunk_size=chunk_size)
+    logprobs, entropy = packed_logprobs_and_entropy(
+        model, token_ids, cu_seqlens, temperature=0.8, chunk_size=chunk_size
+    )
     packed = torch.autograd.grad((weights * (logprobs + 0.1 * entropy)).sum(), params)
-    ref_lp, ref_ent = reference_logprobs_and_entropy(model, token_ids, cu_seqlens,
-                                                     temperature=0.8)
+    ref_lp, ref_ent = reference_logprobs_and_entropy(model, token_ids, cu_seqlens, temperature=0.8)
     reference = torch.autograd.grad((weights * (ref_lp + 0.1 * ref_ent)).sum(), params)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     for param_name, got, want in zip(names, packed, reference, strict=True):
@@ -161,8 +167,9 @@ def test_default_forward_leaks_across_packed_sequences(shared_model) -> None:
 def test_bfloat16_model_is_close_to_float32(model_dirs, shared_model, assert_close) -> None:
     token_ids, cu_seqlens = _pack(LENGTHS, 100)
     with torch.no_grad():
-        low = packed_logprobs(load_model(model_dirs["qwen2"], dtype="bfloat16"), token_ids,
-                              cu_seqlens)
+        low = packed_logprobs(
+            load_model(model_dirs["qwen2"], dtype="bfloat16"), token_ids, cu_seqlens
+        )
         full = packed_logprobs(shared_model("qwen2"), token_ids, cu_seqlens)
     assert low.dtype == torch.float32
     assert_close(low, full, atol=0.1, what="bf16 vs fp32 log-probs")
@@ -196,14 +203,16 @@ def test_bad_cu_seqlens_are_refused(shared_model, cu_seqlens, message: str) -> N
 def test_bad_temperature_and_token_dtype_are_refused(shared_model) -> None:
     model = shared_model("qwen2")
     with pytest.raises(ValueError, match=r"temperature=0\.0 must be a positive finite number"):
-        packed_logprobs(model, torch.zeros(3, dtype=torch.long), torch.tensor([0, 3]),
-                        temperature=0.0)
+        packed_logprobs(
+            model, torch.zeros(3, dtype=torch.long), torch.tensor([0, 3]), temperature=0.0
+        )
     with pytest.raises(ValueError, match=r"token_ids must be integers, got torch.float32"):
         packed_logprobs(model, torch.zeros(3), torch.tensor([0, 3]))
 
 
 def test_attention_that_ignores_packing_is_refused() -> None:
-    stub = SimpleNamespace(config=SimpleNamespace(_attn_implementation="paged|sdpa"),
-                           device=torch.device("cpu"))
+    stub = SimpleNamespace(
+        config=SimpleNamespace(_attn_implementation="paged|sdpa"), device=torch.device("cpu")
+    )
     with pytest.raises(ValueError, match=r"'paged\|sdpa' does not keep packed sequences apart"):
         packed_logprobs(stub, torch.zeros(3, dtype=torch.long), torch.tensor([0, 3]))

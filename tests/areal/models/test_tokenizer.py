@@ -32,20 +32,27 @@ def _behaviour(tokenizer) -> dict:
     """Everything a run uses of a tokenizer, and its settings."""
     ids = [list(range(len(tokenizer))), [5, 0, 1, 2, 3, 7, 7]]
     return {
-        "class": type(tokenizer), "vocab": tokenizer.get_vocab(), "len": len(tokenizer),
-        "special": tokenizer.all_special_tokens, "pad": tokenizer.pad_token_id,
-        "eos": tokenizer.eos_token_id, "side": tokenizer.padding_side,
-        "template": tokenizer.chat_template, "init": tokenizer.init_kwargs,
-        "encode": [tokenizer.encode(t) for t in TEXTS] + [
-            tokenizer.encode(t, add_special_tokens=False) for t in TEXTS],
-        "decode": [tokenizer.decode(i, skip_special_tokens=skip) for i in ids
-                   for skip in (False, True)],
+        "class": type(tokenizer),
+        "vocab": tokenizer.get_vocab(),
+        "len": len(tokenizer),
+        "special": tokenizer.all_special_tokens,
+        "pad": tokenizer.pad_token_id,
+        "eos": tokenizer.eos_token_id,
+        "side": tokenizer.padding_side,
+        "template": tokenizer.chat_template,
+        "init": tokenizer.init_kwargs,
+        "encode": [tokenizer.encode(t) for t in TEXTS]
+        + [tokenizer.encode(t, add_special_tokens=False) for t in TEXTS],
+        "decode": [
+            tokenizer.decode(i, skip_special_tokens=skip) for i in ids for skip in (False, True)
+        ],
     }
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "llama", "gpt2", "gemma2"])
 def test_the_remembered_class_gives_the_tokenizer_autotokenizer_gives(
-        tiny_dir, tmp_path, monkeypatch, model_type):
+    tiny_dir, tmp_path, monkeypatch, model_type
+):
     directory = _tokenizer_dir(tmp_path, tiny_dir, model_type)
     cache = tmp_path / "cache"
     expected = _behaviour(transformers.AutoTokenizer.from_pretrained(directory))
@@ -53,8 +60,11 @@ def test_the_remembered_class_gives_the_tokenizer_autotokenizer_gives(
     (memo,) = (cache / "tokenizer-classes").iterdir()
     assert json.loads(memo.read_text())["class"] == expected["class"].__name__
     with monkeypatch.context() as patch:
-        patch.setattr(transformers.AutoTokenizer, "from_pretrained",
-                      lambda *a, **k: pytest.fail("AutoTokenizer asked again"))
+        patch.setattr(
+            transformers.AutoTokenizer,
+            "from_pretrained",
+            lambda *a, **k: pytest.fail("AutoTokenizer asked again"),
+        )
         second = load_tokenizer(directory, cache_dir=cache)
         left = load_tokenizer(directory, cache_dir=cache, padding_side="left")
     assert _behaviour(first) == _behaviour(second) == expected
@@ -68,15 +78,20 @@ def test_a_changed_directory_is_decided_again(tiny_dir, tmp_path):
     config = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
     assert type(load_tokenizer(directory, cache_dir=cache)) is type(
-        transformers.AutoTokenizer.from_pretrained(directory))
+        transformers.AutoTokenizer.from_pretrained(directory)
+    )
     assert len(list((cache / "tokenizer-classes").iterdir())) == 2
 
 
-@pytest.mark.parametrize("entry, warned", [
-    ("{not json", True), ('{"module": "transformers.nope", "class": "X"}', True),
-    ('{"module": "transformers.models.qwen2.tokenization_qwen2", "class": "Nope"}', True),
-    ('{"module": "os", "class": "system"}', False),  # not a transformers class: never imported
-])
+@pytest.mark.parametrize(
+    "entry, warned",
+    [
+        ("{not json", True),
+        ('{"module": "transformers.nope", "class": "X"}', True),
+        ('{"module": "transformers.models.qwen2.tokenization_qwen2", "class": "Nope"}', True),
+        ('{"module": "os", "class": "system"}', False),  # not a transformers class: never imported
+    ],
+)
 def test_an_unusable_entry_is_ignored_and_rewritten(tiny_dir, tmp_path, entry, warned, caplog):
     cache = tmp_path / "cache"
     load_tokenizer(tiny_dir, cache_dir=cache)
@@ -99,7 +114,8 @@ def test_an_unwritable_cache_only_costs_time(tiny_dir, tmp_path):
     blocker = tmp_path / "cache"
     blocker.write_text("a file where the cache directory would be")
     assert type(load_tokenizer(tiny_dir, cache_dir=blocker)) is type(
-        transformers.AutoTokenizer.from_pretrained(tiny_dir))
+        transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    )
 
 
 @pytest.mark.slow
@@ -107,13 +123,14 @@ def test_a_remembered_load_imports_neither_torch_nor_the_auto_classes(tiny_dir, 
     """Why the class is remembered: the reward worker's start-up (module docstring)."""
     cache = tmp_path / "cache"
     load_tokenizer(tiny_dir, cache_dir=cache)
-    code = ("import sys; import areal.workers.reward.worker; "
-            "from areal.models.tokenizer import load_tokenizer; "
-            f"tok = load_tokenizer({str(tiny_dir)!r}, cache_dir={str(cache)!r}); "
-            "print(type(tok).__name__, 'torch' in sys.modules, "
-            "'transformers.models.auto.tokenization_auto' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)
+    code = (
+        "import sys; import areal.workers.reward.worker; "
+        "from areal.models.tokenizer import load_tokenizer; "
+        f"tok = load_tokenizer({str(tiny_dir)!r}, cache_dir={str(cache)!r}); "
+        "print(type(tok).__name__, 'torch' in sys.modules, "
+        "'transformers.models.auto.tokenization_auto' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == [type(load_tokenizer(tiny_dir)).__name__, "False", "False"]
 

@@ -16,13 +16,26 @@ from areal.models.tiny import build_char_tokenizer, build_tiny_model
 from areal.tasks import load_task
 
 # An easy setting (a+d*k with k <= 2, one-digit a) that a few hundred steps can learn.
-EASY = ["task.params.max_a=9", "task.params.min_k=1", "task.params.max_k=2",
-        "task.params.num_eval=48", "task.params.sft_direct_fraction=0.0"]
+EASY = [
+    "task.params.max_a=9",
+    "task.params.min_k=1",
+    "task.params.max_k=2",
+    "task.params.num_eval=48",
+    "task.params.sft_direct_fraction=0.0",
+]
 
 
 def _cfg(cache_dir: Path, *overrides: str) -> RunConfig:
-    return load_config(None, [f"cache_dir={cache_dir}", "model.warmstart.steps=4",
-                              "model.warmstart.batch_size=8", *EASY, *overrides])
+    return load_config(
+        None,
+        [
+            f"cache_dir={cache_dir}",
+            "model.warmstart.steps=4",
+            "model.warmstart.batch_size=8",
+            *EASY,
+            *overrides,
+        ],
+    )
 
 
 def test_loss_mask_covers_the_completion_and_eos_only():
@@ -54,8 +67,9 @@ def test_length_buckets_give_the_loss_and_gradient_of_one_padded_batch():
     tokenizer = build_char_tokenizer()
     task = load_task("arithmetic", {"sft_direct_fraction": 0.5})
     examples = task.sft_examples(0, 24)
-    batch = warmstart.encode_sft(tokenizer, [e.prompt.text for e in examples],
-                                 [e.completion for e in examples])
+    batch = warmstart.encode_sft(
+        tokenizer, [e.prompt.text for e in examples], [e.completion for e in examples]
+    )
     assert len(warmstart.length_buckets(batch)) >= 2
     model = build_tiny_model(load_config().model.tiny, len(tokenizer), 1, 0, seed=3)
 
@@ -66,8 +80,9 @@ def test_length_buckets_give_the_loss_and_gradient_of_one_padded_batch():
     num_tokens = sum(sum(targets) for _, targets in batch)
     padded = warmstart.completion_nll(model, *warmstart.collate(batch, 0)) / num_tokens
     padded.backward()
-    diffs = [(g - p.grad).abs().max().item() for g, p in zip(grads, model.parameters(),
-                                                             strict=True)]
+    diffs = [
+        (g - p.grad).abs().max().item() for g, p in zip(grads, model.parameters(), strict=True)
+    ]
     print(f"loss {bucketed.item():.6f} vs {padded.item():.6f}; grad max diff {max(diffs):.2e}")
     assert bucketed.item() == pytest.approx(padded.item(), rel=1e-5)
     assert max(diffs) < 1e-5
@@ -77,9 +92,14 @@ def test_key_changes_with_every_input_and_only_with_those(tmp_path):
     base = _cfg(tmp_path)
     assert warmstart.warm_key(base) == warmstart.warm_key(_cfg(tmp_path))
     variants = [
-        "model.tiny.hidden_size=256", "model.tiny.num_layers=1", "model.warmstart.lr=1e-3",
-        "model.warmstart.steps=5", "model.warmstart.batch_size=4", "task.params.max_k=3",
-        "task.params.sft_direct_fraction=0.5", "seed=2",
+        "model.tiny.hidden_size=256",
+        "model.tiny.num_layers=1",
+        "model.warmstart.lr=1e-3",
+        "model.warmstart.steps=5",
+        "model.warmstart.batch_size=4",
+        "task.params.max_k=3",
+        "task.params.sft_direct_fraction=0.5",
+        "seed=2",
     ]
     keys = {warmstart.warm_key(_cfg(tmp_path, v)) for v in variants}
     assert len(keys) == len(variants) and warmstart.warm_key(base) not in keys
@@ -152,11 +172,17 @@ def _greedy_accuracy(path: Path, task) -> float:
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     prompts = task.eval_prompts()
     tokenizer.padding_side = "left"
-    batch = tokenizer([p.text for p in prompts], return_tensors="pt", padding=True,
-                      add_special_tokens=False)
-    out = model.generate(**batch, max_new_tokens=16, do_sample=False,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+    batch = tokenizer(
+        [p.text for p in prompts], return_tensors="pt", padding=True, add_special_tokens=False
+    )
+    out = model.generate(
+        **batch,
+        max_new_tokens=16,
+        do_sample=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
     rewards = [task.reward(t, p.reference).reward for t, p in zip(texts, prompts, strict=True)]
     return sum(rewards) / len(rewards)
 
@@ -168,9 +194,13 @@ def test_warm_start_lowers_the_loss_and_beats_the_random_model(tmp_path):
     task = load_task(trained_cfg.task.name, trained_cfg.task.params)
     trained = warmstart.ensure_warm_model(trained_cfg)
     meta = json.loads((trained / warmstart.METADATA_FILE).read_text())
-    before, after = _greedy_accuracy(warmstart.ensure_warm_model(random_cfg), task), \
-        _greedy_accuracy(trained, task)
-    print(f"SFT loss {meta['loss_first']:.3f} -> {meta['loss_last']:.3f} in {meta['seconds']} s; "
-          f"held-out greedy accuracy {before:.2f} -> {after:.2f}")
+    before, after = (
+        _greedy_accuracy(warmstart.ensure_warm_model(random_cfg), task),
+        _greedy_accuracy(trained, task),
+    )
+    print(
+        f"SFT loss {meta['loss_first']:.3f} -> {meta['loss_last']:.3f} in {meta['seconds']} s; "
+        f"held-out greedy accuracy {before:.2f} -> {after:.2f}"
+    )
     assert meta["loss_last"] < 0.3 * meta["loss_first"]
     assert after >= before + 0.3

@@ -29,8 +29,9 @@ from areal.models.weights import (
 
 def _tiny(seed: int):
     tokenizer = build_char_tokenizer()
-    return build_tiny_model(TinyModelConfig(), len(tokenizer), tokenizer.eos_token_id,
-                            tokenizer.pad_token_id, seed=seed)
+    return build_tiny_model(
+        TinyModelConfig(), len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id, seed=seed
+    )
 
 
 def _odd_tensors() -> dict[str, torch.Tensor]:
@@ -71,10 +72,20 @@ def test_named_tensors_use_the_checkpoint_names(model_dirs, name: str) -> None:
 def test_named_tensors_refuse_models_with_converted_layout() -> None:
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-    model = Qwen2MoeForCausalLM(Qwen2MoeConfig(
-        vocab_size=32, hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
-        num_experts=2, num_experts_per_tok=1, shared_expert_intermediate_size=16,
-        num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1))
+    model = Qwen2MoeForCausalLM(
+        Qwen2MoeConfig(
+            vocab_size=32,
+            hidden_size=32,
+            intermediate_size=32,
+            moe_intermediate_size=16,
+            num_experts=2,
+            num_experts_per_tok=1,
+            shared_expert_intermediate_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=1,
+            num_key_value_heads=1,
+        )
+    )
     with pytest.raises(NotImplementedError, match=r"'model\.layers\.0\.mlp\.experts\.\w+'"):
         list(named_tensors(model))
 
@@ -196,14 +207,22 @@ def test_mismatches_name_the_tensor_and_change_nothing() -> None:
     before = {n: p.clone() for n, p in target.named_parameters()}
     good = dict(named_tensors(source))
     cases = [
-        ({**good, "model.layers.0.mlp.gate.weight": torch.zeros(1)},
-         r"tensor 'model\.layers\.0\.mlp\.gate\.weight' is not a parameter of Qwen2ForCausalLM"),
-        ({**good, "model.norm.weight": torch.zeros(7)},
-         r"tensor 'model\.norm\.weight' has shape \(7,\), the model's parameter has \(128,\)"),
-        ({k: v for k, v in good.items() if k != "model.layers.1.mlp.up_proj.weight"},
-         r"no tensor for parameter 'model\.layers\.1\.mlp\.up_proj\.weight' \(1 parameters"),
-        ({**good, "lm_head.weight": torch.zeros_like(good["model.embed_tokens.weight"])},
-         r"'model\.embed_tokens\.weight' and 'lm_head\.weight' are tied in the model but differ"),
+        (
+            {**good, "model.layers.0.mlp.gate.weight": torch.zeros(1)},
+            r"tensor 'model\.layers\.0\.mlp\.gate\.weight' is not a parameter of Qwen2ForCausalLM",
+        ),
+        (
+            {**good, "model.norm.weight": torch.zeros(7)},
+            r"tensor 'model\.norm\.weight' has shape \(7,\), the model's parameter has \(128,\)",
+        ),
+        (
+            {k: v for k, v in good.items() if k != "model.layers.1.mlp.up_proj.weight"},
+            r"no tensor for parameter 'model\.layers\.1\.mlp\.up_proj\.weight' \(1 parameters",
+        ),
+        (
+            {**good, "lm_head.weight": torch.zeros_like(good["model.embed_tokens.weight"])},
+            r"'model\.embed_tokens\.weight' and 'lm_head\.weight' are tied in the model but differ",
+        ),
     ]
     for tensors, message in cases:
         with pytest.raises(WeightMismatchError, match=message):
@@ -247,7 +266,9 @@ def test_buckets_respect_the_limit_and_reassemble(sizes: list[int], max_bytes: i
         )
     flat = [name for bucket in buckets for name, _ in bucket]
     assert flat == [name for name, _ in tensors], "order changed or tensors lost"
-    for first, second in zip(buckets, buckets[1:], strict=False):  # greedy: the next tensor did not fit
+    for first, second in zip(
+        buckets, buckets[1:], strict=False
+    ):  # greedy: the next tensor did not fit
         size = second[0][1].numel() * second[0][1].element_size()
         assert sum(t.numel() * t.element_size() for _, t in first) + size > max_bytes
     merged = merge_buckets(buckets)
@@ -295,4 +316,7 @@ def test_pruning_never_removes_the_version_just_published(tmp_path: Path) -> Non
     published = publish_to_disk(tensors, cfg, 5)
     assert Path(published).is_dir()
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == [
-        "v000005", "v000006", "v000007"]
+        "v000005",
+        "v000006",
+        "v000007",
+    ]

@@ -19,8 +19,13 @@ from areal.models.weight_slots import SlotError, SlotReader, SlotWriter
 
 def _weights(scale: float) -> list[tuple[str, torch.Tensor]]:
     base = torch.arange(24, dtype=torch.float32).reshape(4, 6) * scale
-    return [("w", base), ("bf", (base[:, :3] + 1).to(torch.bfloat16)),  # a strided view, bf16
-            ("t", base.t()), ("empty", torch.empty(0, 3)), ("i", torch.tensor([7, -1]) * int(scale))]
+    return [
+        ("w", base),
+        ("bf", (base[:, :3] + 1).to(torch.bfloat16)),  # a strided view, bf16
+        ("t", base.t()),
+        ("empty", torch.empty(0, 3)),
+        ("i", torch.tensor([7, -1]) * int(scale)),
+    ]
 
 
 def _assert_equal(views, expected) -> None:
@@ -46,16 +51,22 @@ def test_versions_round_trip_and_alternate_slots(slots):
             _assert_equal(views, _weights(version))
     with pytest.raises(SlotError, match="holds version 3, not 1"), reader.read(paths[0], 1):
         pass
-    with pytest.raises(SlotError, match="does not exist"), \
-            reader.read(writer.directory / "slot-9.bin", 1):
+    with (
+        pytest.raises(SlotError, match="does not exist"),
+        reader.read(writer.directory / "slot-9.bin", 1),
+    ):
         pass
     (writer.directory / "empty.bin").touch()  # a writer's file not sized yet
-    with pytest.raises(SlotError, match="holds no version yet"), \
-            reader.read(writer.directory / "empty.bin", 1):
+    with (
+        pytest.raises(SlotError, match="holds no version yet"),
+        reader.read(writer.directory / "empty.bin", 1),
+    ):
         pass
     (writer.directory / "other.bin").write_bytes(b"x" * 100)
-    with pytest.raises(SlotError, match="is not a weight slot"), \
-            reader.read(writer.directory / "other.bin", 1):
+    with (
+        pytest.raises(SlotError, match="is not a weight slot"),
+        reader.read(writer.directory / "other.bin", 1),
+    ):
         pass
 
 
@@ -134,8 +145,10 @@ def test_a_writer_killed_mid_publication_leaves_the_previous_version(tmp_path):
         child.join(30)
     reader = SlotReader()
     slot_1, slot_2 = directory / "slot-0.bin", directory / "slot-1.bin"
-    with pytest.raises(SlotError, match=r"being written \(or abandoned mid-write\)"), \
-            reader.read(slot_2, 2):
+    with (
+        pytest.raises(SlotError, match=r"being written \(or abandoned mid-write\)"),
+        reader.read(slot_2, 2),
+    ):
         pass
     with reader.read(slot_1, 1) as views:
         _assert_equal(views, _weights(1))

@@ -25,7 +25,7 @@ CHAT_TEMPLATE = (
     "{{- '\\n\\n# Tools\\n\\nFunctions you can call, one JSON signature per line:\\n<tools>' }}"
     "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) }}{%- endfor -%}"
     "{{- '\\n</tools>\\n\\nTo call one, write a JSON object with its name and arguments "
-    "between tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    'between tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": '
     "<args-json-object>}\\n</tool_call>' }}"
     "{%- endif -%}"
     "{{- '<|im_end|>\\n' }}"
@@ -36,7 +36,7 @@ CHAT_TEMPLATE = (
     "{{- '<|im_start|>assistant' }}"
     "{%- if message.content -%}{{- '\\n' + message.content }}{%- endif -%}"
     "{%- for call in message.tool_calls -%}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' + call.function.name + '\", \"arguments\": ' "
+    '{{- \'\\n<tool_call>\\n{"name": "\' + call.function.name + \'", "arguments": \' '
     "+ (call.function.arguments | tojson) + '}\\n</tool_call>' }}"
     "{%- endfor -%}"
     "{{- '<|im_end|>\\n' }}"

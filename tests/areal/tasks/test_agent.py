@@ -15,18 +15,26 @@ from areal.tasks.base import RewardOutcome, Verdict
 
 
 def test_a_number_is_credited_to_the_last_call_with_a_verdict_from_its_sign():
-    assert episode_rewards(1.0, ["a", "b"]) == ([0.0, 1.0], RewardOutcome(reward=1.0,
-                                                                          verdict=Verdict.OK))
+    assert episode_rewards(1.0, ["a", "b"]) == (
+        [0.0, 1.0],
+        RewardOutcome(reward=1.0, verdict=Verdict.OK),
+    )
     assert episode_rewards(0, ["a"])[1].verdict is Verdict.WRONG
     outcome = RewardOutcome(reward=0.5, verdict=Verdict.WRONG, detail="d")
     assert episode_rewards(outcome, ["a", "b"]) == ([0.0, 0.5], outcome)
     assert episode_rewards({"b": 2.0}, ["a", "b"])[0] == [0.0, 2.0]
 
 
-@pytest.mark.parametrize("returned, message", [
-    (math.inf, "not a finite number"), (True, "returned a bool"), ("1", "returned a str"),
-    ({"zz": 1.0}, "not one of this episode's calls"), ({"a": "1"}, "not a number"),
-])
+@pytest.mark.parametrize(
+    "returned, message",
+    [
+        (math.inf, "not a finite number"),
+        (True, "returned a bool"),
+        ("1", "returned a str"),
+        ({"zz": 1.0}, "not one of this episode's calls"),
+        ({"a": "1"}, "not a number"),
+    ],
+)
 def test_unusable_rewards_say_why(returned, message):
     with pytest.raises((TypeError, ValueError), match=message):
         episode_rewards(returned, ["a"])

@@ -22,7 +22,8 @@ def test_same_params_give_the_same_prompts_and_examples():
     a, b = ArithmeticTask(), ArithmeticTask()
     assert _texts(a.eval_prompts()) == _texts(b.eval_prompts())
     assert _texts(itertools.islice(a.train_prompts(3), 500)) == _texts(
-        itertools.islice(b.train_prompts(3), 500))
+        itertools.islice(b.train_prompts(3), 500)
+    )
     assert a.sft_examples(3, 300) == b.sft_examples(3, 300)
 
 
@@ -39,7 +40,10 @@ def test_golden_values_under_fixed_seeds():
     task = ArithmeticTask()
     first_eval = task.eval_prompts()[0]
     assert (first_eval.prompt_id, first_eval.text, first_eval.reference) == (
-        "eval-0", "32+9*2=?\n", 50)
+        "eval-0",
+        "32+9*2=?\n",
+        50,
+    )
     assert Problem(17, 8, 5).trace() == "25+8*4\n33+8*3\n41+8*2\n49+8*1\n#57"
     assert Problem(3, 2, 1).trace() == "#5"
 
@@ -61,21 +65,24 @@ def test_a_setting_too_small_for_its_held_out_split_is_refused():
         next(whole_space.train_prompts(0))
 
 
-@pytest.mark.parametrize("completion, verdict, reward", [
-    ("25+8*4\n33+8*3\n41+8*2\n49+8*1\n#57", Verdict.OK, 1.0),
-    ("#57", Verdict.OK, 1.0),
-    ("49+8*1\n#57<|endoftext|>", Verdict.OK, 1.0),
-    ("#57\n", Verdict.OK, 1.0),
-    ("#057", Verdict.OK, 1.0),
-    ("#58", Verdict.WRONG, 0.0),
-    ("#-57", Verdict.WRONG, 0.0),
-    ("25+8*4\n33+8*3", Verdict.NO_ANSWER, 0.0),
-    ("", Verdict.NO_ANSWER, 0.0),
-    ("#", Verdict.NO_ANSWER, 0.0),
-    ("#5x", Verdict.NO_ANSWER, 0.0),
-    ("#5#57", Verdict.NO_ANSWER, 0.0),
-    ("#57 58", Verdict.NO_ANSWER, 0.0),
-])
+@pytest.mark.parametrize(
+    "completion, verdict, reward",
+    [
+        ("25+8*4\n33+8*3\n41+8*2\n49+8*1\n#57", Verdict.OK, 1.0),
+        ("#57", Verdict.OK, 1.0),
+        ("49+8*1\n#57<|endoftext|>", Verdict.OK, 1.0),
+        ("#57\n", Verdict.OK, 1.0),
+        ("#057", Verdict.OK, 1.0),
+        ("#58", Verdict.WRONG, 0.0),
+        ("#-57", Verdict.WRONG, 0.0),
+        ("25+8*4\n33+8*3", Verdict.NO_ANSWER, 0.0),
+        ("", Verdict.NO_ANSWER, 0.0),
+        ("#", Verdict.NO_ANSWER, 0.0),
+        ("#5x", Verdict.NO_ANSWER, 0.0),
+        ("#5#57", Verdict.NO_ANSWER, 0.0),
+        ("#57 58", Verdict.NO_ANSWER, 0.0),
+    ],
+)
 def test_reward_is_exact(completion, verdict, reward):
     outcome = ArithmeticTask().reward(completion, 57)
     assert (outcome.verdict, outcome.reward) == (verdict, reward), outcome.detail
@@ -92,12 +99,17 @@ def test_every_sft_target_earns_reward_one():
 def test_sft_direct_fraction_sets_the_share_of_bare_answers():
     for fraction in (0.0, 0.5, 1.0):
         examples = ArithmeticTask(sft_direct_fraction=fraction).sft_examples(0, 4000)
-        bare = np.mean([ex.completion.startswith("#") and ex.prompt.text.split("*")[1] != "1=?\n"
-                        for ex in examples])
+        bare = np.mean(
+            [
+                ex.completion.startswith("#") and ex.prompt.text.split("*")[1] != "1=?\n"
+                for ex in examples
+            ]
+        )
         assert bare == pytest.approx(fraction, abs=0.03)
     # the problems do not depend on the fraction, only their completions
     assert [e.prompt for e in ArithmeticTask(sft_direct_fraction=0.0).sft_examples(0, 50)] == [
-        e.prompt for e in ArithmeticTask(sft_direct_fraction=1.0).sft_examples(0, 50)]
+        e.prompt for e in ArithmeticTask(sft_direct_fraction=1.0).sft_examples(0, 50)
+    ]
 
 
 def test_texts_are_printable_ascii_and_one_token_per_character():
@@ -115,7 +127,8 @@ def test_references_are_plain_data():
     prompts = ArithmeticTask().eval_prompts()
     assert all(type(p.reference) is int for p in prompts)
     assert msgpack.unpackb(msgpack.packb([p.reference for p in prompts])) == [
-        p.reference for p in prompts]
+        p.reference for p in prompts
+    ]
 
 
 def _completion_lengths(task: ArithmeticTask) -> np.ndarray:

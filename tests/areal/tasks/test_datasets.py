@@ -38,6 +38,7 @@ def _lines(path: Path) -> list[dict]:
 
 # ---- each format loads --------------------------------------------------------------------
 
+
 def test_gsm8k_rows_give_the_number_after_the_hashes_as_reference():
     task = load_task("gsm8k", {"path": str(GSM8K_TRAIN), "eval_path": str(GSM8K_TEST)})
     assert isinstance(task, GSM8KTask)
@@ -109,13 +110,19 @@ def test_math_reward_checks_the_final_answer_with_math_verify():
 
 
 def test_jsonl_with_types_arrow_cannot_unify_is_read_line_by_line(tmp_path):
-    rows = [{"question": "Say hi.", "tests": [{"input": "", "output": "hi\n"}]},
-            {"question": "Double it.", "fn_name": "double",
-             "tests": [{"input": [2], "output": 4}, {"input": [2.5], "output": 5.0}]}]
+    rows = [
+        {"question": "Say hi.", "tests": [{"input": "", "output": "hi\n"}]},
+        {
+            "question": "Double it.",
+            "fn_name": "double",
+            "tests": [{"input": [2], "output": 4}, {"input": [2.5], "output": 5.0}],
+        },
+    ]
     task = CodeTask(path=str(_jsonl(tmp_path / "mixed.jsonl", rows)), eval_fraction=0.5)
     prompts = task.eval_prompts() + list(task.train_prompts(0))
-    assert sorted(p.reference["tests"][0]["output"] for p in prompts
-                  if "fn_name" not in p.reference) == ["hi\n"]
+    assert sorted(
+        p.reference["tests"][0]["output"] for p in prompts if "fn_name" not in p.reference
+    ) == ["hi\n"]
     call = next(p for p in prompts if "fn_name" in p.reference)
     assert call.reference["tests"][0] == {"input": [2], "output": 4}
     assert "`double`" in call.text
@@ -123,21 +130,36 @@ def test_jsonl_with_types_arrow_cannot_unify_is_read_line_by_line(tmp_path):
 
 # ---- field mapping ------------------------------------------------------------------------
 
+
 def test_fields_map_roles_to_other_columns(tmp_path):
-    rows = [{"prompt_text": f"What is {i}+{i}?", "target": str(2 * i), "answer": "decoy"}
-            for i in range(5)]
-    task = MathTask(path=str(_jsonl(tmp_path / "x.jsonl", rows)), eval_fraction=0.2,
-                    fields={"question": "prompt_text", "answer": "target", "solution": None})
+    rows = [
+        {"prompt_text": f"What is {i}+{i}?", "target": str(2 * i), "answer": "decoy"}
+        for i in range(5)
+    ]
+    task = MathTask(
+        path=str(_jsonl(tmp_path / "x.jsonl", rows)),
+        eval_fraction=0.2,
+        fields={"question": "prompt_text", "answer": "target", "solution": None},
+    )
     prompts = task.eval_prompts() + list(task.train_prompts(0))
     assert sorted(p.reference for p in prompts) == sorted(str(2 * i) for i in range(5))
 
 
 def test_verl_style_parquet_with_chat_messages_and_a_nested_ground_truth(tmp_path):
-    rows = [{"prompt": [{"role": "user", "content": f"Compute {i}*3."}],
-             "reward_model": {"ground_truth": str(3 * i), "style": "rule"}} for i in range(4)]
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"Compute {i}*3."}],
+            "reward_model": {"ground_truth": str(3 * i), "style": "rule"},
+        }
+        for i in range(4)
+    ]
     path = _parquet(tmp_path / "verl.parquet", rows)
-    task = MathTask(path=str(path), eval_fraction=0.25, system_prompt="Be brief.",
-                    fields={"question": "prompt", "answer": "reward_model.ground_truth"})
+    task = MathTask(
+        path=str(path),
+        eval_fraction=0.25,
+        system_prompt="Be brief.",
+        fields={"question": "prompt", "answer": "reward_model.ground_truth"},
+    )
     (held,) = task.eval_prompts()
     i = int(held.reference) // 3
     assert held.text == f"Be brief.\n\nCompute {i}*3.\n"  # data's own turn, no instruction added
@@ -150,19 +172,29 @@ def test_unknown_roles_in_fields_are_refused_with_the_valid_ones():
 
 # ---- bad rows -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("task_cls, bad_row, reason", [
-    (GSM8KTask, {"question": "How many?", "answer": "Five, I think."}, "no '#### <number>'"),
-    (GSM8KTask, {"question": "", "answer": "#### 3"}, "no question"),
-    (GSM8KTask, {"question": "How many?", "answer": "So.\n#### abc"}, "is not a number ('abc')"),
-    (GSM8KTask, {"question": "How many?", "answer": None}, "no answer"),
-    (MathTask, {"problem": "Find x.", "solution": "It is five."}, "no \\\\boxed"),
-    (CodeTask, {"question": "Add.", "input_output": "{not json"}, "unusable tests"),
-    (CodeTask, {"question": "Add.", "tests": []}, "unusable tests"),
-])
+
+@pytest.mark.parametrize(
+    "task_cls, bad_row, reason",
+    [
+        (GSM8KTask, {"question": "How many?", "answer": "Five, I think."}, "no '#### <number>'"),
+        (GSM8KTask, {"question": "", "answer": "#### 3"}, "no question"),
+        (
+            GSM8KTask,
+            {"question": "How many?", "answer": "So.\n#### abc"},
+            "is not a number ('abc')",
+        ),
+        (GSM8KTask, {"question": "How many?", "answer": None}, "no answer"),
+        (MathTask, {"problem": "Find x.", "solution": "It is five."}, "no \\\\boxed"),
+        (CodeTask, {"question": "Add.", "input_output": "{not json"}, "unusable tests"),
+        (CodeTask, {"question": "Add.", "tests": []}, "unusable tests"),
+    ],
+)
 def test_a_malformed_row_is_an_error_naming_the_file_and_row(tmp_path, task_cls, bad_row, reason):
-    good = {GSM8KTask: {"question": "One plus one?", "answer": "#### 2"},
-            MathTask: {"problem": "One plus one?", "answer": "2"},
-            CodeTask: {"question": "Echo.", "tests": [{"input": "a\n", "output": "a\n"}]}}[task_cls]
+    good = {
+        GSM8KTask: {"question": "One plus one?", "answer": "#### 2"},
+        MathTask: {"problem": "One plus one?", "answer": "2"},
+        CodeTask: {"question": "Echo.", "tests": [{"input": "a\n", "output": "a\n"}]},
+    }[task_cls]
     path = _jsonl(tmp_path / "data.jsonl", [good, good, bad_row, good])
     task = task_cls(path=str(path), eval_fraction=0.25)
     with pytest.raises(RowError) as info:
@@ -226,11 +258,14 @@ def test_bad_params_are_refused_at_construction():
 
 # ---- splits and order ---------------------------------------------------------------------
 
+
 def test_held_out_fraction_is_fixed_by_the_seed_and_disjoint_from_training():
     def split(seed):
         task = MathTask(path=str(MATH_FILE), eval_fraction=0.25, data_seed=seed)
-        return ({p.prompt_id.split(":")[1] for p in task.eval_prompts()},
-                {p.prompt_id.split(":")[1] for p in task.train_prompts(0)})
+        return (
+            {p.prompt_id.split(":")[1] for p in task.eval_prompts()},
+            {p.prompt_id.split(":")[1] for p in task.train_prompts(0)},
+        )
 
     held, train = split(0)
     assert len(held) == 6 and len(train) == 18 and not held & train
@@ -244,8 +279,9 @@ def test_training_order_is_reshuffled_per_seed_and_covers_every_row_once():
     assert first != second and sorted(first) == sorted(second)
     assert len(set(first)) == len(first) == 24
     fixed = GSM8KTask(path=str(GSM8K_TRAIN), eval_path=str(GSM8K_TEST), shuffle=False)
-    assert [p.prompt_id for p in fixed.train_prompts(5)] == \
-        [f"train:gsm8k_train.jsonl#{i}" for i in range(24)]
+    assert [p.prompt_id for p in fixed.train_prompts(5)] == [
+        f"train:gsm8k_train.jsonl#{i}" for i in range(24)
+    ]
 
 
 def test_held_out_questions_are_removed_from_training(tmp_path):
@@ -266,6 +302,7 @@ def test_an_eval_only_task_evaluates_but_has_no_training_prompts():
 
 # ---- example configs ----------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name, num_eval", [("gsm8k", 8), ("math", 6), ("code", 2)])
 def test_example_configs_load_and_build_their_tasks(monkeypatch, tiny_model_dir, name, num_eval):
     monkeypatch.chdir(REPO)  # the examples name their data relative to the repository root
@@ -277,7 +314,8 @@ def test_example_configs_load_and_build_their_tasks(monkeypatch, tiny_model_dir,
 
 
 def test_gpu_example_config_is_valid(monkeypatch, tiny_model_dir):
-    cfg = load_config(REPO / "examples" / "gsm8k_qwen2.5_1.5b_vllm.yaml",
-                      [f"model.path={tiny_model_dir}"])
+    cfg = load_config(
+        REPO / "examples" / "gsm8k_qwen2.5_1.5b_vllm.yaml", [f"model.path={tiny_model_dir}"]
+    )
     assert cfg.rollout.engine == "vllm" and cfg.task.name == "gsm8k"
     assert cfg.trainer.batch_size % cfg.task.group_size == 0

@@ -24,13 +24,24 @@ STEPS, BATCH, GROUP, EVAL_PROMPTS = 3, 4, 2, 4
 @pytest.fixture(scope="module")
 def gsm8k_run(tmp_path_factory, tiny_model_dir) -> Path:
     run_dir = tmp_path_factory.mktemp("gsm8k") / "run"
-    cfg = load_config(REPO / "examples" / "gsm8k.yaml", [
-        f"model.path={tiny_model_dir}", f"run_dir={run_dir}",
-        f"task.params.path={REPO / 'examples/data/gsm8k_train.jsonl'}",
-        f"task.params.eval_path={REPO / 'examples/data/gsm8k_test.jsonl'}",
-        f"trainer.total_steps={STEPS}", f"trainer.batch_size={BATCH}", f"task.group_size={GROUP}",
-        f"eval.max_prompts={EVAL_PROMPTS}", "eval.every_steps=2", "rollout.max_new_tokens=16",
-        "logging.progress=false", "logging.tensorboard=true", "trainer.lr=1e-3"])
+    cfg = load_config(
+        REPO / "examples" / "gsm8k.yaml",
+        [
+            f"model.path={tiny_model_dir}",
+            f"run_dir={run_dir}",
+            f"task.params.path={REPO / 'examples/data/gsm8k_train.jsonl'}",
+            f"task.params.eval_path={REPO / 'examples/data/gsm8k_test.jsonl'}",
+            f"trainer.total_steps={STEPS}",
+            f"trainer.batch_size={BATCH}",
+            f"task.group_size={GROUP}",
+            f"eval.max_prompts={EVAL_PROMPTS}",
+            "eval.every_steps=2",
+            "rollout.max_new_tokens=16",
+            "logging.progress=false",
+            "logging.tensorboard=true",
+            "trainer.lr=1e-3",
+        ],
+    )
     summary = asyncio.run(Controller(cfg).run())
     assert summary["steps"] == STEPS
     return run_dir
@@ -69,15 +80,31 @@ def test_tensorboard_event_file_holds_the_step_scalars(gsm8k_run):
     assert [e.step for e in rewards] == list(range(1, STEPS + 1))
     steps = {r["step"]: r for r in _records(gsm8k_run) if r["kind"] == "step"}
     assert [e.value for e in rewards] == pytest.approx(
-        [steps[s]["rollout/reward_mean"] for s in range(1, STEPS + 1)])
+        [steps[s]["rollout/reward_mean"] for s in range(1, STEPS + 1)]
+    )
 
 
 def test_eval_cli_scores_the_saved_checkpoint_into_metrics_jsonl(gsm8k_run, capsys):
     from areal.eval import main
 
-    rc = main(["--model", str(gsm8k_run / "final_model"), "--config",
-               str(gsm8k_run / "config.yaml"), "--run-dir", str(gsm8k_run), "--num-samples", "3",
-               "--temperature", "1.0", "--k", "3", "--max-prompts", "2"])
+    rc = main(
+        [
+            "--model",
+            str(gsm8k_run / "final_model"),
+            "--config",
+            str(gsm8k_run / "config.yaml"),
+            "--run-dir",
+            str(gsm8k_run),
+            "--num-samples",
+            "3",
+            "--temperature",
+            "1.0",
+            "--k",
+            "3",
+            "--max-prompts",
+            "2",
+        ]
+    )
     assert rc == 0
     table = capsys.readouterr().out
     assert "pass@1" in table and "pass@3" in table and "appended to" in table

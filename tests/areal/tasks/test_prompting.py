@@ -13,8 +13,10 @@ from areal.tasks.formats import MATH_INSTRUCTION, Example
 from areal.tasks.prompting import PromptStyle, render
 
 DATA = Path(__file__).resolve().parents[3] / "examples" / "data"
-CHAT = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>{% if think %}<think>{% endif %}{% endif %}")
+CHAT = (
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% if think %}<think>{% endif %}{% endif %}"
+)
 EXAMPLE = Example(question="What is 2+3?", reference="5")
 
 
@@ -27,36 +29,51 @@ def chat_tokenizer():
 
 def test_plain_template_is_question_then_instruction():
     text = render(PromptStyle(), EXAMPLE, MATH_INSTRUCTION, tokenizer=None)
-    assert text == "What is 2+3?\n\nPlease reason step by step, and put your final answer " \
-                   "within \\boxed{}.\n"
+    assert (
+        text == "What is 2+3?\n\nPlease reason step by step, and put your final answer "
+        "within \\boxed{}.\n"
+    )
 
 
 def test_system_prompt_instruction_and_templates_are_configurable():
-    style = PromptStyle(system_prompt="You are terse.", instruction="Answer in \\boxed{}.",
-                        template="Q: {question}\n{instruction}",
-                        plain_template="{system}{user}\nA:")
-    assert render(style, EXAMPLE, MATH_INSTRUCTION, None) == \
-        "You are terse.\n\nQ: What is 2+3?\nAnswer in \\boxed{}.\nA:"
+    style = PromptStyle(
+        system_prompt="You are terse.",
+        instruction="Answer in \\boxed{}.",
+        template="Q: {question}\n{instruction}",
+        plain_template="{system}{user}\nA:",
+    )
+    assert (
+        render(style, EXAMPLE, MATH_INSTRUCTION, None)
+        == "You are terse.\n\nQ: What is 2+3?\nAnswer in \\boxed{}.\nA:"
+    )
     assert render(PromptStyle(instruction=""), EXAMPLE, MATH_INSTRUCTION, None) == "What is 2+3?\n"
 
 
 def test_context_values_fill_the_instruction_and_the_template():
-    example = Example(question="Sum a list.", reference={}, context={"fn_name": "total"},
-                      kind="function")
+    example = Example(
+        question="Sum a list.", reference={}, context={"fn_name": "total"}, kind="function"
+    )
     style = PromptStyle(instruction="Define `{fn_name}` and wrap {it} in ```python.")
-    assert render(style, example, "", None) == \
-        "Sum a list.\n\nDefine `total` and wrap {it} in ```python.\n"
+    assert (
+        render(style, example, "", None)
+        == "Sum a list.\n\nDefine `total` and wrap {it} in ```python.\n"
+    )
 
 
 def test_the_chat_template_is_used_when_the_tokenizer_has_one(chat_tokenizer):
     style = PromptStyle(system_prompt="Be brief.")
     text = render(style, EXAMPLE, "Box it.", chat_tokenizer)
     assert text == "<|system|>Be brief.\n<|user|>What is 2+3?\n\nBox it.\n<|assistant|>"
-    plain = render(PromptStyle(system_prompt="Be brief.", chat_template=False), EXAMPLE,
-                   "Box it.", chat_tokenizer)
+    plain = render(
+        PromptStyle(system_prompt="Be brief.", chat_template=False),
+        EXAMPLE,
+        "Box it.",
+        chat_tokenizer,
+    )
     assert plain == "Be brief.\n\nWhat is 2+3?\n\nBox it.\n"
-    thinking = render(PromptStyle(chat_template_kwargs={"think": True}), EXAMPLE, "",
-                      chat_tokenizer)
+    thinking = render(
+        PromptStyle(chat_template_kwargs={"think": True}), EXAMPLE, "", chat_tokenizer
+    )
     assert thinking.endswith("<|assistant|><think>")
 
 
@@ -88,7 +105,11 @@ def test_use_tokenizer_switches_the_task_to_the_chat_template(chat_tokenizer):
 
 def test_tokenizer_path_loads_the_tokenizer_and_wins_over_use_tokenizer(tmp_path, chat_tokenizer):
     chat_tokenizer.save_pretrained(tmp_path)
-    task = GSM8KTask(path=str(DATA / "gsm8k_train.jsonl"), eval_path=str(DATA / "gsm8k_test.jsonl"),
-                     tokenizer_path=str(tmp_path), system_prompt="S")
+    task = GSM8KTask(
+        path=str(DATA / "gsm8k_train.jsonl"),
+        eval_path=str(DATA / "gsm8k_test.jsonl"),
+        tokenizer_path=str(tmp_path),
+        system_prompt="S",
+    )
     task.use_tokenizer(build_char_tokenizer())  # ignored: the param names the tokenizer
     assert task.eval_prompts()[0].text.startswith("<|system|>S\n<|user|>")

@@ -9,37 +9,57 @@ import asyncio
 import pytest
 
 from areal.tasks.tools import (
-    Calculator, CalculatorError, PythonTool, evaluate_expression, format_number, make_tool,
+    Calculator,
+    CalculatorError,
+    PythonTool,
+    evaluate_expression,
+    format_number,
+    make_tool,
 )
 
 
-@pytest.mark.parametrize("text, value", [
-    ("482*37", 17834), ("  2 + 3*(4 - 1) ", 11), ("-7 // 2", -4), ("7 % 3", 1),
-    ("2**10", 1024), ("1/4", 0.25), ("123456789*987654321", 121932631112635269),
-])
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("482*37", 17834),
+        ("  2 + 3*(4 - 1) ", 11),
+        ("-7 // 2", -4),
+        ("7 % 3", 1),
+        ("2**10", 1024),
+        ("1/4", 0.25),
+        ("123456789*987654321", 121932631112635269),
+    ],
+)
 def test_calculator_evaluates_exactly(text, value):
     assert evaluate_expression(text) == value
 
 
-@pytest.mark.parametrize("text, reason", [
-    ("__import__('os')", "unsupported element Call"),
-    ("x + 1", "unsupported element Name"),
-    ("'a' * 3", "unsupported element Constant"),
-    ("1 +", "not an arithmetic expression"),
-    ("1/0", "division by zero"),
-    ("2**100000", "exponent 100000 is beyond"),
-    ("(10**59)**2", "more than 60 digits"),
-    ("(-8)**0.5", "not a real number"),
-    ("1" * 201, "longer than 200 characters"),
-])
+@pytest.mark.parametrize(
+    "text, reason",
+    [
+        ("__import__('os')", "unsupported element Call"),
+        ("x + 1", "unsupported element Name"),
+        ("'a' * 3", "unsupported element Constant"),
+        ("1 +", "not an arithmetic expression"),
+        ("1/0", "division by zero"),
+        ("2**100000", "exponent 100000 is beyond"),
+        ("(10**59)**2", "more than 60 digits"),
+        ("(-8)**0.5", "not a real number"),
+        ("1" * 201, "longer than 200 characters"),
+    ],
+)
 def test_calculator_refuses_what_is_not_bounded_arithmetic(text, reason):
     with pytest.raises(CalculatorError, match=reason.replace("(", r"\(").replace("*", r"\*")):
         evaluate_expression(text)
 
 
 def test_numbers_are_formatted_for_reading():
-    assert [format_number(v) for v in (17834, 2.0, 0.1 + 0.2, 1 / 3)] == \
-        ["17834", "2", "0.3", "0.333333333333"]
+    assert [format_number(v) for v in (17834, 2.0, 0.1 + 0.2, 1 / 3)] == [
+        "17834",
+        "2",
+        "0.3",
+        "0.333333333333",
+    ]
 
 
 async def test_a_bad_call_is_a_failed_result_that_says_why():
@@ -72,18 +92,25 @@ def python_tool():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("code, failed, expected", [
-    ("print(482*37)", False, "17834"),
-    ("import sys; print('x'); print('warn', file=sys.stderr)", False, "x\nstderr:\nwarn"),
-    ("1/0", True, "ZeroDivisionError: division by zero\nstatus: runtime_error"),
-    ("while True: pass", True, "status: timeout"),
-    ("print('y' * 5000)", False, "...(output truncated)"),
-    ("import socket; socket.create_connection(('1.1.1.1', 53), timeout=1)", True,
-     "status: runtime_error"),
-    ("print(", True, "SyntaxError"),
-])
-async def test_python_runs_in_the_sandbox_and_failures_become_results(python_tool, code,
-                                                                       failed, expected):
+@pytest.mark.parametrize(
+    "code, failed, expected",
+    [
+        ("print(482*37)", False, "17834"),
+        ("import sys; print('x'); print('warn', file=sys.stderr)", False, "x\nstderr:\nwarn"),
+        ("1/0", True, "ZeroDivisionError: division by zero\nstatus: runtime_error"),
+        ("while True: pass", True, "status: timeout"),
+        ("print('y' * 5000)", False, "...(output truncated)"),
+        (
+            "import socket; socket.create_connection(('1.1.1.1', 53), timeout=1)",
+            True,
+            "status: runtime_error",
+        ),
+        ("print(", True, "SyntaxError"),
+    ],
+)
+async def test_python_runs_in_the_sandbox_and_failures_become_results(
+    python_tool, code, failed, expected
+):
     result = await python_tool.call({"code": code})
     assert result.failed is failed, result.text
     assert expected in result.text

@@ -46,8 +46,14 @@ def test_a_worker_failing_twice_on_a_node_is_placed_off_it_with_the_reason_logge
 
 def test_kills_lost_nodes_clean_exits_and_other_nodes_are_not_counted(tmp_path):
     ray_pool, placement = pool(tmp_path)
-    for process in (ended(-9, killed=True), ended(-9, node_lost=True), ended(0), ended(75),
-                    ended(2, "n2"), ended(2, "n3")):
+    for process in (
+        ended(-9, killed=True),
+        ended(-9, node_lost=True),
+        ended(0),
+        ended(75),
+        ended(2, "n2"),
+        ended(2, "n3"),
+    ):
         ray_pool._count_failure(process, WorkerKind.ROLLOUT, 0)
     assert placement.avoided == []
     assert ray_pool.failures == {("rollout-0", "n2"): 1, ("rollout-0", "n3"): 1}

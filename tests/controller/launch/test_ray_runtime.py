@@ -35,8 +35,10 @@ def placements(run_dir: Path) -> list[dict]:
 
 
 def placed(run_dir: Path, worker_id: str, attempt: int) -> dict | None:
-    return next((p for p in placements(run_dir)
-                 if p["worker_id"] == worker_id and p["attempt"] == attempt), None)
+    return next(
+        (p for p in placements(run_dir) if p["worker_id"] == worker_id and p["attempt"] == attempt),
+        None,
+    )
 
 
 def registered(log: Path, worker_id: str, times: int) -> bool:
@@ -59,16 +61,24 @@ def hurt_run(cluster, tiny_model_dir, tmp_path_factory):
     run_dir, log, config = tmp / "run", tmp / "controller.log", tmp / "secret.yaml"
     config.write_text(f"controller:\n  secret: {SECRET}\n")
     config.chmod(0o600)
-    args = ["--config", str(config), *letter_overrides(
-        run_dir, tiny_model_dir, "launcher=ray", f"ray.address={cluster.address}",
-        "trainer.total_steps=200", "ray.placement_timeout_s=60",
-        f"ray.env_vars.PYTHONPATH={HERE}")]
+    args = [
+        "--config",
+        str(config),
+        *letter_overrides(
+            run_dir,
+            tiny_model_dir,
+            "launcher=ray",
+            f"ray.address={cluster.address}",
+            "trainer.total_steps=200",
+            "ray.placement_timeout_s=60",
+            f"ray.env_vars.PYTHONPATH={HERE}",
+        ),
+    ]
     proc = start(args, log)
     try:
         wait_for(lambda: last_step(run_dir) >= 2, 300, "step 2", proc)
         first = {w: placed(run_dir, w, 1) for w in ("rollout-0", "reward-0", "trainer-0")}
-        killed = next(n for n in cluster.worker_nodes
-                      if n.node_id == first["rollout-0"]["node_id"])
+        killed = next(n for n in cluster.worker_nodes if n.node_id == first["rollout-0"]["node_id"])
         cluster.remove_node(killed)
         wait_for(lambda: registered(log, "rollout-0", 2), 240, "a new rollout worker", proc)
         step = last_step(run_dir)
@@ -77,17 +87,22 @@ def hurt_run(cluster, tiny_model_dir, tmp_path_factory):
         wait_for(lambda: registered(log, "reward-0", 2), 240, "a new reward worker", proc)
         step = last_step(run_dir)
         wait_for(lambda: last_step(run_dir) >= step + 2, 240, "two steps after it", proc)
-        processes = [" ".join(p.info["cmdline"] or []) for p in
-                     psutil.process_iter(["cmdline"])]
+        processes = [" ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])]
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(240)
     except BaseException:
         proc.kill()
         print(log_tail(log))
         raise
-    return {"run_dir": run_dir, "log": log, "code": code, "first": first,
-            "killed_node": killed.node_id, "command_lines": processes,
-            "session_dir": Path(cluster.head_node.get_session_dir_path())}
+    return {
+        "run_dir": run_dir,
+        "log": log,
+        "code": code,
+        "first": first,
+        "killed_node": killed.node_id,
+        "command_lines": processes,
+        "session_dir": Path(cluster.head_node.get_session_dir_path()),
+    }
 
 
 def test_the_workers_are_spread_over_the_nodes_and_the_job_learns(hurt_run):
@@ -110,8 +125,9 @@ def test_a_lost_node_and_a_killed_actor_lose_and_repeat_no_prompt_group(hurt_run
     dropped = [p for r in steps for p in r["rollout/dropped_positions"]]
     dropped += summary["rollout/dropped_positions"]
     assert len(trained) == len(set(trained)) == 2 * len(steps)  # batch 8 = 2 groups of 4
-    assert sorted(trained + dropped + summary["untrained_positions"]) \
-        == list(range(summary["num_drawn"]))
+    assert sorted(trained + dropped + summary["untrained_positions"]) == list(
+        range(summary["num_drawn"])
+    )
     lost = [r["worker_id"] for r in kept if r.get("event") == "worker_lost"]
     assert lost == ["rollout-0", "reward-0"]
 
@@ -131,10 +147,14 @@ def test_the_secret_is_in_no_command_line_log_or_ray_record(hurt_run):
     import ray
 
     assert not [line for line in hurt_run["command_lines"] if SECRET in line]
-    texts = [p for p in hurt_run["run_dir"].rglob("*") if p.is_file() and p.suffix in
-             (".log", ".jsonl", ".yaml", ".json")]
-    texts += [p for p in hurt_run["session_dir"].rglob("*") if p.is_file()
-              and p.stat().st_size < 50 << 20]
+    texts = [
+        p
+        for p in hurt_run["run_dir"].rglob("*")
+        if p.is_file() and p.suffix in (".log", ".jsonl", ".yaml", ".json")
+    ]
+    texts += [
+        p for p in hurt_run["session_dir"].rglob("*") if p.is_file() and p.stat().st_size < 50 << 20
+    ]
     assert texts
     leaks = [str(p) for p in texts if SECRET.encode() in p.read_bytes()]
     assert leaks == [] and SECRET not in hurt_run["log"].read_text()
@@ -143,13 +163,28 @@ def test_the_secret_is_in_no_command_line_log_or_ray_record(hurt_run):
 
 
 def test_a_placement_that_cannot_be_satisfied_fails_naming_what_is_missing(
-        cluster, tiny_model_dir, tmp_path):
+    cluster, tiny_model_dir, tmp_path
+):
     env = dict(os.environ, PYTHONPATH=str(HERE))
     result = subprocess.run(
-        ["python", "-m", "areal.controller", *letter_overrides(
-            tmp_path / "run", tiny_model_dir, "launcher=ray", f"ray.address={cluster.address}",
-            "ray.trainer.num_gpus=1", "ray.placement_timeout_s=3")],
-        env=env, capture_output=True, text=True, timeout=120)
+        [
+            "python",
+            "-m",
+            "areal.controller",
+            *letter_overrides(
+                tmp_path / "run",
+                tiny_model_dir,
+                "launcher=ray",
+                f"ray.address={cluster.address}",
+                "ray.trainer.num_gpus=1",
+                "ray.placement_timeout_s=3",
+            ),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 1, result.stderr[-3000:]
     assert "cannot place the run's workers within ray.placement_timeout_s=3" in result.stderr
     assert "trainer (1 x {CPU 1, GPU 1}, PACK)" in result.stderr

@@ -18,8 +18,9 @@ from areal.transport import RouterChannel
 from areal.workers.reward.worker import RewardWorker
 
 
-async def _score(model_dir: str, score: Score, break_decode_of: str | None = None,
-                 break_checks: bool = False) -> Scored | WorkerError:
+async def _score(
+    model_dir: str, score: Score, break_decode_of: str | None = None, break_checks: bool = False
+) -> Scored | WorkerError:
     """Serve a real RewardWorker against a bare ROUTER, send `score`, return its answer.
     `break_decode_of`: the tokenizer raises on that completion's text; `break_checks`: its
     checker pool raises (unit seams)."""
@@ -29,8 +30,12 @@ async def _score(model_dir: str, score: Score, break_decode_of: str | None = Non
     serving = asyncio.create_task(worker.serve())
     try:
         identity, msg = await asyncio.wait_for(channel.recv(), 30)
-        await channel.send(identity, Welcome(config=config_to_dict(load_config(
-            overrides=[f"model.path={model_dir}"])), version=0))
+        await channel.send(
+            identity,
+            Welcome(
+                config=config_to_dict(load_config(overrides=[f"model.path={model_dir}"])), version=0
+            ),
+        )
         while not isinstance(msg, Ready):
             identity, msg = await asyncio.wait_for(channel.recv(), 60)
         if break_decode_of is not None:
@@ -41,10 +46,13 @@ async def _score(model_dir: str, score: Score, break_decode_of: str | None = Non
                 if text == break_decode_of:
                     raise ValueError("no such token")
                 return text
+
             worker.tokenizer.decode = failing
         if break_checks:
+
             async def broken(*args, **kwargs):
                 raise RuntimeError("the checker pool is broken")
+
             worker.pool.check = broken
         await channel.send(identity, score)
         while not isinstance(msg, (Scored, WorkerError)):
@@ -64,9 +72,17 @@ def _ids(tokenizer, text: str) -> np.ndarray:
 def test_one_scored_answers_a_whole_group_in_order(tiny_model_dir):
     tokenizer = load_tokenizer(tiny_model_dir)
     texts = ["# 12", "# 7", "no answer", "#12"]
-    scored = asyncio.run(_score(tiny_model_dir, Score(
-        request_ids=["g0-s0-a0", "g0-s1-a0", "g0-s2-a0", "g0-s3-a0"], prompt_id="p",
-        completion_ids=[_ids(tokenizer, t) for t in texts], reference=12)))
+    scored = asyncio.run(
+        _score(
+            tiny_model_dir,
+            Score(
+                request_ids=["g0-s0-a0", "g0-s1-a0", "g0-s2-a0", "g0-s3-a0"],
+                prompt_id="p",
+                completion_ids=[_ids(tokenizer, t) for t in texts],
+                reference=12,
+            ),
+        )
+    )
     assert scored.request_ids == ["g0-s0-a0", "g0-s1-a0", "g0-s2-a0", "g0-s3-a0"]
     assert scored.rewards == [1.0, 0.0, 0.0, 1.0]
     assert scored.verdicts[0] is Verdict.OK and scored.verdicts[3] is Verdict.OK
@@ -76,10 +92,18 @@ def test_one_scored_answers_a_whole_group_in_order(tiny_model_dir):
 
 def test_a_completion_that_cannot_be_decoded_is_an_error_of_its_own(tiny_model_dir):
     tokenizer = load_tokenizer(tiny_model_dir)
-    scored = asyncio.run(_score(tiny_model_dir, Score(
-        request_ids=["a", "b"], prompt_id="p",
-        completion_ids=[_ids(tokenizer, "# 5"), _ids(tokenizer, "# 6")], reference=5),
-        break_decode_of="# 6"))
+    scored = asyncio.run(
+        _score(
+            tiny_model_dir,
+            Score(
+                request_ids=["a", "b"],
+                prompt_id="p",
+                completion_ids=[_ids(tokenizer, "# 5"), _ids(tokenizer, "# 6")],
+                reference=5,
+            ),
+            break_decode_of="# 6",
+        )
+    )
     assert scored.request_ids == ["a", "b"]
     assert scored.rewards == [1.0, 0.0] and scored.verdicts == [Verdict.OK, Verdict.ERROR]
     assert "could not decode the completion" in scored.details[1]
@@ -89,9 +113,18 @@ def test_a_completion_that_cannot_be_decoded_is_an_error_of_its_own(tiny_model_d
 def test_a_score_that_fails_as_a_whole_names_every_request_it_held(tiny_model_dir):
     tokenizer = load_tokenizer(tiny_model_dir)
     ids = [f"g3-s{i}-a0" for i in range(20)]  # more than a short header list: a big group
-    error = asyncio.run(_score(tiny_model_dir, Score(
-        request_ids=ids, prompt_id="p", completion_ids=[_ids(tokenizer, "# 5")] * 20,
-        reference=5), break_checks=True))
+    error = asyncio.run(
+        _score(
+            tiny_model_dir,
+            Score(
+                request_ids=ids,
+                prompt_id="p",
+                completion_ids=[_ids(tokenizer, "# 5")] * 20,
+                reference=5,
+            ),
+            break_checks=True,
+        )
+    )
     assert isinstance(error, WorkerError) and not error.fatal
     assert error.request_ids == ids
     assert "the checker pool is broken" in error.error

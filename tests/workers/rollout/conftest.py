@@ -48,8 +48,10 @@ def save_peaked_tiny_model(directory: Path, seed: int) -> Path:
 @pytest.fixture(scope="session")
 def weights_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """Two directories of the tiny Qwen2 with different weights (policy versions 0 and 1)."""
-    return (save_peaked_tiny_model(tmp_path_factory.mktemp("tiny_v0"), seed=0),
-            save_peaked_tiny_model(tmp_path_factory.mktemp("tiny_v1"), seed=1))
+    return (
+        save_peaked_tiny_model(tmp_path_factory.mktemp("tiny_v0"), seed=0),
+        save_peaked_tiny_model(tmp_path_factory.mktemp("tiny_v1"), seed=1),
+    )
 
 
 @pytest.fixture(scope="session")
@@ -59,8 +61,9 @@ def reference_models(weights_dirs: tuple[Path, Path]) -> tuple[torch.nn.Module, 
 
 
 @pytest_asyncio.fixture
-async def make_engine(weights_dirs: tuple[Path, Path]
-                      ) -> AsyncIterator[Callable[..., Awaitable[TorchEngine]]]:
+async def make_engine(
+    weights_dirs: tuple[Path, Path],
+) -> AsyncIterator[Callable[..., Awaitable[TorchEngine]]]:
     """`await make_engine(**kwargs)`: a started engine on weights v0, closed at teardown."""
     engines: list[TorchEngine] = []
 

@@ -56,8 +56,14 @@ def segments(result: EpisodeResult) -> list[tuple[bool, int]]:
     return out
 
 
-async def check_update_in_turn_two(runner: EpisodeRunner, env: ScriptedEnvironment,
-                                   new_weights, models, *, temperature: float = 1.0) -> None:
+async def check_update_in_turn_two(
+    runner: EpisodeRunner,
+    env: ScriptedEnvironment,
+    new_weights,
+    models,
+    *,
+    temperature: float = 1.0,
+) -> None:
     """`env` scripted ["obs one\\n", "obs two\\n", DONE], turns of 60 tokens: weights v1
     arrive while turn 2 runs. Turn 1 is all v0, turn 2 switches from v0 to v1 inside, turn 3
     is all v1; observations are version -1, log-prob 0, loss mask False; every model
@@ -79,11 +85,19 @@ async def check_update_in_turn_two(runner: EpisodeRunner, env: ScriptedEnvironme
     assert (result.num_tool_calls, result.num_interruptions) == (2, 1)
     obs_one = runner.tokenizer("obs one\n", add_special_tokens=False)["input_ids"]
     obs_two = runner.tokenizer("obs two\n", add_special_tokens=False)["input_ids"]
-    assert segments(result) == [(True, 60), (False, len(obs_one)), (True, 60),
-                                (False, len(obs_two)), (True, 60)]
-    turn1, turn2, turn3 = (slice(0, 60), slice(60 + len(obs_one), 120 + len(obs_one)),
-                           slice(len(result.token_ids) - 60, None))
-    assert result.token_ids[60:60 + len(obs_one)] == obs_one
+    assert segments(result) == [
+        (True, 60),
+        (False, len(obs_one)),
+        (True, 60),
+        (False, len(obs_two)),
+        (True, 60),
+    ]
+    turn1, turn2, turn3 = (
+        slice(0, 60),
+        slice(60 + len(obs_one), 120 + len(obs_one)),
+        slice(len(result.token_ids) - 60, None),
+    )
+    assert result.token_ids[60 : 60 + len(obs_one)] == obs_one
     assert result.versions[turn1] == [0] * 60 and result.versions[turn3] == [1] * 60
     switch = result.versions[turn2].index(1)
     assert switch > 0 and result.versions[turn2] == [0] * switch + [1] * (60 - switch)
@@ -93,11 +107,16 @@ async def check_update_in_turn_two(runner: EpisodeRunner, env: ScriptedEnvironme
     for version, model in enumerate(models):
         positions = [i for i, v in enumerate(result.versions) if v == version]
         recomputed = recompute_logprobs(model, prompt, result.token_ids, temperature=temperature)
-        assert_close([result.logprobs[i] for i in positions], recomputed[positions], atol=ATOL,
-                     what=f"log-probs of version-{version} model tokens")
+        assert_close(
+            [result.logprobs[i] for i in positions],
+            recomputed[positions],
+            atol=ATOL,
+            what=f"log-probs of version-{version} model tokens",
+        )
     # The environment saw the turns as text, the prompt and the reference.
     last = env.seen[-1]
-    assert [t.role for t in last.turns] == [TurnRole.MODEL, TurnRole.OBSERVATION] * 2 + \
-        [TurnRole.MODEL]
+    assert [t.role for t in last.turns] == [TurnRole.MODEL, TurnRole.OBSERVATION] * 2 + [
+        TurnRole.MODEL
+    ]
     assert last.turns[1].text == "obs one\n" and last.reference == 7 and last.prompt_id == "p0"
     assert last.turns[2].token_ids == result.token_ids[turn2]

@@ -19,8 +19,10 @@ def random_adapters(model_dir: Path, seed: int, scale: float = 0.1) -> dict[str,
     enough from the base that log-probs move by more than 1 somewhere."""
     model = add_adapters(load_model(model_dir), LORA, seed=seed)
     generator = torch.Generator().manual_seed(seed)
-    return {name: torch.randn(t.shape, generator=generator) * scale
-            for name, t in adapter_tensors(model)}
+    return {
+        name: torch.randn(t.shape, generator=generator) * scale
+        for name, t in adapter_tensors(model)
+    }
 
 
 def adapted_model(model_dir: Path, tensors: dict[str, torch.Tensor] | None) -> torch.nn.Module:

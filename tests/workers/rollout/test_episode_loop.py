@@ -30,7 +30,8 @@ async def make_runner(make_engine, weights_dirs):
 
 
 async def test_tokens_of_each_turn_keep_their_provenance_across_an_update_in_turn_two(
-        make_runner, weights_dirs, reference_models):
+    make_runner, weights_dirs, reference_models
+):
     runner, env = await make_runner(["obs one\n", "obs two\n", DONE], max_turn_tokens=60)
     await check_update_in_turn_two(runner, env, weights_dirs[1], reference_models)
 
@@ -54,7 +55,10 @@ async def test_the_turn_limit_ends_an_episode_the_environment_never_ends(make_ru
     runner, env = await make_runner(["more\n"], max_turns=3, max_turn_tokens=4)
     result = await runner.run("e3", [5, 6, 7], SamplingParams(max_new_tokens=100))
     assert (result.end, result.outcome.verdict, result.outcome.reward) == (
-        EpisodeEnd.TURN_LIMIT, Verdict.NO_ANSWER, 0.0)
+        EpisodeEnd.TURN_LIMIT,
+        Verdict.NO_ANSWER,
+        0.0,
+    )
     assert result.finish_reason is FinishReason.LENGTH and result.num_turns == 3
     assert "episode.max_turns=3" in result.outcome.detail
     # The observation after the last turn is not appended: the episode ends on a model turn.

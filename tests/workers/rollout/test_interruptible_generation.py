@@ -18,16 +18,24 @@ from areal.workers.rollout.interruptible import GenerationResult, InterruptibleG
 ATOL = 1e-4
 
 
-def assert_logprobs_per_version(prompt: list[int], result: GenerationResult,
-                                models: tuple[torch.nn.Module, ...], temperature: float) -> None:
+def assert_logprobs_per_version(
+    prompt: list[int],
+    result: GenerationResult,
+    models: tuple[torch.nn.Module, ...],
+    temperature: float,
+) -> None:
     """Each token's log-prob equals a full forward of the weights of that token's version."""
     for version, model in enumerate(models):
         positions = [i for i, v in enumerate(result.versions) if v == version]
         if not positions:
             continue
         recomputed = recompute_logprobs(model, prompt, result.token_ids, temperature=temperature)
-        assert_close([result.logprobs[i] for i in positions], recomputed[positions],
-                     atol=ATOL, what=f"log-probs of version-{version} tokens")
+        assert_close(
+            [result.logprobs[i] for i in positions],
+            recomputed[positions],
+            atol=ATOL,
+            what=f"log-probs of version-{version} tokens",
+        )
 
 
 async def _wait_for_progress(generator: InterruptibleGenerator, prompt: list[int]) -> None:
@@ -42,12 +50,14 @@ async def _wait_for_progress(generator: InterruptibleGenerator, prompt: list[int
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 async def test_interrupted_sequences_mix_versions_with_matching_logprobs(
-        make_engine, weights_dirs, reference_models, temperature):
+    make_engine, weights_dirs, reference_models, temperature
+):
     generator = InterruptibleGenerator(await make_engine(), version=0)
     prompts = random_prompts(8, min_len=4, max_len=60, seed=11)
     params = SamplingParams(max_new_tokens=120, temperature=temperature)
-    tasks = [asyncio.create_task(generator.generate(f"i{i}", p, params))
-             for i, p in enumerate(prompts)]
+    tasks = [
+        asyncio.create_task(generator.generate(f"i{i}", p, params)) for i, p in enumerate(prompts)
+    ]
     await _wait_for_progress(generator, prompts[0])
     assert generator.num_in_engine == len(prompts)
     num_interrupted = await generator.update_weights(DiskWeights(weights_dirs[1]), 1)
@@ -61,16 +71,19 @@ async def test_interrupted_sequences_mix_versions_with_matching_logprobs(
         assert_logprobs_per_version(prompt, result, reference_models, temperature)
 
 
-async def test_interrupt_false_lets_running_sequences_finish_first(make_engine, weights_dirs,
-                                                                   reference_models):
+async def test_interrupt_false_lets_running_sequences_finish_first(
+    make_engine, weights_dirs, reference_models
+):
     generator = InterruptibleGenerator(await make_engine(), version=0)
     prompts = random_prompts(4, min_len=4, max_len=30, seed=12)
     params = SamplingParams(max_new_tokens=60)
-    running = [asyncio.create_task(generator.generate(f"r{i}", p, params))
-               for i, p in enumerate(prompts)]
+    running = [
+        asyncio.create_task(generator.generate(f"r{i}", p, params)) for i, p in enumerate(prompts)
+    ]
     await _wait_for_progress(generator, prompts[0])
     update = asyncio.create_task(
-        generator.update_weights(DiskWeights(weights_dirs[1]), 1, interrupt=False))
+        generator.update_weights(DiskWeights(weights_dirs[1]), 1, interrupt=False)
+    )
     await asyncio.sleep(0)  # the update closes the gate; a new request must wait for it
     late = asyncio.create_task(generator.generate("late", prompts[1], params))
     assert await update == 0
@@ -82,9 +95,9 @@ async def test_interrupt_false_lets_running_sequences_finish_first(make_engine, 
     assert_logprobs_per_version(prompts[1], result, reference_models, 1.0)
 
 
-async def test_held_requests_wait_for_the_update_and_get_its_version(make_engine,
-                                                                     weights_dirs,
-                                                                     reference_models):
+async def test_held_requests_wait_for_the_update_and_get_its_version(
+    make_engine, weights_dirs, reference_models
+):
     generator = InterruptibleGenerator(await make_engine(), version=3)
     prompt = random_prompts(1, min_len=8, max_len=8, seed=13)[0]
     generator.hold_new_requests()
@@ -95,13 +108,23 @@ async def test_held_requests_wait_for_the_update_and_get_its_version(make_engine
     assert await generator.update_weights(DiskWeights(weights_dirs[1]), 4) == 0
     result = await held
     assert result.versions == [4] * 20
-    assert_logprobs_per_version(prompt, GenerationResult(
-        token_ids=result.token_ids, logprobs=result.logprobs, versions=[1] * 20,
-        finish_reason=result.finish_reason, num_interruptions=0), reference_models, 1.0)
+    assert_logprobs_per_version(
+        prompt,
+        GenerationResult(
+            token_ids=result.token_ids,
+            logprobs=result.logprobs,
+            versions=[1] * 20,
+            finish_reason=result.finish_reason,
+            num_interruptions=0,
+        ),
+        reference_models,
+        1.0,
+    )
 
 
-async def test_failed_updates_keep_the_old_weights_and_serve_on(make_engine, weights_dirs,
-                                                                reference_models):
+async def test_failed_updates_keep_the_old_weights_and_serve_on(
+    make_engine, weights_dirs, reference_models
+):
     generator = InterruptibleGenerator(await make_engine(), version=2)
     prompt = [7, 8, 9, 10]
     with pytest.raises(ValueError, match="version 2 is not newer than the served version 2"):
@@ -111,17 +134,22 @@ async def test_failed_updates_keep_the_old_weights_and_serve_on(make_engine, wei
     assert generator.version == 2
     result = await generator.generate("a", prompt, SamplingParams(max_new_tokens=10))
     assert result.versions == [2] * 10
-    assert_close(result.logprobs, recompute_logprobs(reference_models[0], prompt,
-                                                     result.token_ids, temperature=1.0),
-                 atol=ATOL, what="log-probs under the unchanged weights")
+    assert_close(
+        result.logprobs,
+        recompute_logprobs(reference_models[0], prompt, result.token_ids, temperature=1.0),
+        atol=ATOL,
+        what="log-probs under the unchanged weights",
+    )
 
 
-async def test_updates_back_to_back_interrupt_sequences_twice(make_engine, weights_dirs,
-                                                              reference_models):
+async def test_updates_back_to_back_interrupt_sequences_twice(
+    make_engine, weights_dirs, reference_models
+):
     generator = InterruptibleGenerator(await make_engine(), version=0)
     prompt = random_prompts(1, min_len=12, max_len=12, seed=14)[0]
-    task = asyncio.create_task(generator.generate("t", prompt, SamplingParams(
-        max_new_tokens=150, temperature=0.7)))
+    task = asyncio.create_task(
+        generator.generate("t", prompt, SamplingParams(max_new_tokens=150, temperature=0.7))
+    )
     await _wait_for_progress(generator, prompt)
     await generator.update_weights(DiskWeights(weights_dirs[1]), 1)
     await _wait_for_progress(generator, prompt)
@@ -131,26 +159,38 @@ async def test_updates_back_to_back_interrupt_sequences_twice(make_engine, weigh
     assert result.versions == sorted(result.versions) and set(result.versions) == {0, 1, 2}
     # Version 2 carries the weights of version 0.
     as_weights = [v % 2 for v in result.versions]
-    assert_logprobs_per_version(prompt, GenerationResult(
-        token_ids=result.token_ids, logprobs=result.logprobs, versions=as_weights,
-        finish_reason=result.finish_reason, num_interruptions=2), reference_models, 0.7)
+    assert_logprobs_per_version(
+        prompt,
+        GenerationResult(
+            token_ids=result.token_ids,
+            logprobs=result.logprobs,
+            versions=as_weights,
+            finish_reason=result.finish_reason,
+            num_interruptions=2,
+        ),
+        reference_models,
+        0.7,
+    )
 
 
 async def test_an_abort_not_caused_by_an_update_is_an_error(make_engine):
     engine = await make_engine()
     generator = InterruptibleGenerator(engine, version=0)
     await engine.pause()  # behind the generator's back
-    with pytest.raises(RuntimeError, match="only InterruptibleGenerator.update_weights may "
-                                           "pause the engine"):
+    with pytest.raises(
+        RuntimeError, match="only InterruptibleGenerator.update_weights may pause the engine"
+    ):
         await generator.generate("x", [5, 6], SamplingParams(max_new_tokens=4))
 
 
 async def test_a_cancelled_update_leaves_the_generator_serving_consistently(
-        make_engine, weights_dirs, reference_models):
+    make_engine, weights_dirs, reference_models
+):
     generator = InterruptibleGenerator(await make_engine(), version=0)
     prompt = [9, 8, 7, 6]
-    running = asyncio.create_task(generator.generate("r", prompt, SamplingParams(
-        max_new_tokens=100)))
+    running = asyncio.create_task(
+        generator.generate("r", prompt, SamplingParams(max_new_tokens=100))
+    )
     await _wait_for_progress(generator, prompt)
     update = asyncio.create_task(generator.update_weights(DiskWeights(weights_dirs[1]), 1))
     await asyncio.sleep(0)  # the update has closed the gate and is pausing the engine
@@ -165,7 +205,8 @@ async def test_a_cancelled_update_leaves_the_generator_serving_consistently(
 
 
 async def test_an_interrupted_seeded_sequence_continues_on_its_derived_stream(
-        make_engine, weights_dirs):
+    make_engine, weights_dirs
+):
     """The continuation after k tokens samples with continuation_seed(seed, k): the same
     tokens as a fresh request of prompt + those k tokens with that seed, under the new
     weights; the first segment is the uninterrupted sequence's beginning."""
@@ -180,6 +221,9 @@ async def test_an_interrupted_seeded_sequence_continues_on_its_derived_stream(
     cut = await task
     k = cut.versions.index(1)
     assert 0 < k < 120 and cut.token_ids[:k] == uninterrupted.token_ids[:k]
-    rest = await engine.generate("rest", prompt + cut.token_ids[:k], SamplingParams(
-        max_new_tokens=120 - k, temperature=1.0, seed=continuation_seed(2024, k)))
+    rest = await engine.generate(
+        "rest",
+        prompt + cut.token_ids[:k],
+        SamplingParams(max_new_tokens=120 - k, temperature=1.0, seed=continuation_seed(2024, k)),
+    )
     assert cut.token_ids[k:] == rest.token_ids

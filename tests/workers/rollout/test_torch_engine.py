@@ -8,14 +8,23 @@ import asyncio
 import pytest
 import torch
 from rollout_helpers import (
-    assert_close, check_pause_returns_tokens_so_far, check_sampled_stops,
-    check_top_p_logprobs_are_of_the_nucleus, random_prompts, recompute_logprobs,
+    assert_close,
+    check_pause_returns_tokens_so_far,
+    check_sampled_stops,
+    check_top_p_logprobs_are_of_the_nucleus,
+    random_prompts,
+    recompute_logprobs,
 )
 
 from areal.models.logprobs import packed_logprobs
 from areal.models.weights import WeightMismatchError, load_tensors
 from areal.workers.rollout.engine import (
-    DiskWeights, EngineState, EngineStateError, FinishReason, SamplingParams, TensorWeights,
+    DiskWeights,
+    EngineState,
+    EngineStateError,
+    FinishReason,
+    SamplingParams,
+    TensorWeights,
 )
 from areal.workers.rollout.torch_engine import TorchEngine
 
@@ -23,43 +32,53 @@ ATOL = 1e-4
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-async def test_logprobs_equal_full_forward_recomputation(make_engine, reference_models,
-                                                         temperature):
+async def test_logprobs_equal_full_forward_recomputation(
+    make_engine, reference_models, temperature
+):
     engine = await make_engine()
     prompts = random_prompts(32, min_len=1, max_len=90, seed=int(temperature * 10))
     params = SamplingParams(max_new_tokens=24, temperature=temperature)
-    outs = await asyncio.gather(*(engine.generate(f"r{i}", p, params)
-                                  for i, p in enumerate(prompts)))
+    outs = await asyncio.gather(
+        *(engine.generate(f"r{i}", p, params) for i, p in enumerate(prompts))
+    )
     model = reference_models[0]
     engine_lp, forward_lp, trainer_lp = [], [], []
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.finish_reason is FinishReason.LENGTH and len(out.token_ids) == 24
         engine_lp += out.logprobs
-        forward_lp += recompute_logprobs(model, prompt, out.token_ids,
-                                         temperature=temperature).tolist()
+        forward_lp += recompute_logprobs(
+            model, prompt, out.token_ids, temperature=temperature
+        ).tolist()
     # The trainer's packed recomputation of the same sequences, in one forward.
     seqs = [p + o.token_ids for p, o in zip(prompts, outs, strict=True)]
     cu = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0)
     with torch.no_grad():
-        packed = packed_logprobs(model, torch.tensor([t for s in seqs for t in s]), cu, temperature=temperature)
+        packed = packed_logprobs(
+            model, torch.tensor([t for s in seqs for t in s]), cu, temperature=temperature
+        )
     for start, prompt, out in zip(cu[:-1].tolist(), prompts, outs, strict=True):
-        trainer_lp += packed[start + len(prompt):start + len(prompt) + len(out.token_ids)].tolist()
+        trainer_lp += packed[
+            start + len(prompt) : start + len(prompt) + len(out.token_ids)
+        ].tolist()
     assert_close(engine_lp, forward_lp, atol=ATOL, what=f"engine vs forward, T={temperature}")
     assert_close(engine_lp, trainer_lp, atol=ATOL, what=f"engine vs trainer, T={temperature}")
 
 
 async def test_top_p_logprobs_are_of_the_renormalised_nucleus(make_engine, reference_models):
-    await check_top_p_logprobs_are_of_the_nucleus(await make_engine(), reference_models[0],
-                                                  atol=ATOL)
+    await check_top_p_logprobs_are_of_the_nucleus(
+        await make_engine(), reference_models[0], atol=ATOL
+    )
 
 
-async def test_greedy_equals_transformers_generate_with_zero_logprobs(make_engine,
-                                                                     reference_models):
+async def test_greedy_equals_transformers_generate_with_zero_logprobs(
+    make_engine, reference_models
+):
     engine = await make_engine()
     prompts = random_prompts(6, min_len=2, max_len=30, seed=4)
     params = SamplingParams(max_new_tokens=20, temperature=0.0)
-    outs = await asyncio.gather(*(engine.generate(f"g{i}", p, params)
-                                  for i, p in enumerate(prompts)))
+    outs = await asyncio.gather(
+        *(engine.generate(f"g{i}", p, params) for i, p in enumerate(prompts))
+    )
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.token_ids == _hf_greedy(reference_models[0], prompt, 20)
         assert out.logprobs == [0.0] * 20
@@ -67,14 +86,18 @@ async def test_greedy_equals_transformers_generate_with_zero_logprobs(make_engin
 
 def _hf_greedy(model: torch.nn.Module, prompt: list[int], num_tokens: int) -> list[int]:
     with torch.no_grad():
-        ids = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=num_tokens,
-                             eos_token_id=None, pad_token_id=0)  # None: no EOS stop
-    return ids[0, len(prompt):].tolist()
+        ids = model.generate(
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=num_tokens,
+            eos_token_id=None,
+            pad_token_id=0,
+        )  # None: no EOS stop
+    return ids[0, len(prompt) :].tolist()
 
 
 @pytest.mark.slow
-async def test_outputs_follow_new_weights_after_update(make_engine, weights_dirs,
-                                                       reference_models):
+async def test_outputs_follow_new_weights_after_update(make_engine, weights_dirs, reference_models):
     """No stale KV or prefix cache: prompts longer than a cache page (64) are cached as
     shareable prefix blocks; after the update the same prompts must be recomputed."""
     engine = await make_engine()
@@ -82,8 +105,9 @@ async def test_outputs_follow_new_weights_after_update(make_engine, weights_dirs
     params = SamplingParams(max_new_tokens=16, temperature=0.0)
 
     async def greedy_all() -> list[list[int]]:
-        outs = await asyncio.gather(*(engine.generate(f"u{i}", p, params)
-                                      for i, p in enumerate(prompts)))
+        outs = await asyncio.gather(
+            *(engine.generate(f"u{i}", p, params) for i, p in enumerate(prompts))
+        )
         return [o.token_ids for o in outs]
 
     expected = [[_hf_greedy(m, p, 16) for p in prompts] for m in reference_models]
@@ -100,8 +124,9 @@ async def test_outputs_follow_new_weights_after_update(make_engine, weights_dirs
 
 
 async def test_pause_returns_tokens_so_far_as_abort(make_engine, reference_models):
-    await check_pause_returns_tokens_so_far(await make_engine(), reference_models[0],
-                                            max_new_tokens=400, atol=ATOL)
+    await check_pause_returns_tokens_so_far(
+        await make_engine(), reference_models[0], max_new_tokens=400, atol=ATOL
+    )
 
 
 async def test_life_cycle_errors_are_clear(make_engine, weights_dirs):
@@ -109,15 +134,21 @@ async def test_life_cycle_errors_are_clear(make_engine, weights_dirs):
     with pytest.raises(EngineStateError, match=r"generate\(\) on a created engine"):
         await idle.generate("x", [5], SamplingParams(max_new_tokens=1))
     engine = await make_engine()
-    with pytest.raises(EngineStateError, match=r"update_weights\(\) needs a paused engine.*"
-                                               r"call pause\(\) first"):
+    with pytest.raises(
+        EngineStateError,
+        match=r"update_weights\(\) needs a paused engine.*"
+        r"call pause\(\) first",
+    ):
         await engine.update_weights(DiskWeights(weights_dirs[1]))
     with pytest.raises(EngineStateError, match=r"resume\(\) needs a paused engine"):
         await engine.resume()
     await engine.pause()  # nothing in flight
     assert engine.state is EngineState.PAUSED
-    with pytest.raises(EngineStateError, match=r"pause\(\) needs a running engine, but it is "
-                                               r"paused; call resume\(\)"):
+    with pytest.raises(
+        EngineStateError,
+        match=r"pause\(\) needs a running engine, but it is "
+        r"paused; call resume\(\)",
+    ):
         await engine.pause()
     with pytest.raises(WeightMismatchError):
         await engine.update_weights(TensorWeights({"model.norm.weight": torch.ones(128)}))
@@ -134,12 +165,12 @@ async def test_stop_tokens_and_budget_are_respected(make_engine, reference_model
     free = _hf_greedy(reference_models[0], prompt, 30)
     stop = free[9]
     first = free.index(stop)
-    out = await engine.generate("s", prompt, SamplingParams(max_new_tokens=30, temperature=0.0,
-                                                            stop_token_ids=[stop, 2]))
+    out = await engine.generate(
+        "s", prompt, SamplingParams(max_new_tokens=30, temperature=0.0, stop_token_ids=[stop, 2])
+    )
     assert out.finish_reason is FinishReason.STOP
-    assert out.token_ids == free[:first + 1]
-    budget = await engine.generate("b", prompt, SamplingParams(max_new_tokens=7,
-                                                               temperature=0.0))
+    assert out.token_ids == free[: first + 1]
+    budget = await engine.generate("b", prompt, SamplingParams(max_new_tokens=7, temperature=0.0))
     assert budget.finish_reason is FinishReason.LENGTH and budget.token_ids == free[:7]
     await check_sampled_stops(engine, prompt, stop)
 
@@ -174,25 +205,32 @@ async def test_invalid_requests_are_refused_before_reaching_the_loop(make_engine
 
 
 async def test_a_seeded_request_samples_the_same_tokens_whatever_shares_its_batches(
-        make_engine, reference_models):
+    make_engine, reference_models
+):
     """SamplingParams.seed: the tokens depend on the seed, the prompt and the weights only.
     Batch neighbours change the forward's numerics in the last bits (the log-probs agree to
     ATOL), not the draws. Unseeded requests still sample from the engine's own stream."""
     engine = await make_engine()
     prompts = random_prompts(16, min_len=2, max_len=60, seed=21)
-    seeded = [SamplingParams(max_new_tokens=24, temperature=1.0, seed=100 + i)
-              for i in range(len(prompts))]
+    seeded = [
+        SamplingParams(max_new_tokens=24, temperature=1.0, seed=100 + i)
+        for i in range(len(prompts))
+    ]
     alone = [await engine.generate(f"a{i}", p, seeded[i]) for i, p in enumerate(prompts[:4])]
     unseeded = SamplingParams(max_new_tokens=24, temperature=1.0)
     crowd = await asyncio.gather(
         *(engine.generate(f"b{i}", p, seeded[i]) for i, p in enumerate(prompts)),
-        *(engine.generate(f"c{i}", p, unseeded) for i, p in enumerate(prompts)))
+        *(engine.generate(f"c{i}", p, unseeded) for i, p in enumerate(prompts)),
+    )
     for prompt, single, batched in zip(prompts, alone, crowd, strict=False):
         assert single.token_ids == batched.token_ids
         assert_close(single.logprobs, batched.logprobs, atol=ATOL, what="alone vs batched")
-        assert_close(batched.logprobs, recompute_logprobs(reference_models[0], prompt,
-                                                          batched.token_ids, temperature=1.0),
-                     atol=ATOL, what="seeded draws vs forward")
+        assert_close(
+            batched.logprobs,
+            recompute_logprobs(reference_models[0], prompt, batched.token_ids, temperature=1.0),
+            atol=ATOL,
+            what="seeded draws vs forward",
+        )
     other = await engine.generate("d", prompts[0], SamplingParams(max_new_tokens=24, seed=7))
     assert other.token_ids != alone[0].token_ids
     assert crowd[len(prompts)].token_ids != crowd[0].token_ids  # the unseeded draw of prompt 0
@@ -204,14 +242,21 @@ async def test_seeded_draws_follow_the_sampled_distribution(make_engine, referen
     engine = await make_engine()
     prompt = random_prompts(1, min_len=5, max_len=6, seed=22)[0]
     num = 3000
-    outs = await asyncio.gather(*(engine.generate(
-        f"s{i}", prompt, SamplingParams(max_new_tokens=1, temperature=0.7, top_p=0.9, seed=i))
-        for i in range(num)))
+    outs = await asyncio.gather(
+        *(
+            engine.generate(
+                f"s{i}",
+                prompt,
+                SamplingParams(max_new_tokens=1, temperature=0.7, top_p=0.9, seed=i),
+            )
+            for i in range(num)
+        )
+    )
     with torch.no_grad():
         logits = reference_models[0](torch.tensor([prompt])).logits[0, -1].float() / 0.7
     probs = torch.softmax(logits, -1)
     order = probs.argsort(descending=True)
-    keep = order[:int((probs[order].cumsum(0) < 0.9).sum()) + 1]
+    keep = order[: int((probs[order].cumsum(0) < 0.9).sum()) + 1]
     nucleus = torch.zeros_like(probs)
     nucleus[keep] = probs[keep] / probs[keep].sum()
     counts = torch.bincount(torch.tensor([o.token_ids[0] for o in outs]), minlength=len(probs))

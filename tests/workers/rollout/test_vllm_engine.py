@@ -17,8 +17,12 @@ import pytest
 import pytest_asyncio
 import torch
 from rollout_helpers import (
-    assert_close, check_pause_returns_tokens_so_far, check_sampled_stops,
-    check_top_p_logprobs_are_of_the_nucleus, random_prompts, recompute_logprobs,
+    assert_close,
+    check_pause_returns_tokens_so_far,
+    check_sampled_stops,
+    check_top_p_logprobs_are_of_the_nucleus,
+    random_prompts,
+    recompute_logprobs,
 )
 
 from areal.config import load_config
@@ -26,7 +30,12 @@ from areal.models.logprobs import packed_logprobs
 from areal.models.weights import WeightMismatchError, named_tensors
 from areal.workers.rollout import factory
 from areal.workers.rollout.engine import (
-    DiskWeights, EngineState, EngineStateError, FinishReason, SamplingParams, TensorWeights,
+    DiskWeights,
+    EngineState,
+    EngineStateError,
+    FinishReason,
+    SamplingParams,
+    TensorWeights,
 )
 from areal.workers.rollout.interruptible import InterruptibleGenerator
 
@@ -41,10 +50,16 @@ MAX_MODEL_LEN = 384
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def shared_engine(weights_dirs: tuple[Path, Path]):
-    cfg = load_config(None, [f"model.path={weights_dirs[0]}", "rollout.engine=vllm",
-                             f"rollout.max_concurrent={MAX_CONCURRENT}",
-                             f"rollout.vllm.max_model_len={MAX_MODEL_LEN}",
-                             "rollout.vllm.cpu_kvcache_space_gb=0.25"])
+    cfg = load_config(
+        None,
+        [
+            f"model.path={weights_dirs[0]}",
+            "rollout.engine=vllm",
+            f"rollout.max_concurrent={MAX_CONCURRENT}",
+            f"rollout.vllm.max_model_len={MAX_MODEL_LEN}",
+            "rollout.vllm.cpu_kvcache_space_gb=0.25",
+        ],
+    )
     engine = await factory.make_engine(cfg)
     yield engine
     await engine.close()
@@ -94,14 +109,16 @@ async def test_options_reach_vllm_through_the_factory(shared_engine):
 async def test_logprobs_equal_trainer_recomputation(engine, reference_models, temperature):
     prompts = random_prompts(24, min_len=1, max_len=90, seed=int(temperature * 10))
     params = SamplingParams(max_new_tokens=24, temperature=temperature)
-    outs = await asyncio.gather(*(engine.generate(f"r{i}", p, params)
-                                  for i, p in enumerate(prompts)))
+    outs = await asyncio.gather(
+        *(engine.generate(f"r{i}", p, params) for i, p in enumerate(prompts))
+    )
     engine_lp, forward_lp = [], []
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.finish_reason is FinishReason.LENGTH and len(out.token_ids) == 24
         engine_lp += out.logprobs
-        forward_lp += recompute_logprobs(reference_models[0], prompt, out.token_ids,
-                                         temperature=temperature).tolist()
+        forward_lp += recompute_logprobs(
+            reference_models[0], prompt, out.token_ids, temperature=temperature
+        ).tolist()
     assert_close(engine_lp, forward_lp, atol=ATOL, what=f"vLLM vs forward, T={temperature}")
 
 
@@ -112,14 +129,19 @@ async def test_top_p_logprobs_are_of_the_renormalised_nucleus(engine, reference_
 async def test_greedy_equals_argmax_with_zero_logprobs(engine, reference_models):
     prompts = random_prompts(6, min_len=2, max_len=30, seed=4)
     params = SamplingParams(max_new_tokens=20, temperature=0.0)
-    outs = await asyncio.gather(*(engine.generate(f"g{i}", p, params)
-                                  for i, p in enumerate(prompts)))
+    outs = await asyncio.gather(
+        *(engine.generate(f"g{i}", p, params) for i, p in enumerate(prompts))
+    )
     for prompt, out in zip(prompts, outs, strict=True):
         with torch.no_grad():
-            ids = reference_models[0].generate(torch.tensor([prompt]), do_sample=False,
-                                               max_new_tokens=20, eos_token_id=None,
-                                               pad_token_id=0)
-        assert out.token_ids == ids[0, len(prompt):].tolist()
+            ids = reference_models[0].generate(
+                torch.tensor([prompt]),
+                do_sample=False,
+                max_new_tokens=20,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        assert out.token_ids == ids[0, len(prompt) :].tolist()
         assert out.logprobs == [0.0] * 20
 
 
@@ -127,11 +149,14 @@ async def test_a_seeded_request_samples_the_same_tokens_whatever_shares_its_batc
     """SamplingParams.seed reaches vLLM's per-request generator: alone or among others, the
     same seed draws the same tokens; another seed other tokens."""
     prompts = random_prompts(12, min_len=2, max_len=60, seed=23)
-    params = [SamplingParams(max_new_tokens=24, temperature=1.0, seed=300 + i)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(max_new_tokens=24, temperature=1.0, seed=300 + i)
+        for i in range(len(prompts))
+    ]
     alone = [await engine.generate(f"a{i}", p, params[i]) for i, p in enumerate(prompts[:3])]
-    crowd = await asyncio.gather(*(engine.generate(f"b{i}", p, params[i])
-                                   for i, p in enumerate(prompts)))
+    crowd = await asyncio.gather(
+        *(engine.generate(f"b{i}", p, params[i]) for i, p in enumerate(prompts))
+    )
     for single, batched in zip(alone, crowd, strict=False):
         assert single.token_ids == batched.token_ids
         assert_close(single.logprobs, batched.logprobs, atol=ATOL, what="alone vs batched")
@@ -141,7 +166,8 @@ async def test_a_seeded_request_samples_the_same_tokens_whatever_shares_its_batc
 
 @pytest.mark.parametrize("kind", ["disk", "tensors"])
 async def test_update_matches_trainer_under_new_weights_and_differs_from_before(
-        engine, weights_dirs, reference_models, kind):
+    engine, weights_dirs, reference_models, kind
+):
     sequences = random_prompts(6, min_len=40, max_len=120, seed=21)
     before = await engine_scores(engine, sequences)
     expected = [trainer_logprobs(m, sequences) for m in reference_models]
@@ -160,18 +186,24 @@ async def test_update_matches_trainer_under_new_weights_and_differs_from_before(
     # Sampling (T=0.7) follows the new weights too: the KV and prefix caches were dropped.
     prompts = sequences[:4]
     params = SamplingParams(max_new_tokens=16, temperature=0.7)
-    outs = await asyncio.gather(*(engine.generate(f"n{i}", p, params)
-                                  for i, p in enumerate(prompts)))
-    assert_close(flat([o.logprobs for o in outs]),
-                 flat([recompute_logprobs(reference_models[1], p, o.token_ids,
-                                          temperature=0.7).tolist()
-                       for p, o in zip(prompts, outs, strict=True)]),
-                 atol=ATOL, what=f"sampled log-probs after the {kind} update")
+    outs = await asyncio.gather(
+        *(engine.generate(f"n{i}", p, params) for i, p in enumerate(prompts))
+    )
+    assert_close(
+        flat([o.logprobs for o in outs]),
+        flat(
+            [
+                recompute_logprobs(reference_models[1], p, o.token_ids, temperature=0.7).tolist()
+                for p, o in zip(prompts, outs, strict=True)
+            ]
+        ),
+        atol=ATOL,
+        what=f"sampled log-probs after the {kind} update",
+    )
     assert not list(Path("/dev/shm").glob("areal-weights-*"))
 
 
-async def test_cpu_load_without_repack_serves_stale_weights(engine, weights_dirs,
-                                                            reference_models):
+async def test_cpu_load_without_repack_serves_stale_weights(engine, weights_dirs, reference_models):
     """Why the plugin exists: vLLM's CPU GEMM kernels compute with prepacked copies of the
     linear weights. Loading new parameters without repacking them leaves a model whose
     embeddings and norms are new but whose linear layers are old: it matches neither weight
@@ -181,8 +213,9 @@ async def test_cpu_load_without_repack_serves_stale_weights(engine, weights_dirs
     sequences = random_prompts(3, min_len=30, max_len=60, seed=22)
     expected = [torch.tensor(flat(trainer_logprobs(m, sequences))) for m in reference_models]
     await engine.pause()
-    await engine._llm.collective_rpc("areal_load_weights",
-                                     args=({"disk": str(weights_dirs[1])}, False))
+    await engine._llm.collective_rpc(
+        "areal_load_weights", args=({"disk": str(weights_dirs[1])}, False)
+    )
     await engine.resume()
     stale = torch.tensor(flat(await engine_scores(engine, sequences)))
     off = [float((stale - e).abs().max()) for e in expected]
@@ -190,8 +223,12 @@ async def test_cpu_load_without_repack_serves_stale_weights(engine, weights_dirs
     await engine.pause()
     await engine.update_weights(DiskWeights(weights_dirs[1]))
     await engine.resume()
-    assert_close(flat(await engine_scores(engine, sequences)), expected[1], atol=ATOL,
-                 what="the same weights loaded with the repack")
+    assert_close(
+        flat(await engine_scores(engine, sequences)),
+        expected[1],
+        atol=ATOL,
+        what="the same weights loaded with the repack",
+    )
 
 
 async def test_invalid_updates_are_refused_and_keep_the_weights(engine, reference_models):
@@ -202,29 +239,38 @@ async def test_invalid_updates_are_refused_and_keep_the_weights(engine, referenc
     reshaped = dict(good, **{"model.norm.weight": torch.ones(64)})
     missing = {n: t for n, t in good.items() if n != "model.norm.weight"}
     await engine.pause()
-    for tensors, match in ((renamed, "'model.norm.scale' is not in"),
-                           (reshaped, r"shape \(64,\)"), (missing, "no tensor for")):
+    for tensors, match in (
+        (renamed, "'model.norm.scale' is not in"),
+        (reshaped, r"shape \(64,\)"),
+        (missing, "no tensor for"),
+    ):
         with pytest.raises(WeightMismatchError, match=match):
             await engine.update_weights(TensorWeights(tensors))
     await engine.resume()
-    assert_close(flat(await engine_scores(engine, sequences)),
-                 flat(trainer_logprobs(reference_models[0], sequences)), atol=ATOL,
-                 what="weights after refused updates")
+    assert_close(
+        flat(await engine_scores(engine, sequences)),
+        flat(trainer_logprobs(reference_models[0], sequences)),
+        atol=ATOL,
+        what="weights after refused updates",
+    )
 
 
 async def test_pause_returns_tokens_so_far_as_abort(engine, reference_models):
-    await check_pause_returns_tokens_so_far(engine, reference_models[0], max_new_tokens=300,
-                                            atol=ATOL)
+    await check_pause_returns_tokens_so_far(
+        engine, reference_models[0], max_new_tokens=300, atol=ATOL
+    )
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 async def test_interrupted_sequences_mix_versions_with_matching_logprobs(
-        engine, weights_dirs, reference_models, temperature):
+    engine, weights_dirs, reference_models, temperature
+):
     generator = InterruptibleGenerator(engine, version=0)
     prompts = random_prompts(8, min_len=4, max_len=60, seed=11)
     params = SamplingParams(max_new_tokens=120, temperature=temperature)
-    tasks = [asyncio.create_task(generator.generate(f"i{i}", p, params))
-             for i, p in enumerate(prompts)]
+    tasks = [
+        asyncio.create_task(generator.generate(f"i{i}", p, params)) for i, p in enumerate(prompts)
+    ]
     probe = await generator.generate("probe", prompts[0], SamplingParams(max_new_tokens=6))
     assert len(probe.token_ids) == 6 and generator.num_in_engine == len(prompts)
     assert await generator.update_weights(DiskWeights(weights_dirs[1]), 1) == len(prompts)
@@ -235,21 +281,28 @@ async def test_interrupted_sequences_mix_versions_with_matching_logprobs(
         assert switch > 0 and result.versions == [0] * switch + [1] * (120 - switch)
         for version, model in enumerate(reference_models):
             positions = [i for i, v in enumerate(result.versions) if v == version]
-            recomputed = recompute_logprobs(model, prompt, result.token_ids,
-                                            temperature=temperature)
-            assert_close([result.logprobs[i] for i in positions], recomputed[positions],
-                         atol=ATOL, what=f"log-probs of version-{version} tokens")
+            recomputed = recompute_logprobs(
+                model, prompt, result.token_ids, temperature=temperature
+            )
+            assert_close(
+                [result.logprobs[i] for i in positions],
+                recomputed[positions],
+                atol=ATOL,
+                what=f"log-probs of version-{version} tokens",
+            )
 
 
 async def test_stop_tokens_and_budget_are_respected(engine):
     prompt = random_prompts(1, min_len=10, max_len=10, seed=7)[0]
-    free = (await engine.generate("f", prompt, SamplingParams(max_new_tokens=30,
-                                                              temperature=0.0))).token_ids
+    free = (
+        await engine.generate("f", prompt, SamplingParams(max_new_tokens=30, temperature=0.0))
+    ).token_ids
     stop = free[9]
-    out = await engine.generate("s", prompt, SamplingParams(max_new_tokens=30, temperature=0.0,
-                                                            stop_token_ids=[stop, 2]))
+    out = await engine.generate(
+        "s", prompt, SamplingParams(max_new_tokens=30, temperature=0.0, stop_token_ids=[stop, 2])
+    )
     assert out.finish_reason is FinishReason.STOP
-    assert out.token_ids == free[:free.index(stop) + 1]
+    assert out.token_ids == free[: free.index(stop) + 1]
     await check_sampled_stops(engine, prompt, stop)
 
 
@@ -289,14 +342,18 @@ async def test_misuse_is_refused_with_clear_errors(engine, weights_dirs):
 
 
 async def test_an_episode_keeps_provenance_across_an_update_in_its_second_turn(
-        engine, weights_dirs, reference_models):
+    engine, weights_dirs, reference_models
+):
     from episode_helpers import DONE, ScriptedEnvironment, check_update_in_turn_two
 
     from areal.models.tokenizer import load_tokenizer
     from areal.workers.rollout.episode import EpisodeLimits, EpisodeRunner
 
     env = ScriptedEnvironment(["obs one\n", "obs two\n", DONE])
-    runner = EpisodeRunner(InterruptibleGenerator(engine, version=0), env,
-                           load_tokenizer(weights_dirs[0]),
-                           EpisodeLimits(max_turns=4, max_turn_tokens=60))
+    runner = EpisodeRunner(
+        InterruptibleGenerator(engine, version=0),
+        env,
+        load_tokenizer(weights_dirs[0]),
+        EpisodeLimits(max_turns=4, max_turn_tokens=60),
+    )
     await check_update_in_turn_two(runner, env, weights_dirs[1], reference_models)

@@ -26,7 +26,11 @@ from areal.models.logprobs import packed_logprobs
 from areal.models.weights import WeightMismatchError
 from areal.workers.rollout import factory
 from areal.workers.rollout.engine import (
-    AdapterWeights, DiskWeights, EngineState, FinishReason, SamplingParams,
+    AdapterWeights,
+    DiskWeights,
+    EngineState,
+    FinishReason,
+    SamplingParams,
 )
 from areal.workers.rollout.interruptible import InterruptibleGenerator
 
@@ -37,10 +41,18 @@ ATOL = 1e-4
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(weights_dirs: tuple[Path, Path]):
-    cfg = load_config(None, [f"model.path={weights_dirs[0]}", "rollout.engine=vllm",
-                             "rollout.max_concurrent=32", "rollout.vllm.max_model_len=384",
-                             "rollout.vllm.cpu_kvcache_space_gb=0.25",
-                             f"trainer.lora.rank={LORA.rank}", f"trainer.lora.alpha={LORA.alpha}"])
+    cfg = load_config(
+        None,
+        [
+            f"model.path={weights_dirs[0]}",
+            "rollout.engine=vllm",
+            "rollout.max_concurrent=32",
+            "rollout.vllm.max_model_len=384",
+            "rollout.vllm.cpu_kvcache_space_gb=0.25",
+            f"trainer.lora.rank={LORA.rank}",
+            f"trainer.lora.alpha={LORA.alpha}",
+        ],
+    )
     engine = await factory.make_engine(cfg)
     yield engine
     await engine.close()
@@ -66,41 +78,68 @@ def trainer_logprobs(model, sequences: list[list[int]]) -> list[float]:
     cu = torch.tensor([0] + [len(s) for s in sequences]).cumsum(0)
     with torch.no_grad():
         packed = packed_logprobs(model, torch.tensor([t for s in sequences for t in s]), cu)
-    return [v for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)
-            for v in [0.0] + packed[a + 1:b].tolist()]
+    return [
+        v
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)
+        for v in [0.0] + packed[a + 1 : b].tolist()
+    ]
 
 
 async def scores(engine, sequences):
     return [v for s in await asyncio.gather(*(engine.score(s) for s in sequences)) for v in s]
 
 
-async def test_each_version_is_a_new_adapter_matching_the_trainer(engine, weights_dirs,
-                                                                   versions, tmp_path):
+async def test_each_version_is_a_new_adapter_matching_the_trainer(
+    engine, weights_dirs, versions, tmp_path
+):
     tensors, models = versions
     assert engine.adapters.current_name is None  # version 0: the base, no adapter
     sequences = random_prompts(6, min_len=30, max_len=90, seed=41)
-    assert_close(await scores(engine, sequences), trainer_logprobs(models[0], sequences),
-                 atol=ATOL, what="vLLM base vs trainer adapter v0 (B = 0)")
-    v2_dir = save_adapter_dir(tmp_path / "v2", tensors[2].items(), LORA,
-                              base_model=str(weights_dirs[0]))
-    for version, source in ((1, AdapterWeights(1, tensors=tensors[1])),
-                            (2, AdapterWeights(2, path=v2_dir))):
+    assert_close(
+        await scores(engine, sequences),
+        trainer_logprobs(models[0], sequences),
+        atol=ATOL,
+        what="vLLM base vs trainer adapter v0 (B = 0)",
+    )
+    v2_dir = save_adapter_dir(
+        tmp_path / "v2", tensors[2].items(), LORA, base_model=str(weights_dirs[0])
+    )
+    for version, source in (
+        (1, AdapterWeights(1, tensors=tensors[1])),
+        (2, AdapterWeights(2, path=v2_dir)),
+    ):
         await load(engine, source)
         assert engine.adapters.current_name == f"v{version}"
         assert engine.adapters.registered_names == [f"v{version}"]  # the older one removed
         got = await scores(engine, sequences)
-        assert_close(got, trainer_logprobs(models[version], sequences), atol=ATOL,
-                     what=f"vLLM vs trainer under adapter v{version}")
+        assert_close(
+            got,
+            trainer_logprobs(models[version], sequences),
+            atol=ATOL,
+            what=f"vLLM vs trainer under adapter v{version}",
+        )
         moved = (torch.tensor(got) - torch.tensor(trainer_logprobs(models[0], sequences))).abs()
         assert moved.max() > 1.0, f"adapter v{version} barely moved log-probs"
         prompts = sequences[:4]
-        outs = await asyncio.gather(*(engine.generate(f"s{version}-{i}", p, SamplingParams(
-            max_new_tokens=16, temperature=0.7)) for i, p in enumerate(prompts)))
-        assert_close([lp for o in outs for lp in o.logprobs],
-                     torch.cat([recompute_logprobs(models[version], p, o.token_ids,
-                                                   temperature=0.7)
-                                for p, o in zip(prompts, outs, strict=True)]),
-                     atol=ATOL, what=f"sampled log-probs under adapter v{version}")
+        outs = await asyncio.gather(
+            *(
+                engine.generate(
+                    f"s{version}-{i}", p, SamplingParams(max_new_tokens=16, temperature=0.7)
+                )
+                for i, p in enumerate(prompts)
+            )
+        )
+        assert_close(
+            [lp for o in outs for lp in o.logprobs],
+            torch.cat(
+                [
+                    recompute_logprobs(models[version], p, o.token_ids, temperature=0.7)
+                    for p, o in zip(prompts, outs, strict=True)
+                ]
+            ),
+            atol=ATOL,
+            what=f"sampled log-probs under adapter v{version}",
+        )
     # The adapter written from tensors (v1) lived in /dev/shm and went with its adapter.
     assert not list(Path("/dev/shm").glob("areal-adapter-v1-*"))
 
@@ -111,8 +150,9 @@ async def test_interrupted_sequences_continue_on_the_new_adapter(engine, version
     generator = InterruptibleGenerator(engine, version=2)
     prompts = random_prompts(6, min_len=4, max_len=50, seed=42)
     params = SamplingParams(max_new_tokens=120, temperature=1.0)
-    tasks = [asyncio.create_task(generator.generate(f"i{i}", p, params))
-             for i, p in enumerate(prompts)]
+    tasks = [
+        asyncio.create_task(generator.generate(f"i{i}", p, params)) for i, p in enumerate(prompts)
+    ]
     probe = await generator.generate("probe", prompts[0], SamplingParams(max_new_tokens=6))
     assert len(probe.token_ids) == 6 and generator.num_in_engine == len(prompts)
     assert await generator.update_weights(AdapterWeights(3, tensors=tensors[3]), 3) == 6
@@ -122,10 +162,15 @@ async def test_interrupted_sequences_continue_on_the_new_adapter(engine, version
         assert switch > 0 and result.versions == [2] * switch + [3] * (120 - switch)
         for version in (2, 3):
             at = [i for i, v in enumerate(result.versions) if v == version]
-            recomputed = recompute_logprobs(models[version], prompt, result.token_ids,
-                                            temperature=1.0)
-            assert_close([result.logprobs[i] for i in at], recomputed[at], atol=ATOL,
-                         what=f"tokens of adapter v{version}")
+            recomputed = recompute_logprobs(
+                models[version], prompt, result.token_ids, temperature=1.0
+            )
+            assert_close(
+                [result.logprobs[i] for i in at],
+                recomputed[at],
+                atol=ATOL,
+                what=f"tokens of adapter v{version}",
+            )
     assert engine.adapters.registered_names == ["v3"]
 
 
@@ -134,30 +179,36 @@ async def test_without_interruption_sequences_finish_on_their_adapter(engine, ve
     generator = InterruptibleGenerator(engine, version=3)
     prompts = random_prompts(4, min_len=4, max_len=30, seed=43)
     params = SamplingParams(max_new_tokens=60, temperature=1.0)
-    tasks = [asyncio.create_task(generator.generate(f"d{i}", p, params))
-             for i, p in enumerate(prompts)]
+    tasks = [
+        asyncio.create_task(generator.generate(f"d{i}", p, params)) for i, p in enumerate(prompts)
+    ]
     await generator.generate("probe", prompts[0], SamplingParams(max_new_tokens=4))
-    update = asyncio.create_task(generator.update_weights(
-        AdapterWeights(4, tensors=tensors[4]), 4, interrupt=False))
+    update = asyncio.create_task(
+        generator.update_weights(AdapterWeights(4, tensors=tensors[4]), 4, interrupt=False)
+    )
     late = asyncio.create_task(generator.generate("late", prompts[1], params))
     results = await asyncio.gather(*tasks)
     assert await update == 0
     for prompt, result in zip(prompts, results, strict=True):
         assert result.versions == [3] * 60 and result.num_interruptions == 0
-        assert_close(result.logprobs, recompute_logprobs(models[3], prompt, result.token_ids,
-                                                         temperature=1.0),
-                     atol=ATOL, what="tokens finished on the adapter they started on")
+        assert_close(
+            result.logprobs,
+            recompute_logprobs(models[3], prompt, result.token_ids, temperature=1.0),
+            atol=ATOL,
+            what="tokens finished on the adapter they started on",
+        )
     late_result = await late
     assert late_result.versions == [4] * 60
-    assert_close(late_result.logprobs, recompute_logprobs(models[4], prompts[1],
-                                                          late_result.token_ids,
-                                                          temperature=1.0),
-                 atol=ATOL, what="a request held during the update runs on the new adapter")
+    assert_close(
+        late_result.logprobs,
+        recompute_logprobs(models[4], prompts[1], late_result.token_ids, temperature=1.0),
+        atol=ATOL,
+        what="a request held during the update runs on the new adapter",
+    )
     assert engine.adapters.registered_names == ["v4"]
 
 
-async def test_bad_adapters_are_refused_and_the_served_one_stays(engine, weights_dirs,
-                                                                 versions):
+async def test_bad_adapters_are_refused_and_the_served_one_stays(engine, weights_dirs, versions):
     tensors, models = versions
     first = next(iter(tensors[4]))
     wrong_rank = dict(tensors[4], **{first: torch.zeros(4, tensors[4][first].shape[1])})
@@ -171,7 +222,11 @@ async def test_bad_adapters_are_refused_and_the_served_one_stays(engine, weights
     await engine.resume()
     assert engine.state is EngineState.RUNNING and engine.adapters.current_name == "v4"
     sequences = random_prompts(3, min_len=20, max_len=40, seed=44)
-    assert_close(await scores(engine, sequences), trainer_logprobs(models[4], sequences),
-                 atol=ATOL, what="adapter v4 after refused updates")
+    assert_close(
+        await scores(engine, sequences),
+        trainer_logprobs(models[4], sequences),
+        atol=ATOL,
+        what="adapter v4 after refused updates",
+    )
     out = await engine.generate("x", sequences[0], SamplingParams(max_new_tokens=5))
     assert out.finish_reason is FinishReason.LENGTH

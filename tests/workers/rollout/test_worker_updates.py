@@ -41,8 +41,9 @@ async def test_a_worker_behind_skips_pruned_disk_versions(make_engine, weights_d
     worker._on_update(UpdateWeights(version=4, mode="disk", path=str(tmp_path / "pruned")))
     worker._on_update(UpdateWeights(version=5, mode="disk", path=str(weights_dirs[1])))
     prompt = random_prompts(1, min_len=8, max_len=8, seed=5)[0]
-    held = asyncio.create_task(worker.generator.generate("h", prompt,
-                                                         SamplingParams(max_new_tokens=6)))
+    held = asyncio.create_task(
+        worker.generator.generate("h", prompt, SamplingParams(max_new_tokens=6))
+    )
     loop = asyncio.create_task(worker._update_loop())
     try:
         result = await asyncio.wait_for(held, 60)
@@ -68,7 +69,8 @@ class ReceivedWeights:
 
 
 async def test_a_version_broadcast_again_while_it_loads_does_not_hold_requests(
-        make_engine, weights_dirs):
+    make_engine, weights_dirs
+):
     """The controller broadcasts the current version again when a late rollout worker joins
     (re-formed group). If that copy arrives while the first copy of the same version loads,
     it takes the gate's hold, and is then dropped as already served: the hold must go with
@@ -94,8 +96,9 @@ async def test_a_version_broadcast_again_while_it_loads_does_not_hold_requests(
         assert worker._collective_hold  # the race: the second copy took the hold
         group.let_go[2].set()
         prompt = random_prompts(1, min_len=8, max_len=8, seed=5)[0]
-        result = await asyncio.wait_for(worker.generator.generate(
-            "after", prompt, SamplingParams(max_new_tokens=6)), 60)
+        result = await asyncio.wait_for(
+            worker.generator.generate("after", prompt, SamplingParams(max_new_tokens=6)), 60
+        )
     finally:
         group.let_go[2].set()
         loop.cancel()
@@ -104,8 +107,7 @@ async def test_a_version_broadcast_again_while_it_loads_does_not_hold_requests(
     assert result.versions == [4] * 6 and not worker._collective_hold
 
 
-async def test_a_failed_broadcast_keeps_requests_waiting_for_its_version(
-        make_engine, weights_dirs):
+async def test_a_failed_broadcast_keeps_requests_waiting_for_its_version(make_engine, weights_dirs):
     """A receive that fails leaves the announced version to come (the controller re-forms
     the group and sends it again): requests wait for it instead of sampling old weights."""
     worker = updating_worker(await make_engine(), version=3)
@@ -116,8 +118,9 @@ async def test_a_failed_broadcast_keeps_requests_waiting_for_its_version(
             raise RuntimeError("a member died in the broadcast")
         return group.tensors
 
-    worker._weights_member = SimpleNamespace(thread=SerialThread("weights-test"),
-                                             group=SimpleNamespace(receive=receive))
+    worker._weights_member = SimpleNamespace(
+        thread=SerialThread("weights-test"), group=SimpleNamespace(receive=receive)
+    )
     sent: list = []
 
     async def send(msg) -> None:
@@ -128,8 +131,9 @@ async def test_a_failed_broadcast_keeps_requests_waiting_for_its_version(
     prompt = random_prompts(1, min_len=8, max_len=8, seed=5)[0]
     try:
         worker._on_collective_update(UpdateWeights(version=4, mode="collective", generation=1))
-        waiting = asyncio.create_task(worker.generator.generate(
-            "waits", prompt, SamplingParams(max_new_tokens=6)))
+        waiting = asyncio.create_task(
+            worker.generator.generate("waits", prompt, SamplingParams(max_new_tokens=6))
+        )
         while not any(isinstance(m, GroupStatus) for m in sent):
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.2)

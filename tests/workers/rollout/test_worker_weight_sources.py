@@ -48,22 +48,32 @@ async def _check_serves(worker, model, version: int, seed: int) -> None:
     prompt = random_prompts(1, min_len=10, max_len=10, seed=seed)[0]
     out = await worker.generator.generate(f"c{version}", prompt, SamplingParams(max_new_tokens=12))
     assert out.versions == [version] * 12
-    assert_close(out.logprobs, recompute_logprobs(model, prompt, out.token_ids, temperature=1.0),
-                 atol=ATOL, what=f"served version {version}")
+    assert_close(
+        out.logprobs,
+        recompute_logprobs(model, prompt, out.token_ids, temperature=1.0),
+        atol=ATOL,
+        what=f"served version {version}",
+    )
 
 
 async def test_every_mode_delivers_the_adapter_alone(make_engine, weights_dirs, tmp_path):
-    cfg = load_config(overrides=[f"model.path={weights_dirs[0]}", f"run_dir={tmp_path}",
-                                 f"trainer.lora.rank={LORA.rank}",
-                                 f"trainer.lora.alpha={LORA.alpha}"])
+    cfg = load_config(
+        overrides=[
+            f"model.path={weights_dirs[0]}",
+            f"run_dir={tmp_path}",
+            f"trainer.lora.rank={LORA.rank}",
+            f"trainer.lora.alpha={LORA.alpha}",
+        ]
+    )
     worker = updating_worker(await make_engine(lora=LORA), version=0)
     worker.config = cfg
     adapters = {v: random_adapters(weights_dirs[0], seed=v) for v in (1, 2, 3, 4)}
     disk = publish_to_disk(list(adapters[1].items()), cfg, 1)
     chunks = stream_chunks(list(adapters[2].items()), cfg, 2)
     slot = SlotWriter(tmp_path / "slots", 2).publish(list(adapters[3].items()), 3)
-    worker._weights_member = SimpleNamespace(thread=SerialThread("weights-test"),
-                                             group=SimpleNamespace(receive=lambda *_: adapters[4]))
+    worker._weights_member = SimpleNamespace(
+        thread=SerialThread("weights-test"), group=SimpleNamespace(receive=lambda *_: adapters[4])
+    )
 
     def stream() -> None:
         worker._on_update(UpdateWeights(version=2, mode="stream", num_chunks=len(chunks)))
@@ -78,20 +88,24 @@ async def test_every_mode_delivers_the_adapter_alone(make_engine, weights_dirs, 
     ]
     for version, step in enumerate(steps, start=1):
         await _apply(worker, step)
-        await _check_serves(worker, adapted_model(weights_dirs[0], adapters[version]), version,
-                            seed=version)
+        await _check_serves(
+            worker, adapted_model(weights_dirs[0], adapters[version]), version, seed=version
+        )
 
 
-async def test_shm_full_weights_are_read_in_place(make_engine, weights_dirs, reference_models,
-                                                  tmp_path):
+async def test_shm_full_weights_are_read_in_place(
+    make_engine, weights_dirs, reference_models, tmp_path
+):
     worker = updating_worker(await make_engine(), version=0)
-    worker.config = load_config(overrides=[f"model.path={weights_dirs[0]}",
-                                           f"run_dir={tmp_path}", "weight_sync.mode=shm"])
+    worker.config = load_config(
+        overrides=[f"model.path={weights_dirs[0]}", f"run_dir={tmp_path}", "weight_sync.mode=shm"]
+    )
     writer = SlotWriter(tmp_path / "slots", 2)
     try:
         slot = writer.publish(list(load_tensors(weights_dirs[1]).items()), 1)
-        await _apply(worker, lambda: worker._on_update(UpdateWeights(version=1, mode="shm",
-                                                                     path=slot)))
+        await _apply(
+            worker, lambda: worker._on_update(UpdateWeights(version=1, mode="shm", path=slot))
+        )
         await _check_serves(worker, reference_models[1], 1, seed=9)
     finally:
         writer.close(remove=True)

@@ -16,7 +16,11 @@ from areal.config import load_config
 from areal.models.hf import load_model
 from areal.types import PackedBatch
 from areal.workers.trainer.checkpoint import (
-    META, checkpoint_dir, load_checkpoint, read_info, save_checkpoint,
+    META,
+    checkpoint_dir,
+    load_checkpoint,
+    read_info,
+    save_checkpoint,
 )
 from areal.workers.trainer.ppo import PPOTrainer
 
@@ -29,17 +33,27 @@ def _batch(seed: int) -> PackedBatch:
     cu = torch.tensor([0, *LENGTHS], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     mask = torch.ones(total, dtype=torch.bool)
     for start in cu[:-1].tolist():
-        mask[start:start + 3] = False
-    return PackedBatch(token_ids=torch.randint(3, 90, (total,), generator=gen),
-                       logprobs=torch.where(mask, -2.0 - torch.rand(total, generator=gen), 0.0),
-                       versions=torch.where(mask, 0, -1), loss_mask=mask, cu_seqlens=cu,
-                       rewards=torch.randint(0, 2, (len(LENGTHS),), generator=gen).float(),
-                       group_ids=torch.arange(len(LENGTHS)) // 4)
+        mask[start : start + 3] = False
+    return PackedBatch(
+        token_ids=torch.randint(3, 90, (total,), generator=gen),
+        logprobs=torch.where(mask, -2.0 - torch.rand(total, generator=gen), 0.0),
+        versions=torch.where(mask, 0, -1),
+        loss_mask=mask,
+        cu_seqlens=cu,
+        rewards=torch.randint(0, 2, (len(LENGTHS),), generator=gen).float(),
+        group_ids=torch.arange(len(LENGTHS)) // 4,
+    )
 
 
 def _trainer(model_dir: str, run_dir) -> PPOTrainer:
-    cfg = load_config(overrides=[f"model.path={model_dir}", f"run_dir={run_dir}",
-                                 "trainer.lr=1e-2", "trainer.num_minibatches=2"])
+    cfg = load_config(
+        overrides=[
+            f"model.path={model_dir}",
+            f"run_dir={run_dir}",
+            "trainer.lr=1e-2",
+            "trainer.num_minibatches=2",
+        ]
+    )
     return PPOTrainer(load_model(model_dir), cfg)
 
 
@@ -63,8 +77,9 @@ def test_resume_and_replay_reaches_the_same_weights_and_optimiser_state(tmp_path
     for version, batch in enumerate(batches[2:], start=2):  # the replay
         resumed.step(batch, version)
 
-    for (name, a), b in zip(original.model.named_parameters(), resumed.model.parameters(),
-                            strict=True):
+    for (name, a), b in zip(
+        original.model.named_parameters(), resumed.model.parameters(), strict=True
+    ):
         assert torch.equal(a, b), name
     theirs, ours = _optimizer_tensors(original), _optimizer_tensors(resumed)
     assert len(theirs) == len(ours) > 0
@@ -78,8 +93,7 @@ def test_only_the_newest_complete_checkpoints_are_kept(tmp_path, tiny_model_dir)
         save_checkpoint(trainer.model, trainer.optimizer, tmp_path, step, step, keep=2)
     kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert kept == ["step_000004", "step_000006"]
-    assert json.loads((checkpoint_dir(tmp_path, 6) / META).read_text()) == {
-        "step": 6, "version": 6}
+    assert json.loads((checkpoint_dir(tmp_path, 6) / META).read_text()) == {"step": 6, "version": 6}
 
 
 def test_an_incomplete_checkpoint_is_refused_by_name(tmp_path, tiny_model_dir):

@@ -41,8 +41,12 @@ pytestmark = pytest.mark.slow
 
 LENGTHS = [7, 19, 33, 12, 26, 9, 41, 15, 5, 22, 30, 11]
 NUM_PROMPT = 4
-OVERRIDES = ["trainer.micro_batch_tokens=48", "trainer.num_minibatches=2", "trainer.lr=1e-3",
-             "trainer.threads=1"]
+OVERRIDES = [
+    "trainer.micro_batch_tokens=48",
+    "trainer.num_minibatches=2",
+    "trainer.lr=1e-3",
+    "trainer.threads=1",
+]
 MODES = ("allreduce", "fsdp")
 VARIANTS = {"full": [], "lora": ["trainer.lora.rank=4", "trainer.lora.alpha=8"]}
 
@@ -57,11 +61,15 @@ def _batch(model_dir: str) -> PackedBatch:
     seqs = random_sequences(model_dir, LENGTHS, NUM_PROMPT, gen)
     noise = 0.05 * torch.randn(len(seqs.tokens), generator=gen)
     behav = torch.where(seqs.loss_mask, seqs.own_logprobs + noise, 0.0)
-    return PackedBatch(token_ids=seqs.tokens, logprobs=behav.float(),
-                       versions=torch.where(seqs.loss_mask, 0, -1), loss_mask=seqs.loss_mask,
-                       cu_seqlens=seqs.cu_seqlens,
-                       rewards=torch.randint(0, 2, (len(LENGTHS),), generator=gen).float(),
-                       group_ids=torch.arange(len(LENGTHS)) // 3)
+    return PackedBatch(
+        token_ids=seqs.tokens,
+        logprobs=behav.float(),
+        versions=torch.where(seqs.loss_mask, 0, -1),
+        loss_mask=seqs.loss_mask,
+        cu_seqlens=seqs.cu_seqlens,
+        rewards=torch.randint(0, 2, (len(LENGTHS),), generator=gen).float(),
+        group_ids=torch.arange(len(LENGTHS)) // 3,
+    )
 
 
 def _rank_main(rank: int, port: int, model_dir: str, shards, out: str) -> None:
@@ -71,22 +79,28 @@ def _rank_main(rank: int, port: int, model_dir: str, shards, out: str) -> None:
         store, _ = host_store("127.0.0.1", port, timeout_s=60)
     else:
         store = connect_store(f"127.0.0.1:{port}", timeout_s=60)
-    group = DataParallel.join(store, rank=rank, world_size=len(shards), backend="gloo",
-                              mode=MODES[0], timeout_s=60)
+    group = DataParallel.join(
+        store, rank=rank, world_size=len(shards), backend="gloo", mode=MODES[0], timeout_s=60
+    )
     for variant in VARIANTS:
         for mode in MODES:
             dp = DataParallel(rank, len(shards), mode)
             trainer = PPOTrainer(load_model(model_dir), _config(model_dir, variant), dp)
             grads = record_gradients(trainer)
             shard = shards[rank]
-            stats = trainer.step(shard.batch, 0, advantages=shard.advantages,
-                                 minibatch_sizes=shard.minibatch_sizes,
-                                 minibatch_loss_tokens=shard.minibatch_loss_tokens)
+            stats = trainer.step(
+                shard.batch,
+                0,
+                advantages=shard.advantages,
+                minibatch_sizes=shard.minibatch_sizes,
+                minibatch_loss_tokens=shard.minibatch_loss_tokens,
+            )
             weights = dp.full_weights(trainer.model)
             Path(out, f"{variant}-{mode}-stats{rank}.json").write_text(json.dumps(stats))
             if rank == 0:
-                torch.save({"weights": dict(weights), "grads": grads},
-                           Path(out, f"{variant}-{mode}.pt"))
+                torch.save(
+                    {"weights": dict(weights), "grads": grads}, Path(out, f"{variant}-{mode}.pt")
+                )
     group.close()
 
 
@@ -101,8 +115,9 @@ def two_ranks(tiny_model_dir, tmp_path_factory):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.start_processes(_rank_main, args=(port, tiny_model_dir, shards, str(out)), nprocs=2,
-                       start_method="spawn")
+    mp.start_processes(
+        _rank_main, args=(port, tiny_model_dir, shards, str(out)), nprocs=2, start_method="spawn"
+    )
     return shards, out
 
 
@@ -143,7 +158,8 @@ def test_two_ranks_take_the_single_rank_step(mode, reference, two_ranks, tiny_mo
             diff = (grads[name] - ref_grad).abs().max()
             scale = ref_grad.abs().max()
             assert diff <= rtol * scale + 1e-9, (
-                f"minibatch {m}, {name}: max grad diff {diff:.2e} at scale {scale:.2e}")
+                f"minibatch {m}, {name}: max grad diff {diff:.2e} at scale {scale:.2e}"
+            )
     got = result["weights"]
     assert set(got) == set(after)
     lr = _config(tiny_model_dir).trainer.lr
@@ -155,6 +171,15 @@ def test_two_ranks_take_the_single_rank_step(mode, reference, two_ranks, tiny_mo
     for rank in range(2):
         stats = json.loads((out / f"{variant}-{mode}-stats{rank}.json").read_text())
         assert stats["num_ranks"] == 2.0
-        for key in ("loss", "num_loss_tokens", "num_seqs", "num_tokens", "grad_norm",
-                    "entropy", "logprob_diff_fresh", "clip_frac", "advantage_abs_mean"):
+        for key in (
+            "loss",
+            "num_loss_tokens",
+            "num_seqs",
+            "num_tokens",
+            "grad_norm",
+            "entropy",
+            "logprob_diff_fresh",
+            "clip_frac",
+            "advantage_abs_mean",
+        ):
             assert stats[key] == pytest.approx(ref_stats[key], rel=1e-5, abs=1e-7), key

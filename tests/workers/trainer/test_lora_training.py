@@ -27,8 +27,15 @@ LORA = ["trainer.lora.rank=4", "trainer.lora.alpha=8", "trainer.lr=1e-2"]
 
 
 def _config(model_dir: str, run_dir, *overrides: str):
-    return load_config(overrides=[f"model.path={model_dir}", f"run_dir={run_dir}", *LORA,
-                                  "trainer.num_minibatches=2", *overrides])
+    return load_config(
+        overrides=[
+            f"model.path={model_dir}",
+            f"run_dir={run_dir}",
+            *LORA,
+            "trainer.num_minibatches=2",
+            *overrides,
+        ]
+    )
 
 
 def _trainer(model_dir: str, run_dir, *overrides: str) -> PPOTrainer:
@@ -43,22 +50,25 @@ def _adapters(trainer: PPOTrainer) -> dict[str, torch.Tensor]:
 def test_only_adapters_train_and_are_published(tmp_path, tiny_model_dir, prox):
     torch.set_num_threads(1)
     trainer = _trainer(tiny_model_dir, tmp_path, f"trainer.ppo.prox_logp={prox}")
-    frozen = {n: p.detach().clone() for n, p in trainer.model.named_parameters()
-              if not p.requires_grad}
+    frozen = {
+        n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad
+    }
     adapters = [p for p in trainer.model.parameters() if p.requires_grad]
     optimised = [p for group in trainer.optimizer.param_groups for p in group["params"]]
     assert len(optimised) == len(adapters) == 28 and all(p.requires_grad for p in optimised)
     before = _adapters(trainer)
     trainer.step(_batch(0), 0)
     trainer.step(_batch(1), 1)
-    assert all(torch.equal(p, frozen[n]) for n, p in trainer.model.named_parameters()
-               if n in frozen), "a frozen base weight changed"
+    assert all(
+        torch.equal(p, frozen[n]) for n, p in trainer.model.named_parameters() if n in frozen
+    ), "a frozen base weight changed"
     assert len(trainer.optimizer.state) == len(adapters)  # AdamW state for adapters only
     after = _adapters(trainer)
     assert set(after) == set(before) and all(n.startswith("base_model.model.") for n in after)
     assert all(not torch.equal(after[n], before[n]) for n in after if "lora_B" in n)
-    published = save_weights_dir(tmp_path / "v2", list(after.items()),
-                                 _config(tiny_model_dir, tmp_path), 2)
+    published = save_weights_dir(
+        tmp_path / "v2", list(after.items()), _config(tiny_model_dir, tmp_path), 2
+    )
     assert is_adapter_dir(published) and not (published / "model.safetensors").exists()
     assert all(torch.equal(t, after[n]) for n, t in load_adapter_dir(published).items())
 
@@ -89,8 +99,7 @@ def test_checkpoint_holds_adapters_only_and_resumes_bitwise(tmp_path, tiny_model
     original = _trainer(tiny_model_dir, tmp_path)
     for version, batch in enumerate(batches[:2]):
         original.step(batch, version)
-    path = save_checkpoint(original.model, original.optimizer, tmp_path, step=2, version=2,
-                           keep=2)
+    path = save_checkpoint(original.model, original.optimizer, tmp_path, step=2, version=2, keep=2)
     saved = FileSystemReader(path).read_metadata().state_dict_metadata
     model_keys = [k for k in saved if k.startswith("model.")]
     assert len(model_keys) == 28 and all(".lora_" in k for k in model_keys), model_keys[:3]
@@ -102,8 +111,12 @@ def test_checkpoint_holds_adapters_only_and_resumes_bitwise(tmp_path, tiny_model
     load_checkpoint(resumed.model, resumed.optimizer, path)
     for version, batch in enumerate(batches[2:], start=2):
         resumed.step(batch, version)
-    for (name, a), b in zip(original.model.named_parameters(), resumed.model.parameters(), strict=True):
+    for (name, a), b in zip(
+        original.model.named_parameters(), resumed.model.parameters(), strict=True
+    ):
         assert torch.equal(a, b), name
     theirs = [t for s in original.optimizer.state.values() for t in s.values()]
     ours = [t for s in resumed.optimizer.state.values() for t in s.values()]
-    assert len(theirs) == len(ours) > 0 and all(torch.equal(a, b) for a, b in zip(theirs, ours, strict=True))
+    assert len(theirs) == len(ours) > 0 and all(
+        torch.equal(a, b) for a, b in zip(theirs, ours, strict=True)
+    )

@@ -28,21 +28,33 @@ LENGTHS = [7, 19, 33, 12, 26, 9, 41, 15, 5, 22, 30, 11]
 NUM_PROMPT = 4
 VERSION = 1
 OPTIONS = {
-    "gspo-seqmean-seqweight": ["trainer.ppo.policy_loss=gspo",
-                               "trainer.ppo.loss_agg_mode=seq-mean-token-mean",
-                               "trainer.ppo.behav_imp_level=sequence",
-                               "trainer.ppo.behav_imp_floor=0.9", "trainer.ppo.behav_imp_cap=1.1"],
-    "cispo-drgrpo-clamp": ["trainer.ppo.policy_loss=cispo",
-                           "trainer.ppo.loss_agg_mode=seq-mean-token-sum-norm",
-                           "trainer.ppo.behav_cap_mode=clamp", "trainer.ppo.behav_imp_cap=1.05",
-                           "trainer.ppo.eps_clip=0.01"],
+    "gspo-seqmean-seqweight": [
+        "trainer.ppo.policy_loss=gspo",
+        "trainer.ppo.loss_agg_mode=seq-mean-token-mean",
+        "trainer.ppo.behav_imp_level=sequence",
+        "trainer.ppo.behav_imp_floor=0.9",
+        "trainer.ppo.behav_imp_cap=1.1",
+    ],
+    "cispo-drgrpo-clamp": [
+        "trainer.ppo.policy_loss=cispo",
+        "trainer.ppo.loss_agg_mode=seq-mean-token-sum-norm",
+        "trainer.ppo.behav_cap_mode=clamp",
+        "trainer.ppo.behav_imp_cap=1.05",
+        "trainer.ppo.eps_clip=0.01",
+    ],
 }
 
 
 def _config(model_dir: str, options: list[str], micro_batch_tokens: int):
-    return load_config(overrides=[f"model.path={model_dir}", "trainer.grad_clip=1e9",
-                                  f"trainer.micro_batch_tokens={micro_batch_tokens}",
-                                  "rollout.max_new_tokens=40", *options])
+    return load_config(
+        overrides=[
+            f"model.path={model_dir}",
+            "trainer.grad_clip=1e9",
+            f"trainer.micro_batch_tokens={micro_batch_tokens}",
+            "rollout.max_new_tokens=40",
+            *options,
+        ]
+    )
 
 
 def _batch(model_dir: str) -> PackedBatch:
@@ -51,16 +63,23 @@ def _batch(model_dir: str) -> PackedBatch:
     gen = torch.Generator().manual_seed(0)
     seqs = random_sequences(model_dir, LENGTHS, NUM_PROMPT, gen)
     mask, cu, total = seqs.loss_mask.clone(), seqs.cu_seqlens, len(seqs.tokens)
-    mask[cu[4]:cu[5]] = False
-    seq_offset = torch.repeat_interleave(0.15 * torch.randn(len(LENGTHS), generator=gen),
-                                         torch.tensor(LENGTHS))
-    behav = torch.where(mask, seqs.own_logprobs + seq_offset
-                        + 0.1 * torch.randn(total, generator=gen), 0.0)
+    mask[cu[4] : cu[5]] = False
+    seq_offset = torch.repeat_interleave(
+        0.15 * torch.randn(len(LENGTHS), generator=gen), torch.tensor(LENGTHS)
+    )
+    behav = torch.where(
+        mask, seqs.own_logprobs + seq_offset + 0.1 * torch.randn(total, generator=gen), 0.0
+    )
     versions = torch.where(torch.rand(total, generator=gen) < 0.5, VERSION, VERSION - 1)
-    return PackedBatch(token_ids=seqs.tokens, logprobs=behav.float(),
-                       versions=torch.where(mask, versions, -1), loss_mask=mask, cu_seqlens=cu,
-                       rewards=torch.rand(len(LENGTHS), generator=gen),
-                       group_ids=torch.arange(len(LENGTHS)) // 3)
+    return PackedBatch(
+        token_ids=seqs.tokens,
+        logprobs=behav.float(),
+        versions=torch.where(mask, versions, -1),
+        loss_mask=mask,
+        cu_seqlens=cu,
+        rewards=torch.rand(len(LENGTHS), generator=gen),
+        group_ids=torch.arange(len(LENGTHS)) // 3,
+    )
 
 
 def _gradients(trainer: PPOTrainer, batch: PackedBatch, **plan) -> tuple[dict, dict]:
@@ -87,16 +106,30 @@ def test_micro_batches_and_ranks_give_the_whole_batch_gradient(name, tiny_model_
     ranks = []
     for shard in shard_batch(batch, advantages, num_ranks=2, num_minibatches=1):
         assert shard.minibatch_loss_seqs == [len(LENGTHS) - 1]
-        ranks.append(_gradients(PPOTrainer(load_model(tiny_model_dir), micro_cfg), shard.batch,
-                                advantages=shard.advantages, minibatch_sizes=shard.minibatch_sizes,
-                                minibatch_loss_tokens=shard.minibatch_loss_tokens,
-                                minibatch_loss_seqs=shard.minibatch_loss_seqs)[0])
+        ranks.append(
+            _gradients(
+                PPOTrainer(load_model(tiny_model_dir), micro_cfg),
+                shard.batch,
+                advantages=shard.advantages,
+                minibatch_sizes=shard.minibatch_sizes,
+                minibatch_loss_tokens=shard.minibatch_loss_tokens,
+                minibatch_loss_seqs=shard.minibatch_loss_seqs,
+            )[0]
+        )
     for param, ref in whole.items():
         scale = ref.abs().max() + 1e-12
-        for what, got in (("micro-batches", micro[param]),
-                          ("two ranks", ranks[0][param] + ranks[1][param])):
+        for what, got in (
+            ("micro-batches", micro[param]),
+            ("two ranks", ranks[0][param] + ranks[1][param]),
+        ):
             diff = (got - ref).abs().max()
             assert diff <= 1e-5 * scale, f"{what}, {param}: max diff {diff:.2e} at {scale:.2e}"
-    for key in ("loss", "clip_frac", "behav_cap_frac", "logprob_diff_fresh",
-                "logprob_diff_stale_max", "behav_kl_stale"):
+    for key in (
+        "loss",
+        "clip_frac",
+        "behav_cap_frac",
+        "logprob_diff_fresh",
+        "logprob_diff_stale_max",
+        "behav_kl_stale",
+    ):
         assert micro_stats[key] == pytest.approx(whole_stats[key], rel=1e-5, abs=1e-8), key

@@ -23,14 +23,15 @@ class Sequences:
     """The model's log-probs of the tokens (temperature 1)."""
 
 
-def random_sequences(model_dir: str, lengths: list[int], num_prompt: int,
-                     gen: torch.Generator) -> Sequences:
+def random_sequences(
+    model_dir: str, lengths: list[int], num_prompt: int, gen: torch.Generator
+) -> Sequences:
     """Sequences of `lengths` random tokens whose first `num_prompt` are the prompt."""
     cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     tokens = torch.randint(3, 90, (sum(lengths),), generator=gen)
     mask = torch.ones(sum(lengths), dtype=torch.bool)
     for start in cu[:-1].tolist():
-        mask[start:start + num_prompt] = False
+        mask[start : start + num_prompt] = False
     with torch.no_grad():
         own = packed_logprobs(load_model(model_dir), tokens, cu, temperature=1.0)
     return Sequences(tokens, cu, mask, own)

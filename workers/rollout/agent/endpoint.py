@@ -37,7 +37,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from areal.workers.rollout.agent.protocol import (
-    ApiError, bad_request, chunks, completion, error_body, model_entry, models_list,
+    ApiError,
+    bad_request,
+    chunks,
+    completion,
+    error_body,
+    model_entry,
+    models_list,
     parse_request,
 )
 from areal.workers.rollout.agent.session import AgentSession
@@ -74,35 +80,57 @@ class SessionRegistry:
         header = request.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
-            raise ApiError(401, "You didn't provide an API key: give the episode's key as "
-                                "'Authorization: Bearer <key>' (the client the agent is "
-                                "called with has it).", code="invalid_api_key")
+            raise ApiError(
+                401,
+                "You didn't provide an API key: give the episode's key as "
+                "'Authorization: Bearer <key>' (the client the agent is "
+                "called with has it).",
+                code="invalid_api_key",
+            )
         key = key.strip()
         session = self._open.get(key)
         if session is not None:
             return session
         if key in self._finished:
-            raise ApiError(401, "The episode of this API key has ended; its key serves no "
-                                "more calls.", code="invalid_api_key")
-        raise ApiError(401, "Incorrect API key provided: it belongs to no episode of this "
-                            "endpoint.", code="invalid_api_key")
+            raise ApiError(
+                401,
+                "The episode of this API key has ended; its key serves no more calls.",
+                code="invalid_api_key",
+            )
+        raise ApiError(
+            401,
+            "Incorrect API key provided: it belongs to no episode of this endpoint.",
+            code="invalid_api_key",
+        )
 
 
 class Endpoint:
     """The HTTP app over a `SessionRegistry` (see the module doc)."""
 
-    def __init__(self, registry: SessionRegistry, *, model_name: str, max_request_bytes: int,
-                 max_request_tokens: int) -> None:
+    def __init__(
+        self,
+        registry: SessionRegistry,
+        *,
+        model_name: str,
+        max_request_bytes: int,
+        max_request_tokens: int,
+    ) -> None:
         self.registry = registry
         self.model_name = model_name
         self.max_request_bytes = max_request_bytes
         self.max_request_tokens = max_request_tokens
         self.app = Starlette(
-            routes=[Route("/v1/chat/completions", self.chat, methods=["POST"]),
-                    Route("/v1/models", self.models, methods=["GET"]),
-                    Route("/v1/models/{model:path}", self.model, methods=["GET"])],
-            exception_handlers={ApiError: _api_error, HTTPException: _http_error,
-                                Exception: _unexpected})
+            routes=[
+                Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+            ],
+            exception_handlers={
+                ApiError: _api_error,
+                HTTPException: _http_error,
+                Exception: _unexpected,
+            },
+        )
 
     async def chat(self, request: Request) -> Response:
         arrived = time.monotonic()
@@ -114,19 +142,24 @@ class Endpoint:
             raise bad_request(f"the request body is not valid JSON: {err}") from None
         chat = parse_request(data, max_request_tokens=self.max_request_tokens)
         retry = _retry_count(request) > 0
-        result = await session.chat(chat, body_digest=hashlib.sha256(body).digest(),
-                                     retry=retry, arrived=arrived)
+        result = await session.chat(
+            chat, body_digest=hashlib.sha256(body).digest(), retry=retry, arrived=arrived
+        )
         if not chat.stream:
             return JSONResponse(completion(result))
         events = [f"data: {json.dumps(c)}\n\n" for c in chunks(result, chat.include_usage)]
-        return StreamingResponse(_stream(events + ["data: [DONE]\n\n"]),
-                                 media_type="text/event-stream")
+        return StreamingResponse(
+            _stream(events + ["data: [DONE]\n\n"]), media_type="text/event-stream"
+        )
 
     async def _body(self, request: Request) -> bytes:
         limit = self.max_request_bytes
         declared = request.headers.get("content-length", "")
-        too_large = bad_request(f"the request body is larger than {limit} bytes "
-                                "(agent.max_request_bytes)", None, "request_too_large")
+        too_large = bad_request(
+            f"the request body is larger than {limit} bytes (agent.max_request_bytes)",
+            None,
+            "request_too_large",
+        )
         if declared.isdigit() and int(declared) > limit:
             raise too_large
         parts, size = [], 0
@@ -148,8 +181,11 @@ class Endpoint:
         self.registry.session(request)
         name = request.path_params["model"]
         if name != self.model_name:
-            raise ApiError(404, f"The model '{name}' does not exist; this endpoint serves "
-                                f"'{self.model_name}'.", code="model_not_found")
+            raise ApiError(
+                404,
+                f"The model '{name}' does not exist; this endpoint serves '{self.model_name}'.",
+                code="model_not_found",
+            )
         return JSONResponse(model_entry(self.model_name))
 
 
@@ -171,14 +207,18 @@ async def _api_error(request: Request, err: Exception) -> Response:
 async def _http_error(request: Request, err: Exception) -> Response:
     assert isinstance(err, HTTPException)
     kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
-    return JSONResponse(error_body(f"{request.method} {request.url.path}: {err.detail}", kind),
-                        status_code=err.status_code)
+    return JSONResponse(
+        error_body(f"{request.method} {request.url.path}: {err.detail}", kind),
+        status_code=err.status_code,
+    )
 
 
 async def _unexpected(request: Request, err: Exception) -> Response:
     log.exception("the agent endpoint failed on %s %s", request.method, request.url.path)
-    return JSONResponse(error_body(f"the endpoint failed: {type(err).__name__}: {err}",
-                                   "server_error"), status_code=500)
+    return JSONResponse(
+        error_body(f"the endpoint failed: {type(err).__name__}: {err}", "server_error"),
+        status_code=500,
+    )
 
 
 class EndpointServer:
@@ -191,9 +231,14 @@ class EndpointServer:
         # asyncio sets it itself only on sockets created with proto=IPPROTO_TCP.
         self.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.host, self.port = host, self.socket.getsockname()[1]
-        config = uvicorn.Config(endpoint.app, lifespan="off", log_level="warning",
-                                access_log=False, timeout_keep_alive=60,
-                                timeout_graceful_shutdown=1)
+        config = uvicorn.Config(
+            endpoint.app,
+            lifespan="off",
+            log_level="warning",
+            access_log=False,
+            timeout_keep_alive=60,
+            timeout_graceful_shutdown=1,
+        )
         self._server = uvicorn.Server(config)
         self._task: asyncio.Task | None = None
 

@@ -26,8 +26,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 class ApiError(Exception):
     """An error answered in OpenAI's format: {"error": {message, type, param, code}}."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type = status, message, type
         self.param, self.code = param, code
@@ -40,8 +47,9 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return ApiError(400, message, param=param, code=code)
 
 
-def error_body(message: str, type: str, param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str, type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -73,8 +81,11 @@ class ChatRequest(BaseModel):
     @property
     def max_new_tokens(self) -> int | None:
         """max_completion_tokens (the current name) or max_tokens (the older one)."""
-        return self.max_completion_tokens if self.max_completion_tokens is not None \
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
             else self.max_tokens
+        )
 
     @property
     def stop_strings(self) -> list[str]:
@@ -96,21 +107,41 @@ def parse_request(data: Any, *, max_request_tokens: int) -> ChatRequest:
     except ValidationError as err:
         first = err.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None
-        raise bad_request(f"invalid value for {param}: {first['msg']}", param,
-                          "invalid_value") from None
+        raise bad_request(
+            f"invalid value for {param}: {first['msg']}", param, "invalid_value"
+        ) from None
     unsupported = [
-        (request.n not in (None, 1), "n", "only n=1 is supported: call again for more "
-                                          "samples (each call is one training segment)"),
-        (bool(request.top_logprobs), "top_logprobs",
-         "top_logprobs is not supported: only the sampled tokens' log-probs are recorded"),
-        (bool(request.frequency_penalty), "frequency_penalty",
-         "frequency_penalty is not supported: it would change the distribution sampled from"),
-        (bool(request.presence_penalty), "presence_penalty",
-         "presence_penalty is not supported: it would change the distribution sampled from"),
-        (bool(request.logit_bias), "logit_bias",
-         "logit_bias is not supported: it would change the distribution sampled from"),
-        ((request.response_format or {}).get("type", "text") != "text", "response_format",
-         "response_format other than text is not supported (no constrained decoding)"),
+        (
+            request.n not in (None, 1),
+            "n",
+            "only n=1 is supported: call again for more "
+            "samples (each call is one training segment)",
+        ),
+        (
+            bool(request.top_logprobs),
+            "top_logprobs",
+            "top_logprobs is not supported: only the sampled tokens' log-probs are recorded",
+        ),
+        (
+            bool(request.frequency_penalty),
+            "frequency_penalty",
+            "frequency_penalty is not supported: it would change the distribution sampled from",
+        ),
+        (
+            bool(request.presence_penalty),
+            "presence_penalty",
+            "presence_penalty is not supported: it would change the distribution sampled from",
+        ),
+        (
+            bool(request.logit_bias),
+            "logit_bias",
+            "logit_bias is not supported: it would change the distribution sampled from",
+        ),
+        (
+            (request.response_format or {}).get("type", "text") != "text",
+            "response_format",
+            "response_format other than text is not supported (no constrained decoding)",
+        ),
         (len(request.stop_strings) > 4, "stop", "at most 4 stop sequences"),
         (any(not s for s in request.stop_strings), "stop", "a stop sequence is empty"),
     ]
@@ -118,11 +149,16 @@ def parse_request(data: Any, *, max_request_tokens: int) -> ChatRequest:
         if failed:
             raise bad_request(message, param, "unsupported_parameter")
     if request.max_new_tokens is not None and request.max_new_tokens > max_request_tokens:
-        param = "max_completion_tokens" if request.max_completion_tokens is not None \
-            else "max_tokens"
-        raise bad_request(f"{param} is too large: {request.max_new_tokens}. This endpoint "
-                          f"supports at most {max_request_tokens} completion tokens "
-                          "(agent.max_request_tokens).", param, "invalid_value")
+        param = (
+            "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        )
+        raise bad_request(
+            f"{param} is too large: {request.max_new_tokens}. This endpoint "
+            f"supports at most {max_request_tokens} completion tokens "
+            "(agent.max_request_tokens).",
+            param,
+            "invalid_value",
+        )
     _check_tool_choice(request)
     return request
 
@@ -134,8 +170,11 @@ def _check_tool_choice(request: ChatRequest) -> None:
     name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
     offered = [(t.get("function") or {}).get("name") for t in request.tools or []]
     if name is None or name not in offered:
-        raise bad_request(f"tool_choice {choice!r} names no tool of the request's tools",
-                          "tool_choice", "invalid_value")
+        raise bad_request(
+            f"tool_choice {choice!r} names no tool of the request's tools",
+            "tool_choice",
+            "invalid_value",
+        )
 
 
 # -- responses --------------------------------------------------------------------------------
@@ -160,37 +199,63 @@ class CallResult:
 
 def completion(result: CallResult) -> dict[str, Any]:
     """The `chat.completion` object."""
-    choice = {"index": 0, "message": {**result.message, "refusal": None},
-              "finish_reason": result.finish_reason,
-              "logprobs": None if result.logprobs is None else {"content": result.logprobs,
-                                                                "refusal": None}}
-    return {"id": result.completion_id, "object": "chat.completion", "created": result.created,
-            "model": result.model, "choices": [choice], "usage": _usage(result),
-            "system_fingerprint": None}
+    choice = {
+        "index": 0,
+        "message": {**result.message, "refusal": None},
+        "finish_reason": result.finish_reason,
+        "logprobs": None
+        if result.logprobs is None
+        else {"content": result.logprobs, "refusal": None},
+    }
+    return {
+        "id": result.completion_id,
+        "object": "chat.completion",
+        "created": result.created,
+        "model": result.model,
+        "choices": [choice],
+        "usage": _usage(result),
+        "system_fingerprint": None,
+    }
 
 
 def _usage(result: CallResult) -> dict[str, int]:
-    return {"prompt_tokens": result.prompt_tokens,
-            "completion_tokens": result.completion_tokens,
-            "total_tokens": result.prompt_tokens + result.completion_tokens}
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+        "total_tokens": result.prompt_tokens + result.completion_tokens,
+    }
 
 
 def chunks(result: CallResult, include_usage: bool) -> Iterator[dict[str, Any]]:
     """The `chat.completion.chunk` objects of a streamed answer (the whole answer is known
     when the first is sent: a call streams once it has finished)."""
-    head = {"id": result.completion_id, "object": "chat.completion.chunk",
-            "created": result.created, "model": result.model, "system_fingerprint": None}
+    head = {
+        "id": result.completion_id,
+        "object": "chat.completion.chunk",
+        "created": result.created,
+        "model": result.model,
+        "system_fingerprint": None,
+    }
 
-    def chunk(delta: dict[str, Any], finish_reason: str | None = None,
-              logprobs: Any = None) -> dict[str, Any]:
-        return {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason,
-                                     "logprobs": logprobs}]}
+    def chunk(
+        delta: dict[str, Any], finish_reason: str | None = None, logprobs: Any = None
+    ) -> dict[str, Any]:
+        return {
+            **head,
+            "choices": [
+                {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
+            ],
+        }
 
     yield chunk({"role": "assistant", "content": ""})
     content = result.message.get("content")
     if content or result.logprobs:
-        yield chunk({"content": content or ""}, logprobs=None if result.logprobs is None else
-                    {"content": result.logprobs, "refusal": None})
+        yield chunk(
+            {"content": content or ""},
+            logprobs=None
+            if result.logprobs is None
+            else {"content": result.logprobs, "refusal": None},
+        )
     calls = result.message.get("tool_calls") or []
     if calls:
         yield chunk({"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]})

@@ -36,8 +36,13 @@ import openai
 
 from areal.config import RunConfig
 from areal.messages import EpisodeEnd, Generated
-from areal.tasks.agent import AgentFunction, AgentSample, episode_rewards, load_agent, \
-    segment_rewards
+from areal.tasks.agent import (
+    AgentFunction,
+    AgentSample,
+    episode_rewards,
+    load_agent,
+    segment_rewards,
+)
 from areal.tasks.base import RewardOutcome, Task, Verdict
 from areal.tasks.chat_render import ChatFormat
 from areal.workers.rollout.agent.endpoint import Endpoint, EndpointServer, SessionRegistry
@@ -68,7 +73,8 @@ class AgentEpisode:
     """One per segment."""
     end: EpisodeEnd = EpisodeEnd.AGENT
     outcome: RewardOutcome = field(
-        default_factory=lambda: RewardOutcome(reward=0.0, verdict=Verdict.ERROR))
+        default_factory=lambda: RewardOutcome(reward=0.0, verdict=Verdict.ERROR)
+    )
     finish_reason: FinishReason = FinishReason.STOP
     num_calls: int = 0
     num_tool_calls: int = 0
@@ -89,10 +95,18 @@ class AgentEpisode:
 class AgentRunner:
     """Runs agent episodes on one generator behind one endpoint (see the module doc)."""
 
-    def __init__(self, *, generator: InterruptibleGenerator, chat: ChatFormat,
-                 agent: AgentFunction, cfg: RunConfig, server: EndpointServer,
-                 registry: SessionRegistry, context_len: int | None,
-                 task: Task | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        generator: InterruptibleGenerator,
+        chat: ChatFormat,
+        agent: AgentFunction,
+        cfg: RunConfig,
+        server: EndpointServer,
+        registry: SessionRegistry,
+        context_len: int | None,
+        task: Task | None = None,
+    ) -> None:
         self.generator = generator
         self.task = task
         self.chat = chat
@@ -102,38 +116,59 @@ class AgentRunner:
         self.registry = registry
         self.context_len = context_len
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="agent-tokenizer")
-        self._pool = _SharedPool(limits=httpx2.Limits(max_connections=None,
-                                                      max_keepalive_connections=1024),
-                                 timeout=httpx2.Timeout(cfg.agent.timeout_s, connect=30.0))
+        self._pool = _SharedPool(
+            limits=httpx2.Limits(max_connections=None, max_keepalive_connections=1024),
+            timeout=httpx2.Timeout(cfg.agent.timeout_s, connect=30.0),
+        )
 
     async def _in_thread(self, fn, *args):
         # One thread: a fast tokenizer must not be used from two threads at once.
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn,
-                                                                *args)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
 
     def client(self, key: str) -> openai.AsyncOpenAI:
         """An OpenAI client whose every call is one of the episode of `key`."""
-        return openai.AsyncOpenAI(api_key=key, base_url=self.server.base_url,
-                                  http_client=self._pool, max_retries=2)
+        return openai.AsyncOpenAI(
+            api_key=key, base_url=self.server.base_url, http_client=self._pool, max_retries=2
+        )
 
     def open_session(self, request_id: str, params: SamplingParams) -> AgentSession:
         return AgentSession(
-            request_id=request_id, generator=self.generator, chat=self.chat,
+            request_id=request_id,
+            generator=self.generator,
+            chat=self.chat,
             run_in_thread=self._in_thread,
-            limits=SessionLimits(max_new_tokens=params.max_new_tokens,
-                                 context_len=self.context_len,
-                                 max_calls=self.cfg.agent.max_calls),
-            sampling=Sampling(temperature=params.temperature, top_p=params.top_p,
-                              stop_token_ids=tuple(params.stop_token_ids),
-                              request_sampling=self.cfg.agent.request_sampling))
+            limits=SessionLimits(
+                max_new_tokens=params.max_new_tokens,
+                context_len=self.context_len,
+                max_calls=self.cfg.agent.max_calls,
+            ),
+            sampling=Sampling(
+                temperature=params.temperature,
+                top_p=params.top_p,
+                stop_token_ids=tuple(params.stop_token_ids),
+                request_sampling=self.cfg.agent.request_sampling,
+            ),
+        )
 
-    async def run(self, request_id: str, params: SamplingParams, *, prompt_id: str,
-                  prompt_text: str, reference: Any) -> AgentEpisode:
+    async def run(
+        self,
+        request_id: str,
+        params: SamplingParams,
+        *,
+        prompt_id: str,
+        prompt_text: str,
+        reference: Any,
+    ) -> AgentEpisode:
         """One episode: the agent on this sample, until it returns (module doc)."""
         session = self.open_session(request_id, params)
         key = self.registry.open(session)
-        sample = AgentSample(prompt_id=prompt_id, prompt=prompt_text, reference=reference,
-                             params=dict(self.cfg.agent.params), task=self.task)
+        sample = AgentSample(
+            prompt_id=prompt_id,
+            prompt=prompt_text,
+            reference=reference,
+            params=dict(self.cfg.agent.params),
+            task=self.task,
+        )
         start = time.monotonic()
         returned: Any = None
         failure: tuple[Verdict, str] | None = None
@@ -151,14 +186,24 @@ class AgentRunner:
             await session.close()
         return self._episode(session, returned, failure, time.monotonic() - start)
 
-    def _episode(self, session: AgentSession, returned: Any,
-                 failure: tuple[Verdict, str] | None, seconds: float) -> AgentEpisode:
+    def _episode(
+        self,
+        session: AgentSession,
+        returned: Any,
+        failure: tuple[Verdict, str] | None,
+        seconds: float,
+    ) -> AgentEpisode:
         episode = AgentEpisode(
-            num_calls=len(session.calls), num_tool_calls=session.num_tool_calls,
-            num_tool_errors=session.num_tool_errors, num_retries=session.num_retries,
-            num_interruptions=session.num_interruptions, queue_s=session.queue_s,
-            decode_s=session.decode_s, agent_s=max(0.0, seconds - session.call_s),
-            seconds=seconds)
+            num_calls=len(session.calls),
+            num_tool_calls=session.num_tool_calls,
+            num_tool_errors=session.num_tool_errors,
+            num_retries=session.num_retries,
+            num_interruptions=session.num_interruptions,
+            queue_s=session.queue_s,
+            decode_s=session.decode_s,
+            agent_s=max(0.0, seconds - session.call_s),
+            seconds=seconds,
+        )
         completion_ids = [cid for cid, _ in session.calls]
         if failure is None:
             try:
@@ -169,9 +214,11 @@ class AgentRunner:
             per_call = [0.0] * len(completion_ids)
             if session.limit is not None:
                 episode.end = session.limit
-                outcome = RewardOutcome(reward=0.0, verdict=Verdict.NO_ANSWER,
-                                        detail=f"the episode ended at its {session.limit.value} "
-                                               f"({failure[1]})")
+                outcome = RewardOutcome(
+                    reward=0.0,
+                    verdict=Verdict.NO_ANSWER,
+                    detail=f"the episode ended at its {session.limit.value} ({failure[1]})",
+                )
             else:
                 episode.end = EpisodeEnd.ERROR
                 outcome = RewardOutcome(reward=0.0, verdict=failure[0], detail=failure[1])
@@ -180,8 +227,9 @@ class AgentRunner:
         order = sorted(last_call, key=lambda segment: last_call[segment])
         position = {segment: i for i, segment in enumerate(order)}
         episode.segments = [session.segments[s] for s in order]
-        episode.rewards = segment_rewards([position[s] for _, s in session.calls], per_call,
-                                          self.cfg.agent.discount, len(order))
+        episode.rewards = segment_rewards(
+            [position[s] for _, s in session.calls], per_call, self.cfg.agent.discount, len(order)
+        )
         episode.outcome = outcome
         if episode.end in (EpisodeEnd.TOKEN_LIMIT, EpisodeEnd.TURN_LIMIT):
             episode.finish_reason = FinishReason.LENGTH
@@ -196,37 +244,54 @@ class AgentRunner:
             await owner_close()
 
 
-def generated_agent_episode(request_id: str, episode: AgentEpisode,
-                            prompt_ids: np.ndarray) -> Generated:
+def generated_agent_episode(
+    request_id: str, episode: AgentEpisode, prompt_ids: np.ndarray
+) -> Generated:
     """The Generated message of a finished agent episode; with no segment (no call), an
     empty completion of the Generate's `prompt_ids`."""
     segments = episode.segments
-    arrays = {name: np.concatenate([np.asarray(getattr(s.tokens, attr), dtype)
-                                    for s in segments]) if segments else np.zeros(0, dtype)
-              for name, attr, dtype in (("output_ids", "token_ids", np.int32),
-                                        ("logprobs", "logprobs", np.float32),
-                                        ("versions", "versions", np.int32),
-                                        ("loss_mask", "loss_mask", bool))}
-    prompts = np.concatenate([np.asarray(s.prompt_ids, np.int32) for s in segments]) \
-        if segments else None
+    arrays = {
+        name: np.concatenate([np.asarray(getattr(s.tokens, attr), dtype) for s in segments])
+        if segments
+        else np.zeros(0, dtype)
+        for name, attr, dtype in (
+            ("output_ids", "token_ids", np.int32),
+            ("logprobs", "logprobs", np.float32),
+            ("versions", "versions", np.int32),
+            ("loss_mask", "loss_mask", bool),
+        )
+    }
+    prompts = (
+        np.concatenate([np.asarray(s.prompt_ids, np.int32) for s in segments]) if segments else None
+    )
     outcome = episode.outcome
     return Generated(
-        request_id=request_id, **arrays, prompt_ids=prompts,
+        request_id=request_id,
+        **arrays,
+        prompt_ids=prompts,
         segment_prompt_lens=[len(s.prompt_ids) for s in segments],
         segment_output_lens=[len(s.tokens.token_ids) for s in segments],
         segment_rewards=[float(r) for r in episode.rewards] if segments else [],
         finish_reason=episode.finish_reason,
-        num_interruptions=episode.num_interruptions, generation_s=episode.seconds,
+        num_interruptions=episode.num_interruptions,
+        generation_s=episode.seconds,
         episode_end=episode.end,
         reward=float(episode.rewards[-1]) if segments else float(outcome.reward),
-        verdict=outcome.verdict, detail=outcome.detail[:2000], num_turns=episode.num_calls,
-        num_tool_calls=episode.num_tool_calls, num_tool_errors=episode.num_tool_errors,
-        tool_s=episode.agent_s, num_retries=episode.num_retries, queue_s=episode.queue_s,
-        decode_s=episode.decode_s)
+        verdict=outcome.verdict,
+        detail=outcome.detail[:2000],
+        num_turns=episode.num_calls,
+        num_tool_calls=episode.num_tool_calls,
+        num_tool_errors=episode.num_tool_errors,
+        tool_s=episode.agent_s,
+        num_retries=episode.num_retries,
+        queue_s=episode.queue_s,
+        decode_s=episode.decode_s,
+    )
 
 
-async def start_agents(cfg: RunConfig, generator: InterruptibleGenerator, *, rank: int,
-                       context_len: int | None) -> AgentRunner | None:
+async def start_agents(
+    cfg: RunConfig, generator: InterruptibleGenerator, *, rank: int, context_len: int | None
+) -> AgentRunner | None:
     """The agent runner of a rollout worker when `agent.function` is set (its endpoint
     listening), else None."""
     if cfg.agent.function is None:
@@ -238,23 +303,38 @@ async def start_agents(cfg: RunConfig, generator: InterruptibleGenerator, *, ran
     assert model is not None  # the controller resolves model.path before workers start
 
     def build() -> tuple[ChatFormat, AgentFunction, Task]:
-        tokenizer = load_tokenizer(model,
-                                   trust_remote_code=cfg.model.trust_remote_code,
-                                   cache_dir=cfg.cache_dir)
-        chat = ChatFormat(tokenizer, format=cfg.agent.tool_format,
-                          observation_template=cfg.agent.observation_template,
-                          template_kwargs=cfg.agent.chat_template_kwargs)
+        tokenizer = load_tokenizer(
+            model, trust_remote_code=cfg.model.trust_remote_code, cache_dir=cfg.cache_dir
+        )
+        chat = ChatFormat(
+            tokenizer,
+            format=cfg.agent.tool_format,
+            observation_template=cfg.agent.observation_template,
+            template_kwargs=cfg.agent.chat_template_kwargs,
+        )
         task = load_task(cfg.task.name, cfg.task.params)
         task.use_tokenizer(tokenizer)
         return chat, load_agent(function, cfg.agent.params), task
 
     chat, agent, task = await asyncio.to_thread(build)
     registry = SessionRegistry()
-    endpoint = Endpoint(registry, model_name=cfg.agent.model_name,
-                        max_request_bytes=cfg.agent.max_request_bytes,
-                        max_request_tokens=cfg.agent.max_request_tokens)
-    server = EndpointServer(endpoint, cfg.agent.host,
-                            cfg.agent.port + rank if cfg.agent.port else 0)
+    endpoint = Endpoint(
+        registry,
+        model_name=cfg.agent.model_name,
+        max_request_bytes=cfg.agent.max_request_bytes,
+        max_request_tokens=cfg.agent.max_request_tokens,
+    )
+    server = EndpointServer(
+        endpoint, cfg.agent.host, cfg.agent.port + rank if cfg.agent.port else 0
+    )
     await server.start()
-    return AgentRunner(generator=generator, chat=chat, agent=agent, cfg=cfg, server=server,
-                       registry=registry, context_len=context_len, task=task)
+    return AgentRunner(
+        generator=generator,
+        chat=chat,
+        agent=agent,
+        cfg=cfg,
+        server=server,
+        registry=registry,
+        context_len=context_len,
+        task=task,
+    )

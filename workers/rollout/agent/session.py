@@ -40,10 +40,15 @@ from typing import Any
 from collections.abc import Awaitable, Callable
 
 from areal.messages import EpisodeEnd
-from areal.tasks.chat_render import ChatError, ChatFormat, Reply, normalize_messages, \
-    normalize_tools, same_message
-from areal.workers.rollout.agent.protocol import ApiError, CallResult, ChatRequest, \
-    bad_request
+from areal.tasks.chat_render import (
+    ChatError,
+    ChatFormat,
+    Reply,
+    normalize_messages,
+    normalize_tools,
+    same_message,
+)
+from areal.workers.rollout.agent.protocol import ApiError, CallResult, ChatRequest, bad_request
 from areal.workers.rollout.engine import FinishReason, SamplingParams
 from areal.workers.rollout.episode import EpisodeResult
 from areal.workers.rollout.interruptible import GenerationResult, InterruptibleGenerator
@@ -106,8 +111,16 @@ class _Prepared:
 class AgentSession:
     """The chat calls of one episode (one API key). See the module doc."""
 
-    def __init__(self, *, request_id: str, generator: InterruptibleGenerator, chat: ChatFormat,
-                 run_in_thread: RunInThread, limits: SessionLimits, sampling: Sampling) -> None:
+    def __init__(
+        self,
+        *,
+        request_id: str,
+        generator: InterruptibleGenerator,
+        chat: ChatFormat,
+        run_in_thread: RunInThread,
+        limits: SessionLimits,
+        sampling: Sampling,
+    ) -> None:
         self.request_id = request_id
         self.generator = generator
         self.format = chat
@@ -136,12 +149,16 @@ class AgentSession:
 
     # -- calls ------------------------------------------------------------------------------
 
-    async def chat(self, request: ChatRequest, *, body_digest: bytes, retry: bool,
-                   arrived: float) -> CallResult:
+    async def chat(
+        self, request: ChatRequest, *, body_digest: bytes, retry: bool, arrived: float
+    ) -> CallResult:
         """Answer one request (ApiError for what cannot be served)."""
         if self.closed:  # looked up just before its episode ended
-            raise ApiError(401, "The episode of this API key has ended; its key serves no "
-                                "more calls.", code="invalid_api_key")
+            raise ApiError(
+                401,
+                "The episode of this API key has ended; its key serves no more calls.",
+                code="invalid_api_key",
+            )
         if retry:
             earlier = self._by_body.get(body_digest)
             if earlier is not None:
@@ -149,9 +166,12 @@ class AgentSession:
                 return await asyncio.shield(earlier)
         if self.num_started >= self.limits.max_calls:
             self.limit = EpisodeEnd.TURN_LIMIT
-            raise bad_request(f"this episode has made its {self.limits.max_calls} calls "
-                              "(agent.max_calls); no more are served", None,
-                              "episode_call_limit")
+            raise bad_request(
+                f"this episode has made its {self.limits.max_calls} calls "
+                "(agent.max_calls); no more are served",
+                None,
+                "episode_call_limit",
+            )
         index = self.num_started
         self.num_started += 1
         task = asyncio.ensure_future(self._call(request, arrived, index))
@@ -162,8 +182,9 @@ class AgentSession:
         return await asyncio.shield(task)
 
     def _forget_failed(self, body_digest: bytes, task: asyncio.Task) -> None:
-        if (task.cancelled() or task.exception() is not None) \
-                and self._by_body.get(body_digest) is task:
+        if (task.cancelled() or task.exception() is not None) and self._by_body.get(
+            body_digest
+        ) is task:
             del self._by_body[body_digest]
 
     async def _call(self, request: ChatRequest, arrived: float, index: int) -> CallResult:
@@ -177,8 +198,9 @@ class AgentSession:
         if held is not None:
             held.busy = True  # before the first await: no other call may extend it now
         try:
-            prep = await self._thread(self._prepare, held, messages, tools, tools_active,
-                                      request.stop_strings)
+            prep = await self._thread(
+                self._prepare, held, messages, tools, tools_active, request.stop_strings
+            )
             if prep.segment is not held:  # not an extension after all: a new segment
                 if held is not None:
                     held.busy = False
@@ -189,8 +211,9 @@ class AgentSession:
             if held is not None:
                 held.busy = False
 
-    def _extendable(self, messages: list[dict[str, Any]],
-                    tools: list[dict[str, Any]]) -> Segment | None:
+    def _extendable(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+    ) -> Segment | None:
         """The latest idle segment whose last call these messages extend."""
         for segment in reversed(self.segments):
             history = segment.history
@@ -201,9 +224,14 @@ class AgentSession:
                 return segment
         return None
 
-    def _prepare(self, candidate: Segment | None, messages: list[dict[str, Any]],
-                 tools: list[dict[str, Any]], tools_active: bool,
-                 stop_strings: list[str]) -> _Prepared:
+    def _prepare(
+        self,
+        candidate: Segment | None,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]],
+        tools_active: bool,
+        stop_strings: list[str],
+    ) -> _Prepared:
         """(tokenizer thread) The segment this call samples on and what it appends first."""
         stop_ids = set(self.sampling.stop_token_ids)
         stop_ids.update(self.format.end_of_turn_ids(tools_active))
@@ -216,19 +244,27 @@ class AgentSession:
                 longer.append(stop)
         stops = tuple(sorted(stop_ids))
         if candidate is not None:
-            text = self.format.continuation(candidate.history,
-                                            messages[len(candidate.history):], tools,
-                                            candidate.stop_text)
+            text = self.format.continuation(
+                candidate.history, messages[len(candidate.history) :], tools, candidate.stop_text
+            )
             if text is not None:
-                return _Prepared(segment=candidate, fresh=False,
-                                 rendered=self.format.encode(text), stop_ids=stops,
-                                 stop_strings=longer)
-        prompt = self.format.encode(self.format.render(messages, tools,
-                                                       add_generation_prompt=True))
+                return _Prepared(
+                    segment=candidate,
+                    fresh=False,
+                    rendered=self.format.encode(text),
+                    stop_ids=stops,
+                    stop_strings=longer,
+                )
+        prompt = self.format.encode(self.format.render(messages, tools, add_generation_prompt=True))
         if not prompt:
             raise bad_request("the messages render to no tokens", "messages", "invalid_value")
-        return _Prepared(segment=Segment(prompt, tools), fresh=True, rendered=[],
-                         stop_ids=stops, stop_strings=longer)
+        return _Prepared(
+            segment=Segment(prompt, tools),
+            fresh=True,
+            rendered=[],
+            stop_ids=stops,
+            stop_strings=longer,
+        )
 
     def _budget(self, prep: _Prepared, request: ChatRequest) -> int:
         segment = prep.segment
@@ -244,21 +280,31 @@ class AgentSession:
                 f"messages of a segment allowed {self.limits.max_new_tokens} after its first "
                 f"prompt (rollout.max_new_tokens) and {self.limits.context_len} in all (the "
                 "engine's longest sequence). Start a shorter conversation or end the episode.",
-                "messages", "context_length_exceeded")
+                "messages",
+                "context_length_exceeded",
+            )
         asked = request.max_new_tokens
         return left if asked is None else min(asked, left)
 
-    async def _sample(self, request: ChatRequest, prep: _Prepared,
-                      messages: list[dict[str, Any]], tools: list[dict[str, Any]],
-                      arrived: float, index: int) -> CallResult:
+    async def _sample(
+        self,
+        request: ChatRequest,
+        prep: _Prepared,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]],
+        arrived: float,
+        index: int,
+    ) -> CallResult:
         max_new_tokens = self._budget(prep, request)
         own = self.sampling.request_sampling
         params = SamplingParams(
             max_new_tokens=max_new_tokens,
-            temperature=request.temperature if own and request.temperature is not None
+            temperature=request.temperature
+            if own and request.temperature is not None
             else self.sampling.temperature,
             top_p=request.top_p if own and request.top_p is not None else self.sampling.top_p,
-            stop_token_ids=prep.stop_ids)
+            stop_token_ids=prep.stop_ids,
+        )
         segment = prep.segment
         context = segment.prompt_ids + segment.tokens.token_ids + prep.rendered
         self._enter()
@@ -272,7 +318,8 @@ class AgentSession:
         self.decode_s += decoded - submitted - result.wait_s
         self.num_interruptions += result.num_interruptions
         tokens, reply, finish, stop_text, logprobs = await self._thread(
-            self._reply, result, prep, tools, request.tool_choice, bool(request.logprobs))
+            self._reply, result, prep, tools, request.tool_choice, bool(request.logprobs)
+        )
         # Commit: no await from here on, so a cancelled call leaves its segment unchanged.
         if prep.fresh:
             segment.index = len(self.segments)
@@ -287,13 +334,24 @@ class AgentSession:
         self.calls.append((completion_id, segment.index))
         self.num_tool_calls += len(reply.tool_calls)
         self.num_tool_errors += reply.num_tool_errors
-        return CallResult(completion_id=completion_id, model=request.model,
-                          message=reply.message(), finish_reason=finish,
-                          prompt_tokens=len(context), completion_tokens=n, logprobs=logprobs)
+        return CallResult(
+            completion_id=completion_id,
+            model=request.model,
+            message=reply.message(),
+            finish_reason=finish,
+            prompt_tokens=len(context),
+            completion_tokens=n,
+            logprobs=logprobs,
+        )
 
-    def _reply(self, result: GenerationResult, prep: _Prepared, tools: list[dict[str, Any]],
-               tool_choice: Any, want_logprobs: bool
-               ) -> tuple[list[int], Reply, str, str | None, list[dict[str, Any]] | None]:
+    def _reply(
+        self,
+        result: GenerationResult,
+        prep: _Prepared,
+        tools: list[dict[str, Any]],
+        tool_choice: Any,
+        want_logprobs: bool,
+    ) -> tuple[list[int], Reply, str, str | None, list[dict[str, Any]] | None]:
         """(tokenizer thread) Tokens kept, the reply, its finish reason, the stop token's
         text, the log-prob entries."""
         decode = self.format.tokenizer.decode
@@ -302,21 +360,31 @@ class AgentSession:
         cut = _first_stop(text, prep.stop_strings)
         stop_text = None
         if cut is not None:  # a multi-token stop sequence: keep the tokens up to its end
-            tokens = tokens[:_tokens_to(tokens, prep.stop_strings, decode)]
+            tokens = tokens[: _tokens_to(tokens, prep.stop_strings, decode)]
             text = text[:cut]
-        elif result.finish_reason is FinishReason.STOP and tokens \
-                and tokens[-1] in prep.stop_ids:
+        elif result.finish_reason is FinishReason.STOP and tokens and tokens[-1] in prep.stop_ids:
             stop_text = decode(tokens[-1:])
         reply = self.format.parse(text, stop_text, tools, tool_choice)
-        finish = "tool_calls" if reply.tool_calls else (
-            "length" if result.finish_reason is FinishReason.LENGTH and cut is None else "stop")
+        finish = (
+            "tool_calls"
+            if reply.tool_calls
+            else (
+                "length" if result.finish_reason is FinishReason.LENGTH and cut is None else "stop"
+            )
+        )
         logprobs = None
         if want_logprobs:
             logprobs = []
             for token, logprob in zip(tokens, result.logprobs, strict=False):
                 piece = decode([token])
-                logprobs.append({"token": piece, "logprob": float(logprob),
-                                 "bytes": list(piece.encode()), "top_logprobs": []})
+                logprobs.append(
+                    {
+                        "token": piece,
+                        "logprob": float(logprob),
+                        "bytes": list(piece.encode()),
+                        "top_logprobs": [],
+                    }
+                )
         return tokens, reply, finish, stop_text, logprobs
 
     def _enter(self) -> None:

@@ -20,8 +20,13 @@ from areal.config import load_config
 from areal.tasks.chat_render import ChatFormat
 from areal.workers.rollout.agent.endpoint import Endpoint, EndpointServer, SessionRegistry
 from areal.workers.rollout.agent.runner import AgentRunner
-from areal.workers.rollout.engine import Engine, EngineOutput, EngineState, FinishReason, \
-    SamplingParams
+from areal.workers.rollout.engine import (
+    Engine,
+    EngineOutput,
+    EngineState,
+    FinishReason,
+    SamplingParams,
+)
 from areal.workers.rollout.interruptible import InterruptibleGenerator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "areal" / "tasks"))
@@ -34,8 +39,12 @@ class ScriptedEngine(Engine):
     """Answers call i with `replies[i]` (or `replies(prompt)`), cut at a stop token or the
     budget; every token's log-prob is LOGPROB. Records each call's prompt."""
 
-    def __init__(self, replies: Sequence[list[int]] | Callable[[list[int]], list[int]], *,
-                 barrier: int | None = None) -> None:
+    def __init__(
+        self,
+        replies: Sequence[list[int]] | Callable[[list[int]], list[int]],
+        *,
+        barrier: int | None = None,
+    ) -> None:
         self.replies = replies
         self.prompts: list[list[int]] = []
         self.released = asyncio.Event()
@@ -54,8 +63,9 @@ class ScriptedEngine(Engine):
     async def start(self) -> None:
         self._state = EngineState.RUNNING
 
-    async def generate(self, request_id: str, prompt_ids: Sequence[int],
-                       params: SamplingParams) -> EngineOutput:
+    async def generate(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> EngineOutput:
         prompt = list(prompt_ids)
         index = len(self.prompts)
         self.prompts.append(prompt)
@@ -68,13 +78,14 @@ class ScriptedEngine(Engine):
         finally:
             self.inside -= 1
         tokens, reason = [], FinishReason.LENGTH
-        for token in reply[:params.max_new_tokens]:
+        for token in reply[: params.max_new_tokens]:
             tokens.append(token)
             if token in params.stop_token_ids:
                 reason = FinishReason.STOP
                 break
-        return EngineOutput(token_ids=tokens, logprobs=[LOGPROB] * len(tokens),
-                            finish_reason=reason)
+        return EngineOutput(
+            token_ids=tokens, logprobs=[LOGPROB] * len(tokens), finish_reason=reason
+        )
 
     async def pause(self) -> None:
         self._state = EngineState.PAUSED
@@ -111,13 +122,20 @@ def checked(agent):
             return await agent(client, sample)
         except AssertionError as err:
             raise AgentCheckFailed(f"inside the agent: {err!r}") from err
+
     return run
 
 
-async def make_runner(engine: Engine, agent, *, tokenizer: Any | None = None,
-                      max_new_tokens: int = 400, context_len: int | None = 4096,
-                      overrides: Sequence[str] = (), temperature: float = 1.0,
-                      ) -> tuple[AgentRunner, Any]:
+async def make_runner(
+    engine: Engine,
+    agent,
+    *,
+    tokenizer: Any | None = None,
+    max_new_tokens: int = 400,
+    context_len: int | None = 4096,
+    overrides: Sequence[str] = (),
+    temperature: float = 1.0,
+) -> tuple[AgentRunner, Any]:
     """A started AgentRunner (real endpoint on a free loopback port) over `engine`, for
     `agent` (an async function; an assertion failing inside it fails the test). Returns
     (runner, SamplingParams of its episodes)."""
@@ -125,24 +143,43 @@ async def make_runner(engine: Engine, agent, *, tokenizer: Any | None = None,
     cfg = load_config(overrides=["agent.function=tests.placeholder:run", *overrides])
     if engine.state is EngineState.CREATED:
         await engine.start()
-    chat = ChatFormat(tokenizer, format=cfg.agent.tool_format,
-                      observation_template=cfg.agent.observation_template)
+    chat = ChatFormat(
+        tokenizer, format=cfg.agent.tool_format, observation_template=cfg.agent.observation_template
+    )
     registry = SessionRegistry()
-    endpoint = Endpoint(registry, model_name=cfg.agent.model_name,
-                        max_request_bytes=cfg.agent.max_request_bytes,
-                        max_request_tokens=cfg.agent.max_request_tokens)
+    endpoint = Endpoint(
+        registry,
+        model_name=cfg.agent.model_name,
+        max_request_bytes=cfg.agent.max_request_bytes,
+        max_request_tokens=cfg.agent.max_request_tokens,
+    )
     server = EndpointServer(endpoint, "127.0.0.1", 0)
     await server.start()
-    runner = AgentRunner(generator=InterruptibleGenerator(engine), chat=chat,
-                         agent=checked(agent),
-                         cfg=cfg, server=server, registry=registry, context_len=context_len)
+    runner = AgentRunner(
+        generator=InterruptibleGenerator(engine),
+        chat=chat,
+        agent=checked(agent),
+        cfg=cfg,
+        server=server,
+        registry=registry,
+        context_len=context_len,
+    )
     eos = [tokenizer.eos_token_id]
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
-                            stop_token_ids=eos)
+    params = SamplingParams(
+        max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=eos
+    )
     return runner, params
 
 
-CALCULATOR = {"type": "function", "function": {
-    "name": "calculator", "description": "Evaluates an arithmetic expression.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
-                   "required": ["expression"]}}}
+CALCULATOR = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluates an arithmetic expression.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string"}},
+            "required": ["expression"],
+        },
+    },
+}

@@ -9,8 +9,7 @@ import asyncio
 import httpx2
 import openai
 import pytest
-from agent_helpers import LOGPROB, ScriptedEngine, build_qwen_style_tokenizer, make_runner, \
-    qwen_ids
+from agent_helpers import LOGPROB, ScriptedEngine, build_qwen_style_tokenizer, make_runner, qwen_ids
 
 from areal.messages import EpisodeEnd
 from areal.tasks.base import Verdict
@@ -46,8 +45,10 @@ async def test_keys_unknown_missing_or_of_an_ended_episode_get_401():
         assert err.value.status_code == 401 and err.value.code == "invalid_api_key"
         async with httpx2.AsyncClient() as http:
             bare = await http.post(f"{seen['url']}chat/completions", json={})
-        assert bare.status_code == 401 and "didn't provide an API key" in \
-            bare.json()["error"]["message"]
+        assert (
+            bare.status_code == 401
+            and "didn't provide an API key" in bare.json()["error"]["message"]
+        )
         await client.chat.completions.create(model="m", messages=USER)
         seen["client"] = client
         return 1.0
@@ -75,19 +76,28 @@ async def test_a_key_is_refused_once_its_episode_ended():
     assert len(engine.prompts) == 1
 
 
-@pytest.mark.parametrize("kwargs, param, code", [
-    ({"n": 2}, "n", "unsupported_parameter"),
-    ({"max_tokens": 1 << 20}, "max_tokens", "invalid_value"),
-    ({"max_completion_tokens": 0}, "max_completion_tokens", "invalid_value"),
-    ({"top_logprobs": 3, "logprobs": True}, "top_logprobs", "unsupported_parameter"),
-    ({"temperature": 3.0}, "temperature", "invalid_value"),
-    ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
-    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
-     "invalid_value"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     "messages[0].content[0]", "invalid_value"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "invalid_value"),
-])
+@pytest.mark.parametrize(
+    "kwargs, param, code",
+    [
+        ({"n": 2}, "n", "unsupported_parameter"),
+        ({"max_tokens": 1 << 20}, "max_tokens", "invalid_value"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens", "invalid_value"),
+        ({"top_logprobs": 3, "logprobs": True}, "top_logprobs", "unsupported_parameter"),
+        ({"temperature": 3.0}, "temperature", "invalid_value"),
+        ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "invalid_value",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages[0].content[0]",
+            "invalid_value",
+        ),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "invalid_value"),
+    ],
+)
 async def test_what_cannot_be_served_is_an_openai_style_400(kwargs, param, code):
     async def agent(client, sample):
         request = {"model": "m", "messages": USER, **kwargs}
@@ -105,14 +115,20 @@ async def test_request_bodies_over_the_limit_are_refused_before_parsing():
         big = [{"role": "user", "content": "x" * 5000}]
         with pytest.raises(openai.BadRequestError) as err:
             await client.chat.completions.create(model="m", messages=big)
-        assert err.value.code == "request_too_large" and "agent.max_request_bytes" in \
-            err.value.message
+        assert (
+            err.value.code == "request_too_large" and "agent.max_request_bytes" in err.value.message
+        )
         async with httpx2.AsyncClient() as http:  # a body that lies about its length
+
             async def body():
                 yield b'{"model": "m", "messages": ['
                 yield b" " * 5000
-            lying = await http.post(f"{client.base_url}chat/completions", content=body(),
-                                    headers={"authorization": f"Bearer {client.api_key}"})
+
+            lying = await http.post(
+                f"{client.base_url}chat/completions",
+                content=body(),
+                headers={"authorization": f"Bearer {client.api_key}"},
+            )
             assert lying.status_code == 400
             assert lying.json()["error"]["code"] == "request_too_large"
             unknown = await http.get(f"{client.base_url}nowhere")
@@ -125,8 +141,12 @@ async def test_request_bodies_over_the_limit_are_refused_before_parsing():
 async def test_streamed_replies_and_logprobs_parse_with_the_client():
     async def agent(client, sample):
         stream = await client.chat.completions.create(
-            model="m", messages=USER, stream=True, stream_options={"include_usage": True},
-            logprobs=True)
+            model="m",
+            messages=USER,
+            stream=True,
+            stream_options={"include_usage": True},
+            logprobs=True,
+        )
         parts, finish, usage, logprobs = [], None, None, []
         async for chunk in stream:
             if chunk.usage is not None:
@@ -159,7 +179,8 @@ async def test_sdk_retries_of_a_call_are_answered_by_it_and_not_sampled_again():
     runner, params = await make_runner(engine, agent, tokenizer=TOK)
     try:
         episode_task = asyncio.create_task(
-            runner.run("r", params, prompt_id="p", prompt_text="q", reference=None))
+            runner.run("r", params, prompt_id="p", prompt_text="q", reference=None)
+        )
         async with asyncio.timeout(30):  # the client times out and retries; then release it
             while not any(s.num_retries for s in runner.registry._open.values()):
                 await asyncio.sleep(0.02)
@@ -181,15 +202,19 @@ async def test_256_concurrent_sessions_do_not_wait_for_each_other():
 
     async def agent(client, sample):
         out = await client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": sample.prompt_id}])
+            model="m", messages=[{"role": "user", "content": sample.prompt_id}]
+        )
         return float(out.choices[0].message.content == "ok")
 
     runner, params = await make_runner(engine, agent, tokenizer=TOK)
     try:
         async with asyncio.timeout(120):
-            episodes = await asyncio.gather(*(
-                runner.run(f"r{i}", params, prompt_id=f"p{i}", prompt_text="", reference=None)
-                for i in range(num)))
+            episodes = await asyncio.gather(
+                *(
+                    runner.run(f"r{i}", params, prompt_id=f"p{i}", prompt_text="", reference=None)
+                    for i in range(num)
+                )
+            )
     finally:
         await runner.close()
     assert [e.outcome.reward for e in episodes] == [1.0] * num

@@ -42,18 +42,25 @@ async def test_a_reward_outcome_keeps_its_verdict_and_the_sample_is_the_tasks():
 
     episode = await episode_of(agent)
     assert (episode.end, episode.outcome.verdict, episode.rewards) == (
-        EpisodeEnd.AGENT, Verdict.WRONG, [0.5])
+        EpisodeEnd.AGENT,
+        Verdict.WRONG,
+        [0.5],
+    )
 
 
-@pytest.mark.parametrize("behaviour, verdict, detail", [
-    ("raise", Verdict.ERROR, "the agent raised ValueError: tool server down"),
-    ("timeout", Verdict.TIMEOUT, "agent.timeout_s=0.5"),
-    ("nan", Verdict.ERROR, "is not a finite number"),
-    ("text", Verdict.ERROR, "the agent returned a str"),
-    ("stranger", Verdict.ERROR, "not one of this episode's calls"),
-])
-async def test_a_failing_agent_ends_in_an_error_and_keeps_what_it_sampled(behaviour, verdict,
-                                                                           detail):
+@pytest.mark.parametrize(
+    "behaviour, verdict, detail",
+    [
+        ("raise", Verdict.ERROR, "the agent raised ValueError: tool server down"),
+        ("timeout", Verdict.TIMEOUT, "agent.timeout_s=0.5"),
+        ("nan", Verdict.ERROR, "is not a finite number"),
+        ("text", Verdict.ERROR, "the agent returned a str"),
+        ("stranger", Verdict.ERROR, "not one of this episode's calls"),
+    ],
+)
+async def test_a_failing_agent_ends_in_an_error_and_keeps_what_it_sampled(
+    behaviour, verdict, detail
+):
     async def agent(client, sample):
         await one_call(client)
         if behaviour == "raise":
@@ -64,7 +71,10 @@ async def test_a_failing_agent_ends_in_an_error_and_keeps_what_it_sampled(behavi
 
     episode = await episode_of(agent, overrides=["agent.timeout_s=0.5"])
     assert (episode.end, episode.outcome.verdict, episode.outcome.reward) == (
-        EpisodeEnd.ERROR, verdict, 0.0)
+        EpisodeEnd.ERROR,
+        verdict,
+        0.0,
+    )
     assert detail in episode.outcome.detail
     assert len(episode.segments) == 1 and episode.rewards == [0.0]  # kept, no reward
     msg = generated_agent_episode("r", episode, np.asarray([1, 2], np.int32))
@@ -93,7 +103,10 @@ async def test_calls_past_max_calls_are_refused_and_end_the_episode_at_its_turn_
 
     episode = await episode_of(agent, overrides=["agent.max_calls=2"])
     assert (episode.end, episode.outcome.verdict, episode.num_calls) == (
-        EpisodeEnd.TURN_LIMIT, Verdict.NO_ANSWER, 2)
+        EpisodeEnd.TURN_LIMIT,
+        Verdict.NO_ANSWER,
+        2,
+    )
     assert "gives up" in episode.outcome.detail
 
 
@@ -110,8 +123,11 @@ async def test_run_sampling_wins_unless_requests_may_set_their_own():
         return 1.0
 
     await episode_of(agent, engine=Recording([qwen_ids(TOK, "a") + [IM_END]]))
-    await episode_of(agent, engine=Recording([qwen_ids(TOK, "a") + [IM_END]]),
-                     overrides=["agent.request_sampling=true"])
+    await episode_of(
+        agent,
+        engine=Recording([qwen_ids(TOK, "a") + [IM_END]]),
+        overrides=["agent.request_sampling=true"],
+    )
     assert seen == [1.0, 0.2]
 
 
@@ -128,8 +144,9 @@ async def test_a_cancelled_episode_closes_its_key_and_cancels_its_running_call()
 
     runner, params = await make_runner(engine, agent, tokenizer=TOK)
     try:
-        task = asyncio.create_task(runner.run("r", params, prompt_id="p", prompt_text="q",
-                                              reference=None))
+        task = asyncio.create_task(
+            runner.run("r", params, prompt_id="p", prompt_text="q", reference=None)
+        )
         async with asyncio.timeout(30):
             while not engine.inside:  # the call is in the engine
                 await asyncio.sleep(0.01)
