@@ -60,11 +60,11 @@ def test_quick_bench_prints_every_table_and_parallel_runs_match_serial(tmp_path,
     saved = (tmp_path / "table-quick.txt").read_text()
     assert saved.strip() in out
 
-    # (f): both modes at 16 and 32 accelerators: step s, cpu s, of which gc, share, ...,
+    # (f): both modes at 16 and 32 accelerators: step s, cpu s, of which gc, share, pack s, ...,
     # the machine's speed (ref us)
     shares = re.findall(
         r"^\s+(16|32)\s+(sync|async)\s+[0-9.]+\s+([0-9.]+)\s+([0-9.]+)\s+"
-        r"([0-9.]+)%\s+\d+\s+[0-9.]+\s+([0-9.]+) ",
+        r"([0-9.]+)%\s+[0-9.]+\s+\d+\s+[0-9.]+\s+([0-9.]+) ",
         out,
         re.MULTILINE,
     )
@@ -91,7 +91,8 @@ def test_table_r_measures_the_controller_in_the_simulation_and_alone(cluster_ben
     assert [row[0] for row in rows] == ["1", "2"], text  # repeated: the machine's noise
     assert all(float(row[3]) > 0 and float(row[6]) > 0 and float(row[8]) > 0 for row in rows), text
     assert all(float(row[2]) <= float(row[1]) and float(row[5]) <= float(row[4]) for row in rows)
-    assert "32 accelerators" in text and bench.simulations == 2
+    # (f)'s largest quick run: 64 accelerators, the batch scaled with the cluster
+    assert "64 accelerators" in text and bench.simulations == 2
 
 
 def test_one_job_runs_each_configuration_once(cluster_bench, monkeypatch):
