@@ -546,3 +546,24 @@ def test_a_groups_generates_encode_from_its_prompts_template_byte_for_byte():
         stop_token_ids=[0],
     )
     assert [bytes(f) for f in encode(other)] == [bytes(f) for f in _encode(other)]
+
+
+def test_a_groups_samples_keep_their_own_fields_when_their_prompts_template_is_reused():
+    # A group's samples share the prompt array but not every field: each has its own seed
+    # (areal.seeds). A template of one sample must never carry another's.
+    prompt = np.arange(50, dtype=np.int32)
+    for index, seed in enumerate([11, 12, None, 13, 13]):
+        msg = Generate(
+            request_id=f"g1-s{index}-a0",
+            prompt_ids=prompt,
+            max_new_tokens=8,
+            temperature=1.0,
+            seed=seed,
+            prompt_text="What is 2 + 3?" if index % 2 else "",
+        )
+        decoded = decode(encode(msg))
+        assert (decoded.request_id, decoded.seed, decoded.prompt_text) == (
+            msg.request_id,
+            seed,
+            msg.prompt_text,
+        )
