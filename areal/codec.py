@@ -170,7 +170,7 @@ is not reused while it is kept. Bounded: emptied when full."""
 
 
 @functools.cache
-def _generate_fields(cls: type) -> tuple[str, ...]:
+def _generate_fields(cls: Any) -> tuple[str, ...]:
     """The fields a template must match: all but the request id and the prompt array (which
     the template is looked up by). Every field counts, so a field added to Generate (a
     sample's own seed, say) can never be carried over from another sample's template."""
