@@ -169,20 +169,18 @@ sample (about 45,000 a step at 2,048 accelerators). The entry holds its array, s
 is not reused while it is kept. Bounded: emptied when full."""
 
 
-@functools.cache
-def _generate_fields(cls: Any) -> tuple[str, ...]:
-    """The fields a template must match: all but the request id and the prompt array (which
-    the template is looked up by). Every field counts, so a field added to Generate (a
-    sample's own seed, say) can never be carried over from another sample's template."""
-    return tuple(
-        f.name for f in dataclasses.fields(cls) if f.name not in ("request_id", "prompt_ids")
-    )
+_GENERATE_FIELDS = tuple(
+    f.name for f in dataclasses.fields(Generate) if f.name not in ("request_id", "prompt_ids")
+)
+"""The fields a template must match: all but the request id and the prompt array (which the
+template is looked up by). Every field counts, so a field added to Generate (a sample's own
+seed, say) can never be carried over from another sample's template."""
 
 
 def _encode_generate(msg: Any) -> list[Any]:
     """`_encode(msg)`, from the template of its prompt's Generate when it has one: the same
     frames, byte for byte (tests/areal/test_messages.py)."""
-    rest = tuple(getattr(msg, name) for name in _generate_fields(type(msg)))
+    rest = tuple(getattr(msg, name) for name in _GENERATE_FIELDS)
     entry = _GENERATES.get(id(msg.prompt_ids))
     if (
         entry is None
