@@ -104,7 +104,9 @@ def _assert_same(a, b, where: str) -> None:
             if not _timing(key):
                 _assert_same(a[key], b[key], f"{where}.{key}")
     elif isinstance(a, float) and isinstance(b, float) and ".train/" in where:
-        assert math.isclose(a, b, rel_tol=NUMERIC_RTOL, abs_tol=NUMERIC_ATOL), f"{where}: {a} != {b}"
+        assert math.isclose(a, b, rel_tol=NUMERIC_RTOL, abs_tol=NUMERIC_ATOL), (
+            f"{where}: {a} != {b}"
+        )
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
 
