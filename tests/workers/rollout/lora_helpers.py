@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import torch
+from rollout_helpers import assert_close, recompute_logprobs
 
 from areal.config import LoraConfig
 from areal.models.hf import load_model
 from areal.models.lora import add_adapters, adapter_tensors, copy_adapters
+from areal.workers.rollout.engine import SamplingParams
 
 LORA = LoraConfig(rank=8, alpha=16.0)
 
@@ -32,3 +35,36 @@ def adapted_model(model_dir: Path, tensors: dict[str, torch.Tensor] | None) -> t
     if tensors is not None:
         copy_adapters(model, tensors)
     return model.eval()
+
+
+async def assert_interrupted_onto_new_adapter(
+    generator, prompts, new_adapter, models, *, max_new_tokens: int, atol: float
+) -> None:
+    """Generate `prompts` on `generator` (which holds version `new_adapter.version - 1`),
+    load `new_adapter` while all of them run, and check each was interrupted once and
+    continued on it: every token's version, and its log-prob against the trainer-side model
+    of that version (`models[version]`)."""
+    old, new = new_adapter.version - 1, new_adapter.version
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0)
+    tasks = [
+        asyncio.create_task(generator.generate(f"i{i}", p, params)) for i, p in enumerate(prompts)
+    ]
+    probe = await generator.generate("probe", prompts[0], SamplingParams(max_new_tokens=6))
+    assert len(probe.token_ids) == 6 and generator.num_in_engine == len(prompts)
+    assert await generator.update_weights(new_adapter, new) == len(prompts)
+    for prompt, result in zip(prompts, await asyncio.gather(*tasks), strict=True):
+        assert result.num_interruptions == 1 and len(result.token_ids) == max_new_tokens
+        switch = result.versions.index(new)
+        assert switch > 0
+        assert result.versions == [old] * switch + [new] * (max_new_tokens - switch)
+        for version in (old, new):
+            at = [i for i, v in enumerate(result.versions) if v == version]
+            recomputed = recompute_logprobs(
+                models[version], prompt, result.token_ids, temperature=1.0
+            )
+            assert_close(
+                [result.logprobs[i] for i in at],
+                recomputed[at],
+                atol=atol,
+                what=f"tokens of adapter v{version}",
+            )

@@ -9,8 +9,13 @@ import asyncio
 
 import pytest
 import torch
-from lora_helpers import LORA, adapted_model, random_adapters
-from rollout_helpers import assert_close, random_prompts, recompute_logprobs
+from lora_helpers import (
+    LORA,
+    adapted_model,
+    assert_interrupted_onto_new_adapter,
+    random_adapters,
+)
+from rollout_helpers import assert_close, random_prompts
 
 from areal.models.lora import AdapterMismatchError, save_adapter_dir
 from areal.models.logprobs import packed_logprobs
@@ -108,28 +113,14 @@ async def test_interrupted_sequence_continues_on_the_new_adapter(
     tensors, _ = adapters
     generator = InterruptibleGenerator(await make_engine(lora=LORA), version=0)
     prompts = random_prompts(6, min_len=4, max_len=40, seed=32)
-    params = SamplingParams(max_new_tokens=100, temperature=1.0)
-    tasks = [
-        asyncio.create_task(generator.generate(f"i{i}", p, params)) for i, p in enumerate(prompts)
-    ]
-    probe = await generator.generate("probe", prompts[0], SamplingParams(max_new_tokens=6))
-    assert len(probe.token_ids) == 6 and generator.num_in_engine == len(prompts)
-    assert await generator.update_weights(AdapterWeights(1, tensors=tensors[1]), 1) == 6
-    for prompt, result in zip(prompts, await asyncio.gather(*tasks), strict=True):
-        assert result.num_interruptions == 1 and len(result.token_ids) == 100
-        switch = result.versions.index(1)
-        assert switch > 0 and result.versions == [0] * switch + [1] * (100 - switch)
-        for version in (0, 1):
-            at = [i for i, v in enumerate(result.versions) if v == version]
-            recomputed = recompute_logprobs(
-                lora_models[version], prompt, result.token_ids, temperature=1.0
-            )
-            assert_close(
-                [result.logprobs[i] for i in at],
-                recomputed[at],
-                atol=ATOL,
-                what=f"tokens of adapter v{version}",
-            )
+    await assert_interrupted_onto_new_adapter(
+        generator,
+        prompts,
+        AdapterWeights(1, tensors=tensors[1]),
+        lora_models,
+        max_new_tokens=100,
+        atol=ATOL,
+    )
 
 
 async def test_bad_updates_are_refused_and_keep_the_adapter(

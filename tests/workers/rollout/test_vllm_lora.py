@@ -17,7 +17,12 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 import torch
-from lora_helpers import LORA, adapted_model, random_adapters
+from lora_helpers import (
+    LORA,
+    adapted_model,
+    assert_interrupted_onto_new_adapter,
+    random_adapters,
+)
 from rollout_helpers import assert_close, random_prompts, recompute_logprobs
 
 from areal.config import load_config
@@ -149,28 +154,14 @@ async def test_interrupted_sequences_continue_on_the_new_adapter(engine, version
     await load(engine, AdapterWeights(2, tensors=tensors[2]))
     generator = InterruptibleGenerator(engine, version=2)
     prompts = random_prompts(6, min_len=4, max_len=50, seed=42)
-    params = SamplingParams(max_new_tokens=120, temperature=1.0)
-    tasks = [
-        asyncio.create_task(generator.generate(f"i{i}", p, params)) for i, p in enumerate(prompts)
-    ]
-    probe = await generator.generate("probe", prompts[0], SamplingParams(max_new_tokens=6))
-    assert len(probe.token_ids) == 6 and generator.num_in_engine == len(prompts)
-    assert await generator.update_weights(AdapterWeights(3, tensors=tensors[3]), 3) == 6
-    for prompt, result in zip(prompts, await asyncio.gather(*tasks), strict=True):
-        assert result.num_interruptions == 1 and len(result.token_ids) == 120
-        switch = result.versions.index(3)
-        assert switch > 0 and result.versions == [2] * switch + [3] * (120 - switch)
-        for version in (2, 3):
-            at = [i for i, v in enumerate(result.versions) if v == version]
-            recomputed = recompute_logprobs(
-                models[version], prompt, result.token_ids, temperature=1.0
-            )
-            assert_close(
-                [result.logprobs[i] for i in at],
-                recomputed[at],
-                atol=ATOL,
-                what=f"tokens of adapter v{version}",
-            )
+    await assert_interrupted_onto_new_adapter(
+        generator,
+        prompts,
+        AdapterWeights(3, tensors=tensors[3]),
+        models,
+        max_new_tokens=120,
+        atol=ATOL,
+    )
     assert engine.adapters.registered_names == ["v3"]
 
 
