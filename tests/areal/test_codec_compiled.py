@@ -1,7 +1,7 @@
 """The codec's compiled path (areal.codec_fast, msgspec) decodes every message as its Python
 path does: the same message when both accept it, the same refusal (worded by the Python
-path) when not. Headers are drawn as in test_codec_fast_path.py: a well-formed message's
-fields, each possibly replaced by a hostile value or left out, plus unknown fields."""
+path) when not. Headers are drawn by test_codec_fast_path.py's strategies: a well-formed message's fields,
+each possibly replaced by a near miss or a hostile value or left out, plus unknown fields."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import msgpack
 import numpy as np
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from areal import codec, messages
 from areal.codec import decode, encode
@@ -18,11 +17,10 @@ from areal.messages import FinishReason, Generated, HeaderLimit, MsgType, Scored
 from areal.tasks.base import Verdict
 
 from tests.areal.test_codec_fast_path import (
-    _FRAMES,
-    _HOSTILE,
-    _NEAR_MISSES,
     _header_and_frames,
     _plain,
+    mutated_messages,
+    near_miss_headers,
 )
 from tests.areal.test_messages import SAMPLES
 
@@ -65,33 +63,18 @@ def test_the_messages_a_controller_receives_most_take_the_compiled_path():
     assert MsgType.SCORE not in COMPILED and MsgType.GENERATE not in COMPILED
 
 
+@pytest.mark.slow
 @settings(max_examples=600, deadline=None)
-@given(kind=st.sampled_from(COMPILED), data=st.data())
-def test_the_compiled_path_decides_every_header_as_the_python_path_does(kind, data):
-    header, frames = _header_and_frames(SAMPLES[kind])
-    near = st.sampled_from([*header.values(), *_NEAR_MISSES])
-    for name in list(header):
-        change = data.draw(st.sampled_from(["keep", "keep", "near", "hostile", "drop"]), label=name)
-        if change == "near":
-            header[name] = data.draw(near, label=f"{name} value")
-        elif change == "hostile":
-            header[name] = data.draw(_HOSTILE, label=f"{name} value")
-        elif change == "drop":
-            del header[name]
-    if data.draw(st.booleans(), label="other frames"):
-        frames = data.draw(_FRAMES, label="frames")
-    if data.draw(st.integers(0, 9), label="unknown field") == 0:
-        header["surplus"] = 1
+@given(drawn=mutated_messages(COMPILED))
+def test_the_compiled_path_decides_every_header_as_the_python_path_does(drawn):
+    kind, header, frames = drawn
     _both(kind, header, frames)
 
 
 @pytest.mark.parametrize("kind", COMPILED)
 def test_every_near_miss_in_every_field_is_decided_alike(kind):
-    header, frames = _header_and_frames(SAMPLES[kind])
-    candidates = [*header.values(), *_NEAR_MISSES, float("nan"), float("inf"), 2**64 - 1]
-    outcomes = {
-        _both(kind, {**header, name: value}, frames)[0] for name in header for value in candidates
-    }
+    _, frames = _header_and_frames(SAMPLES[kind])
+    outcomes = {_both(kind, changed, frames)[0] for _, _, changed in near_miss_headers(kind)}
     assert outcomes == {"ok", "error"}
 
 

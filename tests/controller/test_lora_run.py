@@ -16,67 +16,38 @@ processes; the letter task, which a random tiny model learns in a few steps).
 from __future__ import annotations
 
 import asyncio
-import os
-from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from areal.config import load_config
-from areal.controller import Controller
 from areal.models.hf import load_model
 from areal.models.lora import add_adapters, copy_adapters, is_adapter_dir, load_adapter_dir
 from areal.models.weight_slots import slot_directory
+from letter_runs import letter_config, letter_task_importable, recorded_run
 
 pytestmark = pytest.mark.slow
 
-HERE = Path(__file__).parent
-BATCH, GROUP, FIRST, TOTAL, RANK = 8, 4, 4, 6, 4
-
-
-def _config(run_dir: Path, model_dir: str, steps: int, *extra: str):
-    return load_config(
-        overrides=[
-            f"model.path={model_dir}",
-            f"run_dir={run_dir}",
-            "task.name=letter_task:LetterTask",
-            f"trainer.total_steps={steps}",
-            f"trainer.batch_size={BATCH}",
-            f"task.group_size={GROUP}",
-            "trainer.checkpoint_every=2",
-            "trainer.lr=1e-2",
-            "rollout.max_new_tokens=16",
-            "eval.every_steps=0",
-            "logging.progress=false",
-            "logging.tensorboard=false",
-            "controller.heartbeat_interval_s=0.5",
-            *extra,
-        ]
-    )
+FIRST, TOTAL, RANK = 4, 6, 4
 
 
 LORA = [f"trainer.lora.rank={RANK}", "trainer.lora.alpha=8", "weight_sync.mode=collective"]
 
 
-async def _run(cfg, resume: bool = False) -> dict:
-    ctl = Controller(cfg, resume=resume)
-    run = asyncio.create_task(ctl.run())
-    records = [record async for record in ctl.events()]
-    return {"records": records, "summary": await run}
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("lora-run")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(HERE))  # the task imports here and in the workers
-        mp.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
-        first = asyncio.run(_run(_config(root / "lora", tiny_model_dir, FIRST, *LORA)))
-        second = asyncio.run(
-            _run(_config(root / "lora", tiny_model_dir, TOTAL, *LORA), resume=True)
+    with letter_task_importable():
+        first = asyncio.run(
+            recorded_run(letter_config(root / "lora", tiny_model_dir, FIRST, *LORA))
         )
-        shm = asyncio.run(_run(_config(root / "shm", tiny_model_dir, 3, "weight_sync.mode=shm")))
+        second = asyncio.run(
+            recorded_run(letter_config(root / "lora", tiny_model_dir, TOTAL, *LORA), resume=True)
+        )
+        shm = asyncio.run(
+            recorded_run(letter_config(root / "shm", tiny_model_dir, 3, "weight_sync.mode=shm"))
+        )
     return {"first": first, "second": second, "shm": shm, "root": root}
 
 

@@ -13,45 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-from pathlib import Path
 
 import pytest
 
-from areal.config import load_config
 from areal.controller import Controller, RunFailed
+from letter_runs import BATCH, GROUP, letter_config, letter_task_importable, recorded_run
 
 pytestmark = pytest.mark.slow
 
-HERE = Path(__file__).parent
-BATCH, GROUP, FIRST, TOTAL = 8, 4, 4, 6
-
-
-def _config(run_dir: Path, model_dir: str, steps: int):
-    return load_config(
-        overrides=[
-            f"model.path={model_dir}",
-            f"run_dir={run_dir}",
-            "task.name=letter_task:LetterTask",
-            f"trainer.total_steps={steps}",
-            f"trainer.batch_size={BATCH}",
-            f"task.group_size={GROUP}",
-            "trainer.checkpoint_every=2",
-            "trainer.lr=1e-2",
-            "rollout.max_new_tokens=16",
-            "eval.every_steps=0",
-            "logging.progress=false",
-            "logging.tensorboard=false",
-            "controller.heartbeat_interval_s=0.5",
-        ]
-    )
-
-
-async def _run(cfg, resume: bool) -> dict:
-    ctl = Controller(cfg, resume=resume)
-    run = asyncio.create_task(ctl.run())
-    records = [record async for record in ctl.events()]
-    return {"ctl": ctl, "records": records, "summary": await run}
+FIRST, TOTAL = 4, 6
 
 
 def _trained_positions(run: dict) -> list[int]:
@@ -63,14 +33,14 @@ def _trained_positions(run: dict) -> list[int]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model_dir):
     run_dir = tmp_path_factory.mktemp("resume") / "run"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(HERE))  # the task imports here and in the workers
-        mp.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
-        first = asyncio.run(_run(_config(run_dir, tiny_model_dir, FIRST), resume=False))
+    with letter_task_importable():
+        first = asyncio.run(recorded_run(letter_config(run_dir, tiny_model_dir, FIRST)))
         state = json.loads(
             (run_dir / "checkpoints" / "step_000004" / "controller.json").read_text()
         )
-        second = asyncio.run(_run(_config(run_dir, tiny_model_dir, TOTAL), resume=True))
+        second = asyncio.run(
+            recorded_run(letter_config(run_dir, tiny_model_dir, TOTAL), resume=True)
+        )
     return {"first": first, "second": second, "state": state, "run_dir": run_dir}
 
 
@@ -139,6 +109,6 @@ def test_the_prompt_stream_continues_and_no_prompt_is_trained_twice(runs):
 
 
 def test_resuming_a_run_without_checkpoints_says_so(tmp_path, tiny_model_dir):
-    cfg = _config(tmp_path / "empty", tiny_model_dir, TOTAL)
+    cfg = letter_config(tmp_path / "empty", tiny_model_dir, TOTAL)
     with pytest.raises(RunFailed, match="cannot resume: .* holds no complete checkpoint"):
         asyncio.run(Controller(cfg, resume=True).run())

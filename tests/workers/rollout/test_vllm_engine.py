@@ -164,6 +164,26 @@ async def test_a_seeded_request_samples_the_same_tokens_whatever_shares_its_batc
     assert other.token_ids != alone[0].token_ids
 
 
+async def test_a_seeded_request_whose_prefill_is_split_samples_as_it_does_alone(engine):
+    """Prompts longer together than vLLM's token budget per step: some prefills are split
+    over steps, and the token sampled at the end of each partial chunk is discarded. vLLM
+    rewinds a seeded request's generator by a CUDA offset there, which a CPU generator does
+    not have (RuntimeError, engine dead); the plugin restores the generator's state instead
+    (vllm_plugin.py), so a split request draws what it draws alone."""
+    prompts = random_prompts(MAX_CONCURRENT, min_len=300, max_len=360, seed=24)
+    assert sum(map(len, prompts)) > 3 * 4096  # over the CPU backend's budget per step
+    params = [
+        SamplingParams(max_new_tokens=8, temperature=1.0, seed=500 + i) for i in range(len(prompts))
+    ]
+    crowd = await asyncio.gather(
+        *(engine.generate(f"s{i}", p, params[i]) for i, p in enumerate(prompts))
+    )
+    for i in (len(prompts) - 2, len(prompts) - 1):  # the last admitted: split if any is
+        alone = await engine.generate(f"t{i}", prompts[i], params[i])
+        assert alone.token_ids == crowd[i].token_ids
+        assert_close(alone.logprobs, crowd[i].logprobs, atol=ATOL, what="alone vs split")
+
+
 @pytest.mark.parametrize("kind", ["disk", "tensors"])
 async def test_update_matches_trainer_under_new_weights_and_differs_from_before(
     engine, weights_dirs, reference_models, kind
