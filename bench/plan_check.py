@@ -17,7 +17,8 @@ the CPU default job as they measure?
    throughput: trained tokens per second from the end of step 1 to the end of the last
    (step 1 runs beside the first evaluation; bench/calibration.py's `after_first`).
 4. Prints predicted against measured throughput, both rankings, Spearman's rank
-   correlation, and whether the planner's first choice measured best.
+   correlation, and whether the planner's first choice measured best; a full run into the
+   default --out also writes docs/results/plan_check.md (bench/results_page.py).
 
 Real runs take a minute each on 2 cores; results are kept in OUT/check.json as they come,
 so that `--max-runs K` does K of them and stops (run it again to go on; each invocation can
@@ -41,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import speedup
 from calibration import after_first
+from results_page import publish, write_results
 
 from areal.config import load_config
 from areal.models.warmstart import ensure_warm_model
@@ -50,6 +52,7 @@ from areal.sim.search import search
 PROBE_SEED = 9
 """The probe's seed: none of the compared runs' (1, 2, ...)."""
 EVAL_PROMPTS = 16
+DEFAULT_OUT = Path("bench/results/plan_check")
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--out", type=Path, default=Path("bench/results/plan_check"))
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT,
+        help="results directory (only the default one publishes the results page)",
+    )
     parser.add_argument(
         "--max-runs", type=int, default=None, help="real runs to do in this invocation, then stop"
     )
@@ -195,6 +203,15 @@ def main() -> int:
     text = report(state, configs, seeds)
     print(text)
     (args.out / ("table-quick.txt" if args.quick else "table.txt")).write_text(text + "\n")
+    if publish(args.quick, None if args.out == DEFAULT_OUT else args.out):
+        page = write_results(
+            "plan_check",
+            title="The planner against real runs of the CPU default job",
+            command="python " + " ".join(sys.argv),
+            table=text,
+            data={"configs": [asdict(c) for c in configs], "seeds": seeds, **state},
+        )
+        print(f"results page: {page}")
     return 0
 
 
