@@ -309,7 +309,13 @@ def main(argv: list[str] | None = None) -> int:
             title="Decoupled vs naive PPO, async vs sync: paired by seed",
             command=command.strip(),
             table=text,
-            data={"tests": tests},
+            data={
+                "tests": tests,
+                "per_seed": {
+                    arm: [{k: r[k] for k in r if k != "per_step"} for r in results]
+                    for arm, results in cells.items()
+                },
+            },
             notes="Setting, power calculation and reading: "
             "[decoupled PPO](../concepts/decoupled-ppo.md).",
         )
