@@ -240,6 +240,7 @@ _REF_DATA = st.one_of(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=800, deadline=None)
 @given(code=st.sampled_from([codec._ARRAY_EXT, 0, 7]), data=_REF_DATA)
 @example(code=codec._ARRAY_EXT, data=msgpack.packb([None, [], float("inf")]))

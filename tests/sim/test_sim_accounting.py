@@ -3,6 +3,8 @@
 import asyncio
 import gc
 
+import pytest
+
 from areal.sim.accounting import CONTROLLER, WORKERS, CpuAccounts, as_worker
 from areal.sim.loop import run_virtual
 
@@ -14,6 +16,7 @@ def _collect_cycles() -> None:
     gc.collect()
 
 
+@pytest.mark.slow
 def test_collections_are_charged_to_the_step_that_ran_them_until_uninstalled():
     accounts = CpuAccounts()
 

@@ -127,6 +127,7 @@ def tiny_plan(tmp_path_factory):
     return plan, planned, evaluator, out
 
 
+@pytest.mark.slow
 def test_the_search_goes_coarse_to_fine_and_ranks_every_candidate(tiny_plan):
     _, planned, evaluator, _ = tiny_plan
     # stage 1: shares 2/8..7/8 of 8 accelerators at tp 1, and the two baselines
@@ -149,6 +150,7 @@ def test_the_search_goes_coarse_to_fine_and_ranks_every_candidate(tiny_plan):
     assert paid.step_s > ideal.step_s  # the switches cost time
 
 
+@pytest.mark.slow
 def test_plan_cli_prints_the_ranking_and_writes_a_config_the_run_loads(tmp_path, capsys):
     out = tmp_path / "plan.yaml"
     assert main(["plan", *TINY, "eta_max=1", "rollout_tp=[1]", f"out={out}"]) == 0

@@ -39,7 +39,7 @@ from areal.workers.rollout.engine import (
 )
 from areal.workers.rollout.interruptible import InterruptibleGenerator
 
-pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 ATOL = 1e-4
 

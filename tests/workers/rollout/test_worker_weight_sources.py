@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import pytest
+
 from lora_helpers import LORA, adapted_model, random_adapters
 from rollout_helpers import assert_close, random_prompts, recompute_logprobs
 from test_worker_updates import updating_worker
@@ -56,6 +58,7 @@ async def _check_serves(worker, model, version: int, seed: int) -> None:
     )
 
 
+@pytest.mark.slow
 async def test_every_mode_delivers_the_adapter_alone(make_engine, weights_dirs, tmp_path):
     cfg = load_config(
         overrides=[

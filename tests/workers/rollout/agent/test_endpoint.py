@@ -193,6 +193,7 @@ async def test_sdk_retries_of_a_call_are_answered_by_it_and_not_sampled_again():
     assert episode.end is EpisodeEnd.AGENT and episode.outcome.verdict is Verdict.OK
 
 
+@pytest.mark.slow
 async def test_256_concurrent_sessions_do_not_wait_for_each_other():
     """Every call is held in the engine until all 256 are inside at once: if any request
     waited for another (a connection cap, a lock), the barrier would never fill."""
