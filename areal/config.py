@@ -197,7 +197,7 @@ MAX_AGENT_CALLS = 4096
 @dataclass(kw_only=True)
 class AgentConfig:
     """Bring your own agent: each sample runs the user's agent against an OpenAI-compatible
-    endpoint in the rollout worker, token for token (areal.tasks.agent, DESIGN.md
+    endpoint in the rollout worker, token for token (areal.tasks.agent, docs/design.md
     section 11, docs/guides/agents.md)."""
 
     function: str | None = opt(

@@ -5,8 +5,8 @@ template, or, for tokenizers without one (the embedded model's), with `BRACKET_T
 system and user contents as they are, an assistant's tool call as `[argument]`, a tool
 message as `observation_template` (default `={result}\\n`), a final answer followed by EOS.
 
-Token-in, token-out (DESIGN.md section 11) needs one more thing from a template: the text
-that follows a turn the model sampled, when the agent's next request extends it. That is
+Token-in, token-out (docs/design.md section 11) needs one more thing from a template: the
+text that follows a turn the model sampled, when the agent's next request extends it. That is
 `continuation(history, new, ...)`: what the template renders for the `new` messages (and
 the start of the next assistant turn), plus what it renders after the assistant's sampled
 text (e.g. the newline after <|im_end|>). It is computed as the difference between two
