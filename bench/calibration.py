@@ -79,10 +79,10 @@ REWARD_LATENCY_S = 0.002
 PROBE_SEED = 2
 """The probe run's seed: not the seed of the runs being predicted (1)."""
 PROBE_STEPS = 12
+"""The probe's steps: 11 compared, and a checkpoint (every 10th step) as the runs have."""
 QUICK_WARMSTART = ["model.warmstart.steps=200"]
 """--quick: a shorter warm start (a sixth of the default's steps; the smoke test's numbers
 mean nothing), so that a fresh machine does not spend minutes building the full one."""
-"""The probe's steps: 11 compared, and a checkpoint (every 10th step) as the runs have."""
 NOMINAL = {
     "peak_flops": (
         134.4e9,

@@ -1,7 +1,8 @@
 """The codec's compiled path (areal.codec_fast, msgspec) decodes every message as its Python
 path does: the same message when both accept it, the same refusal (worded by the Python
-path) when not. Headers are drawn by test_codec_fast_path.py's strategies: a well-formed message's fields,
-each possibly replaced by a near miss or a hostile value or left out, plus unknown fields."""
+path) when not. Headers are drawn by test_codec_fast_path.py's strategies: a well-formed
+message's fields, each possibly replaced by a near miss or a hostile value or left out, plus
+unknown fields."""
 
 from __future__ import annotations
 
