@@ -35,8 +35,15 @@ def _importable(module: str) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    """vLLM and Ray tests skip with a reason where the package is absent, but fail in CI's
-    stage for it (AREAL_REQUIRE_VLLM=1, AREAL_REQUIRE_RAY=1)."""
+    """Files with slow tests first; vLLM and Ray tests skip with a reason where the package is
+    absent, but fail in CI's stage for it (AREAL_REQUIRE_VLLM=1, AREAL_REQUIRE_RAY=1).
+
+    The order: the two test processes (`-n 2 --dist loadfile`) take whole files in the order
+    collected, so the files that take minutes start first and the many quick ones fill in
+    around them, instead of one process finishing a long file alone at the end.
+    """
+    slow_files = {item.path for item in items if "slow" in item.keywords}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: files stay in order
     for marker, module, extra in (("vllm", "vllm", "vllm"), ("ray", "ray", "ray")):
         if _importable(module) or os.environ.get(f"AREAL_REQUIRE_{marker.upper()}") == "1":
             continue
