@@ -74,9 +74,10 @@ def test_only_adapters_train_and_are_published(tmp_path, tiny_model_dir, prox):
 
 
 def test_the_step_does_not_depend_on_the_packing(tmp_path, tiny_model_dir):
-    """Gradients agree to fp32 rounding (summation order); AdamW's first step moves weights
-    with near-zero gradients by ~lr whatever their size, so weights are compared at a
-    fraction of lr (as in test_data_parallel.py)."""
+    """Gradients agree to fp32 rounding (summation order); AdamW's first step moves a weight
+    by about lr * g / (|g| + eps) whatever |g| is, so where g is near zero that rounding is
+    amplified: the few such elements are allowed up to 2% of lr, and almost all others must
+    agree to 1e-7 (the tolerance of test_data_parallel.py, whose docstring derives it)."""
     torch.set_num_threads(1)
     grads, results = [], []
     for budget in (24, 4096):  # many small micro-batches vs one pack per minibatch
@@ -89,8 +90,10 @@ def test_the_step_does_not_depend_on_the_packing(tmp_path, tiny_model_dir):
         for name, grad in big.items():
             diff, scale = (small[name] - grad).abs().max(), grad.abs().max()
             assert diff <= 1e-5 * scale + 1e-9, f"{name}: grad diff {diff:.2e} at {scale:.2e}"
-    diff = max(float((results[0][n] - results[1][n]).abs().max()) for n in results[0])
-    assert diff < 1e-3 * 1e-2, f"adapters differ by {diff:.2e} between packings"
+    lr = _config(tiny_model_dir, tmp_path).trainer.lr
+    diffs = torch.cat([(results[0][n] - results[1][n]).abs().flatten() for n in results[0]])
+    summary = f"adapters differ between packings: max {diffs.max():.2e}, mean {diffs.mean():.2e}"
+    assert diffs.max() < 0.02 * lr and (diffs > 1e-7).float().mean() < 1e-2, summary
 
 
 def test_checkpoint_holds_adapters_only_and_resumes_bitwise(tmp_path, tiny_model_dir):
