@@ -948,6 +948,16 @@ class RunConfig:
         "pip install -e '.[ray]')",
         ["local", "ray"],
     )
+    worker_start: str = opt(
+        "auto",
+        "how launcher=local starts a worker: 'preload' forks it from a "
+        "server process that has imported torch, transformers and the "
+        "workers' code once (seconds of CPU less per worker); 'exec' runs "
+        "a fresh `python -m areal.workers.<kind>`; 'auto': preload unless "
+        "a worker is placed on a CUDA device (CUDA must not be touched "
+        "before a fork)",
+        ["auto", "preload", "exec"],
+    )
     mode: str = opt(
         "async",
         "async: generation and training overlap (bounded by "

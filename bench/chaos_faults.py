@@ -1,7 +1,7 @@
 """The faults bench/chaos.py injects into a running `python -m areal.controller`, from outside.
 
     RunUnderTest    the controller process (started, killed, resumed), its workers (its
-                    children, by --worker-id) and the records it appends to metrics.jsonl
+                    descendants, by --worker-id) and the records it appends to metrics.jsonl
     inject(kind)    one fault, then waits until the run shows it survived it (the event
                     that proves the controller noticed and repaired it) and trained a step
                     after it; a fault not survived within the deadline is a hang
@@ -84,12 +84,14 @@ class RunUnderTest:
     def workers(self) -> dict[str, psutil.Process]:
         out = {}
         try:
-            children = psutil.Process(self.proc.pid).children()
+            # its children, or its fork server's (worker_start=preload)
+            children = psutil.Process(self.proc.pid).children(recursive=True)
         except psutil.NoSuchProcess:
             return out
         for child in children:
             try:
-                cmdline = child.cmdline()
+                # split again: a forked worker's title is one string (controller/preload.py)
+                cmdline = " ".join(child.cmdline()).split()
             except psutil.NoSuchProcess:
                 continue
             if "--worker-id" in cmdline:

@@ -2,8 +2,9 @@
 
 A worker is known by its ZeroMQ identity once it has registered (with the run's secret
 where one is in force; under CurveZMQ the connection itself is already authenticated).
-Trainer ranks are unique and below trainer.num_ranks. Local workers are child processes
-started here (`python -m areal.workers.<kind>`), with their credentials (secret or key
+Trainer ranks are unique and below trainer.num_ranks. Local workers are started here
+(`python -m areal.workers.<kind>`, or forked from the fork server that has imported that
+code once: `worker_start`, controller/preload.py), with their credentials (secret or key
 directory) in their environment, their output in `<run_dir>/logs/<worker_id>.log` and their
 devices and CPU cores set from the config; they die with the controller
 (areal.workers.parent). A worker is lost when its process exits or when it has been
@@ -30,6 +31,7 @@ from collections.abc import Callable
 
 from areal import clock
 from areal.config import RunConfig
+from areal.controller import preload
 from areal.messages import Register, WorkerKind
 from areal.workers.parent import PARENT_ENV
 
@@ -45,7 +47,7 @@ class WorkerHandle:
     kind: WorkerKind
     rank: int = 0
     identity: bytes | None = None
-    process: subprocess.Popen | None = None
+    process: subprocess.Popen | preload.PreloadedProcess | None = None
     ready: bool = False
     version: int = 0
     last_seen: float = field(default_factory=clock.now)
@@ -110,28 +112,31 @@ class WorkerPool:
         env.update(self._placement_env(kind, index))
         logs = self.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        with open(logs / f"{worker_id}.log", "ab") as out:
-            handle.process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    f"areal.workers.{kind.value}",
-                    "--connect",
-                    self.address,
-                    "--worker-id",
-                    worker_id,
-                    "--rank",
-                    str(rank),
-                ],
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            )
+        module = f"areal.workers.{kind.value}"
+        args = ["--connect", self.address, "--worker-id", worker_id, "--rank", str(rank)]
+        if self.forks_workers:
+            handle.process = preload.start(module, args, env, logs / f"{worker_id}.log")
+        else:
+            with open(logs / f"{worker_id}.log", "ab") as out:
+                handle.process = subprocess.Popen(
+                    [sys.executable, "-m", module, *args],
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                )
         handle.ready, handle.identity, handle.last_seen = False, None, clock.now()
         self.expected[worker_id] = handle
         log.info("started %s (pid %d)", worker_id, handle.process.pid)
         return handle
+
+    @property
+    def forks_workers(self) -> bool:
+        """Whether workers are forked from the fork server (controller/preload.py)."""
+        if self.cfg.worker_start == "auto":  # CUDA must not be touched before a fork
+            devices = [*self.cfg.rollout.devices, *self.cfg.trainer.devices]
+            return not any(d.startswith("cuda") for d in devices)
+        return self.cfg.worker_start == "preload"
 
     def _placement_env(self, kind: WorkerKind, index: int) -> dict[str, str]:
         """Thread counts, device visibility and CPU cores of one worker."""
@@ -234,7 +239,7 @@ class WorkerPool:
         )
         return list(handles.values())
 
-    def local_processes(self) -> list[subprocess.Popen]:
+    def local_processes(self) -> list[subprocess.Popen | preload.PreloadedProcess]:
         return [h.process for h in self.expected.values() if h.process is not None]
 
     def stop_all(self, timeout_s: float = 10.0) -> None:

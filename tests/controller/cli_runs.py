@@ -83,15 +83,28 @@ def wait_for(
 
 
 def workers_of(proc: subprocess.Popen) -> list[psutil.Process]:
-    return psutil.Process(proc.pid).children()
+    """The controller's workers: its children, or its fork server's (worker_start)."""
+    workers = []
+    for child in psutil.Process(proc.pid).children():
+        if "areal.controller.fork_server" in " ".join(child.cmdline()):
+            workers += child.children()
+        else:
+            workers.append(child)
+    return workers
 
 
-def kill_hard(proc: subprocess.Popen) -> list[psutil.Process]:
-    """kill -9 the controller; returns the workers it had (they should die with it)."""
-    workers = workers_of(proc)
+def process_tree(proc: subprocess.Popen) -> list[psutil.Process]:
+    """Every process under the controller: workers, the fork server, their children."""
+    return psutil.Process(proc.pid).children(recursive=True)
+
+
+def kill_hard(proc: subprocess.Popen) -> tuple[list[psutil.Process], list[psutil.Process]]:
+    """kill -9 the controller; returns its workers and every process under it (they should
+    all die with it)."""
+    workers, tree = workers_of(proc), process_tree(proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
-    return workers
+    return workers, tree
 
 
 def all_gone(processes: list[psutil.Process], timeout_s: float) -> bool:
@@ -107,7 +120,7 @@ def run_to_end(args: list[str], log: Path, timeout_s: float = 300) -> int:
         return proc.wait(timeout_s)
     finally:
         if proc.poll() is None:
-            for p in workers_of(proc):
+            for p in process_tree(proc):
                 p.kill()
             proc.kill()
 

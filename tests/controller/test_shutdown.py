@@ -20,7 +20,16 @@ from pathlib import Path
 import pytest
 
 from areal.workers.trainer.publish import write_directory
-from cli_runs import all_gone, last_step, letter_overrides, log_tail, start, wait_for, workers_of
+from cli_runs import (
+    all_gone,
+    last_step,
+    letter_overrides,
+    log_tail,
+    process_tree,
+    start,
+    wait_for,
+    workers_of,
+)
 
 
 @pytest.mark.slow
@@ -36,7 +45,7 @@ def test_sigterm_finishes_the_step_writes_the_summary_and_stops_every_worker(
     )
     try:
         wait_for(lambda: last_step(run_dir) >= 2, 240, "step 2", proc)
-        workers = workers_of(proc)
+        workers, tree = workers_of(proc), process_tree(proc)
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(120)
     finally:
@@ -48,7 +57,7 @@ def test_sigterm_finishes_the_step_writes_the_summary_and_stops_every_worker(
     assert 2 <= summary["steps"] < 1000 and summary["final_version"] == summary["steps"]
     assert summary["steps"] == last_step(run_dir)
     assert (run_dir / "final_model" / "config.json").is_file()
-    assert len(workers) == 3 and all_gone(workers, timeout_s=1)
+    assert len(workers) == 3 and all_gone(tree, timeout_s=1)
 
 
 def _immutable(path: Path) -> bool:

@@ -1,0 +1,167 @@
+"""Local workers forked from a process that has imported their code once (`worker_start`).
+
+A fresh `python -m areal.workers.<kind>` spends seconds of CPU importing torch and
+transformers before it does any work; a run starts several such workers, and more after
+faults. With `worker_start=preload` the pool asks a fork server instead
+(controller/fork_server.py): a process started once per controller process, which imports
+PRELOAD and forks a worker per request, so each starts with those modules in memory and is
+otherwise the process a fresh interpreter would have been.
+
+Why not multiprocessing's forkserver: its children re-import the parent's `__main__`
+(the controller's, pytest's or a bench script's) before running, and the parent's
+interpreter waits for every child at exit, while a worker ignores SIGTERM.
+
+A worker's parent is the server, not the controller: `AREAL_PARENT_PID` names the server,
+which dies with the controller, and the workers die with it (areal.workers.parent). CUDA
+must not be touched before a fork, which is why `auto` execs workers placed on CUDA devices.
+`PreloadedProcess` presents a forked worker through the `subprocess.Popen` methods the pool
+and controller use (pid, poll, wait, kill); the server is closed and reaped when the
+controller's interpreter exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from areal.workers.parent import PARENT_ENV
+
+log = logging.getLogger(__name__)
+
+PRELOAD = [
+    "areal.workers.rollout.worker",
+    "areal.workers.rollout.torch_engine",
+    "areal.workers.trainer.worker",
+    "areal.workers.reward.worker",
+]
+"""Modules the server imports before its first fork (torch and transformers with them)."""
+
+
+class PreloadedProcess:
+    """A worker forked by the server, seen through `subprocess.Popen`'s methods."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._ended = threading.Event()
+
+    def _end(self, code: int) -> None:
+        self.returncode = code
+        self._ended.set()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._ended.wait(timeout):
+            raise subprocess.TimeoutExpired(f"worker pid {self.pid}", timeout or 0)
+        assert self.returncode is not None
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+class _Connection:
+    """One running server: its process, the children it forked, replies not yet taken."""
+
+    def __init__(self, modules: list[str]) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "areal.controller.fork_server", *modules],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, PARENT_ENV: str(os.getpid())},
+        )
+        self.children: dict[int, PreloadedProcess] = {}
+        self.started: list[PreloadedProcess | None] = []
+        self.replied = threading.Condition()
+        threading.Thread(target=self._read, name="fork-server", daemon=True).start()
+        log.info("started the worker fork server (pid %d)", self.process.pid)
+
+    def request(self, request: dict[str, Any]) -> PreloadedProcess:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        with self.replied:
+            while not self.started:
+                self.replied.wait()
+            child = self.started.pop(0)
+        if child is None:
+            raise RuntimeError(f"the worker fork server (pid {self.process.pid}) ended")
+        return child
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            message = json.loads(line)
+            with self.replied:
+                if "pid" in message:  # registered here, before its exit notice can arrive
+                    child = self.children[message["pid"]] = PreloadedProcess(message["pid"])
+                    self.started.append(child)
+                    self.replied.notify_all()
+                elif (ended := self.children.pop(message["exit"], None)) is not None:
+                    ended._end(message["code"])
+        self.process.wait()
+        with self.replied:  # its children die with it (their death signal)
+            for child in self.children.values():
+                child._end(-signal.SIGKILL)
+            self.children.clear()
+            self.started.append(None)  # a request still waiting for its pid fails
+            self.replied.notify_all()
+
+
+class ForkServer:
+    """The controller's side: a server started on first use, and again if it ended."""
+
+    def __init__(self, modules: list[str] | None = None) -> None:
+        self.modules = PRELOAD if modules is None else modules
+        """What the server imports before its first fork."""
+        self._lock = threading.Lock()  # one request and its reply at a time
+        self._connection: _Connection | None = None
+
+    def start(
+        self, module: str, args: list[str], env: dict[str, str], log_path: Path
+    ) -> PreloadedProcess:
+        """Fork `python -m module *args` with `env`, this process's working directory and
+        its output appended to `log_path`."""
+        request = {"module": module, "args": args, "env": env, "cwd": os.getcwd()}
+        request["log"] = str(log_path)
+        with self._lock:
+            if self._connection is None or self._connection.process.poll() is not None:
+                self._connection = _Connection(self.modules)
+            return self._connection.request(request)
+
+    def close(self) -> None:
+        """End the server (its stdin closes) and reap it; its workers end with it."""
+        with self._lock:
+            if self._connection is not None:
+                process, self._connection = self._connection.process, None
+                assert process.stdin is not None
+                process.stdin.close()
+                try:
+                    process.wait(10)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+
+
+_server = ForkServer()
+atexit.register(_server.close)  # reaped here, not left to init as a zombie
+
+
+def start(module: str, args: list[str], env: dict[str, str], log_path: Path) -> PreloadedProcess:
+    """A worker forked by this process's fork server (started on first use)."""
+    return _server.start(module, args, env, log_path)

@@ -1,0 +1,143 @@
+"""The fork server (controller/preload.py) as real processes: a forked worker is the process
+`python -m module args` would have been (environment, working directory, module path,
+arguments, unbuffered output in its log, exit code, death by signal), it dies with the
+server, and the server is started again after it ended. The pool forks unless a worker is
+on a CUDA device (worker_start=auto)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+
+from areal.config import ConfigError, load_config
+from areal.controller.pool import WorkerPool
+from areal.controller.preload import ForkServer
+from areal.workers.parent import PARENT_ENV
+
+MODULE = """
+import os, sys, time
+print("argv", sys.argv[1:])
+print("cwd", os.getcwd())
+print("var", os.environ.get("PRELOAD_TEST_VAR"), "parent", os.environ["{parent}"])
+print("ppid", os.getppid())
+print("preloaded by", getattr(sys.modules.get("quiet_preloaded"), "PID", None))
+sys.stderr.write("to stderr, no newline")
+if sys.argv[1] == "sleep":
+    time.sleep(60)
+sys.exit(int(sys.argv[2]))
+"""
+
+
+@pytest.fixture
+def server():
+    server = ForkServer(modules=[])  # the workers' modules take seconds to import
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def user_module(tmp_path):
+    """A module in a directory the server has never seen, found through PYTHONPATH."""
+    package = tmp_path / "user_code"
+    package.mkdir()
+    (package / "forked_job.py").write_text(MODULE.format(parent=PARENT_ENV))
+    (package / "quiet_preloaded.py").write_text("import os\nPID = os.getpid()\n")
+    return package
+
+
+def _env(user_module, **extra: str) -> dict[str, str]:
+    return {"PATH": os.environ["PATH"], "PYTHONPATH": str(user_module), **extra}
+
+
+def test_a_forked_worker_is_what_python_dash_m_would_run(server, user_module, tmp_path):
+    log, workdir = tmp_path / "job.log", tmp_path / "workdir"
+    workdir.mkdir()
+    before = os.getcwd()
+    os.chdir(workdir)
+    try:
+        child = server.start(
+            "forked_job", ["exit", "3"], _env(user_module, PRELOAD_TEST_VAR="x"), log
+        )
+    finally:
+        os.chdir(before)
+    assert child.wait(60) == 3 and child.poll() == 3
+    out = log.read_text()
+    assert "argv ['exit', '3']" in out and f"cwd {workdir}" in out
+    server_pid = server._connection.process.pid  # the worker's parent, named to it
+    assert f"var x parent {server_pid}" in out and f"ppid {server_pid}" in out
+    assert "preloaded by None" in out  # this server preloads nothing
+    assert out.endswith("to stderr, no newline")  # written through, not lost in a buffer
+
+
+def test_a_killed_worker_reports_the_signal_and_wait_times_out_before(
+    server, user_module, tmp_path
+):
+    child = server.start("forked_job", ["sleep", "0"], _env(user_module), tmp_path / "a.log")
+    with pytest.raises(subprocess.TimeoutExpired):
+        child.wait(0.2)
+    assert child.poll() is None
+    # ps shows the command a fresh interpreter would have run
+    shown = " ".join(psutil.Process(child.pid).cmdline()).split()
+    assert shown[1:] == ["-m", "forked_job", "sleep", "0"]
+    child.kill()
+    assert child.wait(30) == -signal.SIGKILL
+    child.kill()  # a second kill of an ended worker is harmless
+
+
+def test_workers_die_with_the_server_which_starts_again(server, user_module, tmp_path):
+    child = server.start("forked_job", ["sleep", "0"], _env(user_module), tmp_path / "a.log")
+    first = server._connection.process
+    first.kill()
+    assert child.wait(30) == -signal.SIGKILL  # reported when the server's pipe closed
+    deadline = time.monotonic() + 10
+    while _running(child.pid):
+        assert time.monotonic() < deadline, "the worker outlived its fork server"
+        time.sleep(0.05)
+    again = server.start("forked_job", ["exit", "0"], _env(user_module), tmp_path / "b.log")
+    assert server._connection.process is not first and again.wait(60) == 0
+
+
+def test_the_server_preloads_the_modules_it_is_given(tmp_path, user_module, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(user_module))  # the server finds it at its start
+    server = ForkServer(modules=["quiet_preloaded"])
+    try:
+        child = server.start("forked_job", ["exit", "0"], _env(user_module), tmp_path / "a.log")
+        assert child.wait(60) == 0
+        server_pid = server._connection.process.pid
+        assert f"preloaded by {server_pid}" in (tmp_path / "a.log").read_text()
+    finally:
+        server.close()
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.parametrize(
+    ("worker_start", "devices", "forks"),
+    [
+        ("auto", [], True),
+        ("auto", ["cuda:0"], False),
+        ("preload", ["cuda:0"], True),
+        ("exec", [], False),
+    ],
+)
+def test_the_pool_forks_unless_a_worker_is_on_a_cuda_device(tmp_path, worker_start, devices, forks):
+    overrides = [f"worker_start={worker_start}", f"run_dir={tmp_path}"]
+    if devices:
+        overrides.append(f"trainer.devices={devices}")
+    pool = WorkerPool(load_config(overrides=overrides), tmp_path, "tcp://127.0.0.1:1", "s")
+    assert pool.forks_workers is forks
+
+
+def test_an_unknown_worker_start_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="worker_start='spawn' is not one of auto"):
+        load_config(overrides=["worker_start=spawn"])
