@@ -40,7 +40,17 @@ def test_a_run_goes_under_the_configured_thresholds_and_restores_the_process_one
         real_admit(self, n, version)
 
     monkeypatch.setattr(StalenessController, "admit", admit)
-    before = gc.get_threshold()
+    # Python's own default, whatever an earlier test in this process left behind
+    with collection_thresholds([700, 10, 10]):
+        before = gc.get_threshold()
+        _simulate_small_run()
+        configured = tuple(RunConfig().controller.gc_thresholds)
+        assert configured != before  # the default differs from Python's: the test tells them apart
+        assert seen and set(seen) == {configured}
+        assert gc.get_threshold() == before
+
+
+def _simulate_small_run() -> None:
     simulate(
         sim_config(
             num_accelerators=16,
@@ -56,7 +66,3 @@ def test_a_run_goes_under_the_configured_thresholds_and_restores_the_process_one
             eta=1,
         )
     )
-    configured = tuple(RunConfig().controller.gc_thresholds)
-    assert configured != before  # the default differs from Python's: the test tells them apart
-    assert seen and set(seen) == {configured}
-    assert gc.get_threshold() == before
