@@ -138,8 +138,10 @@ class SandboxConfig:
     mode: Mode = "auto"
     """Isolation mechanism. `root`: namespaces created as root, programs run under a
     per-run unprivileged uid. `userns`: an unprivileged user namespace (for non-root
-    callers). `none`: process group + subreaper only, needs `allow_unisolated`. `auto`
-    picks `root` when running as root, else `userns`, else `none`."""
+    callers; chosen by a root caller, programs keep root's real uid, which the kernel
+    exempts from RLIMIT_NPROC, so `Limits.num_processes` does not bind). `none`: process
+    group + subreaper only, needs `allow_unisolated`. `auto` picks `root` when running as
+    root, else `userns`, else `none`."""
     allow_unisolated: bool = False
     """Run code even when neither a PID nor a network namespace is in force. Without it
     `Sandbox.start()` raises `IsolationError` naming what is missing."""
