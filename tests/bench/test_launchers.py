@@ -30,4 +30,10 @@ def test_launchers_quick_times_both_launchers_and_their_ratio(tmp_path):
     assert all(rows.values()), done.stdout
     for match in rows.values():
         local, ray, ratio = map(float, match.groups())
-        assert local > 0 and ray > 0 and abs(ratio - ray / local) < 0.01 + 0.05 * ratio
+        assert local > 0 and ray > 0
+        # the ratio is of the unrounded times, each printed to 0.1 s (so within 0.05 of the
+        # printed one), and is itself printed to 0.01: a forked local worker starts in under
+        # a second, where that rounding is several percent
+        lowest = (ray - 0.05) / (local + 0.05) - 0.005
+        highest = (ray + 0.05) / (local - 0.05) + 0.005
+        assert lowest <= ratio <= highest, (local, ray, ratio)
