@@ -22,6 +22,7 @@ controller's interpreter exits.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -74,6 +75,10 @@ class PreloadedProcess:
                 pass
 
 
+class ServerEnded(RuntimeError):
+    """The fork server exited before it answered a request."""
+
+
 class _Connection:
     """One running server: its process, the children it forked, replies not yet taken."""
 
@@ -100,7 +105,7 @@ class _Connection:
                 self.replied.wait()
             child = self.started.pop(0)
         if child is None:
-            raise RuntimeError(f"the worker fork server (pid {self.process.pid}) ended")
+            raise ServerEnded(f"the worker fork server (pid {self.process.pid}) ended")
         return child
 
     def _read(self) -> None:
@@ -142,7 +147,11 @@ class ForkServer:
         with self._lock:
             if self._connection is None or self._connection.process.poll() is not None:
                 self._connection = _Connection(self.modules)
-            return self._connection.request(request)
+            try:
+                return self._connection.request(request)
+            except (BrokenPipeError, ServerEnded):  # it died since the check: once more
+                self._connection = _Connection(self.modules)
+                return self._connection.request(request)
 
     def close(self) -> None:
         """End the server (its stdin closes) and reap it; its workers end with it."""
@@ -150,7 +159,8 @@ class ForkServer:
             if self._connection is not None:
                 process, self._connection = self._connection.process, None
                 assert process.stdin is not None
-                process.stdin.close()
+                with contextlib.suppress(BrokenPipeError):  # it may have died already
+                    process.stdin.close()
                 try:
                     process.wait(10)
                 except subprocess.TimeoutExpired:

@@ -102,6 +102,21 @@ def test_workers_die_with_the_server_which_starts_again(server, user_module, tmp
     assert server._connection.process is not first and again.wait(60) == 0
 
 
+def test_a_request_to_a_server_that_just_died_goes_to_a_new_one(
+    server, user_module, tmp_path, monkeypatch
+):
+    assert (
+        server.start("forked_job", ["exit", "0"], _env(user_module), tmp_path / "a.log").wait(60)
+        == 0
+    )
+    first = server._connection.process
+    first.kill()
+    first.wait()
+    monkeypatch.setattr(first, "poll", lambda: None)  # dead, but not yet seen to be
+    child = server.start("forked_job", ["exit", "0"], _env(user_module), tmp_path / "b.log")
+    assert server._connection.process is not first and child.wait(60) == 0
+
+
 def test_the_server_preloads_the_modules_it_is_given(tmp_path, user_module, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(user_module))  # the server finds it at its start
     server = ForkServer(modules=["quiet_preloaded"])
