@@ -526,17 +526,24 @@ def test_a_groups_generates_encode_from_its_prompts_template_byte_for_byte():
     from areal.codec import _encode
 
     prompt = np.arange(300, dtype=np.int32)
+    # each sample has its own seed (areal.seeds): small and large ints pack to other widths
+    seeds = [None, 0, 7, 200, 70_000, 2**40, 2**63 - 1]
     for request_id in ["g1-s0-a0", "g1-s15-a2", "x" * 40, ""]:
         for stop in ([0], [0, 7]):
-            msg = Generate(
-                request_id=request_id,
-                prompt_ids=prompt,
-                max_new_tokens=64,
-                temperature=1.0,
-                stop_token_ids=stop,
-            )
-            assert [bytes(f) for f in encode(msg)] == [bytes(f) for f in _encode(msg)]
-            assert decode(encode(msg)).request_id == request_id
+            for seed in seeds:
+                msg = Generate(
+                    request_id=request_id,
+                    prompt_ids=prompt,
+                    max_new_tokens=64,
+                    temperature=1.0,
+                    stop_token_ids=stop,
+                    seed=seed,
+                )
+                assert [bytes(f) for f in encode(msg)] == [bytes(f) for f in _encode(msg)]
+                assert (decode(encode(msg)).request_id, decode(encode(msg)).seed) == (
+                    request_id,
+                    seed,
+                )
     # another prompt array of the same values is another template
     other = Generate(
         request_id="g2-s0-a0",
@@ -546,6 +553,29 @@ def test_a_groups_generates_encode_from_its_prompts_template_byte_for_byte():
         stop_token_ids=[0],
     )
     assert [bytes(f) for f in encode(other)] == [bytes(f) for f in _encode(other)]
+
+
+def test_a_seeded_groups_generates_are_encoded_from_the_template(monkeypatch):
+    # The controller sends a Generate per sample, each with its own seed: the template must
+    # serve them (a full encode per sample was most of the controller's encoding time).
+    from areal import codec
+
+    prompt = np.arange(100, dtype=np.int32)
+    monkeypatch.setattr(codec, "_GENERATES", {})
+    calls = []
+    real = codec._encode
+    monkeypatch.setattr(codec, "_encode", lambda msg: calls.append(msg) or real(msg))
+    for index in range(16):
+        encode(
+            Generate(
+                request_id=f"g1-s{index}-a0",
+                prompt_ids=prompt,
+                max_new_tokens=8,
+                temperature=1.0,
+                seed=1000 + index,
+            )
+        )
+    assert len(calls) == 1
 
 
 def test_a_groups_samples_keep_their_own_fields_when_their_prompts_template_is_reused():
