@@ -17,17 +17,33 @@ import gc
 from collections.abc import Iterator, Sequence
 
 
+_held: list[list[int]] = []
+"""The thresholds of each block now open, in the order they were entered (each block's own
+list object: blocks of equal thresholds are told apart by identity)."""
+_process_thresholds: tuple[int, ...] = ()
+"""The thresholds before the first of them opened: what the last to close restores."""
+
+
 @contextlib.contextmanager
 def collection_thresholds(thresholds: Sequence[int]) -> Iterator[None]:
-    """`gc.set_threshold(*thresholds)` inside the block, the previous thresholds restored
-    after it (a process may run several controllers, the simulation and tests do); empty:
-    nothing changed."""
+    """`gc.set_threshold(*thresholds)` inside the block; empty: nothing changed.
+
+    A process may run several controllers, one after another or at once (the simulation
+    and tests do), and their blocks need not close in the order they opened. So the
+    thresholds are the latest open block's, and when the last one closes the process gets
+    back what it had before the first opened (restoring each block's own `before` would
+    leave an inner block's thresholds behind when an outer one closed first)."""
+    global _process_thresholds
     if not thresholds:
         yield
         return
-    before = gc.get_threshold()
-    gc.set_threshold(*thresholds)
+    entry = list(thresholds)
+    if not _held:
+        _process_thresholds = gc.get_threshold()
+    _held.append(entry)
+    gc.set_threshold(*entry)
     try:
         yield
     finally:
-        gc.set_threshold(*before)
+        del _held[next(i for i, held in enumerate(_held) if held is entry)]
+        gc.set_threshold(*(_held[-1] if _held else _process_thresholds))

@@ -23,6 +23,29 @@ def test_thresholds_hold_inside_the_block_and_are_restored_after_it_even_on_erro
     assert gc.get_threshold() == before
 
 
+def test_blocks_that_close_out_of_order_give_the_process_its_thresholds_back():
+    # Two controllers running at once in one process: the first to start ends first.
+    with collection_thresholds([700, 10, 10]):
+        first = collection_thresholds([50000, 20, 100])
+        second = collection_thresholds([40000, 30, 90])
+        first.__enter__()
+        second.__enter__()
+        assert gc.get_threshold() == (40000, 30, 90)
+        first.__exit__(None, None, None)
+        assert gc.get_threshold() == (40000, 30, 90)  # the one still running keeps its own
+        second.__exit__(None, None, None)
+        assert gc.get_threshold() == (700, 10, 10)
+        # ... and the other order
+        first = collection_thresholds([50000, 20, 100])
+        second = collection_thresholds([40000, 30, 90])
+        first.__enter__()
+        second.__enter__()
+        second.__exit__(None, None, None)
+        assert gc.get_threshold() == (50000, 20, 100)
+        first.__exit__(None, None, None)
+        assert gc.get_threshold() == (700, 10, 10)
+
+
 def test_no_thresholds_leave_the_collector_as_it_is():
     before = gc.get_threshold()
     with collection_thresholds([]):
