@@ -164,9 +164,9 @@ _GENERATES: dict[int, tuple[Any, tuple[Any, ...], bytes, bytes, list[Any]]] = {}
 _GENERATES_ITEMS = 1 << 14
 """A prompt's Generate encoded once, by its prompt array: (the array, the other fields,
 header bytes before the request id and between it and the seed, the frames after the
-header). A group's samples are Generates that differ only in their request id and seed; the
-controller sends one per sample (about 45,000 a step at 2,048 accelerators). The entry holds its array, so its id
-is not reused while it is kept. Bounded: emptied when full."""
+header). A group's samples are Generates that differ only in their request id and seed;
+the controller sends one per sample (about 45,000 a step at 2,048 accelerators). The entry
+holds its array, so its id is not reused while it is kept. Bounded: emptied when full."""
 
 
 _GENERATE_FIELDS = tuple(

@@ -62,7 +62,7 @@ SETTING = [
     "trainer.measure_movement=true",
 ]
 """The staleness ablation's setting (bench/ablation.py, SETTING: why workers and a sampled
-evaluation) with the paper's 4 PPO minibatches per step at a third of its learning rate,
+evaluation) with the paper's 4 PPO minibatches per step at a third of the ablation's lr,
 and the step's movement measured (1-2 no-grad forwards per step, the same two for every
 arm). At the ablation's lr 3e-4 with 2 minibatches every arm overshoots and staleness costs
 the decoupled arm most (docs/concepts/decoupled-ppo.md has both settings' numbers); pass
