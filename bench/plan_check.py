@@ -2,15 +2,17 @@
 the CPU default job as they measure?
 
     python bench/plan_check.py [--steps N] [--seeds 1 2 ...] [--out DIR] [--max-runs K]
+                               [--costs FILE]
     python bench/plan_check.py --quick        # the test suite's: 3 steps, two configurations
 
 1. A probe: the default job (`python -m areal.controller`'s defaults: the embedded model,
    the arithmetic task, batch 8 x 8, 64 new tokens at most) with another seed (PROBE_SEED)
    and its batches saved, for the prompt and completion lengths the simulations replay
    (areal.sim.replay). Nothing else of it is used.
-2. The planner (areal.sim.plan, accelerator `cpu-2core` as shipped in sim/costs.yaml, model
-   `tiny`) scores each configuration of CONFIGS (rollout workers, threads per worker, eta,
-   sync or async) by its simulated effective training throughput, and runs its own search.
+2. The planner (areal.sim.plan, accelerator `cpu-2core` as shipped in sim/costs.yaml or
+   as fitted to this machine in --costs, model `tiny`) scores each configuration of CONFIGS
+   (rollout workers, threads per worker, eta, sync or async) by its simulated effective
+   training throughput, and runs its own search.
 3. Each configuration runs for real, once per seed: the default job for `--steps` steps,
    held-out evaluation of EVAL_PROMPTS prompts at the start and the end only (periodic
    evaluations would share the rollout workers and are not what is compared). Its
@@ -112,9 +114,10 @@ def real_run(overrides: list[str]) -> tuple[float, int]:
     )
 
 
-def plan_options(probe_dir: Path, steps: int) -> list[str]:
+def plan_options(probe_dir: Path, steps: int, costs: Path | None = None) -> list[str]:
     cfg = load_config(probe_dir / "config.yaml")
     return [
+        *([f"costs={costs}"] if costs is not None else []),
         "accelerator=cpu-2core",
         "model=tiny",
         "num_accelerators=2",
@@ -150,7 +153,17 @@ def main() -> int:
     parser.add_argument(
         "--quick", action="store_true", help="3 steps, two configurations, one seed (a smoke test)"
     )
+    parser.add_argument(
+        "--costs",
+        type=Path,
+        default=None,
+        help="cost parameters with a cpu-2core entry fitted to this machine (python "
+        "bench/cluster.py --calibrate writes one to bench/results/calibration/costs-cpu.yaml); "
+        "default: the shipped sim/costs.yaml",
+    )
     args = parser.parse_args()
+    if args.costs is not None and not args.costs.is_file():
+        parser.error(f"--costs={args.costs}: no such file")
     configs = CONFIGS[:1] + CONFIGS[5:6] if args.quick else CONFIGS
     steps, seeds = (3, [1]) if args.quick else (args.steps, args.seeds)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -159,6 +172,12 @@ def main() -> int:
     if state.get("steps", steps) != steps:
         parser.error(f"{state_path} holds runs of {state['steps']} steps; use another --out")
     state["steps"] = steps
+    costs = str(args.costs) if args.costs else None
+    if state.get("predicted") is not None and state.get("costs") != costs:
+        parser.error(
+            f"{state_path} holds predictions from costs={state.get('costs')}, not {costs}: "
+            "use another --out (its real runs can be copied into it: check.json's 'measured')"
+        )
     measured = state.setdefault("measured", {})
     model_dir = ensure_warm_model(load_config(overrides=["seed=1"]))
     probe_dir = args.out / "probe"
@@ -177,7 +196,8 @@ def main() -> int:
         print(f"probe: {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
         runs_left -= 1
     if "predicted" not in state:
-        state["predicted"], state["search"] = predict(probe_dir, steps, configs)
+        state["predicted"], state["search"] = predict(probe_dir, steps, configs, args.costs)
+        state["costs"] = costs
         save()
     for config in configs:
         for seed in seeds:
@@ -216,10 +236,11 @@ def main() -> int:
 
 
 def predict(
-    probe_dir: Path, steps: int, configs: list[Config]
+    probe_dir: Path, steps: int, configs: list[Config], costs: Path | None = None
 ) -> tuple[dict[str, float], dict[str, object]]:
-    """The planner's throughput for each configuration, and its own search's first choice."""
-    plan = load_plan_config(overrides=plan_options(probe_dir, steps))
+    """The planner's throughput for each configuration, and its own search's first choice;
+    `costs`: a cost parameter file instead of the shipped sim/costs.yaml."""
+    plan = load_plan_config(overrides=plan_options(probe_dir, steps, costs))
     evaluator = Evaluator(plan)
     try:
         outcomes = evaluator.evaluate([c.candidate() for c in configs])
@@ -276,7 +297,8 @@ def report(state: dict, configs: list[Config], seeds: list[int]) -> str:
     rows.append(
         f"(the planner's own search over {search_['simulations']} configurations "
         f"chose: {search_['first_choice']}, {search_['tokens_per_s']:.0f} tok/s "
-        f"predicted; the CPU default job, {state['steps']} steps, seeds "
+        f"predicted; costs: {state.get('costs') or 'sim/costs.yaml'}; "
+        f"the CPU default job, {state['steps']} steps, seeds "
         f"{', '.join(map(str, seeds))}; throughput after step 1)"
     )
     return "\n".join(rows)

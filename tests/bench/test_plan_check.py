@@ -6,6 +6,7 @@ prediction is (that depends on the machine's load)."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -46,6 +47,43 @@ def test_the_table_ranks_both_ways_and_correlates_them(plan_check):
     assert ranks == [("1", "2"), ("2", "1"), ("3", "3"), ("4", "4")], text
     assert "Spearman's rank correlation, predicted vs measured: 0.80" in text
     assert f"first choice among these, {configs[0].name!r}, measured #2" in text
+    assert "costs: sim/costs.yaml;" in text
+    assert "costs: fitted.yaml;" in plan_check.report(
+        {**state, "costs": "fitted.yaml"}, configs, [1]
+    )
+
+
+def test_the_planner_is_given_the_fitted_costs(plan_check, tmp_path):
+    (tmp_path / "config.yaml").write_text("")  # the probe's config: the defaults
+    options = plan_check.plan_options(tmp_path, 30, tmp_path / "costs-cpu.yaml")
+    assert options[0] == f"costs={tmp_path / 'costs-cpu.yaml'}"
+    assert not any(o.startswith("costs=") for o in plan_check.plan_options(tmp_path, 30))
+
+
+def _plan_check(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / "bench" / "plan_check.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+
+
+def test_a_missing_costs_file_is_refused(tmp_path):
+    done = _plan_check("--out", str(tmp_path), "--costs", str(tmp_path / "nope.yaml"))
+    assert done.returncode == 2
+    assert f"--costs={tmp_path / 'nope.yaml'}: no such file" in done.stderr
+
+
+def test_predictions_from_other_costs_are_not_mixed_with_these(tmp_path):
+    (tmp_path / "fitted.yaml").write_text("accelerators: {}\n")
+    (tmp_path / "check.json").write_text(
+        json.dumps({"steps": 30, "predicted": {"x": 1.0}, "measured": {}})
+    )
+    done = _plan_check("--out", str(tmp_path), "--costs", str(tmp_path / "fitted.yaml"))
+    assert done.returncode == 2
+    assert "holds predictions from costs=None" in done.stderr, done.stderr
 
 
 @pytest.mark.slow
