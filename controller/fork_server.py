@@ -4,7 +4,8 @@ It imports MODULE... (the controller passes controller/preload.py's PRELOAD: the
 modules, torch and transformers with them), then forks a worker per request read from its
 stdin until that closes. The protocol is one JSON object per line: a request (module, args,
 env, cwd, log), the child's pid on stdout, and later `{"exit": pid, "code": c}` when the
-child ends (`c` as `Popen.returncode`: negative for a signal). The server dies with the
+child ends (`c` as `Popen.returncode`: negative for a signal). Nothing else reaches that
+stdout: what the imports print goes to stderr. The server dies with the
 controller (areal.workers.parent), and each child with the server.
 
 In the child, `become_worker` makes it the process a fresh `python -m module args` would
@@ -52,6 +53,7 @@ def serve(requests: int, replies: IO[str]) -> None:
                 pid = os.fork()
                 if pid == 0:
                     selector.close()
+                    os.close(replies.fileno())  # the controller's pipe: not the worker's
                     _run_child(json.loads(line))
                 children.add(pid)
                 _reply(replies, {"pid": pid})
@@ -123,9 +125,13 @@ def _unbuffered(fd: int) -> IO[str]:
 def main() -> None:
     die_with_parent()
     setproctitle.getproctitle()  # find the command line's memory now, before a child needs it
+    # The replies go on a copy of stdout, and stdout itself to stderr: whatever an import
+    # prints (Python or C) cannot corrupt the protocol.
+    replies = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)
     for name in sys.argv[1:]:
         importlib.import_module(name)
-    serve(sys.stdin.fileno(), sys.stdout)
+    serve(sys.stdin.fileno(), replies)
     os._exit(0)  # nothing to clean up; its workers end by their death signal
 
 

@@ -142,8 +142,13 @@ class ForkServer:
     ) -> PreloadedProcess:
         """Fork `python -m module *args` with `env`, this process's working directory and
         its output appended to `log_path`."""
-        request = {"module": module, "args": args, "env": env, "cwd": os.getcwd()}
-        request["log"] = str(log_path)
+        request = {
+            "module": module,
+            "args": args,
+            "env": env,
+            "cwd": os.getcwd(),
+            "log": str(log_path),
+        }
         with self._lock:
             if self._connection is None or self._connection.process.poll() is not None:
                 self._connection = _Connection(self.modules)

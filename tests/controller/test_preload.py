@@ -47,6 +47,7 @@ def user_module(tmp_path):
     package.mkdir()
     (package / "forked_job.py").write_text(MODULE.format(parent=PARENT_ENV))
     (package / "quiet_preloaded.py").write_text("import os\nPID = os.getpid()\n")
+    (package / "noisy_preloaded.py").write_text("print('a library that talks at import')\n")
     return package
 
 
@@ -127,6 +128,19 @@ def test_the_server_preloads_the_modules_it_is_given(tmp_path, user_module, monk
         assert f"preloaded by {server_pid}" in (tmp_path / "a.log").read_text()
     finally:
         server.close()
+
+
+def test_what_a_preloaded_module_prints_does_not_reach_the_protocol(
+    tmp_path, user_module, monkeypatch, capfd
+):
+    monkeypatch.setenv("PYTHONPATH", str(user_module))
+    server = ForkServer(modules=["noisy_preloaded"])
+    try:
+        child = server.start("forked_job", ["exit", "0"], _env(user_module), tmp_path / "a.log")
+        assert child.wait(60) == 0
+    finally:
+        server.close()
+    assert "a library that talks at import" in capfd.readouterr().err  # on the server's stderr
 
 
 def _running(pid: int) -> bool:
