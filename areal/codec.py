@@ -43,7 +43,6 @@ from areal.messages import (
     DEFAULT_MAX_BYTES,
     MAX_DEPTH,
     SCHEMAS,
-    Generate,
     MessageError,
     MsgType,
     Tensor,
@@ -133,12 +132,6 @@ def torch_module():
 
 def encode(msg: Any) -> list[Any]:
     """Frames of `msg`: [type byte, header, *array buffers]. Buffers are not copied."""
-    if type(msg) is Generate:
-        return _encode_generate(msg)
-    return _encode(msg)
-
-
-def _encode(msg: Any) -> list[Any]:
     kind = getattr(type(msg), "KIND", None)
     if kind is None or SCHEMAS.get(kind) is not type(msg):
         raise MessageError(f"{type(msg).__name__} is not a registered message schema")
@@ -160,79 +153,6 @@ def _encode(msg: Any) -> list[Any]:
     return [bytes([kind]), packed, *buffers]
 
 
-_GENERATES: dict[int, tuple[Any, tuple[Any, ...], bytes, bytes, list[Any]]] = {}
-_GENERATES_ITEMS = 1 << 14
-"""A prompt's Generate encoded once, by its prompt array: (the array, the other fields,
-header bytes before the request id and between it and the seed, the frames after the
-header). A group's samples are Generates that differ only in their request id and seed;
-the controller sends one per sample (about 45,000 a step at 2,048 accelerators). The entry
-holds its array, so its id is not reused while it is kept. Bounded: emptied when full."""
-
-
-_GENERATE_FIELDS = tuple(
-    f.name
-    for f in dataclasses.fields(Generate)
-    if f.name not in ("request_id", "prompt_ids", "seed")
-)
-"""The fields a template must match: all but the request id, the prompt array (which the
-template is looked up by) and the seed, which are spliced in. Every other field counts, so
-a field added to Generate can never be carried over from another sample's template."""
-
-
-def _encode_generate(msg: Any) -> list[Any]:
-    """`_encode(msg)`, from the template of its prompt's Generate when it has one: the same
-    frames, byte for byte (tests/areal/test_messages.py). The header is a map whose first
-    key is request_id and whose last is seed (when it is set): a template keeps the bytes
-    between their values, and each Generate packs only its own two."""
-    seeded = msg.seed is not None
-    rest = (*(getattr(msg, name) for name in _GENERATE_FIELDS), seeded)
-    entry = _GENERATES.get(id(msg.prompt_ids))
-    if (
-        entry is None
-        or entry[0] is not msg.prompt_ids
-        or entry[1] != rest
-        or type(msg.request_id) is not str
-        or (seeded and type(msg.seed) is not int)
-    ):
-        return _encode_template(msg, rest)
-    _, _, before, middle, arrays = entry
-    packer = _packer()
-    header = before + packer.pack(msg.request_id) + middle
-    if seeded:
-        header += packer.pack(msg.seed)
-    return [bytes([MsgType.GENERATE]), header, *arrays]
-
-
-def _encode_template(msg: Any, rest: tuple[Any, ...]) -> list[Any]:
-    """`_encode(msg)`, kept as its prompt's template when its header can be cut at the
-    request id's and the seed's values."""
-    frames = _encode(msg)
-    if type(msg.request_id) is not str or (msg.seed is not None and type(msg.seed) is not int):
-        return frames
-    packer = _packer()
-    key, value = packer.pack("request_id"), packer.pack(msg.request_id)
-    header = bytes(frames[1])
-    start = 1 + len(key)
-    if header[1:start] != key or header[start : start + len(value)] != value:
-        return frames
-    end = len(header)
-    if msg.seed is not None:
-        seed = packer.pack(msg.seed)
-        if not header.endswith(packer.pack("seed") + seed):
-            return frames
-        end -= len(seed)
-    if len(_GENERATES) >= _GENERATES_ITEMS:
-        _GENERATES.clear()
-    _GENERATES[id(msg.prompt_ids)] = (
-        msg.prompt_ids,
-        rest,
-        header[:start],
-        header[start + len(value) : end],
-        frames[2:],
-    )
-    return frames
-
-
 _PACKERS = threading.local()
 
 
@@ -249,7 +169,7 @@ def _packer() -> msgpack.Packer:
 _EXT_CACHE: dict[tuple[str, tuple[int, ...], int], msgpack.ExtType] = {}
 _EXT_CACHE_ITEMS = 1 << 16
 """Array references already packed, by (dtype, shape, frame index): the same few recur
-across a step's messages (each of a group's 16 Generates carries its prompt's). Bounded:
+across a step's messages (each Generated carries three arrays of the same few dtypes). Bounded:
 emptied when full. The decoding side keeps the same kind of cache (`_REF_CACHE`)."""
 
 

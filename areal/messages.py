@@ -193,9 +193,14 @@ class Heartbeat:
 @message(MsgType.GENERATE)
 @dataclass(kw_only=True)
 class Generate:
-    """Controller -> rollout worker: sample one completion."""
+    """Controller -> rollout worker: sample one completion of the prompt for each request id
+    (samples of one group, or one sample sent again), each answered by its own Generated.
+    A group's samples go to one worker in one message, as peers send a group to one server:
+    one message instead of one per sample (the controller's cost at cluster scale), and the
+    prompt's prefix shared where the engine caches prefixes."""
 
-    request_id: str
+    request_ids: list[str]
+    """One per completion, at least one, all different."""
     prompt_ids: np.ndarray
     """[P] int32 prompt tokens."""
     max_new_tokens: int
@@ -209,9 +214,22 @@ class Generate:
     prompt_text: str = ""
     """Agent episodes only (agent.function set): the task's prompt text, the agent's
     `sample.prompt` (an agent renders its own messages; `prompt_ids` are not used)."""
-    seed: int | None = None
-    """The sample's own sampling stream (areal.seeds), 0 <= seed < 2**63; None: the
-    engine's."""
+    seeds: list[int] | None = None
+    """Each sample's own sampling stream (areal.seeds), one per request id, 0 <= seed <
+    2**63; None: the engine's."""
+
+    def samples(self) -> list[tuple[str, int | None]]:
+        """(request id, seed) of each completion asked for; ValueError when the request ids
+        are none or repeated, or the seeds do not match them one to one."""
+        if not self.request_ids or len(set(self.request_ids)) != len(self.request_ids):
+            raise ValueError(f"Generate needs distinct request ids, got {self.request_ids!r}")
+        if self.seeds is None:
+            return [(request_id, None) for request_id in self.request_ids]
+        if len(self.seeds) != len(self.request_ids):
+            raise ValueError(
+                f"Generate has {len(self.seeds)} seeds for {len(self.request_ids)} request ids"
+            )
+        return list(zip(self.request_ids, self.seeds, strict=True))
 
 
 @message(MsgType.GENERATED)

@@ -1,7 +1,8 @@
 """Generation requests: which rollout worker takes each pending sample, and cancelling them.
 
-    ledger.pending --dispatch--> Generate to the least-loaded ready rollout worker below
-                                 rollout.max_concurrent (room.py), while one has room
+    ledger.pending --dispatch--> Generate of a group's pending samples (one message) to the
+                                 least-loaded ready rollout worker below
+                                 rollout.max_concurrent (room.py), while one is below it
     a dropped group's samples being generated --cancel--> Cancel to their workers
     training ends --cancel_training--> Cancel of every training generation; training samples
                                  not yet sent are forgotten (evaluations still run)
@@ -38,30 +39,44 @@ class Generation:
         return bool(self.ledger.pending and self.room.peek())
 
     def dispatch(self, out: Outbox) -> None:
-        """A Generate for each pending sample while a rollout worker has room."""
-        while self.ledger.pending:
+        """While a rollout worker has room: one Generate for the pending samples at the head of
+        the queue that belong to one group, all of them, to the least-loaded worker below
+        rollout.max_concurrent (a group admitted whole goes in one message; a re-queued
+        sample alone). A worker thus holds up to max_concurrent + group_size - 1 requests;
+        its engine decodes max_concurrent at once and queues the rest, as engines do
+        (vLLM's max_num_seqs, the torch engine's scheduler). Taking a group a sample at a
+        time instead, as slots free, would cost a message per completion."""
+        pending = self.ledger.pending
+        while pending:
             worker = self.room.take()
             if worker is None:
                 break
-            self._generate(self.ledger.pending.popleft(), worker, out)
+            samples = [pending.popleft()]
+            group_id = samples[0].group_id
+            while pending and pending[0].group_id == group_id:
+                samples.append(pending.popleft())
+            self._generate(samples, worker, out)
             self.room.offer(worker)
 
-    def _generate(self, sample: Sample, worker: WorkerHandle, out: Outbox) -> None:
-        group = self.ledger.groups[sample.group_id]
+    def _generate(self, samples: list[Sample], worker: WorkerHandle, out: Outbox) -> None:
+        """One Generate for `samples`, all of one group."""
+        group = self.ledger.groups[samples[0].group_id]
         rollout = self.cfg.rollout
         training = group.purpose is Purpose.TRAIN
-        self.ledger.start_generation(sample, worker.identity, clock.now())
-        worker.in_flight.add(sample.request_id)
+        now = clock.now()
+        for sample in samples:
+            self.ledger.start_generation(sample, worker.identity, now)
+            worker.in_flight.add(sample.request_id)
         out.send(
             worker.identity,
             Generate(
-                request_id=sample.request_id,
+                request_ids=[sample.request_id for sample in samples],
                 prompt_ids=group.prompt_ids,
                 max_new_tokens=rollout.max_new_tokens,
                 temperature=rollout.temperature if training else self.cfg.eval.temperature,
                 top_p=rollout.top_p if training else 1.0,
                 stop_token_ids=self.stop_token_ids,
-                seed=self._seed(group, sample),
+                seeds=[self._seed(group, sample) for sample in samples],
                 **episode_fields(self.cfg, group.prompt),
             ),
         )

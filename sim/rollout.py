@@ -3,7 +3,7 @@
 It speaks the rollout worker's protocol (workers/rollout/worker.py) and behaves as an
 inference engine behind `InterruptibleGenerator` does, without simulating each token:
 
-    Generate   -> the request waits; it is admitted to the running batch when its KV cache
+    Generate   -> each of its requests waits; it is admitted to the running batch when its KV cache
                   (prompt + tokens so far) fits, and prefilled (cost.prefill_s)
     running    -> the batch advances in chunks of decode steps, each chunk up to the next
                   event: a sequence finishing, the KV cache filling up (the newest sequence
@@ -99,6 +99,9 @@ class SimRollout(SimWorker):
         env = self.env
         self.tp = env.rollout_tp
         self.capacity = env.cost.kv_capacity_tokens(self.tp)
+        self.max_running = env.cfg.rollout.max_concurrent
+        """Sequences decoded at once, as a real engine's (vLLM's max_num_seqs): the
+        controller may send a group beyond it; the rest wait."""
         self.max_new_tokens = env.cfg.rollout.max_new_tokens
         self.version = welcome.version
         self.step = 0
@@ -134,18 +137,19 @@ class SimRollout(SimWorker):
 
     def _on_generate(self, msg: Generate) -> None:
         key = prompt_key(msg.prompt_ids)
-        target = self.env.workload.completion_tokens(
-            key, sample_name(msg.request_id), msg.max_new_tokens
-        )
-        seq = Seq(
-            request_id=msg.request_id,
-            prompt_len=len(msg.prompt_ids),
-            target=target,
-            stop=target < msg.max_new_tokens,
-            received_at=clock.now(),
-        )
-        self.by_id[msg.request_id] = seq
-        self.waiting.append(seq)
+        for request_id, _ in msg.samples():
+            target = self.env.workload.completion_tokens(
+                key, sample_name(request_id), msg.max_new_tokens
+            )
+            seq = Seq(
+                request_id=request_id,
+                prompt_len=len(msg.prompt_ids),
+                target=target,
+                stop=target < msg.max_new_tokens,
+                received_at=clock.now(),
+            )
+            self.by_id[request_id] = seq
+            self.waiting.append(seq)
 
     def _drop(self, request_id: str) -> None:
         seq = self.by_id.pop(request_id, None)
@@ -210,10 +214,11 @@ class SimRollout(SimWorker):
             await self._sleep(end - loop.time())
 
     def _admit(self) -> list[Seq]:
-        """Waiting sequences that fit in the KV cache join the batch (in order)."""
+        """Waiting sequences that fit in the KV cache and under max_running join the batch (in
+        order)."""
         admitted = []
         context = self._context()
-        while self.waiting:
+        while self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
             if self._hold and not seq.started:
                 break  # a weight update is pending: new sequences start under it

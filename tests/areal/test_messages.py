@@ -62,12 +62,13 @@ SAMPLES = {
     ),
     MsgType.HEARTBEAT: Heartbeat(num_running=4, stats={"tok_s": 1.5}),
     MsgType.GENERATE: Generate(
-        request_id="r1",
+        request_ids=["r1", "r2"],
         prompt_ids=_arange(7),
         max_new_tokens=9,
         temperature=0.7,
         top_p=0.9,
         stop_token_ids=[1, 2],
+        seeds=[5, 2**63 - 1],
     ),
     MsgType.GENERATED: Generated(
         request_id="r1",
@@ -179,7 +180,7 @@ def _num_arrays(msg):
 
 
 EPISODE_GENERATE = Generate(
-    request_id="r2",
+    request_ids=["r2"],
     prompt_ids=_arange(5),
     max_new_tokens=64,
     temperature=1.0,
@@ -299,7 +300,7 @@ def test_round_trip_survives_real_zmq_frames_without_copies():
     ids=["empty", "scalar", "non-contiguous", "bool-2d"],
 )
 def test_array_edge_cases_round_trip(value):
-    msg = Generate(request_id="x", prompt_ids=value, max_new_tokens=1, temperature=1.0)
+    msg = Generate(request_ids=["x"], prompt_ids=value, max_new_tokens=1, temperature=1.0)
     out = decode(encode(msg))
     assert out.prompt_ids.dtype == value.dtype and out.prompt_ids.shape == value.shape
     assert np.array_equal(out.prompt_ids, value)
@@ -378,7 +379,7 @@ def test_malformed_messages_are_refused_with_a_clear_error(frames, needle):
 
 def _generate_header(ref):
     return {
-        "request_id": "r",
+        "request_ids": ["r"],
         "prompt_ids": msgpack.ExtType(1, msgpack.packb(ref)),
         "max_new_tokens": 1,
         "temperature": 1.0,
@@ -456,7 +457,7 @@ def test_encoding_refuses_unserialisable_values():
     with pytest.raises(MessageError, match="cannot travel"):
         encode(
             Generate(
-                request_id="r",
+                request_ids=["r"],
                 prompt_ids=np.array(["a"], dtype=object),
                 max_new_tokens=1,
                 temperature=1.0,
@@ -468,7 +469,7 @@ def test_encoding_refuses_unserialisable_values():
 
 def _generate(n: int) -> Generate:
     return Generate(
-        request_id=f"r{n}",
+        request_ids=[f"r{n}"],
         prompt_ids=np.arange(n, dtype=np.int32),
         max_new_tokens=8,
         temperature=1.0,
@@ -487,7 +488,7 @@ def test_array_references_are_packed_once_and_their_cache_stays_bounded(monkeypa
     assert codec._array_ext("int32", (7,), 0) is first  # packed once, then reused
     for n, message in zip(sizes, frames, strict=True):
         got = decode(message)
-        assert got.request_id == f"r{n}" and got.stop_token_ids == [n]
+        assert got.request_ids == [f"r{n}"] and got.stop_token_ids == [n]
         np.testing.assert_array_equal(got.prompt_ids, np.arange(n, dtype=np.int32))
 
 
@@ -500,8 +501,8 @@ def test_threads_encoding_at_once_each_get_their_own_messages():
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         results = list(pool.map(encode_many, [0, 1000, 2000, 3000]))
     for offset, got in zip([0, 1000, 2000, 3000], results, strict=True):
-        assert [m.request_id for m in got] == [f"r{offset + i}" for i in range(200)]
-        assert all(len(m.prompt_ids) == int(m.request_id[1:]) for m in got)
+        assert [m.request_ids for m in got] == [[f"r{offset + i}"] for i in range(200)]
+        assert all(len(m.prompt_ids) == int(m.request_ids[0][1:]) for m in got)
 
 
 def test_fields_at_their_defaults_stay_off_the_wire_and_come_back():
@@ -522,78 +523,25 @@ def test_fields_at_their_defaults_stay_off_the_wire_and_come_back():
     assert decode(encode(Heartbeat())) == Heartbeat()
 
 
-def test_a_groups_generates_encode_from_its_prompts_template_byte_for_byte():
-    from areal.codec import _encode
-
-    prompt = np.arange(300, dtype=np.int32)
-    # each sample has its own seed (areal.seeds): small and large ints pack to other widths
-    seeds = [None, 0, 7, 200, 70_000, 2**40, 2**63 - 1]
-    for request_id in ["g1-s0-a0", "g1-s15-a2", "x" * 40, ""]:
-        for stop in ([0], [0, 7]):
-            for seed in seeds:
-                msg = Generate(
-                    request_id=request_id,
-                    prompt_ids=prompt,
-                    max_new_tokens=64,
-                    temperature=1.0,
-                    stop_token_ids=stop,
-                    seed=seed,
-                )
-                assert [bytes(f) for f in encode(msg)] == [bytes(f) for f in _encode(msg)]
-                assert (decode(encode(msg)).request_id, decode(encode(msg)).seed) == (
-                    request_id,
-                    seed,
-                )
-    # another prompt array of the same values is another template
-    other = Generate(
-        request_id="g2-s0-a0",
-        prompt_ids=prompt.copy(),
-        max_new_tokens=64,
-        temperature=0.5,
-        stop_token_ids=[0],
+def test_a_generate_names_its_samples_one_to_one():
+    # One Generate carries a group's samples: each request id with its own seed (areal.seeds).
+    msg = decode(encode(SAMPLES[MsgType.GENERATE]))
+    assert msg.samples() == [("r1", 5), ("r2", 2**63 - 1)]
+    unseeded = Generate(
+        request_ids=["a", "b"], prompt_ids=_arange(2), max_new_tokens=1, temperature=1.0
     )
-    assert [bytes(f) for f in encode(other)] == [bytes(f) for f in _encode(other)]
-
-
-def test_a_seeded_groups_generates_are_encoded_from_the_template(monkeypatch):
-    # The controller sends a Generate per sample, each with its own seed: the template must
-    # serve them (a full encode per sample was most of the controller's encoding time).
-    from areal import codec
-
-    prompt = np.arange(100, dtype=np.int32)
-    monkeypatch.setattr(codec, "_GENERATES", {})
-    calls = []
-    real = codec._encode
-    monkeypatch.setattr(codec, "_encode", lambda msg: calls.append(msg) or real(msg))
-    for index in range(16):
-        encode(
-            Generate(
-                request_id=f"g1-s{index}-a0",
-                prompt_ids=prompt,
-                max_new_tokens=8,
-                temperature=1.0,
-                seed=1000 + index,
-            )
-        )
-    assert len(calls) == 1
-
-
-def test_a_groups_samples_keep_their_own_fields_when_their_prompts_template_is_reused():
-    # A group's samples share the prompt array but not every field: each has its own seed
-    # (areal.seeds). A template of one sample must never carry another's.
-    prompt = np.arange(50, dtype=np.int32)
-    for index, seed in enumerate([11, 12, None, 13, 13]):
-        msg = Generate(
-            request_id=f"g1-s{index}-a0",
-            prompt_ids=prompt,
-            max_new_tokens=8,
+    assert decode(encode(unseeded)).samples() == [("a", None), ("b", None)]
+    for request_ids, seeds, problem in [
+        ([], None, "distinct request ids"),
+        (["a", "a"], [1, 2], "distinct request ids"),
+        (["a", "b"], [1], "1 seeds for 2 request ids"),
+    ]:
+        bad = Generate(
+            request_ids=request_ids,
+            prompt_ids=_arange(2),
+            max_new_tokens=1,
             temperature=1.0,
-            seed=seed,
-            prompt_text="What is 2 + 3?" if index % 2 else "",
+            seeds=seeds,
         )
-        decoded = decode(encode(msg))
-        assert (decoded.request_id, decoded.seed, decoded.prompt_text) == (
-            msg.request_id,
-            seed,
-            msg.prompt_text,
-        )
+        with pytest.raises(ValueError, match=problem):
+            decode(encode(bad)).samples()

@@ -40,7 +40,7 @@ def run(tmp_path):
 
 
 def _request_ids(out) -> list[str]:
-    return [m.request_id for m in out.sent(Generate)]
+    return [request_id for m in out.sent(Generate) for request_id in m.request_ids]
 
 
 def test_a_worker_with_the_secret_is_welcomed_and_a_stranger_is_sent_away(run):
@@ -71,9 +71,9 @@ def test_samples_are_dispatched_as_a_worker_becomes_ready_in_the_same_decision(r
         Register(kind=WorkerKind.ROLLOUT, worker_id="rollout-0", pid=1, host="h", secret=SECRET),
     )
     out = run.on(identity, Ready(version=0))
-    assert _request_ids(out) == ["g0-s0-a0", "g0-s1-a0"]
+    (generate,) = out.sent(Generate)  # the group in one message
+    assert generate.request_ids == ["g0-s0-a0", "g0-s1-a0"]
     assert all(dest == identity for dest, _ in out.messages)
-    generate = out.sent(Generate)[0]
     assert generate.max_new_tokens == 8 and generate.stop_token_ids == [0]
     assert generate.temperature == run.cfg.rollout.temperature
 
@@ -240,7 +240,7 @@ def test_an_evaluation_round_is_done_when_its_last_group_is_scored(run):
     round_ = run.core.evaluations.start(version=0)
     out = Outbox()
     run.core.dispatch(out)
-    request_ids = [m.request_id for m in out.sent(Generate)]
+    request_ids = _request_ids(out)
     assert len(request_ids) == run.cfg.eval.num_samples
     assert run.core.ledger.groups[0].purpose is Purpose.EVAL
     for request_id in request_ids:

@@ -42,7 +42,9 @@ def test_cancelled_training_requests_free_the_workers_slots_for_the_final_evalua
     generation.room.offer(worker)
     dispatched = Outbox()
     generation.dispatch(dispatched)
-    assert len(dispatched.sent(Generate)) == CAPACITY and len(ledger.pending) == 2
+    sent = dispatched.sent(Generate)
+    assert [len(msg.request_ids) for msg in sent] == [2, 2]  # a group per message
+    assert len(ledger.pending) == 2
     assert not generation.can_dispatch()  # full
 
     out = Outbox()
@@ -90,6 +92,57 @@ def test_each_sample_is_sent_with_its_own_seed_named_by_what_it_is(tmp_path):
         )
     out = Outbox()
     generation.dispatch(out)
-    seeds = [msg.seed for msg in out.sent(Generate)]
+    seeds = [seed for msg in out.sent(Generate) for seed in msg.seeds]
     assert seeds[:2] == [train_sample_seed(7, 41, 0), train_sample_seed(7, 41, 1)]
     assert seeds[2:4] == seeds[4:6] == [eval_sample_seed(7, "eval-3", i) for i in range(2)]
+
+
+def test_a_group_goes_whole_to_one_worker_below_its_limit_in_one_message(tmp_path):
+    cfg = load_config(overrides=["rollout.max_concurrent=5", f"run_dir={tmp_path}"])
+    ledger = Ledger()
+    pool = WorkerPool(cfg, tmp_path, "tcp://127.0.0.1:1", secret=None)
+    generation = Generation(cfg, ledger, pool, stop_token_ids=[0])
+    workers = [
+        WorkerHandle(
+            worker_id=f"rollout-{i}", kind=WorkerKind.ROLLOUT, identity=b"r%d" % i, ready=True
+        )
+        for i in range(2)
+    ]
+    for worker in workers:
+        pool.by_identity[worker.identity] = worker
+        generation.room.offer(worker)
+    prompt = Prompt(prompt_id="p", text="1+1=", reference="2")
+    for _ in range(2):
+        ledger.add_group(prompt, np.array([5], np.int32), 4, version=0)
+    out = Outbox()
+    generation.dispatch(out)
+    sent = [(identity, msg.request_ids) for identity, msg in out.messages]
+    # the first group whole to the first worker; the second to the other, now less loaded
+    assert sent == [
+        (b"r0", [f"g0-s{i}-a0" for i in range(4)]),
+        (b"r1", [f"g1-s{i}-a0" for i in range(4)]),
+    ]
+    for _ in range(3):
+        ledger.add_group(prompt, np.array([5], np.int32), 4, version=0)
+    out = Outbox()
+    generation.dispatch(out)
+    # each worker, below its limit of 5, takes one more group whole (its engine decodes 5
+    # and queues the rest); then both are at or over it and the last group waits
+    assert [(identity, msg.request_ids) for identity, msg in out.messages] == [
+        (b"r0", [f"g2-s{i}-a0" for i in range(4)]),
+        (b"r1", [f"g3-s{i}-a0" for i in range(4)]),
+    ]
+    assert [s.request_id for s in ledger.pending] == [f"g4-s{i}-a0" for i in range(4)]
+    assert all(len(w.in_flight) == 8 for w in workers) and not generation.can_dispatch()
+    # a re-queued sample goes alone, to the first worker back below its limit
+    workers[1].in_flight.difference_update(["g1-s0-a0", "g1-s1-a0", "g1-s2-a0", "g1-s3-a0"])
+    retry = ledger.by_request["g3-s0-a0"]
+    workers[1].in_flight.discard(retry.request_id)
+    ledger.requeue(retry)
+    generation.room.offer(workers[1])
+    out = Outbox()
+    generation.dispatch(out)
+    assert [(identity, msg.request_ids) for identity, msg in out.messages] == [
+        (b"r1", ["g3-s0-a1"]),
+        (b"r1", [f"g4-s{i}-a0" for i in range(4)]),
+    ]

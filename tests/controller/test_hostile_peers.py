@@ -344,11 +344,11 @@ def _refused_once_then_lost(
 def test_an_inconsistent_generated_is_dropped_and_the_run_goes_on(live):
     with FakeWorker(live.address, WorkerKind.ROLLOUT, "fake-rollout") as fake:
         fake.send(Ready(version=fake.welcome.version))
-        request = fake.recv_until(Generate)
+        request_id = fake.recv_until(Generate).request_ids[0]
         steps = live.num_steps()
         fake.send(
             Generated(
-                request_id=request.request_id,
+                request_id=request_id,
                 output_ids=np.arange(5, dtype=np.int32),
                 logprobs=np.zeros(3, np.float32),
                 versions=np.zeros(5, np.int32),
@@ -356,7 +356,7 @@ def test_an_inconsistent_generated_is_dropped_and_the_run_goes_on(live):
             )
         )
         _refused_once_then_lost(live, fake, "fake-rollout", "lengths [5, 3, 5]", steps)
-        group_id, index, _ = request.request_id.split("-")
+        group_id, index, _ = request_id.split("-")
         group = live.ctl.ledger.groups.get(int(group_id[1:]))
         assert group is None or group.samples[int(index[1:])].attempt >= 1  # generated again
 

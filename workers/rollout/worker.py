@@ -106,9 +106,10 @@ class RolloutWorker(Worker):
 
     async def handle(self, msg: Any) -> None:
         if isinstance(msg, Generate):
-            task = self.spawn(self._generate(msg), msg.request_id)
-            self._requests[msg.request_id] = task
-            task.add_done_callback(lambda _, rid=msg.request_id: self._requests.pop(rid, None))
+            for request_id, seed in msg.samples():
+                task = self.spawn(self._generate(msg, request_id, seed), request_id)
+                self._requests[request_id] = task
+                task.add_done_callback(lambda _, rid=request_id: self._requests.pop(rid, None))
         elif isinstance(msg, Cancel):
             for request_id in msg.request_ids:
                 task = self._requests.pop(request_id, None)
@@ -268,42 +269,43 @@ class RolloutWorker(Worker):
             update, source = self._updates.get_nowait()
         return update, source
 
-    async def _generate(self, msg: Generate) -> None:
+    async def _generate(self, msg: Generate, request_id: str, seed: int | None) -> None:
+        """One completion of `msg`'s prompt, answered by a Generated for `request_id`."""
         start = time.monotonic()
         params = SamplingParams(
             max_new_tokens=msg.max_new_tokens,
             temperature=msg.temperature,
             top_p=msg.top_p,
             stop_token_ids=list(msg.stop_token_ids),
-            seed=msg.seed,
+            seed=seed,
         )
         if self.agents is not None:
             agent_episode = await self.agents.run(
-                msg.request_id,
+                request_id,
                 params,
                 prompt_id=msg.prompt_id,
                 prompt_text=msg.prompt_text,
                 reference=msg.reference,
             )
             self._generated_tokens += agent_episode.num_model_tokens
-            await self.send(generated_agent_episode(msg.request_id, agent_episode, msg.prompt_ids))
+            await self.send(generated_agent_episode(request_id, agent_episode, msg.prompt_ids))
             return
         if self.episodes is not None:
             episode = await self.episodes.run(
-                msg.request_id,
+                request_id,
                 msg.prompt_ids.tolist(),
                 params,
                 prompt_id=msg.prompt_id,
                 reference=msg.reference,
             )
             self._generated_tokens += sum(episode.loss_mask)
-            await self.send(generated_episode(msg.request_id, episode, time.monotonic() - start))
+            await self.send(generated_episode(request_id, episode, time.monotonic() - start))
             return
-        result = await self.generator.generate(msg.request_id, msg.prompt_ids.tolist(), params)
+        result = await self.generator.generate(request_id, msg.prompt_ids.tolist(), params)
         self._generated_tokens += len(result.token_ids)
         await self.send(
             Generated(
-                request_id=msg.request_id,
+                request_id=request_id,
                 output_ids=result.token_ids_array(),
                 logprobs=result.logprobs_array(),
                 versions=result.versions_array(),
