@@ -60,6 +60,7 @@ class MsgType(enum.IntEnum):
     JOIN_GROUP = 17
     GROUP_STATUS = 18
     BROADCAST_WEIGHTS = 19
+    COMPLETIONS = 20
 
 
 class WorkerKind(str, enum.Enum):
@@ -289,6 +290,84 @@ class Generated:
     result (decoding, interruptions included), summed over calls."""
 
 
+@message(MsgType.COMPLETIONS)
+@dataclass(kw_only=True)
+class Completions:
+    """Rollout worker -> controller: the single completions (no episode, no agent) of one
+    Generate, sent together once the last of them is done, in place of one Generated each:
+    the controller's cost is per message, and a group's samples finish on one worker. A
+    request cancelled or failed (its WorkerError sent) is left out. S = completions."""
+
+    request_ids: list[str]
+    lengths: list[int]
+    """T of each completion, in order (sum = the arrays' length)."""
+    output_ids: np.ndarray
+    """[sum T] int32: the completions' tokens, concatenated in order."""
+    logprobs: np.ndarray
+    """[sum T] float32 behaviour log-probs."""
+    versions: np.ndarray
+    """[sum T] int32 policy version that sampled each token."""
+    finish_reasons: list[FinishReason]
+    num_interruptions: list[int]
+    generation_s: list[float]
+
+    def completions(self) -> list[Generated]:
+        """Each completion as its own Generated (the arrays are views of this message's);
+        ValueError when the lists do not pair up with the request ids or the lengths do not
+        add up to the arrays'."""
+        n = len(self.request_ids)
+        sizes = [
+            len(values) for values in (self.lengths, self.finish_reasons, self.num_interruptions)
+        ] + [len(self.generation_s)]
+        if not n or any(size != n for size in sizes):
+            raise ValueError(
+                f"request_ids, lengths, finish_reasons, num_interruptions, generation_s have "
+                f"lengths {[n, *sizes]}: one of each per completion, at least one"
+            )
+        arrays = (self.output_ids, self.logprobs, self.versions)
+        total = sum(self.lengths)
+        if min(self.lengths) < 0 or any(a.ndim != 1 or len(a) != total for a in arrays):
+            raise ValueError(
+                f"lengths {self.lengths[:8]}{'...' if n > 8 else ''} (sum {total}) do not cut "
+                f"arrays of shapes {[list(a.shape) for a in arrays]}"
+            )
+        result, start = [], 0
+        for i, length in enumerate(self.lengths):
+            end = start + length
+            result.append(
+                Generated(
+                    request_id=self.request_ids[i],
+                    output_ids=self.output_ids[start:end],
+                    logprobs=self.logprobs[start:end],
+                    versions=self.versions[start:end],
+                    finish_reason=self.finish_reasons[i],
+                    num_interruptions=self.num_interruptions[i],
+                    generation_s=self.generation_s[i],
+                )
+            )
+            start = end
+        return result
+
+    @classmethod
+    def of(cls, completions: list[Generated]) -> Completions:
+        """The single completions `completions` (at least one) in one message."""
+        return cls(
+            request_ids=[c.request_id for c in completions],
+            lengths=[len(c.output_ids) for c in completions],
+            output_ids=_joined([c.output_ids for c in completions]),
+            logprobs=_joined([c.logprobs for c in completions]),
+            versions=_joined([c.versions for c in completions]),
+            finish_reasons=[c.finish_reason for c in completions],
+            num_interruptions=[c.num_interruptions for c in completions],
+            generation_s=[c.generation_s for c in completions],
+        )
+
+
+def _joined(arrays: list[np.ndarray]) -> np.ndarray:
+    """One array as it is (no copy), several concatenated."""
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+
 @message(MsgType.CANCEL)
 @dataclass(kw_only=True)
 class Cancel:
@@ -516,6 +595,7 @@ HEADER_LIMITS: dict[MsgType, HeaderLimit] = {
     MsgType.WELCOME: HeaderLimit(16 << 20, 1 << 16),  # the resolved run config
     MsgType.GENERATE: HeaderLimit(1 << 20, 1 << 16),  # stop token ids, an agent's prompt text
     MsgType.GENERATED: HeaderLimit(1 << 20, 1 << 12),  # an agent episode's segment lists
+    MsgType.COMPLETIONS: HeaderLimit(1 << 20, 1 << 16),  # a group's per-completion lists
     MsgType.UPDATE_WEIGHTS: HeaderLimit(64 << 20, 1 << 20),  # collective: every tensor's spec
     MsgType.WEIGHTS_CHUNK: HeaderLimit(16 << 20, 1 << 20),  # a bucket's tensor names and refs
     MsgType.TRAIN: HeaderLimit(1 << 20, 1 << 16),  # minibatch lists

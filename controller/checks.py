@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from areal.messages import (
+    Completions,
     Generated,
     GroupName,
     GroupStatus,
@@ -47,6 +48,7 @@ _SENDERS: dict[type, frozenset[WorkerKind]] = {
     Heartbeat: _ANY,
     WorkerError: _ANY,
     Generated: frozenset({WorkerKind.ROLLOUT}),
+    Completions: frozenset({WorkerKind.ROLLOUT}),
     WeightsUpdated: frozenset({WorkerKind.ROLLOUT}),
     Scored: frozenset({WorkerKind.REWARD}),
     Trained: frozenset({WorkerKind.TRAINER}),

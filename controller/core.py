@@ -8,6 +8,7 @@ what must go out into an Outbox, which the async shell (controller.py) sends.
     Generated      -> checked (checks.py), recorded in the ledger; strict bound: its group
                       dropped if too stale; an episode: judged with its environment's reward;
                       the group's last sample: one Score for the group (scoring.py)
+    Completions    -> each of its completions as a Generated
     Scored         -> each outcome judged (scoring.py); a whole group done -> the buffer,
                       its evaluation round, or dropped by a group filter
     Trained        -> a step's rank answered (trainers.py); rank 0 publishes the version
@@ -52,6 +53,7 @@ from areal.controller.train_driver import TrainDriver
 from areal.controller.trainers import RunFailed, Trainers
 from areal.controller.weight_sync import WeightSync
 from areal.messages import (
+    Completions,
     Generated,
     GroupName,
     GroupStatus,
@@ -123,6 +125,7 @@ class Core:
             Ready: self._on_ready,
             Heartbeat: self._on_heartbeat,
             Generated: self._on_generated,
+            Completions: self._on_completions,
             Scored: self._on_scored,
             Trained: self._on_trained,
             WeightsChunk: self._on_weights_chunk,
@@ -269,6 +272,35 @@ class Core:
         members: list[bytes],
         out: Outbox,
     ) -> None:
+        self._completion(identity, handle, msg, out)
+
+    def _on_completions(
+        self,
+        identity: bytes,
+        handle: WorkerHandle,
+        msg: Completions,
+        members: list[bytes],
+        out: Outbox,
+    ) -> None:
+        """Each completion as if it had come alone; a message whose parts do not fit
+        together is refused whole and each of its requests generated again."""
+        try:
+            completions = msg.completions()
+        except ValueError as err:
+            self.refuse(identity, "contradicts the ledger", f"Completions: {err}; generated again")
+            for request_id in msg.request_ids:
+                handle.in_flight.discard(request_id)
+                held = self.ledger.held(request_id, identity, Stage.GENERATING)
+                if held is not None:
+                    self.ledger.requeue(held)
+            return
+        for completion in completions:
+            self._completion(identity, handle, completion, out)
+
+    def _completion(
+        self, identity: bytes, handle: WorkerHandle, msg: Generated, out: Outbox
+    ) -> None:
+        """A finished generation: checked, recorded; the group's last one sent for scoring."""
         handle.in_flight.discard(msg.request_id)
         problem = generated_problem(
             msg,

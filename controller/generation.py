@@ -1,8 +1,8 @@
 """Generation requests: which rollout worker takes each pending sample, and cancelling them.
 
     ledger.pending --dispatch--> Generate of a group's pending samples (one message) to the
-                                 least-loaded ready rollout worker below
-                                 rollout.max_concurrent (room.py), while one is below it
+                                 least-loaded ready rollout worker with room (room.py:
+                                 below rollout.max_concurrent + queued_groups groups)
     a dropped group's samples being generated --cancel--> Cancel to their workers
     training ends --cancel_training--> Cancel of every training generation; training samples
                                  not yet sent are forgotten (evaluations still run)
@@ -32,20 +32,25 @@ class Generation:
         self.ledger = ledger
         self.pool = pool
         self.stop_token_ids = stop_token_ids
-        self.room = WorkerRoom(cfg.rollout.max_concurrent)
-        """Rollout workers below rollout.max_concurrent, least loaded first."""
+        self.room = WorkerRoom(
+            cfg.rollout.max_concurrent + cfg.rollout.queued_groups * cfg.task.group_size
+        )
+        """Rollout workers with room, least loaded first: below rollout.max_concurrent
+        sequences, plus queued_groups groups for their engine's queue (a worker answers a
+        group when the last of its samples is done: the queue keeps the engine full while the
+        others wait)."""
 
     def can_dispatch(self) -> bool:
         return bool(self.ledger.pending and self.room.peek())
 
     def dispatch(self, out: Outbox) -> None:
         """While a rollout worker has room: one Generate for the pending samples at the head of
-        the queue that belong to one group, all of them, to the least-loaded worker below
-        rollout.max_concurrent (a group admitted whole goes in one message; a re-queued
-        sample alone). A worker thus holds up to max_concurrent + group_size - 1 requests;
-        its engine decodes max_concurrent at once and queues the rest, as engines do
-        (vLLM's max_num_seqs, the torch engine's scheduler). Taking a group a sample at a
-        time instead, as slots free, would cost a message per completion."""
+        the queue that belong to one group, all of them, to the least-loaded worker with room
+        (a group admitted whole goes in one message, a re-queued sample alone). A worker
+        thus holds up to max_concurrent + (queued_groups + 1) * group_size - 1 requests; its
+        engine decodes max_concurrent at once and queues the rest, as engines do (vLLM's
+        max_num_seqs, the torch engine's scheduler). One message per group each way, not
+        per sample, is the controller's cost at cluster scale."""
         pending = self.ledger.pending
         while pending:
             worker = self.room.take()

@@ -11,7 +11,8 @@ inference engine behind `InterruptibleGenerator` does, without simulating each t
                   arriving. A chunk's duration is the sum of its steps' roofline times
                   (cost.decode_s, context growing by one token per sequence per step); a
                   chunk cut short by a message keeps the steps that fit in the time elapsed
-    finish     -> Generated(output of the drawn length, per-token versions)
+    finish     -> its output (of the drawn length, per-token versions); the Generate's last
+                  one -> Completions of them all
     UpdateWeights(interrupt)     -> every started sequence is aborted (KV dropped), the
                   weights load (cost.weight_load_s), and the sequences are resubmitted
                   with prompt + tokens so far (re-prefilled); later tokens carry the new
@@ -37,6 +38,7 @@ import numpy as np
 from areal import clock
 from areal.messages import (
     Cancel,
+    Completions,
     FinishReason,
     Generate,
     Generated,
@@ -49,8 +51,8 @@ from areal.messages import (
 from areal.sim.workers import SimWorker
 from areal.sim.workload import prompt_key, sample_name
 
-_ZEROS_I32 = np.zeros(1 << 16, dtype=np.int32)
-_ZEROS_F32 = np.zeros(1 << 16, dtype=np.float32)
+_ZEROS_I32 = np.zeros(1 << 20, dtype=np.int32)
+_ZEROS_F32 = np.zeros(1 << 20, dtype=np.float32)
 _ZEROS_I32.setflags(write=False)
 _ZEROS_F32.setflags(write=False)
 
@@ -87,9 +89,19 @@ class Seq:
     interruptions: int = 0
     epoch: int = 0
     """Bumped when it leaves the running batch (stale entries of the finish heap)."""
+    batch: _Batch | None = None
+    """The Generate it came in: answered in one Completions when its last sequence is done."""
 
     def context(self) -> int:
         return self.prompt_len + self.done
+
+
+@dataclass(eq=False)
+class _Batch:
+    """The sequences of one Generate: their results wait for the last (a real worker's, too)."""
+
+    unsettled: int
+    results: list[Generated] = field(default_factory=list)
 
 
 class SimRollout(SimWorker):
@@ -137,7 +149,9 @@ class SimRollout(SimWorker):
 
     def _on_generate(self, msg: Generate) -> None:
         key = prompt_key(msg.prompt_ids)
-        for request_id, _ in msg.samples():
+        samples = msg.samples()
+        batch = _Batch(len(samples))
+        for request_id, _ in samples:
             target = self.env.workload.completion_tokens(
                 key, sample_name(request_id), msg.max_new_tokens
             )
@@ -147,6 +161,7 @@ class SimRollout(SimWorker):
                 target=target,
                 stop=target < msg.max_new_tokens,
                 received_at=clock.now(),
+                batch=batch,
             )
             self.by_id[request_id] = seq
             self.waiting.append(seq)
@@ -159,6 +174,30 @@ class SimRollout(SimWorker):
             self._leave(seq)
         else:
             self.waiting.remove(seq)
+        self._settled(seq, None)
+
+    def _settled(self, seq: Seq, result: Generated | None) -> Completions | None:
+        """`seq` finished (`result`) or was cancelled (None); its Generate's answer when it
+        was the last of them."""
+        batch = seq.batch
+        assert batch is not None
+        if result is not None:
+            batch.results.append(result)
+        batch.unsettled -= 1
+        if batch.unsettled or not batch.results:
+            return None
+        results = batch.results
+        lengths = [len(r.versions) for r in results]
+        return Completions(
+            request_ids=[r.request_id for r in results],
+            lengths=lengths,
+            output_ids=_zeros(_ZEROS_I32, sum(lengths)),
+            logprobs=_zeros(_ZEROS_F32, sum(lengths)),
+            versions=np.concatenate([r.versions for r in results]),
+            finish_reasons=[r.finish_reason for r in results],
+            num_interruptions=[r.num_interruptions for r in results],
+            generation_s=[r.generation_s for r in results],
+        )
 
     def _wake(self) -> None:
         if self._waker is not None:
@@ -253,9 +292,10 @@ class SimRollout(SimWorker):
             steps = cost.decode_steps_within(batch, context, elapsed / slowdown, self.tp, steps)
         self.step += steps
         self.env.generated_tokens[0] += steps * batch
-        finished = self._pop_finished()
-        for seq in finished:
-            await self.channel.send(self._result(seq))
+        for seq in self._pop_finished():
+            answer = self._settled(seq, self._result(seq))
+            if answer is not None:
+                await self.channel.send(answer)
 
     # -- the running batch ------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import os
 import pickle
 
@@ -14,6 +15,7 @@ import torch
 from areal import codec
 from areal.codec import decode, encode
 from areal.messages import (
+    Completions,
     BroadcastWeights,
     Cancel,
     EpisodeEnd,
@@ -69,6 +71,16 @@ SAMPLES = {
         top_p=0.9,
         stop_token_ids=[1, 2],
         seeds=[5, 2**63 - 1],
+    ),
+    MsgType.COMPLETIONS: Completions(
+        request_ids=["r1", "r2"],
+        lengths=[3, 0],
+        output_ids=_arange(3),
+        logprobs=np.linspace(-1, 0, 3, dtype=np.float32),
+        versions=np.array([0, 0, 1], np.int32),
+        finish_reasons=[FinishReason.STOP, FinishReason.LENGTH],
+        num_interruptions=[1, 0],
+        generation_s=[0.25, 0.5],
     ),
     MsgType.GENERATED: Generated(
         request_id="r1",
@@ -545,3 +557,47 @@ def test_a_generate_names_its_samples_one_to_one():
         )
         with pytest.raises(ValueError, match=problem):
             decode(encode(bad)).samples()
+
+
+def test_completions_come_apart_into_the_generated_they_carry():
+    # A worker answers a Generate's single completions in one message (the controller's
+    # cost is per message); each comes apart as a Generated of views into its arrays.
+    parts = [
+        Generated(
+            request_id=f"g1-s{i}-a0",
+            output_ids=_arange(n),
+            logprobs=np.full(n, -0.5, np.float32),
+            versions=np.full(n, i, np.int32),
+            finish_reason=FinishReason.STOP if n % 2 else FinishReason.LENGTH,
+            num_interruptions=i,
+            generation_s=0.1 * i,
+        )
+        for i, n in enumerate([4, 1, 7])
+    ]
+    msg = decode(encode(Completions.of(parts)))
+    assert msg.lengths == [4, 1, 7]
+    for got, want in zip(msg.completions(), parts, strict=True):
+        _assert_same(want, got)
+    alone = Completions.of(parts[:1])
+    assert alone.output_ids is parts[0].output_ids  # one completion: not copied
+
+
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        (dict(lengths=[3]), r"lengths \[2, 1, 2, 2, 2\]"),
+        (
+            dict(
+                request_ids=[], lengths=[], finish_reasons=[], num_interruptions=[], generation_s=[]
+            ),
+            "at least one",
+        ),
+        (dict(lengths=[2, 2]), r"\(sum 4\) do not cut"),
+        (dict(lengths=[4, -1]), "do not cut"),
+        (dict(versions=np.zeros((3, 1), np.int32)), "do not cut"),
+    ],
+)
+def test_completions_whose_parts_do_not_fit_together_are_refused(change, problem):
+    msg = dataclasses.replace(SAMPLES[MsgType.COMPLETIONS], **change)
+    with pytest.raises(ValueError, match=problem):
+        decode(encode(msg)).completions()

@@ -17,6 +17,7 @@ from areal.controller.ledger import Purpose, Stage
 from areal.controller.outbox import Outbox
 from areal.messages import (
     Cancel,
+    Completions,
     Generate,
     Ready,
     Register,
@@ -87,6 +88,31 @@ def test_the_last_sample_of_a_group_sends_the_whole_group_to_one_reward_worker(r
     assert score.request_ids == ["g0-s0-a0", "g0-s1-a0"] and score.reference == "1"
     assert reward.in_flight == {"g0-s0-a0", "g0-s1-a0"}
     assert run.core.admission.staleness.num_buffered == 2
+
+
+def test_a_groups_completions_in_one_message_send_the_group_for_scoring(run):
+    run.admit(1)
+    rollout = run.join(WorkerKind.ROLLOUT)
+    reward = run.join(WorkerKind.REWARD)
+    answer = Completions.of([generated("g0-s1-a0", 2), generated("g0-s0-a0", 4)])
+    (score,) = run.on(rollout.identity, answer).sent(Score)
+    assert sorted(score.request_ids) == ["g0-s0-a0", "g0-s1-a0"]
+    assert not rollout.in_flight and reward.in_flight == {"g0-s0-a0", "g0-s1-a0"}
+    lengths = {
+        s.request_id: len(s.trajectory.output_ids) for s in run.core.ledger.groups[0].samples
+    }
+    assert lengths == {"g0-s0-a0": 4, "g0-s1-a0": 2}
+
+
+def test_completions_whose_parts_do_not_fit_are_refused_whole_and_generated_again(run):
+    run.admit(1)
+    rollout = run.join(WorkerKind.ROLLOUT)
+    answer = Completions.of([generated("g0-s0-a0", 2), generated("g0-s1-a0", 4)])
+    answer.lengths = [2, 3]  # one token short of the arrays
+    out = run.on(rollout.identity, answer)
+    assert not out.sent(Score)
+    assert run.core.peer_log.totals["contradicts the ledger"] == 1
+    assert sorted(_request_ids(out)) == ["g0-s0-a1", "g0-s1-a1"]  # both again, in one message
 
 
 def test_a_completion_that_contradicts_the_ledger_is_refused_and_generated_again(run):

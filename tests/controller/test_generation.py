@@ -24,6 +24,7 @@ def test_cancelled_training_requests_free_the_workers_slots_for_the_final_evalua
     cfg = load_config(
         overrides=[
             f"rollout.max_concurrent={CAPACITY}",
+            "rollout.queued_groups=0",
             f"run_dir={tmp_path}",
             "task.group_size=2",
             "trainer.batch_size=2",
@@ -98,7 +99,9 @@ def test_each_sample_is_sent_with_its_own_seed_named_by_what_it_is(tmp_path):
 
 
 def test_a_group_goes_whole_to_one_worker_below_its_limit_in_one_message(tmp_path):
-    cfg = load_config(overrides=["rollout.max_concurrent=5", f"run_dir={tmp_path}"])
+    cfg = load_config(
+        overrides=["rollout.max_concurrent=5", "rollout.queued_groups=0", f"run_dir={tmp_path}"]
+    )
     ledger = Ledger()
     pool = WorkerPool(cfg, tmp_path, "tcp://127.0.0.1:1", secret=None)
     generation = Generation(cfg, ledger, pool, stop_token_ids=[0])
@@ -146,3 +149,32 @@ def test_a_group_goes_whole_to_one_worker_below_its_limit_in_one_message(tmp_pat
         (b"r1", ["g3-s0-a1"]),
         (b"r1", [f"g4-s{i}-a0" for i in range(4)]),
     ]
+
+
+def test_a_worker_also_takes_its_queued_groups_beyond_max_concurrent(tmp_path):
+    # Its engine queues them; they keep it decoding max_concurrent while the finished
+    # samples of a group wait for the rest (a worker answers a group in one message).
+    cfg = load_config(
+        overrides=[
+            "rollout.max_concurrent=5",
+            "rollout.queued_groups=2",
+            "task.group_size=4",
+            f"run_dir={tmp_path}",
+        ]
+    )
+    ledger = Ledger()
+    pool = WorkerPool(cfg, tmp_path, "tcp://127.0.0.1:1", secret=None)
+    generation = Generation(cfg, ledger, pool, stop_token_ids=[0])
+    worker = WorkerHandle(
+        worker_id="rollout-0", kind=WorkerKind.ROLLOUT, identity=b"r0", ready=True
+    )
+    pool.by_identity[worker.identity] = worker
+    generation.room.offer(worker)
+    prompt = Prompt(prompt_id="p", text="1+1=", reference="2")
+    for _ in range(5):
+        ledger.add_group(prompt, np.array([5], np.int32), 4, version=0)
+    out = Outbox()
+    generation.dispatch(out)
+    # below 5 + 2 x 4 = 13 requests it takes a group: 0, 4, 8, 12 -> four groups, 16 held
+    assert [len(msg.request_ids) for msg in out.sent(Generate)] == [4, 4, 4, 4]
+    assert len(worker.in_flight) == 16 and len(ledger.pending) == 4

@@ -40,6 +40,7 @@ import torch
 
 from areal.messages import (
     Cancel,
+    Completions,
     Generate,
     Generated,
     GroupName,
@@ -106,10 +107,13 @@ class RolloutWorker(Worker):
 
     async def handle(self, msg: Any) -> None:
         if isinstance(msg, Generate):
-            for request_id, seed in msg.samples():
+            samples = msg.samples()
+            answer = _Answer(self, len(samples))
+            for request_id, seed in samples:
                 task = self.spawn(self._generate(msg, request_id, seed), request_id)
                 self._requests[request_id] = task
                 task.add_done_callback(lambda _, rid=request_id: self._requests.pop(rid, None))
+                task.add_done_callback(answer.settled)
         elif isinstance(msg, Cancel):
             for request_id in msg.request_ids:
                 task = self._requests.pop(request_id, None)
@@ -269,8 +273,9 @@ class RolloutWorker(Worker):
             update, source = self._updates.get_nowait()
         return update, source
 
-    async def _generate(self, msg: Generate, request_id: str, seed: int | None) -> None:
-        """One completion of `msg`'s prompt, answered by a Generated for `request_id`."""
+    async def _generate(self, msg: Generate, request_id: str, seed: int | None) -> Generated | None:
+        """One completion of `msg`'s prompt: an episode's or an agent's is sent at once (as a
+        Generated); a single completion is returned, for its Generate's Completions."""
         start = time.monotonic()
         params = SamplingParams(
             max_new_tokens=msg.max_new_tokens,
@@ -289,7 +294,7 @@ class RolloutWorker(Worker):
             )
             self._generated_tokens += agent_episode.num_model_tokens
             await self.send(generated_agent_episode(request_id, agent_episode, msg.prompt_ids))
-            return
+            return None
         if self.episodes is not None:
             episode = await self.episodes.run(
                 request_id,
@@ -300,19 +305,17 @@ class RolloutWorker(Worker):
             )
             self._generated_tokens += sum(episode.loss_mask)
             await self.send(generated_episode(request_id, episode, time.monotonic() - start))
-            return
+            return None
         result = await self.generator.generate(request_id, msg.prompt_ids.tolist(), params)
         self._generated_tokens += len(result.token_ids)
-        await self.send(
-            Generated(
-                request_id=request_id,
-                output_ids=result.token_ids_array(),
-                logprobs=result.logprobs_array(),
-                versions=result.versions_array(),
-                finish_reason=result.finish_reason,
-                num_interruptions=result.num_interruptions,
-                generation_s=time.monotonic() - start,
-            )
+        return Generated(
+            request_id=request_id,
+            output_ids=result.token_ids_array(),
+            logprobs=result.logprobs_array(),
+            versions=result.versions_array(),
+            finish_reason=result.finish_reason,
+            num_interruptions=result.num_interruptions,
+            generation_s=time.monotonic() - start,
         )
 
     async def close(self) -> None:
@@ -323,3 +326,22 @@ class RolloutWorker(Worker):
         engine = getattr(self, "engine", None)
         if engine is not None:
             await engine.close()
+
+
+class _Answer:
+    """The single completions of one Generate, sent in one Completions when the last of its
+    requests has settled (done, cancelled, or failed: a failure is reported on its own, by
+    `Worker.spawn`); nothing when none completed. The controller pays per message, and
+    scores a group only once every sample of it is in."""
+
+    def __init__(self, worker: RolloutWorker, num_requests: int) -> None:
+        self.worker = worker
+        self.unsettled = num_requests
+        self.completions: list[Generated] = []
+
+    def settled(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is None and task.result() is not None:
+            self.completions.append(task.result())
+        self.unsettled -= 1
+        if not self.unsettled and self.completions:
+            self.worker.spawn(self.worker.send(Completions.of(self.completions)))

@@ -1,0 +1,102 @@
+"""How a rollout worker answers a Generate over the real torch engine: the single completions
+of one Generate in one Completions once the last is done; a cancelled request left out; a
+failed one reported on its own, the others still answered."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from rollout_helpers import random_prompts
+
+from areal.config import load_config
+from areal.messages import Cancel, Completions, Generate, WorkerError
+from areal.workers.rollout.interruptible import InterruptibleGenerator
+from areal.workers.rollout.worker import RolloutWorker
+
+
+def answering_worker(engine) -> tuple[RolloutWorker, list]:
+    """A rollout worker's request path (what `setup` builds for it), without a controller;
+    the messages it sends are collected."""
+    worker = RolloutWorker("tcp://127.0.0.1:1", "rollout-test", secret="")
+    worker.config = load_config()
+    worker.generator = InterruptibleGenerator(engine, version=0)
+    worker._requests, worker._generated_tokens = {}, 0
+    worker.episodes = worker.agents = None
+    sent: list = []
+
+    async def send(msg) -> None:
+        sent.append(msg)
+
+    worker.send = send
+    return worker, sent
+
+
+def generate(request_ids: list[str], max_new_tokens: int = 6) -> Generate:
+    return Generate(
+        request_ids=request_ids,
+        prompt_ids=np.array(random_prompts(1, min_len=6, max_len=6, seed=2)[0], np.int32),
+        max_new_tokens=max_new_tokens,
+        temperature=1.0,
+        seeds=[100 + i for i in range(len(request_ids))],
+    )
+
+
+async def settle(worker: RolloutWorker) -> None:
+    while worker._tasks:
+        await asyncio.gather(*list(worker._tasks), return_exceptions=True)
+
+
+async def test_a_generates_completions_come_back_in_one_message(make_engine):
+    worker, sent = answering_worker(await make_engine())
+    await worker.handle(generate(["g0-s0-a0", "g0-s1-a0", "g0-s2-a0"]))
+    await settle(worker)
+    (answer,) = sent
+    assert isinstance(answer, Completions)
+    assert sorted(answer.request_ids) == ["g0-s0-a0", "g0-s1-a0", "g0-s2-a0"]
+    for completion in answer.completions():
+        assert 0 < len(completion.output_ids) <= 6
+        assert (completion.versions == 0).all() and (completion.logprobs <= 0).all()
+    assert not worker._requests
+
+
+async def test_a_cancelled_request_is_left_out_and_a_generate_all_cancelled_is_not_answered(
+    make_engine,
+):
+    worker, sent = answering_worker(await make_engine())
+    await worker.handle(generate(["g1-s0-a0", "g1-s1-a0"], max_new_tokens=200))
+    await worker.handle(Cancel(request_ids=["g1-s1-a0"]))
+    await worker.handle(generate(["g2-s0-a0"], max_new_tokens=200))
+    await worker.handle(Cancel(request_ids=["g2-s0-a0"]))
+    await settle(worker)
+    (answer,) = sent
+    assert answer.request_ids == ["g1-s0-a0"]
+
+
+async def test_a_failed_request_is_reported_alone_and_the_others_still_answered(
+    make_engine, monkeypatch
+):
+    worker, sent = answering_worker(await make_engine())
+    real = worker.generator.generate
+
+    async def failing(request_id, prompt, params):
+        if request_id == "g3-s1-a0":
+            raise RuntimeError("engine refused it")
+        return await real(request_id, prompt, params)
+
+    monkeypatch.setattr(worker.generator, "generate", failing)
+    await worker.handle(generate(["g3-s0-a0", "g3-s1-a0", "g3-s2-a0"]))
+    await settle(worker)
+    errors = [m for m in sent if isinstance(m, WorkerError)]
+    answers = [m for m in sent if isinstance(m, Completions)]
+    assert [(e.request_id, e.error) for e in errors] == [
+        ("g3-s1-a0", "RuntimeError: engine refused it")
+    ]
+    assert len(answers) == 1 and sorted(answers[0].request_ids) == ["g3-s0-a0", "g3-s2-a0"]
+
+
+async def test_a_generate_that_names_no_distinct_samples_is_refused(make_engine):
+    worker, _ = answering_worker(await make_engine())
+    with pytest.raises(ValueError, match="distinct request ids"):
+        await worker.handle(generate(["a", "a"]))
