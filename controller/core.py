@@ -39,7 +39,7 @@ from collections.abc import Callable
 from areal.config import RunConfig
 from areal.controller import strict_staleness
 from areal.controller.admission import Admission
-from areal.controller.checks import generated_problem, sender_problem
+from areal.controller.checks import completions_fit, generated_problem, sender_problem
 from areal.controller.evaluations import Evaluations
 from areal.controller.generation import Generation
 from areal.controller.ledger import Group, Ledger, Purpose, Stage
@@ -272,7 +272,7 @@ class Core:
         members: list[bytes],
         out: Outbox,
     ) -> None:
-        self._completion(identity, handle, msg, out)
+        self._completion(identity, handle, msg, out, checked=False)
 
     def _on_completions(
         self,
@@ -294,19 +294,30 @@ class Core:
                 if held is not None:
                     self.ledger.requeue(held)
             return
-        for completion in completions:
-            self._completion(identity, handle, completion, out)
-
-    def _completion(
-        self, identity: bytes, handle: WorkerHandle, msg: Generated, out: Outbox
-    ) -> None:
-        """A finished generation: checked, recorded; the group's last one sent for scoring."""
-        handle.in_flight.discard(msg.request_id)
-        problem = generated_problem(
+        checked = completions_fit(
             msg,
             max_new_tokens=self.cfg.rollout.max_new_tokens,
             version=self.weights.version,
             vocab_size=self.vocab_size,
+        )
+        for completion in completions:
+            self._completion(identity, handle, completion, out, checked)
+
+    def _completion(
+        self, identity: bytes, handle: WorkerHandle, msg: Generated, out: Outbox, checked: bool
+    ) -> None:
+        """A finished generation: checked (unless `checked` already), recorded; the group's
+        last one sent for scoring."""
+        handle.in_flight.discard(msg.request_id)
+        problem = (
+            ""
+            if checked
+            else generated_problem(
+                msg,
+                max_new_tokens=self.cfg.rollout.max_new_tokens,
+                version=self.weights.version,
+                vocab_size=self.vocab_size,
+            )
         )
         if problem:
             self.refuse(

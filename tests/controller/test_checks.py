@@ -19,6 +19,7 @@ from areal.controller.checks import (
 )
 from areal.controller.pool import WorkerHandle
 from areal.messages import (
+    Completions,
     FinishReason,
     Generated,
     GroupName,
@@ -236,6 +237,49 @@ def test_the_short_path_accepts_only_what_the_full_check_accepts(data, n, versio
     if checks._plain_completion_fits(msg, 8, version, vocab_size):
         assert full == ""
     assert generated_problem(msg, max_new_tokens=8, version=version, vocab_size=vocab_size) == full
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.data(),
+    lengths=st.lists(st.integers(0, 9), min_size=1, max_size=4),
+    version=st.integers(0, 3),
+    vocab_size=st.sampled_from([None, 100]),
+)
+@pytest.mark.slow
+def test_a_whole_completions_message_passes_only_when_each_completion_would(
+    data, lengths, version, vocab_size
+):
+    parts = [
+        Generated(
+            request_id=f"g0-s{i}-a0",
+            finish_reason=FinishReason.LENGTH,
+            **data.draw(_completion(n, version)),
+        )
+        for i, n in enumerate(lengths)
+    ]
+    try:
+        msg = Completions.of(parts)
+        completions = msg.completions()
+    except ValueError:  # parts that do not fit together: refused whole before any check
+        return
+    each = [
+        generated_problem(c, max_new_tokens=8, version=version, vocab_size=vocab_size)
+        for c in completions
+    ]
+    if checks.completions_fit(msg, max_new_tokens=8, version=version, vocab_size=vocab_size):
+        assert each == [""] * len(each)
+
+
+def test_a_completions_message_of_well_formed_completions_passes_in_one_check():
+    parts = [_generated(), _generated(), _generated()]
+    msg = Completions.of(parts)
+    assert checks.completions_fit(msg, max_new_tokens=8, version=2, vocab_size=100)
+    # a version that drops inside a completion, not where one begins, fails it
+    msg.versions = msg.versions.copy()
+    msg.versions[1:3] = [2, 1]  # [0, 2, 1 | 0, 1, 1 | 0, 1, 1]
+    assert not checks.completions_fit(msg, max_new_tokens=8, version=2, vocab_size=100)
+    assert [bool(_problem(c)) for c in msg.completions()] == [True, False, False]
 
 
 @pytest.mark.parametrize("name", ["output_ids", "logprobs", "versions"])
