@@ -309,11 +309,11 @@ class RolloutConfig:
     temperature: float = opt(1.0, "sampling temperature (behaviour log-probs include it)")
     top_p: float = opt(1.0, "nucleus sampling mass")
     max_concurrent: int = opt(128, "sequences a worker decodes at once")
-    queued_groups: int = opt(
-        2,
-        "groups a worker may hold beyond max_concurrent, queued in its engine: a group's "
-        "completions are answered together, so finished ones wait for the rest, and the "
-        "queue keeps the engine decoding max_concurrent meanwhile",
+    max_queued: int = opt(
+        15,
+        "requests a worker may hold beyond max_concurrent, queued in its engine; while it "
+        "holds any, finished completions are answered together, about max_queued + 1 a "
+        "message (the controller's cost is per message)",
     )
     interrupt: bool = opt(
         True,
@@ -340,7 +340,7 @@ class RolloutConfig:
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"{key}.top_p={self.top_p!r} must be in (0, 1]")
         _positive(self.max_concurrent, f"{key}.max_concurrent")
-        _non_negative(self.queued_groups, f"{key}.queued_groups")
+        _non_negative(self.max_queued, f"{key}.max_queued")
         _positive(self.threads, f"{key}.threads")
         if self.devices and len(self.devices) != self.num_workers:
             raise ConfigError(

@@ -1,8 +1,8 @@
 """Generation requests: which rollout worker takes each pending sample, and cancelling them.
 
-    ledger.pending --dispatch--> Generate of a group's pending samples (one message) to the
-                                 least-loaded ready rollout worker with room (room.py:
-                                 below rollout.max_concurrent + queued_groups groups)
+    ledger.pending --dispatch--> each sample to the least-loaded ready rollout worker with
+                                 room (room.py: max_concurrent + max_queued), a group's
+                                 samples to one worker in one Generate
     a dropped group's samples being generated --cancel--> Cancel to their workers
     training ends --cancel_training--> Cancel of every training generation; training samples
                                  not yet sent are forgotten (evaluations still run)
@@ -32,58 +32,49 @@ class Generation:
         self.ledger = ledger
         self.pool = pool
         self.stop_token_ids = stop_token_ids
-        self.room = WorkerRoom(
-            cfg.rollout.max_concurrent + cfg.rollout.queued_groups * cfg.task.group_size
-        )
-        """Rollout workers with room, least loaded first: below rollout.max_concurrent
-        sequences, plus queued_groups groups for their engine's queue (a worker answers a
-        group when the last of its samples is done: the queue keeps the engine full while the
-        others wait)."""
+        self.room = WorkerRoom(cfg.rollout.max_concurrent + cfg.rollout.max_queued)
+        """Rollout workers below max_concurrent + max_queued requests, least loaded first."""
 
     def can_dispatch(self) -> bool:
         return bool(self.ledger.pending and self.room.peek())
 
     def dispatch(self, out: Outbox) -> None:
-        """While a rollout worker has room: one Generate for the pending samples at the head of
-        the queue that belong to one group, all of them, to the least-loaded worker with room
-        (a group admitted whole goes in one message, a re-queued sample alone). A worker
-        thus holds up to max_concurrent + (queued_groups + 1) * group_size - 1 requests; its
-        engine decodes max_concurrent at once and queues the rest, as engines do (vLLM's
-        max_num_seqs, the torch engine's scheduler). One message per group each way, not
-        per sample, is the controller's cost at cluster scale."""
+        """Each pending sample, in order, to the least-loaded rollout worker with room: fewer
+        requests than rollout.max_concurrent (what its engine decodes at once) plus
+        rollout.max_queued (what it queues). The samples of one group that go to one worker
+        in this call go in one Generate: when a worker's answer frees room for several, the
+        next samples, mostly of one group, go to it in one message (the controller's cost is
+        per message); when many workers have room (the start), a group is spread over them,
+        as its samples' lengths go together (a hard prompt's are all long)."""
         pending = self.ledger.pending
+        batches: dict[tuple[int, int], tuple[WorkerHandle, list[Sample]]] = {}
+        now = clock.now()
         while pending:
             worker = self.room.take()
             if worker is None:
                 break
-            samples = [pending.popleft()]
-            group_id = samples[0].group_id
-            while pending and pending[0].group_id == group_id:
-                samples.append(pending.popleft())
-            self._generate(samples, worker, out)
+            sample = pending.popleft()
+            self.ledger.start_generation(sample, worker.identity, now)
+            worker.in_flight.add(sample.request_id)
+            batches.setdefault((id(worker), sample.group_id), (worker, []))[1].append(sample)
             self.room.offer(worker)
+        for worker, samples in batches.values():
+            out.send(worker.identity, self._generate(samples))
 
-    def _generate(self, samples: list[Sample], worker: WorkerHandle, out: Outbox) -> None:
-        """One Generate for `samples`, all of one group."""
+    def _generate(self, samples: list[Sample]) -> Generate:
+        """The Generate of `samples`, all of one group."""
         group = self.ledger.groups[samples[0].group_id]
         rollout = self.cfg.rollout
         training = group.purpose is Purpose.TRAIN
-        now = clock.now()
-        for sample in samples:
-            self.ledger.start_generation(sample, worker.identity, now)
-            worker.in_flight.add(sample.request_id)
-        out.send(
-            worker.identity,
-            Generate(
-                request_ids=[sample.request_id for sample in samples],
-                prompt_ids=group.prompt_ids,
-                max_new_tokens=rollout.max_new_tokens,
-                temperature=rollout.temperature if training else self.cfg.eval.temperature,
-                top_p=rollout.top_p if training else 1.0,
-                stop_token_ids=self.stop_token_ids,
-                seeds=[self._seed(group, sample) for sample in samples],
-                **episode_fields(self.cfg, group.prompt),
-            ),
+        return Generate(
+            request_ids=[sample.request_id for sample in samples],
+            prompt_ids=group.prompt_ids,
+            max_new_tokens=rollout.max_new_tokens,
+            temperature=rollout.temperature if training else self.cfg.eval.temperature,
+            top_p=rollout.top_p if training else 1.0,
+            stop_token_ids=self.stop_token_ids,
+            seeds=[self._seed(group, sample) for sample in samples],
+            **episode_fields(self.cfg, group.prompt),
         )
 
     def _seed(self, group: Group, sample: Sample) -> int:

@@ -11,8 +11,9 @@ inference engine behind `InterruptibleGenerator` does, without simulating each t
                   arriving. A chunk's duration is the sum of its steps' roofline times
                   (cost.decode_s, context growing by one token per sequence per step); a
                   chunk cut short by a message keeps the steps that fit in the time elapsed
-    finish     -> its output (of the drawn length, per-token versions); the Generate's last
-                  one -> Completions of them all
+    finish     -> its output (of the drawn length, per-token versions), sent with the others
+                  finished in one Completions once the batch has a free slot and nothing
+                  waits for it
     UpdateWeights(interrupt)     -> every started sequence is aborted (KV dropped), the
                   weights load (cost.weight_load_s), and the sequences are resubmitted
                   with prompt + tokens so far (re-prefilled); later tokens carry the new
@@ -89,19 +90,9 @@ class Seq:
     interruptions: int = 0
     epoch: int = 0
     """Bumped when it leaves the running batch (stale entries of the finish heap)."""
-    batch: _Batch | None = None
-    """The Generate it came in: answered in one Completions when its last sequence is done."""
 
     def context(self) -> int:
         return self.prompt_len + self.done
-
-
-@dataclass(eq=False)
-class _Batch:
-    """The sequences of one Generate: their results wait for the last (a real worker's, too)."""
-
-    unsettled: int
-    results: list[Generated] = field(default_factory=list)
 
 
 class SimRollout(SimWorker):
@@ -120,6 +111,8 @@ class SimRollout(SimWorker):
         self.running: dict[str, Seq] = {}
         self.waiting: list[Seq] = []  # admission order; preempted ones go back to the front
         self.by_id: dict[str, Seq] = {}
+        self._answered: dict[str, Generated] = {}
+        """Finished, not yet sent (`_answer`)."""
         self._finish_heap: list[tuple[int, int, int, Seq]] = []
         self._order = itertools.count()
         self._ctx_base = 0  # sum over running of (context at join - joined_step)
@@ -149,9 +142,7 @@ class SimRollout(SimWorker):
 
     def _on_generate(self, msg: Generate) -> None:
         key = prompt_key(msg.prompt_ids)
-        samples = msg.samples()
-        batch = _Batch(len(samples))
-        for request_id, _ in samples:
+        for request_id, _ in msg.samples():
             target = self.env.workload.completion_tokens(
                 key, sample_name(request_id), msg.max_new_tokens
             )
@@ -161,7 +152,6 @@ class SimRollout(SimWorker):
                 target=target,
                 stop=target < msg.max_new_tokens,
                 received_at=clock.now(),
-                batch=batch,
             )
             self.by_id[request_id] = seq
             self.waiting.append(seq)
@@ -174,19 +164,16 @@ class SimRollout(SimWorker):
             self._leave(seq)
         else:
             self.waiting.remove(seq)
-        self._settled(seq, None)
+        self._answered.pop(request_id, None)
 
-    def _settled(self, seq: Seq, result: Generated | None) -> Completions | None:
-        """`seq` finished (`result`) or was cancelled (None); its Generate's answer when it
-        was the last of them."""
-        batch = seq.batch
-        assert batch is not None
-        if result is not None:
-            batch.results.append(result)
-        batch.unsettled -= 1
-        if batch.unsettled or not batch.results:
+    def _answer(self) -> Completions | None:
+        """The finished completions, all in one message, once the engine has a free slot and
+        nothing queued for it (the rollout worker's rule: workers/rollout/worker.py,
+        `Answered`); None while it is full or nothing has finished."""
+        if not self._answered or len(self.by_id) >= self.max_running:
             return None
-        results = batch.results
+        results = list(self._answered.values())
+        self._answered.clear()
         lengths = [len(r.versions) for r in results]
         return Completions(
             request_ids=[r.request_id for r in results],
@@ -221,6 +208,9 @@ class SimRollout(SimWorker):
 
     async def _engine(self) -> None:
         while True:
+            answer = self._answer()  # after each chunk, and when a cancel emptied the batch
+            if answer is not None:
+                await self.channel.send(answer)
             if self._updates and await self._update_weights():
                 continue
             admitted = self._admit()
@@ -293,9 +283,7 @@ class SimRollout(SimWorker):
         self.step += steps
         self.env.generated_tokens[0] += steps * batch
         for seq in self._pop_finished():
-            answer = self._settled(seq, self._result(seq))
-            if answer is not None:
-                await self.channel.send(answer)
+            self._answered[seq.request_id] = self._result(seq)
 
     # -- the running batch ------------------------------------------------------------------------
 

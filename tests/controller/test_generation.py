@@ -24,7 +24,7 @@ def test_cancelled_training_requests_free_the_workers_slots_for_the_final_evalua
     cfg = load_config(
         overrides=[
             f"rollout.max_concurrent={CAPACITY}",
-            "rollout.queued_groups=0",
+            "rollout.max_queued=0",
             f"run_dir={tmp_path}",
             "task.group_size=2",
             "trainer.batch_size=2",
@@ -98,9 +98,9 @@ def test_each_sample_is_sent_with_its_own_seed_named_by_what_it_is(tmp_path):
     assert seeds[2:4] == seeds[4:6] == [eval_sample_seed(7, "eval-3", i) for i in range(2)]
 
 
-def test_a_group_goes_whole_to_one_worker_below_its_limit_in_one_message(tmp_path):
+def test_a_groups_samples_spread_over_workers_with_room_and_go_together_to_each(tmp_path):
     cfg = load_config(
-        overrides=["rollout.max_concurrent=5", "rollout.queued_groups=0", f"run_dir={tmp_path}"]
+        overrides=["rollout.max_concurrent=3", "rollout.max_queued=2", f"run_dir={tmp_path}"]
     )
     ledger = Ledger()
     pool = WorkerPool(cfg, tmp_path, "tcp://127.0.0.1:1", secret=None)
@@ -115,66 +115,32 @@ def test_a_group_goes_whole_to_one_worker_below_its_limit_in_one_message(tmp_pat
         pool.by_identity[worker.identity] = worker
         generation.room.offer(worker)
     prompt = Prompt(prompt_id="p", text="1+1=", reference="2")
-    for _ in range(2):
+    for _ in range(3):  # 12 samples for 2 x (3 + 2) = 10 slots
         ledger.add_group(prompt, np.array([5], np.int32), 4, version=0)
     out = Outbox()
     generation.dispatch(out)
+    # each sample to the least-loaded worker: every group spread over both, and each
+    # worker's samples of one group in one message
     sent = [(identity, msg.request_ids) for identity, msg in out.messages]
-    # the first group whole to the first worker; the second to the other, now less loaded
     assert sent == [
-        (b"r0", [f"g0-s{i}-a0" for i in range(4)]),
-        (b"r1", [f"g1-s{i}-a0" for i in range(4)]),
+        (b"r0", ["g0-s0-a0", "g0-s2-a0"]),
+        (b"r1", ["g0-s1-a0", "g0-s3-a0"]),
+        (b"r0", ["g1-s0-a0", "g1-s2-a0"]),
+        (b"r1", ["g1-s1-a0", "g1-s3-a0"]),
+        (b"r0", ["g2-s0-a0"]),
+        (b"r1", ["g2-s1-a0"]),
     ]
-    for _ in range(3):
-        ledger.add_group(prompt, np.array([5], np.int32), 4, version=0)
-    out = Outbox()
-    generation.dispatch(out)
-    # each worker, below its limit of 5, takes one more group whole (its engine decodes 5
-    # and queues the rest); then both are at or over it and the last group waits
-    assert [(identity, msg.request_ids) for identity, msg in out.messages] == [
-        (b"r0", [f"g2-s{i}-a0" for i in range(4)]),
-        (b"r1", [f"g3-s{i}-a0" for i in range(4)]),
-    ]
-    assert [s.request_id for s in ledger.pending] == [f"g4-s{i}-a0" for i in range(4)]
-    assert all(len(w.in_flight) == 8 for w in workers) and not generation.can_dispatch()
-    # a re-queued sample goes alone, to the first worker back below its limit
-    workers[1].in_flight.difference_update(["g1-s0-a0", "g1-s1-a0", "g1-s2-a0", "g1-s3-a0"])
-    retry = ledger.by_request["g3-s0-a0"]
-    workers[1].in_flight.discard(retry.request_id)
-    ledger.requeue(retry)
-    generation.room.offer(workers[1])
+    assert [s.request_id for s in ledger.pending] == ["g2-s2-a0", "g2-s3-a0"]
+    assert all(len(w.in_flight) == 5 for w in workers) and not generation.can_dispatch()
+    # a worker's answer frees several slots: the next samples go to it in one message
+    answered = ["g0-s0-a0", "g0-s2-a0", "g1-s0-a0"]
+    workers[0].in_flight.difference_update(answered)
+    generation.room.offer(workers[0])
     out = Outbox()
     generation.dispatch(out)
     assert [(identity, msg.request_ids) for identity, msg in out.messages] == [
-        (b"r1", ["g3-s0-a1"]),
-        (b"r1", [f"g4-s{i}-a0" for i in range(4)]),
+        (b"r0", ["g2-s2-a0", "g2-s3-a0"])
     ]
-
-
-def test_a_worker_also_takes_its_queued_groups_beyond_max_concurrent(tmp_path):
-    # Its engine queues them; they keep it decoding max_concurrent while the finished
-    # samples of a group wait for the rest (a worker answers a group in one message).
-    cfg = load_config(
-        overrides=[
-            "rollout.max_concurrent=5",
-            "rollout.queued_groups=2",
-            "task.group_size=4",
-            f"run_dir={tmp_path}",
-        ]
-    )
-    ledger = Ledger()
-    pool = WorkerPool(cfg, tmp_path, "tcp://127.0.0.1:1", secret=None)
-    generation = Generation(cfg, ledger, pool, stop_token_ids=[0])
-    worker = WorkerHandle(
-        worker_id="rollout-0", kind=WorkerKind.ROLLOUT, identity=b"r0", ready=True
-    )
-    pool.by_identity[worker.identity] = worker
-    generation.room.offer(worker)
-    prompt = Prompt(prompt_id="p", text="1+1=", reference="2")
-    for _ in range(5):
-        ledger.add_group(prompt, np.array([5], np.int32), 4, version=0)
-    out = Outbox()
-    generation.dispatch(out)
-    # below 5 + 2 x 4 = 13 requests it takes a group: 0, 4, 8, 12 -> four groups, 16 held
-    assert [len(msg.request_ids) for msg in out.sent(Generate)] == [4, 4, 4, 4]
-    assert len(worker.in_flight) == 16 and len(ledger.pending) == 4
+    assert [msg.seeds for msg in out.sent(Generate)] == [
+        [train_sample_seed(cfg.seed, ledger.groups[2].position, i) for i in (2, 3)]
+    ]

@@ -1,12 +1,15 @@
 """The rollout worker: serves Generate requests with an engine, swaps weights on command.
 
-    Generate  -> InterruptibleGenerator.generate (a task per request) -> Generated
+    Generate  -> InterruptibleGenerator.generate (a task per request id) -> its single
+                 completion waits while the engine has others queued (Answered), then goes
+                 with every completion waiting in one Completions
     UpdateWeights(disk)        -> update from <path>
     UpdateWeights(stream) + WeightsChunk x n -> update from the received tensors
     JoinGroup(weights)         -> join that generation of the weights group (collective mode)
     UpdateWeights(collective)  -> receive the broadcast buckets, update from them
     UpdateWeights(shm)         -> update from the shared-memory slot <path>, read in place
-    Cancel    -> the request's task is cancelled; no result is sent
+    Cancel    -> the request's task is cancelled (or its waiting completion forgotten); no
+                 result is sent
     Generate with episode.environment set -> EpisodeRunner.run (episode.py): model turns
                  and the environment's observations in one trajectory -> Generated with
                  its loss mask and the environment's reward
@@ -81,6 +84,7 @@ class RolloutWorker(Worker):
                 source = await asyncio.to_thread(source.read)
             await self.generator.update_weights(source, welcome.version)
         self._requests: dict[str, asyncio.Task] = {}
+        self._answered = Answered()
         self._updates: asyncio.Queue = asyncio.Queue()
         self._stream: tuple[UpdateWeights, list[WeightsChunk]] | None = None
         self._generated_tokens = 0
@@ -107,18 +111,16 @@ class RolloutWorker(Worker):
 
     async def handle(self, msg: Any) -> None:
         if isinstance(msg, Generate):
-            samples = msg.samples()
-            answer = _Answer(self, len(samples))
-            for request_id, seed in samples:
+            for request_id, seed in msg.samples():
                 task = self.spawn(self._generate(msg, request_id, seed), request_id)
                 self._requests[request_id] = task
-                task.add_done_callback(lambda _, rid=request_id: self._requests.pop(rid, None))
-                task.add_done_callback(answer.settled)
+                task.add_done_callback(lambda t, rid=request_id: self._settled(rid, t))
         elif isinstance(msg, Cancel):
             for request_id in msg.request_ids:
                 task = self._requests.pop(request_id, None)
                 if task is not None:
                     task.cancel()
+            self._answered.forget(msg.request_ids)
         elif isinstance(msg, UpdateWeights):
             self._on_update(msg)
         elif isinstance(msg, WeightsChunk):
@@ -273,6 +275,17 @@ class RolloutWorker(Worker):
             update, source = self._updates.get_nowait()
         return update, source
 
+    def _settled(self, request_id: str, task: asyncio.Task) -> None:
+        """A request is done, failed (reported by `spawn`) or cancelled: a single completion
+        waits in `_answered` while the engine has others queued for the slot it freed."""
+        self._requests.pop(request_id, None)
+        if not task.cancelled() and task.exception() is None and task.result() is not None:
+            self._answered.add(task.result())
+        if len(self._requests) < self.config.rollout.max_concurrent:
+            answer = self._answered.take()
+            if answer is not None:
+                self.spawn(self.send(answer))
+
     async def _generate(self, msg: Generate, request_id: str, seed: int | None) -> Generated | None:
         """One completion of `msg`'s prompt: an episode's or an agent's is sent at once (as a
         Generated); a single completion is returned, for its Generate's Completions."""
@@ -328,20 +341,30 @@ class RolloutWorker(Worker):
             await engine.close()
 
 
-class _Answer:
-    """The single completions of one Generate, sent in one Completions when the last of its
-    requests has settled (done, cancelled, or failed: a failure is reported on its own, by
-    `Worker.spawn`); nothing when none completed. The controller pays per message, and
-    scores a group only once every sample of it is in."""
+class Answered:
+    """Single completions finished and not yet sent, answered together (`take`) when the
+    worker's engine has a free slot and nothing queued for it (fewer requests than
+    rollout.max_concurrent), which is when it wants more work. While its engine is full
+    (the controller sends it a whole group as soon as it is below max_concurrent, and the
+    engine queues the rest), finished completions gather: about a group's worth goes in one
+    Completions, and the controller, whose cost is per message, answers with the next group.
+    With fewer requests than max_concurrent, each is answered as it finishes."""
 
-    def __init__(self, worker: RolloutWorker, num_requests: int) -> None:
-        self.worker = worker
-        self.unsettled = num_requests
-        self.completions: list[Generated] = []
+    def __init__(self) -> None:
+        self._waiting: dict[str, Generated] = {}
 
-    def settled(self, task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is None and task.result() is not None:
-            self.completions.append(task.result())
-        self.unsettled -= 1
-        if not self.unsettled and self.completions:
-            self.worker.spawn(self.worker.send(Completions.of(self.completions)))
+    def add(self, completion: Generated) -> None:
+        self._waiting[completion.request_id] = completion
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Cancelled: their results are not wanted."""
+        for request_id in request_ids:
+            self._waiting.pop(request_id, None)
+
+    def take(self) -> Completions | None:
+        """Everything waiting, in one message (None: nothing)."""
+        if not self._waiting:
+            return None
+        completions = list(self._waiting.values())
+        self._waiting.clear()
+        return Completions.of(completions)

@@ -1,6 +1,7 @@
-"""How a rollout worker answers a Generate over the real torch engine: the single completions
-of one Generate in one Completions once the last is done; a cancelled request left out; a
-failed one reported on its own, the others still answered."""
+"""How a rollout worker answers over the real torch engine: finished single completions wait
+while its engine has other requests queued (at least rollout.max_concurrent unsettled) and go
+together in one Completions when it has a free slot; below max_concurrent each goes as it
+finishes; a cancelled request is left out; a failed one is reported on its own."""
 
 from __future__ import annotations
 
@@ -11,18 +12,19 @@ import pytest
 from rollout_helpers import random_prompts
 
 from areal.config import load_config
-from areal.messages import Cancel, Completions, Generate, WorkerError
+from areal.messages import Cancel, Completions, FinishReason, Generate, Generated, WorkerError
 from areal.workers.rollout.interruptible import InterruptibleGenerator
-from areal.workers.rollout.worker import RolloutWorker
+from areal.workers.rollout.worker import Answered, RolloutWorker
 
 
-def answering_worker(engine) -> tuple[RolloutWorker, list]:
+def answering_worker(engine, max_concurrent: int = 128) -> tuple[RolloutWorker, list]:
     """A rollout worker's request path (what `setup` builds for it), without a controller;
     the messages it sends are collected."""
     worker = RolloutWorker("tcp://127.0.0.1:1", "rollout-test", secret="")
-    worker.config = load_config()
+    worker.config = load_config(overrides=[f"rollout.max_concurrent={max_concurrent}"])
     worker.generator = InterruptibleGenerator(engine, version=0)
     worker._requests, worker._generated_tokens = {}, 0
+    worker._answered = Answered()
     worker.episodes = worker.agents = None
     sent: list = []
 
@@ -48,17 +50,26 @@ async def settle(worker: RolloutWorker) -> None:
         await asyncio.gather(*list(worker._tasks), return_exceptions=True)
 
 
-async def test_a_generates_completions_come_back_in_one_message(make_engine):
-    worker, sent = answering_worker(await make_engine())
-    await worker.handle(generate(["g0-s0-a0", "g0-s1-a0", "g0-s2-a0"]))
+async def test_completions_wait_while_others_are_queued_and_then_go_together(make_engine):
+    # max_concurrent 2, four requests: the first two to finish wait (two or more others
+    # unsettled: the engine stays full), the third goes with them, the last alone.
+    worker, sent = answering_worker(await make_engine(), max_concurrent=2)
+    await worker.handle(generate(["g0-s0-a0", "g0-s1-a0", "g0-s2-a0", "g0-s3-a0"]))
     await settle(worker)
-    (answer,) = sent
-    assert isinstance(answer, Completions)
-    assert sorted(answer.request_ids) == ["g0-s0-a0", "g0-s1-a0", "g0-s2-a0"]
-    for completion in answer.completions():
+    assert [type(m) for m in sent] == [Completions, Completions]
+    assert [len(m.request_ids) for m in sent] == [3, 1]
+    assert sorted(r for m in sent for r in m.request_ids) == [f"g0-s{i}-a0" for i in range(4)]
+    for completion in sent[0].completions():
         assert 0 < len(completion.output_ids) <= 6
         assert (completion.versions == 0).all() and (completion.logprobs <= 0).all()
     assert not worker._requests
+
+
+async def test_below_max_concurrent_each_completion_goes_as_it_finishes(make_engine):
+    worker, sent = answering_worker(await make_engine())
+    await worker.handle(generate(["g0-s0-a0", "g0-s1-a0", "g0-s2-a0"]))
+    await settle(worker)
+    assert [len(m.request_ids) for m in sent] == [1, 1, 1]
 
 
 async def test_a_cancelled_request_is_left_out_and_a_generate_all_cancelled_is_not_answered(
@@ -77,7 +88,7 @@ async def test_a_cancelled_request_is_left_out_and_a_generate_all_cancelled_is_n
 async def test_a_failed_request_is_reported_alone_and_the_others_still_answered(
     make_engine, monkeypatch
 ):
-    worker, sent = answering_worker(await make_engine())
+    worker, sent = answering_worker(await make_engine(), max_concurrent=2)
     real = worker.generator.generate
 
     async def failing(request_id, prompt, params):
@@ -93,10 +104,29 @@ async def test_a_failed_request_is_reported_alone_and_the_others_still_answered(
     assert [(e.request_id, e.error) for e in errors] == [
         ("g3-s1-a0", "RuntimeError: engine refused it")
     ]
-    assert len(answers) == 1 and sorted(answers[0].request_ids) == ["g3-s0-a0", "g3-s2-a0"]
+    assert sorted(r for m in answers for r in m.request_ids) == ["g3-s0-a0", "g3-s2-a0"]
 
 
 async def test_a_generate_that_names_no_distinct_samples_is_refused(make_engine):
     worker, _ = answering_worker(await make_engine())
     with pytest.raises(ValueError, match="distinct request ids"):
         await worker.handle(generate(["a", "a"]))
+
+
+def test_a_cancelled_completion_waiting_to_be_answered_is_forgotten():
+    answered = Answered()
+    assert answered.take() is None
+    for request_id in ["a", "b", "c"]:
+        answered.add(
+            Generated(
+                request_id=request_id,
+                output_ids=np.arange(2, dtype=np.int32),
+                logprobs=np.zeros(2, np.float32),
+                versions=np.zeros(2, np.int32),
+                finish_reason=FinishReason.STOP,
+            )
+        )
+    answered.forget(["b", "x"])
+    answer = answered.take()
+    assert answer is not None and answer.request_ids == ["a", "c"] and answer.lengths == [2, 2]
+    assert answered.take() is None
