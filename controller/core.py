@@ -272,6 +272,7 @@ class Core:
         members: list[bytes],
         out: Outbox,
     ) -> None:
+        self.report.on_answer(1)
         self._completion(identity, handle, msg, out, checked=False)
 
     def _on_completions(
@@ -284,6 +285,7 @@ class Core:
     ) -> None:
         """Each completion as if it had come alone; a message whose parts do not fit
         together is refused whole and each of its requests generated again."""
+        self.report.on_answer(len(msg.request_ids))
         try:
             completions = msg.completions()
         except ValueError as err:

@@ -29,6 +29,8 @@ class StepReport:
         self._train_start: float | None = None
         self._last_step_at: float | None = None
         self._generated_tokens = 0
+        self._answers = 0
+        self._answered = 0
         self._trained_tokens = 0
         self._pauses: list[float] = []
         self._verdicts: collections.Counter = collections.Counter()
@@ -58,6 +60,11 @@ class StepReport:
         else:
             self._generated_tokens += trajectory.num_model_tokens
         self.num_interruptions += msg.num_interruptions
+
+    def on_answer(self, num_completions: int) -> None:
+        """A rollout worker's answer (a Generated, or a Completions of several) arrived."""
+        self._answers += 1
+        self._answered += num_completions
 
     def on_scored(self, verdict: Verdict) -> None:
         self._verdicts[verdict.value] += 1
@@ -134,6 +141,8 @@ class StepReport:
             "rollout/truncated_fraction": float(truncated.mean()),
             "rollout/interruptions": int(interruptions.sum()),
             "rollout/in_flight": in_flight,
+            # rollout.max_queued at work: about max_queued + 1 while workers are full
+            "rollout/completions_per_answer": self._answered / max(self._answers, 1),
             "rollout/weight_pause_s_mean": float(np.mean(self._pauses)) if self._pauses else 0.0,
             "staleness/hist": {
                 str(int(k)): int(n) for k, n in zip(staleness_values, staleness_counts, strict=True)
@@ -163,6 +172,7 @@ class StepReport:
         record["rollout/dropped_positions"] = self._dropped_positions
         record.update({f"train/{k}": v for k, v in stats.items()})
         self._window_start, self._generated_tokens = now, 0
+        self._answers = self._answered = 0
         self._pauses, self._verdicts = [], collections.Counter()
         self._dropped, self._dropped_tokens = collections.Counter(), 0
         self._dropped_positions = []

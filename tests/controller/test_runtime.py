@@ -2,7 +2,8 @@
 
 One asynchronous run is driven through the embedding API while the test injects faults
 (malformed frames and a peer without the secret on the controller's socket, `kill -9` of
-the rollout worker mid-generation); the tests below check what that run recorded. A second,
+the rollout worker mid-generation, while it holds finished answers not yet sent); the tests
+below check what that run recorded. A second,
 synchronous run checks that eta = 0 trains on fresh data only.
 """
 
@@ -115,7 +116,11 @@ async def _drive_faulty_run(cfg) -> dict:
 @pytest.fixture(scope="module")
 def faulty_run(tmp_path_factory, tiny_model_dir):
     run_dir = tmp_path_factory.mktemp("faulty") / "run"
-    return asyncio.run(_drive_faulty_run(_config(run_dir, tiny_model_dir)))
+    # An engine that decodes 4 at once and queues up to 8 more: finished completions wait
+    # while requests are queued and go together (Completions), as on a large cluster, so the
+    # kill below also takes answers that were waiting to be sent.
+    cfg = _config(run_dir, tiny_model_dir, "rollout.max_concurrent=4", "rollout.max_queued=8")
+    return asyncio.run(_drive_faulty_run(cfg))
 
 
 def test_run_completes_despite_faults(faulty_run):
@@ -123,6 +128,11 @@ def test_run_completes_despite_faults(faulty_run):
     assert summary["steps"] == STEPS and summary["final_version"] == STEPS
     steps = [r for r in faulty_run["records"] if r["kind"] == "step"]
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+
+
+def test_a_worker_with_requests_queued_answers_several_completions_a_message(faulty_run):
+    steps = [r for r in faulty_run["records"] if r["kind"] == "step"]
+    assert max(r["rollout/completions_per_answer"] for r in steps) > 2
 
 
 def test_killed_rollout_worker_loses_no_group_and_trains_none_twice(faulty_run):
