@@ -194,11 +194,11 @@ class Heartbeat:
 @message(MsgType.GENERATE)
 @dataclass(kw_only=True)
 class Generate:
-    """Controller -> rollout worker: sample one completion of the prompt for each request id
-    (samples of one group, or one sample sent again), each answered by its own Generated.
-    A group's samples go to one worker in one message, as peers send a group to one server:
-    one message instead of one per sample (the controller's cost at cluster scale), and the
-    prompt's prefix shared where the engine caches prefixes."""
+    """Controller -> rollout worker: sample one completion of the prompt for each request id:
+    the samples of one group that one dispatch sends to this worker (controller/
+    generation.py), in one message instead of one per sample (the controller's cost at
+    cluster scale). Single completions are answered in Completions, episodes and agent
+    runs each in its own Generated."""
 
     request_ids: list[str]
     """One per completion, at least one, all different."""
@@ -293,10 +293,11 @@ class Generated:
 @message(MsgType.COMPLETIONS)
 @dataclass(kw_only=True)
 class Completions:
-    """Rollout worker -> controller: the single completions (no episode, no agent) of one
-    Generate, sent together once the last of them is done, in place of one Generated each:
-    the controller's cost is per message, and a group's samples finish on one worker. A
-    request cancelled or failed (its WorkerError sent) is left out. S = completions."""
+    """Rollout worker -> controller: single completions (no episode, no agent), of any of
+    its requests, sent together once its engine has a free slot and nothing queued for it
+    (workers/rollout/worker.py, `Answered`), in place of one Generated each: the
+    controller's cost is per message. A request cancelled or failed (its WorkerError sent)
+    is left out. S = completions."""
 
     request_ids: list[str]
     lengths: list[int]
@@ -595,7 +596,7 @@ HEADER_LIMITS: dict[MsgType, HeaderLimit] = {
     MsgType.WELCOME: HeaderLimit(16 << 20, 1 << 16),  # the resolved run config
     MsgType.GENERATE: HeaderLimit(1 << 20, 1 << 16),  # stop token ids, an agent's prompt text
     MsgType.GENERATED: HeaderLimit(1 << 20, 1 << 12),  # an agent episode's segment lists
-    MsgType.COMPLETIONS: HeaderLimit(1 << 20, 1 << 16),  # a group's per-completion lists
+    MsgType.COMPLETIONS: HeaderLimit(1 << 20, 1 << 16),  # the per-completion lists
     MsgType.UPDATE_WEIGHTS: HeaderLimit(64 << 20, 1 << 20),  # collective: every tensor's spec
     MsgType.WEIGHTS_CHUNK: HeaderLimit(16 << 20, 1 << 20),  # a bucket's tensor names and refs
     MsgType.TRAIN: HeaderLimit(1 << 20, 1 << 16),  # minibatch lists

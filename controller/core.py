@@ -292,9 +292,7 @@ class Core:
             self.refuse(identity, "contradicts the ledger", f"Completions: {err}; generated again")
             for request_id in msg.request_ids:
                 handle.in_flight.discard(request_id)
-                held = self.ledger.held(request_id, identity, Stage.GENERATING)
-                if held is not None:
-                    self.ledger.requeue(held)
+                self._generate_again(request_id, identity)
             return
         checked = completions_fit(
             msg,
@@ -327,9 +325,7 @@ class Core:
                 "contradicts the ledger",
                 f"Generated {msg.request_id[:60]!r}: {problem}; generated again",
             )
-            held = self.ledger.held(msg.request_id, identity, Stage.GENERATING)
-            if held is not None:
-                self.ledger.requeue(held)
+            self._generate_again(msg.request_id, identity)
             return
         sample = self.ledger.finish_generation(msg, identity)
         if sample is None:
@@ -351,6 +347,13 @@ class Core:
         unscored = self.ledger.unscored(group)
         if unscored:  # the group's last generation: score them all in one message
             self.scoring.score(unscored, out)
+
+    def _generate_again(self, request_id: str, identity: bytes) -> None:
+        """A refused answer: the request, if this worker still holds it, is generated again
+        under a new attempt id."""
+        held = self.ledger.held(request_id, identity, Stage.GENERATING)
+        if held is not None:
+            self.ledger.requeue(held)
 
     def _on_scored(
         self, identity: bytes, handle: WorkerHandle, msg: Scored, members: list[bytes], out: Outbox

@@ -104,7 +104,7 @@ class SimRollout(SimWorker):
         self.capacity = env.cost.kv_capacity_tokens(self.tp)
         self.max_running = env.cfg.rollout.max_concurrent
         """Sequences decoded at once, as a real engine's (vLLM's max_num_seqs): the
-        controller may send a group beyond it; the rest wait."""
+        controller keeps up to rollout.max_queued more here, which wait."""
         self.max_new_tokens = env.cfg.rollout.max_new_tokens
         self.version = welcome.version
         self.step = 0
@@ -169,7 +169,8 @@ class SimRollout(SimWorker):
     def _answer(self) -> Completions | None:
         """The finished completions, all in one message, once the engine has a free slot and
         nothing queued for it (the rollout worker's rule: workers/rollout/worker.py,
-        `Answered`); None while it is full or nothing has finished."""
+        `Answered`); None while it is full or nothing has finished. Built here rather than
+        by `Completions.of`, which would copy the simulated zero tokens: these are views."""
         if not self._answered or len(self.by_id) >= self.max_running:
             return None
         results = list(self._answered.values())

@@ -560,7 +560,7 @@ def test_a_generate_names_its_samples_one_to_one():
 
 
 def test_completions_come_apart_into_the_generated_they_carry():
-    # A worker answers a Generate's single completions in one message (the controller's
+    # A worker answers several single completions in one message (the controller's
     # cost is per message); each comes apart as a Generated of views into its arrays.
     parts = [
         Generated(

@@ -288,7 +288,7 @@ class RolloutWorker(Worker):
 
     async def _generate(self, msg: Generate, request_id: str, seed: int | None) -> Generated | None:
         """One completion of `msg`'s prompt: an episode's or an agent's is sent at once (as a
-        Generated); a single completion is returned, for its Generate's Completions."""
+        Generated); a single completion is returned, to be answered by `_settled`."""
         start = time.monotonic()
         params = SamplingParams(
             max_new_tokens=msg.max_new_tokens,
@@ -345,9 +345,10 @@ class Answered:
     """Single completions finished and not yet sent, answered together (`take`) when the
     worker's engine has a free slot and nothing queued for it (fewer requests than
     rollout.max_concurrent), which is when it wants more work. While its engine is full
-    (the controller sends it a whole group as soon as it is below max_concurrent, and the
-    engine queues the rest), finished completions gather: about a group's worth goes in one
-    Completions, and the controller, whose cost is per message, answers with the next group.
+    (the controller keeps up to rollout.max_queued requests beyond max_concurrent on it, and
+    the engine queues them), finished completions gather: about max_queued + 1 go in one
+    Completions, and the controller, whose cost is per message, answers with as many
+    samples, mostly in one Generate.
     With fewer requests than max_concurrent, each is answered as it finishes."""
 
     def __init__(self) -> None:
