@@ -314,24 +314,8 @@ class Completions:
 
     def completions(self) -> list[Generated]:
         """Each completion as its own Generated (the arrays are views of this message's);
-        ValueError when the lists do not pair up with the request ids or the lengths do not
-        add up to the arrays'."""
-        n = len(self.request_ids)
-        sizes = [
-            len(values) for values in (self.lengths, self.finish_reasons, self.num_interruptions)
-        ] + [len(self.generation_s)]
-        if not n or any(size != n for size in sizes):
-            raise ValueError(
-                f"request_ids, lengths, finish_reasons, num_interruptions, generation_s have "
-                f"lengths {[n, *sizes]}: one of each per completion, at least one"
-            )
-        arrays = (self.output_ids, self.logprobs, self.versions)
-        total = sum(self.lengths)
-        if min(self.lengths) < 0 or any(a.ndim != 1 or len(a) != total for a in arrays):
-            raise ValueError(
-                f"lengths {self.lengths[:8]}{'...' if n > 8 else ''} (sum {total}) do not cut "
-                f"arrays of shapes {[list(a.shape) for a in arrays]}"
-            )
+        ValueError as `check` raises it."""
+        self.check()
         result, start = [], 0
         for i, length in enumerate(self.lengths):
             end = start + length
@@ -348,6 +332,26 @@ class Completions:
             )
             start = end
         return result
+
+    def check(self) -> None:
+        """ValueError when the lists do not pair up with the request ids or the lengths do
+        not add up to the arrays' (the parts fit together; their values are not judged)."""
+        n = len(self.request_ids)
+        sizes = [
+            len(values) for values in (self.lengths, self.finish_reasons, self.num_interruptions)
+        ] + [len(self.generation_s)]
+        if not n or any(size != n for size in sizes):
+            raise ValueError(
+                f"request_ids, lengths, finish_reasons, num_interruptions, generation_s have "
+                f"lengths {[n, *sizes]}: one of each per completion, at least one"
+            )
+        arrays = (self.output_ids, self.logprobs, self.versions)
+        total = sum(self.lengths)
+        if min(self.lengths) < 0 or any(a.ndim != 1 or len(a) != total for a in arrays):
+            raise ValueError(
+                f"lengths {self.lengths[:8]}{'...' if n > 8 else ''} (sum {total}) do not cut "
+                f"arrays of shapes {[list(a.shape) for a in arrays]}"
+            )
 
     @classmethod
     def of(cls, completions: list[Generated]) -> Completions:

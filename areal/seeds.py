@@ -32,14 +32,19 @@ SEED_BITS = 63
 
 def derive_seed(*parts: int | str) -> int:
     """A seed in [0, 2**63) from `parts` (ints and strings); equal parts give equal seeds."""
-    text = "\x1f".join(f"{type(p).__name__}:{p}" for p in parts)
+    return _seed_of("\x1f".join(f"{type(p).__name__}:{p}" for p in parts))
+
+
+def _seed_of(text: str) -> int:
     digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> (64 - SEED_BITS)
 
 
 def train_sample_seed(run_seed: int, position: int, index: int) -> int:
     """Sample `index` of the training prompt drawn at `position` of the task's stream."""
-    return derive_seed("train", run_seed, position, index)
+    if type(run_seed) is type(position) is type(index) is int:  # derive_seed's text, written
+        return _seed_of(f"str:train\x1fint:{run_seed}\x1fint:{position}\x1fint:{index}")
+    return derive_seed("train", run_seed, position, index)  # out: one per sample dispatched
 
 
 def eval_sample_seed(run_seed: int, prompt_id: str, index: int) -> int:

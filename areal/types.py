@@ -170,6 +170,33 @@ class Trajectory:
             finish_reason=finish_reason,
         )
 
+    @classmethod
+    def from_checked(
+        cls,
+        *,
+        prompt_id: str,
+        group_id: int,
+        prompt_ids: np.ndarray,
+        output_ids: np.ndarray,
+        output_logprobs: np.ndarray,
+        output_versions: np.ndarray,
+        finish_reason: str,
+        oldest_version: int,
+    ) -> Trajectory:
+        """`from_generation` of a single completion (no loss mask) that the caller has
+        checked already: 1-D int32 prompt and output ids and versions, float32 log-probs,
+        the output arrays of one length, at least one output token, and `oldest_version`
+        the least of `output_versions` (the controller's `checks.completions_fit` accepts
+        only completions whose versions never drop: the first token's). Kept as they are,
+        nothing read but their lengths."""
+        _check_num_prompt(prompt_id, len(prompt_ids), len(prompt_ids) + len(output_ids))
+        kept = cls.__new__(cls)
+        kept._init(prompt_id, group_id, len(prompt_ids), 0.0, finish_reason, None, None)
+        kept._joined = None
+        kept._parts = (prompt_ids, output_ids, output_logprobs, output_versions, None)
+        kept._oldest = oldest_version
+        return kept
+
     def _arrays(self) -> tuple[np.ndarray, ...]:
         """(token_ids, logprobs, versions, loss_mask), each [T]; joined once if kept apart."""
         if self._joined is None:

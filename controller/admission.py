@@ -89,9 +89,10 @@ class Admission:
     def close(self) -> None:
         self.open = False
 
-    def generated(self) -> None:
-        """A training sample finished generating."""
-        self.staleness.finish(1)
+    def generated(self, num_samples: int = 1) -> None:
+        """Training samples finished generating."""
+        if num_samples:
+            self.staleness.finish(num_samples)
 
     def consumed(self, num_trajectories: int) -> None:
         """A batch was taken for training."""

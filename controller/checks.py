@@ -180,11 +180,10 @@ def completions_fit(
     # Versions that never drop within a completion have their least and greatest at its
     # ends: one pass for the drops, then the completions' first and last tokens.
     starts = np.cumsum([0, *lengths[:-1]])
-    drops = np.flatnonzero(versions[1:] < versions[:-1]) + 1
-    if len(drops):  # each drop must be a start (both sorted: a binary search, not np.isin)
-        at = np.minimum(np.searchsorted(starts, drops), len(starts) - 1)
-        if not (starts[at] == drops).all():
-            return False
+    drops = versions[1:] < versions[:-1]  # drops[i]: from token i to i + 1
+    drops[starts[1:] - 1] = False  # a completion may start below where the one before ended
+    if drops.any():
+        return False
     if not (_MIN(versions[starts]) >= 0 and _MAX(versions[starts + lengths - 1]) <= version):
         return False
     return bool(_MAX(logprobs) <= LOGPROB_SLACK and _MIN(logprobs) > -math.inf)

@@ -287,7 +287,7 @@ class Core:
         together is refused whole and each of its requests generated again."""
         self.report.on_answer(len(msg.request_ids))
         try:
-            completions = msg.completions()
+            msg.check()
         except ValueError as err:
             self.refuse(identity, "contradicts the ledger", f"Completions: {err}; generated again")
             for request_id in msg.request_ids:
@@ -300,8 +300,28 @@ class Core:
             version=self.weights.version,
             vocab_size=self.vocab_size,
         )
-        for completion in completions:
-            self._completion(identity, handle, completion, out, checked)
+        if not checked or self.cfg.staleness.strict:  # each judged, or dropped, on its own
+            for completion in msg.completions():
+                self._completion(identity, handle, completion, out, checked)
+            return
+        # What `_completion` does for each, the message's bookkeeping done once.
+        handle.in_flight.difference_update(msg.request_ids)
+        samples = self.ledger.finish_completions(msg, identity)
+        if not samples:
+            return
+        handle.num_restarts = 0  # it delivers: a later death is not a crash loop
+        self.report.on_generated_tokens(
+            sum(s.trajectory.num_model_tokens for s in samples),
+            sum(msg.num_interruptions),
+        )
+        groups, num_training = self.ledger.groups, 0
+        for sample in samples:
+            group = groups[sample.group_id]
+            num_training += group.purpose is Purpose.TRAIN
+            unscored = self.ledger.unscored(group)
+            if unscored:  # the group's last generation: score them all in one message
+                self.scoring.score(unscored, out)
+        self.admission.generated(num_training)
 
     def _completion(
         self, identity: bytes, handle: WorkerHandle, msg: Generated, out: Outbox, checked: bool

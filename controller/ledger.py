@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from areal.messages import EpisodeEnd, Generated
+from areal.messages import Completions, EpisodeEnd, Generated
 from areal.tasks.base import Prompt, RewardOutcome, Verdict
 from areal.types import Trajectory
 
@@ -103,13 +103,16 @@ class Group:
     num_generated: int = 0
     """Samples past generation (scoring or done); a sample never goes back from there, so
     `Ledger.unscored` needs no look at the others until the last is generated."""
+    num_done: int = 0
+    """Samples done (scored), counted so that each sample scored does not look at all of
+    its group's (`Ledger.finish_scoring`)."""
     eval_round: int = -1
     position: int = -1
     """Training groups: the prompt's draw position in the task's stream (RunSetup)."""
 
     @property
     def done(self) -> bool:
-        return all(s.stage is Stage.DONE for s in self.samples)
+        return self.num_done == len(self.samples)
 
     def trajectories(self) -> list[Trajectory]:
         """Every training sequence of the group (an agent episode may have several); called on
@@ -222,6 +225,66 @@ class Ledger:
         group.num_generated += 1
         return sample
 
+    def finish_completions(self, msg: Completions, worker: bytes) -> list[Sample]:
+        """Record the completions of `msg`, every one of which `checks.completions_fit`
+        accepted (so each has at least one token and versions that never drop, the first
+        its oldest): the samples recorded, in order; a stale completion is left out. What
+        `finish_generation` does for each, with the message's bookkeeping done once: each
+        trajectory keeps views of the message's arrays, and its oldest version is read, not
+        searched for."""
+        plain = (
+            msg.output_ids.dtype == msg.versions.dtype == np.int32
+            and msg.logprobs.dtype == np.float32
+        )
+        by_request, groups = self.by_request, self.groups
+        recorded, start = [], 0
+        for request_id, length, reason, interruptions, generation_s in zip(
+            msg.request_ids,
+            msg.lengths,
+            msg.finish_reasons,
+            msg.num_interruptions,
+            msg.generation_s,
+            strict=True,
+        ):
+            end, span = start + length, slice(start, start + length)
+            sample = by_request.get(request_id)
+            if sample is None or sample.stage is not Stage.GENERATING or sample.worker != worker:
+                start = end
+                continue
+            group = groups[sample.group_id]
+            if plain and group.prompt_ids.dtype == np.int32:
+                trajectory = Trajectory.from_checked(
+                    prompt_id=group.prompt.prompt_id,
+                    group_id=group.group_id,
+                    prompt_ids=group.prompt_ids,
+                    output_ids=msg.output_ids[span],
+                    output_logprobs=msg.logprobs[span],
+                    output_versions=msg.versions[span],
+                    finish_reason=reason.value,
+                    oldest_version=int(msg.versions[start]),
+                )
+            else:
+                trajectory = Trajectory.from_generation(
+                    prompt_id=group.prompt.prompt_id,
+                    group_id=group.group_id,
+                    prompt_ids=group.prompt_ids,
+                    output_ids=msg.output_ids[span],
+                    output_logprobs=msg.logprobs[span],
+                    output_versions=msg.versions[span],
+                    finish_reason=reason.value,
+                )
+            trajectory.timings.update(
+                submitted=sample.submitted_at,
+                generation=generation_s,
+                interruptions=float(interruptions),
+            )
+            sample.trajectory = trajectory
+            sample.stage, sample.worker = Stage.SCORING, None
+            group.num_generated += 1
+            recorded.append(sample)
+            start = end
+        return recorded
+
     # -- scoring --------------------------------------------------------------------------------
 
     def start_scoring(self, sample: Sample, worker: bytes) -> None:
@@ -254,14 +317,19 @@ class Ledger:
         sample = self.scoring(request_id, worker)
         if sample is None:
             return None
+        return self.scored(sample, outcome.reward, outcome.verdict)
+
+    def scored(self, sample: Sample, reward: float, verdict: Verdict) -> Group | None:
+        """`finish_scoring` of a sample being scored (`scoring` returned it)."""
         assert sample.trajectory is not None  # scored samples were generated
-        sample.trajectory.reward = outcome.reward
-        if outcome.verdict.is_error():  # a failed agent episode: no segment earns a reward
-            for segment in sample.segments:
+        sample.trajectory.reward = reward
+        if sample.segments and verdict.is_error():  # a failed agent episode: no segment
+            for segment in sample.segments:  # earns a reward
                 segment.reward = 0.0
-        sample.verdict = outcome.verdict
+        sample.verdict = verdict
         sample.stage, sample.worker = Stage.DONE, None
         group = self.groups[sample.group_id]
+        group.num_done += 1
         if not group.done:
             return None
         for s in group.samples:

@@ -61,6 +61,11 @@ class StepReport:
             self._generated_tokens += trajectory.num_model_tokens
         self.num_interruptions += msg.num_interruptions
 
+    def on_generated_tokens(self, num_tokens: int, num_interruptions: int) -> None:
+        """Single completions generated (one Completions): `on_generated` of each, summed."""
+        self._generated_tokens += num_tokens
+        self.num_interruptions += num_interruptions
+
     def on_answer(self, num_completions: int) -> None:
         """A rollout worker's answer (a Generated, or a Completions of several) arrived."""
         self._answers += 1

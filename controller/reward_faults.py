@@ -74,6 +74,11 @@ class RewardFaults:
         self._verdicts[(verdict or Verdict.ERROR).value] += 1
         return Action.ACCEPT
 
+    def accepted(self, verdicts: list[Verdict]) -> None:
+        """`judge` of each of `verdicts`, none of them a failure (each is accepted)."""
+        self._attempts += len(verdicts)
+        self._verdicts.update(v.value for v in verdicts)
+
     def window_metrics(self) -> dict[str, float]:
         """Rates since the last call (one training step), then a new window starts."""
         scored = sum(self._verdicts.values())

@@ -18,6 +18,7 @@ an Outbox.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from areal.config import RunConfig
@@ -113,6 +114,9 @@ class Scoring:
             for request_id in msg.request_ids:
                 self.score_again(self.ledger.scoring(request_id, identity), out)
             return
+        if all(map(math.isfinite, msg.rewards)) and not any(v.is_error() for v in msg.verdicts):
+            self._accept(identity, handle, msg, out)
+            return
         for request_id, reward, verdict, detail in zip(
             msg.request_ids, msg.rewards, msg.verdicts, msg.details, strict=True
         ):
@@ -135,6 +139,22 @@ class Scoring:
                     identity,
                     out,
                 )
+
+    def _accept(self, identity: bytes, handle: WorkerHandle, msg: Scored, out: Outbox) -> None:
+        """A Scored whose every outcome is a verdict with a finite reward: what `judge` does
+        for each (each is accepted), the counting done once."""
+        accepted = []
+        for request_id, reward, verdict in zip(
+            msg.request_ids, msg.rewards, msg.verdicts, strict=True
+        ):
+            self.report.on_scored(verdict)
+            sample = self.ledger.scoring(request_id, identity)
+            if sample is not None:
+                accepted.append(verdict)
+                self.on_complete(self.ledger.scored(sample, reward, verdict), out)
+        if accepted:
+            handle.num_restarts = 0  # it delivers: a later death is not a crash loop
+            self.faults.accepted(accepted)
 
     def on_failed(
         self, identity: bytes, handle: WorkerHandle, msg: WorkerError, out: Outbox

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import collections
 
+import numpy as np
+
 from areal.seeds import (
     SEED_BITS,
     continuation_seed,
@@ -32,6 +34,15 @@ def test_each_name_gets_its_own_seed_in_range():
     assert all(0 <= s < 1 << SEED_BITS for s in seeds)
     assert derive_seed("train", 1, 2, 3) != derive_seed("train", 1, 23)  # parts are separated
     assert derive_seed(1) != derive_seed("1")
+
+
+def test_a_training_seed_is_derive_seed_of_its_parts_whatever_their_int_type():
+    # train_sample_seed writes derive_seed's text itself for plain ints (once per sample
+    # dispatched); any other integer type goes through derive_seed.
+    for run, position, index in [(0, 0, 0), (1, 5, 15), (-3, 1 << 40, 7)]:
+        assert train_sample_seed(run, position, index) == derive_seed("train", run, position, index)
+    assert train_sample_seed(np.int64(1), 0, 0) == derive_seed("train", np.int64(1), 0, 0)
+    assert train_sample_seed(np.int64(1), 0, 0) != train_sample_seed(1, 0, 0)  # "int64:1"
 
 
 def test_a_continuation_at_zero_tokens_is_the_request_itself():

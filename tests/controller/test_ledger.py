@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from areal.controller.ledger import Ledger, Purpose, Stage
-from areal.messages import EpisodeEnd, FinishReason, Generated
+from areal.messages import Completions, EpisodeEnd, FinishReason, Generated
 from areal.tasks.base import Prompt, RewardOutcome, Verdict
+from areal.types import Trajectory
 
 W1, W2, R1 = b"rollout-1", b"rollout-2", b"reward-1"
 
@@ -249,3 +250,52 @@ def test_an_agent_episodes_segments_become_trajectories_of_its_group():
     msg.request_id = s.request_id
     dropped.finish_generation(msg, W1)
     assert dropped.drop_group(g).num_tokens == 5  # every segment's tokens are counted
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_completions_are_recorded_as_each_alone_would_be_and_a_stale_one_is_left_out(dtype):
+    # finish_completions keeps views of the message's arrays (int32: as they are; another
+    # dtype converted, as from_generation does) and reads each oldest version from its
+    # first token; a request the worker does not hold is left out.
+    ledger = Ledger()
+    group = ledger.add_group(_prompt(), np.array([5, 6], np.int32), size=3, version=0)
+    a, b, c = (ledger.pending.popleft() for _ in range(3))
+    for sample, worker in ((a, W1), (b, W1), (c, W2)):
+        ledger.start_generation(sample, worker, now=2.0)
+    alone = [_generated(a, n=2, version=1), _generated(b, n=3, version=0)]
+    alone[1].versions = np.array([0, 1, 1], np.int32)
+    msg = Completions.of([*alone, _generated(c, n=1)])
+    msg.output_ids, msg.versions = msg.output_ids.astype(dtype), msg.versions.astype(dtype)
+    msg.num_interruptions, msg.generation_s = [0, 2, 0], [1.5, 0.5, 0.1]
+    assert ledger.finish_completions(msg, W1) == [a, b]  # c is W2's
+    assert group.num_generated == 2 and c.stage is Stage.GENERATING
+    for sample, generated in zip((a, b), alone, strict=True):
+        expected = Trajectory.from_generation(
+            prompt_id="p0",
+            group_id=group.group_id,
+            prompt_ids=group.prompt_ids,
+            output_ids=generated.output_ids,
+            output_logprobs=generated.logprobs,
+            output_versions=generated.versions,
+            finish_reason="stop",
+        )
+        got = sample.trajectory
+        assert sample.stage is Stage.SCORING and sample.worker is None
+        for name in ("token_ids", "logprobs", "versions", "loss_mask"):
+            assert np.array_equal(getattr(got, name), getattr(expected, name)), name
+        assert got.token_ids.dtype == np.int32 and got.versions.dtype == np.int32
+        assert got.oldest_version() == expected.oldest_version()
+        assert got.finish_reason == "stop" and got.num_prompt_tokens == 2
+    assert a.trajectory.timings == {"submitted": 2.0, "generation": 1.5, "interruptions": 0.0}
+    assert b.trajectory.timings["interruptions"] == 2.0
+    assert ledger.finish_completions(msg, W1) == []  # the same answer again: stale
+
+
+def test_a_group_is_done_only_once_each_sample_is_scored_once():
+    ledger = Ledger()
+    group = ledger.add_group(_prompt(), np.array([5], np.int32), size=2, version=0)
+    a, b = ledger.pending.popleft(), ledger.pending.popleft()
+    assert _run_sample(ledger, a) is None and not group.done
+    assert ledger.finish_scoring(a.request_id, _outcome(), R1) is None  # again: stale
+    assert group.num_done == 1 and not group.done
+    assert _run_sample(ledger, b) is group and group.done

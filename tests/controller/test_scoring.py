@@ -84,3 +84,33 @@ def test_a_failed_score_message_and_a_lost_reward_worker_count_as_failures(tmp_p
     assert out.restarts == [(first, "silent")]
     assert [s.num_score_failures for s in run.core.ledger.groups[0].samples] == [2, 2]
     assert run.core.scoring.num_queued == 2  # no reward worker left: queued, not lost
+
+
+def test_a_scored_of_verdicts_only_accepts_each_once_and_a_stale_one_is_ignored(tmp_path):
+    # Every outcome a verdict with a finite reward: each accepted in one go, counted once
+    # in the step's verdict rates; an outcome for a request the worker no longer holds is
+    # ignored as it is alone.
+    run = Decisions(config(tmp_path), tmp_path)
+    reward = run.join(WorkerKind.REWARD)
+    ids = _generated_group(run)
+    scored = Scored(
+        request_ids=[*ids, "g9-s0-a0"],
+        rewards=[1.0, 0.0, 1.0],
+        verdicts=[Verdict.OK, Verdict.WRONG, Verdict.OK],
+        details=["", "", ""],
+        check_s=[0.1, 0.1, 0.1],
+    )
+    out = run.on(reward.identity, scored)
+    assert not out.sent(Score)
+    (group,) = run.core.ledger.buffer
+    assert [s.verdict for s in group.samples] == [Verdict.OK, Verdict.WRONG]
+    assert [t.reward for t in group.trajectories()] == [1.0, 0.0]
+    assert run.core.scoring.faults.window_metrics() == {
+        "reward/infra_failures": 0,
+        "reward/retries": 0,
+        "reward/infra_failure_rate": 0.0,
+        "reward/verdict_rate/ok": 0.5,
+        "reward/verdict_rate/wrong": 0.5,
+    }
+    assert run.on(reward.identity, scored).items == []  # the same answer again: stale
+    assert len(run.core.ledger.buffer) == 1
