@@ -1,12 +1,14 @@
 """Where the controller's time goes at cluster scale: cProfile of the replayed controller.
 
     python bench/controller_profile.py [--accelerators N] [--prompts P] [--steps S]
-                                       [--top K] [--out FILE] [key=value ...]
+                                       [--top K] [--out FILE] [--whole-run]
+                                       [key=value ...]
 
 Simulates an async run (1.5B, eta 8, the paper's batch by default) with its messages
 recorded, then replays them to a fresh controller alone (sim/alone.py, as table (r) of
 bench/cluster.py does) under cProfile: what is profiled is the controller's own work and
-nothing of the simulated cluster. Prints the functions with the most time of their own
+nothing of the simulated cluster, over the steps the tables measure (after step
+measure_from: the pipeline full), or the whole replay with --whole-run. Prints the functions with the most time of their own
 (and their callers' cumulative time for the largest), and writes the raw profile to OUT
 (`python -m pstats OUT`). cProfile adds its own cost to every call, so compare shares, not
 seconds, with tables (f) and (r).
@@ -33,6 +35,13 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=35)
     parser.add_argument("--out", type=Path, default=Path("/tmp/controller.prof"))
+    parser.add_argument(
+        "--whole-run",
+        dest="measured_only",
+        action="store_false",
+        help="profile the whole replay (set-up, the pipeline filling) instead of the steps "
+        "from measure_from on, which tables (f) and (r) measure",
+    )
     parser.add_argument("overrides", nargs="*", help="more simulation options (key=value)")
     args = parser.parse_args()
     config = sim_config(
@@ -47,10 +56,25 @@ def main() -> int:
     profiler = cProfile.Profile()
     real_replay = sim_run.replay
 
-    def profiled_replay(*a, **kw):
-        profiler.enable()
+    def profiled_replay(cfg_overrides, env, recording, drive, *rest):
+        async def drive_profiled(ctl, accounts, env):
+            records = ctl.events
+
+            async def profiled_records():
+                num_steps = 0
+                async for record in records():
+                    yield record
+                    num_steps += record["kind"] == "step"
+                    if num_steps == config.measure_from and args.measured_only:
+                        profiler.enable()  # from the step record the measurement starts at
+
+            ctl.events = profiled_records
+            return await drive(ctl, accounts, env)
+
+        if not args.measured_only:
+            profiler.enable()
         try:
-            return real_replay(*a, **kw)
+            return real_replay(cfg_overrides, env, recording, drive_profiled, *rest)
         finally:
             profiler.disable()
 
