@@ -5,7 +5,8 @@ Framing of a message (after the ROUTER identity frame, when there is one):
     [type byte][msgpack header][raw array frame 0][raw array frame 1]...
 
 The header is a msgpack map of the schema's fields, less those at their defaults (the
-decoder fills them in). Arrays (numpy, or torch tensors of any dtype including bfloat16)
+decoder fills them in), encoded by msgspec (in C: what a controller at cluster scale spends
+most of its encoding on is walking the header). Arrays (numpy, or torch tensors of any dtype including bfloat16)
 are not in the header: each is replaced by a msgpack extension (dtype, shape, frame index)
 and travels as its own frame, sent with `copy=False` and rebuilt with `frombuffer` on
 arrival (views of the received buffers, no copy).
@@ -36,6 +37,7 @@ from typing import Any
 from collections.abc import Collection, Sequence
 
 import msgpack
+import msgspec
 import numpy as np
 
 from areal.codec_fast import decode_header
@@ -135,7 +137,6 @@ def encode(msg: Any) -> list[Any]:
     kind = getattr(type(msg), "KIND", None)
     if kind is None or SCHEMAS.get(kind) is not type(msg):
         raise MessageError(f"{type(msg).__name__} is not a registered message schema")
-    buffers: list[memoryview] = []
     header = {}
     schema: Any = type(msg)
     for name, default in _field_defaults(schema):
@@ -144,68 +145,63 @@ def encode(msg: Any) -> list[Any]:
         # completion carries 5-7 of its 17 fields. Same type only: 0 is not taken for False.
         if type(value) is type(default) and value == default:
             continue
-        # Most fields are plain scalars: no call for them (every Generate and Score).
-        header[name] = value if type(value) in _SCALARS else _pack_value(value, buffers)
+        header[name] = value
+    buffers: list[memoryview] = []
+    state = _ENCODERS
+    state.buffers = buffers
     try:
-        packed = _packer().pack(header)
-    except TypeError as err:
+        packed = state.encoder.encode(header)
+    except (TypeError, ValueError, OverflowError) as err:
         raise MessageError(f"{kind.name}: a field is not serialisable: {err}") from None
+    except MessageError as err:
+        raise MessageError(f"{kind.name}: {err}") from None
+    finally:
+        state.buffers = []
     return [bytes([kind]), packed, *buffers]
 
 
-_PACKERS = threading.local()
+class _EncoderState(threading.local):
+    """This thread's msgpack encoder (msgspec's, which walks the header in C: lists,
+    maps, enums by their value, scalars) and the array frames of the message it is
+    encoding, which its hook appends to."""
+
+    def __init__(self) -> None:
+        self.buffers: list[memoryview] = []
+        self.encoder = msgspec.msgpack.Encoder(enc_hook=self._array_reference)
+
+    def _array_reference(self, value: Any) -> Any:
+        """What msgspec cannot encode itself: an array (numpy, torch) becomes a reference
+        to a frame appended to the message's; a numpy scalar its Python value."""
+        if isinstance(value, np.ndarray) or type(value).__module__.startswith("torch"):
+            dtype, shape, raw = _array_bytes(value)
+            self.buffers.append(raw)
+            return _array_ext(dtype, shape, len(self.buffers) - 1)
+        if isinstance(value, np.generic):
+            return value.item()
+        raise TypeError(f"{type(value).__name__} is not serialisable")
 
 
-def _packer() -> msgpack.Packer:
-    """This thread's reusable Packer: `msgpack.packb` builds a new one (and its buffer) per
-    call, a large share of the controller's encoding time when it packs the many small array
-    references of a step; `pack` resets it after each use."""
-    packer = getattr(_PACKERS, "packer", None)
-    if packer is None:
-        packer = _PACKERS.packer = msgpack.Packer()
-    return packer
+_ENCODERS = _EncoderState()
 
 
-_EXT_CACHE: dict[tuple[str, tuple[int, ...], int], msgpack.ExtType] = {}
+_EXT_CACHE: dict[tuple[str, tuple[int, ...], int], msgspec.msgpack.Ext] = {}
 _EXT_CACHE_ITEMS = 1 << 16
 """Array references already packed, by (dtype, shape, frame index): the same few recur
 across a step's messages (each Generated carries three arrays of the same few dtypes). Bounded:
 emptied when full. The decoding side keeps the same kind of cache (`_REF_CACHE`)."""
 
 
-def _array_ext(dtype: str, shape: tuple[int, ...], index: int) -> msgpack.ExtType:
+def _array_ext(dtype: str, shape: tuple[int, ...], index: int) -> msgspec.msgpack.Ext:
     """The msgpack extension that stands for an array in a header (see `_ARRAY_EXT`)."""
     key = (dtype, shape, index)
     ext = _EXT_CACHE.get(key)
     if ext is None:
         if len(_EXT_CACHE) >= _EXT_CACHE_ITEMS:
             _EXT_CACHE.clear()
-        ext = _EXT_CACHE[key] = msgpack.ExtType(
-            _ARRAY_EXT, _packer().pack([dtype, list(shape), index])
+        ext = _EXT_CACHE[key] = msgspec.msgpack.Ext(
+            _ARRAY_EXT, msgspec.msgpack.encode((dtype, shape, index))
         )
     return ext
-
-
-def _pack_value(value: Any, buffers: list[memoryview]) -> Any:
-    """`value` as msgpack can hold it; each array becomes a reference to a frame appended to
-    `buffers`."""
-    if type(value) in _SCALARS:
-        return value
-    if isinstance(value, np.ndarray) or type(value).__module__.startswith("torch"):
-        dtype, shape, raw = _array_bytes(value)
-        buffers.append(raw)
-        return _array_ext(dtype, shape, len(buffers) - 1)
-    if isinstance(value, enum.Enum):
-        return value.value
-    if type(value) is list and _SCALAR_TYPES.issuperset(map(type, value)):
-        return value  # e.g. stop token ids, request ids: msgpack packs them as they are
-    if isinstance(value, (list, tuple)):
-        return [_pack_value(v, buffers) for v in value]
-    if isinstance(value, dict):
-        return {k: _pack_value(v, buffers) for k, v in value.items()}
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
 
 
 # ---------------------------------------------------------------------------------------------

@@ -505,7 +505,8 @@ def test_array_references_are_packed_once_and_their_cache_stays_bounded(monkeypa
 
 
 def test_threads_encoding_at_once_each_get_their_own_messages():
-    """Each thread packs with its own reusable Packer (codec._packer)."""
+    """Each thread encodes with its own encoder and its own message's frames
+    (codec._EncoderState)."""
 
     def encode_many(offset: int) -> list[Generate]:
         return [decode(encode(_generate(offset + i))) for i in range(200)]
