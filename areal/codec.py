@@ -6,10 +6,10 @@ Framing of a message (after the ROUTER identity frame, when there is one):
 
 The header is a msgpack map of the schema's fields, less those at their defaults (the
 decoder fills them in), encoded by msgspec (in C: what a controller at cluster scale spends
-most of its encoding on is walking the header). Arrays (numpy, or torch tensors of any dtype including bfloat16)
-are not in the header: each is replaced by a msgpack extension (dtype, shape, frame index)
-and travels as its own frame, sent with `copy=False` and rebuilt with `frombuffer` on
-arrival (views of the received buffers, no copy).
+most of its encoding on is walking the header). Arrays (numpy, or torch tensors of any
+dtype including bfloat16) are not in the header: each is replaced by a msgpack extension
+(dtype, shape, frame index) and travels as its own frame, sent with `copy=False` and
+rebuilt with `frombuffer` on arrival (views of the received buffers, no copy).
 
 Decoding trusts nothing: an unknown type byte, bytes that are not msgpack, a missing,
 unknown or mistyped field, a dtype outside the allow-list, a frame whose size does not match

@@ -310,9 +310,10 @@ class Core:
         if not samples:
             return
         handle.num_restarts = 0  # it delivers: a later death is not a crash loop
-        self.report.on_generated_tokens(
-            sum(s.trajectory.num_model_tokens for s in samples),
-            sum(msg.num_interruptions),
+        trajectories = [s.trajectory for s in samples]
+        self.report.on_generated_tokens(  # of the completions recorded (a stale one is not)
+            sum(t.num_model_tokens for t in trajectories),
+            int(sum(t.timings["interruptions"] for t in trajectories)),
         )
         groups, num_training = self.ledger.groups, 0
         for sample in samples:

@@ -104,6 +104,20 @@ def test_a_groups_completions_in_one_message_send_the_group_for_scoring(run):
     assert lengths == {"g0-s0-a0": 4, "g0-s1-a0": 2}
 
 
+def test_a_stale_completion_in_a_completions_counts_for_nothing(run):
+    # Recorded a message at a time: throughput, interruptions and the staleness count take
+    # only the completions the ledger accepted, as one Generated each would.
+    run.admit(1)
+    rollout = run.join(WorkerKind.ROLLOUT)
+    fresh, stale = generated("g0-s0-a0", 3), generated("g9-s0-a0", 5)
+    fresh.num_interruptions, stale.num_interruptions = 1, 4
+    run.core.report.start_training()
+    run.on(rollout.identity, Completions.of([fresh, stale]))
+    assert run.core.report.num_interruptions == 1
+    assert run.core.report._generated_tokens == 3
+    assert run.core.admission.staleness.num_buffered == 1
+
+
 def test_completions_whose_parts_do_not_fit_are_refused_whole_and_generated_again(run):
     run.admit(1)
     rollout = run.join(WorkerKind.ROLLOUT)
