@@ -114,11 +114,15 @@ class Trajectory:
         output_versions: Sequence[int] | np.ndarray,
         finish_reason: str = "length",
         output_loss_mask: Sequence[bool] | np.ndarray | None = None,
+        oldest_version: int | None = None,
     ) -> Trajectory:
         """Assemble prompt and completion; completion tokens are trained on, prompt tokens not.
 
         `output_loss_mask` [T]: False for observation tokens of an episode, which must carry
-        version PROMPT_VERSION; None: every output token was sampled."""
+        version PROMPT_VERSION; None: every output token was sampled. `oldest_version`: the
+        least of `output_versions` when the caller knows it (the first token's, when the
+        versions never drop, as the controller checks a Completions' do), so that the
+        arrays kept as they are need not be read; None: found here."""
         num_prompt, num_out = len(prompt_ids), len(output_ids)
         if not num_out == len(output_logprobs) == len(output_versions):
             raise ValueError(
@@ -136,19 +140,20 @@ class Trajectory:
                     f"{sorted(set(observed.tolist()))}"
                 )
         if _kept_as_is(prompt_ids, output_ids, output_logprobs, output_versions, out_mask):
-            _check_num_prompt(prompt_id, num_prompt, num_prompt + num_out)
-            kept = cls.__new__(cls)
-            kept._init(prompt_id, group_id, num_prompt, 0.0, finish_reason, None, None)
-            kept._joined = None
-            kept._parts = (
-                prompt_ids,
-                output_ids,
-                output_logprobs,
-                output_versions,
-                None if out_mask is True else out_mask,
+            return cls.from_checked(
+                prompt_id=prompt_id,
+                group_id=group_id,
+                prompt_ids=prompt_ids,  # type: ignore[arg-type]  # _kept_as_is: arrays
+                output_ids=output_ids,  # type: ignore[arg-type]
+                output_logprobs=output_logprobs,  # type: ignore[arg-type]
+                output_versions=output_versions,  # type: ignore[arg-type]
+                finish_reason=finish_reason,
+                output_loss_mask=None if out_mask is True else out_mask,
+                # now, while the completion just received is in the cache
+                oldest_version=_oldest_sampled(output_versions)  # type: ignore[arg-type]
+                if oldest_version is None
+                else oldest_version,
             )
-            kept._oldest = _oldest_sampled(output_versions)  # type: ignore[arg-type]  # now, while it is in the cache
-            return kept
         # Anything else (lists, other dtypes, a mask of another length) is converted as
         # numpy assignment converts it, into arrays written once each.
         token_ids = np.empty(num_prompt + num_out, np.int32)
@@ -182,18 +187,19 @@ class Trajectory:
         output_versions: np.ndarray,
         finish_reason: str,
         oldest_version: int,
+        output_loss_mask: np.ndarray | None = None,
     ) -> Trajectory:
-        """`from_generation` of a single completion (no loss mask) that the caller has
-        checked already: 1-D int32 prompt and output ids and versions, float32 log-probs,
-        the output arrays of one length, at least one output token, and `oldest_version`
-        the least of `output_versions` (the controller's `checks.completions_fit` accepts
-        only completions whose versions never drop: the first token's). Kept as they are,
-        nothing read but their lengths."""
+        """`from_generation` of arrays that have the trajectory's own types already (1-D
+        int32 ids and versions, float32 log-probs, a bool mask per output token or None),
+        output arrays of one length, and `oldest_version` their least sampled version:
+        kept as they are, without a copy, nothing read but their lengths (the controller
+        builds one per finished sample, tens of millions of tokens a step at cluster
+        scale)."""
         _check_num_prompt(prompt_id, len(prompt_ids), len(prompt_ids) + len(output_ids))
         kept = cls.__new__(cls)
         kept._init(prompt_id, group_id, len(prompt_ids), 0.0, finish_reason, None, None)
         kept._joined = None
-        kept._parts = (prompt_ids, output_ids, output_logprobs, output_versions, None)
+        kept._parts = (prompt_ids, output_ids, output_logprobs, output_versions, output_loss_mask)
         kept._oldest = oldest_version
         return kept
 

@@ -8,9 +8,9 @@ Simulates an async run (1.5B, eta 8, the paper's batch by default) with its mess
 recorded, then replays them to a fresh controller alone (sim/alone.py, as table (r) of
 bench/cluster.py does) under cProfile: what is profiled is the controller's own work and
 nothing of the simulated cluster, over the steps the tables measure (after step
-measure_from: the pipeline full), or the whole replay with --whole-run. Prints the functions with the most time of their own
-(and their callers' cumulative time for the largest), and writes the raw profile to OUT
-(`python -m pstats OUT`). cProfile adds its own cost to every call, so compare shares, not
+measure_from: the pipeline full), or the whole replay with --whole-run. Prints the
+functions with the most time of their own (and their callers' cumulative time for the
+largest), and writes the raw profile to OUT (`python -m pstats OUT`). cProfile adds its own cost to every call, so compare shares, not
 seconds, with tables (f) and (r).
 """
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import itertools
 from dataclasses import dataclass, field
 from collections.abc import Callable, Iterable
 
@@ -230,49 +231,39 @@ class Ledger:
         accepted (so each has at least one token and versions that never drop, the first
         its oldest): the samples recorded, in order; a stale completion is left out. What
         `finish_generation` does for each, with the message's bookkeeping done once: each
-        trajectory keeps views of the message's arrays, and its oldest version is read, not
-        searched for."""
+        trajectory keeps views of the message's arrays (`Trajectory.from_checked`; arrays of
+        other dtypes are converted), and its oldest version is read off its first token."""
         plain = (
             msg.output_ids.dtype == msg.versions.dtype == np.int32
             and msg.logprobs.dtype == np.float32
         )
         by_request, groups = self.by_request, self.groups
-        recorded, start = [], 0
-        for request_id, length, reason, interruptions, generation_s in zip(
+        recorded = []
+        bounds = itertools.pairwise(itertools.accumulate(msg.lengths, initial=0))
+        for (start, end), request_id, reason, interruptions, generation_s in zip(
+            bounds,
             msg.request_ids,
-            msg.lengths,
             msg.finish_reasons,
             msg.num_interruptions,
             msg.generation_s,
             strict=True,
         ):
-            end, span = start + length, slice(start, start + length)
             sample = by_request.get(request_id)
             if sample is None or sample.stage is not Stage.GENERATING or sample.worker != worker:
-                start = end
                 continue
             group = groups[sample.group_id]
-            if plain and group.prompt_ids.dtype == np.int32:
-                trajectory = Trajectory.from_checked(
-                    prompt_id=group.prompt.prompt_id,
-                    group_id=group.group_id,
-                    prompt_ids=group.prompt_ids,
-                    output_ids=msg.output_ids[span],
-                    output_logprobs=msg.logprobs[span],
-                    output_versions=msg.versions[span],
-                    finish_reason=reason.value,
-                    oldest_version=int(msg.versions[start]),
-                )
-            else:
-                trajectory = Trajectory.from_generation(
-                    prompt_id=group.prompt.prompt_id,
-                    group_id=group.group_id,
-                    prompt_ids=group.prompt_ids,
-                    output_ids=msg.output_ids[span],
-                    output_logprobs=msg.logprobs[span],
-                    output_versions=msg.versions[span],
-                    finish_reason=reason.value,
-                )
+            kept = plain and group.prompt_ids.dtype == np.int32  # else converted
+            build = Trajectory.from_checked if kept else Trajectory.from_generation
+            trajectory = build(
+                prompt_id=group.prompt.prompt_id,
+                group_id=group.group_id,
+                prompt_ids=group.prompt_ids,
+                output_ids=msg.output_ids[start:end],
+                output_logprobs=msg.logprobs[start:end],
+                output_versions=msg.versions[start:end],
+                finish_reason=reason.value,
+                oldest_version=int(msg.versions[start]),
+            )
             trajectory.timings.update(
                 submitted=sample.submitted_at,
                 generation=generation_s,
@@ -282,7 +273,6 @@ class Ledger:
             sample.stage, sample.worker = Stage.SCORING, None
             group.num_generated += 1
             recorded.append(sample)
-            start = end
         return recorded
 
     # -- scoring --------------------------------------------------------------------------------

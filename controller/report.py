@@ -56,13 +56,14 @@ class StepReport:
         tokens only: not an episode's observations)."""
         # An agent episode's earlier segments are not `trajectory`: count from the message.
         if msg.segment_prompt_lens and msg.loss_mask is not None:
-            self._generated_tokens += int(msg.loss_mask.sum())
+            num_tokens = int(msg.loss_mask.sum())
         else:
-            self._generated_tokens += trajectory.num_model_tokens
-        self.num_interruptions += msg.num_interruptions
+            num_tokens = trajectory.num_model_tokens
+        self.on_generated_tokens(num_tokens, msg.num_interruptions)
 
     def on_generated_tokens(self, num_tokens: int, num_interruptions: int) -> None:
-        """Single completions generated (one Completions): `on_generated` of each, summed."""
+        """Completions generated: `num_tokens` sampled tokens, `num_interruptions` by weight
+        updates (one Generated's, or a Completions' summed)."""
         self._generated_tokens += num_tokens
         self.num_interruptions += num_interruptions
 

@@ -3,8 +3,8 @@
 One asynchronous run is driven through the embedding API while the test injects faults
 (malformed frames and a peer without the secret on the controller's socket, `kill -9` of
 the rollout worker mid-generation, while it holds finished answers not yet sent); the tests
-below check what that run recorded. A second,
-synchronous run checks that eta = 0 trains on fresh data only.
+below check what that run recorded. A second, synchronous run checks that eta = 0 trains on
+fresh data only.
 """
 
 from __future__ import annotations
