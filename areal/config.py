@@ -786,12 +786,13 @@ class ControllerConfig:
         "trainer.num_ranks of them to join with --connect",
     )
     gc_thresholds: list[int] = opt(
-        [50000, 20, 100],
+        [50000, 1000, 100],
         "the controller process's cyclic "
         "garbage-collector thresholds while a run goes (Python's "
         "gc.set_threshold; with its default 700, 10, 10 full "
-        "collections walk every live sample often: "
-        "areal.controller.collector); []: leave them as they are",
+        "collections walk every live sample often; these walk a "
+        "sample about once: areal.controller.collector); []: leave "
+        "them as they are",
     )
 
     def check(self, key: str) -> None:

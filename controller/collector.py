@@ -2,12 +2,17 @@
 
 The controller allocates a few objects per message (tens of thousands of messages per step
 at cluster scale) and keeps many of them alive for a step or more (samples, their
-trajectories, the buffer), so with Python's default thresholds (700, 10, 10) the cyclic
-collector runs hundreds of times per run and its full collections walk all of them; with
-(50000, 20, 100) it runs a few times and seldom fully (bench/cluster.py's tables (f) and (r)
-report the collector's share of the controller's CPU time, `gc s`). Its data structures
-seldom form reference cycles (reference counting frees them), so collecting rarely costs
-little memory; `controller.gc_thresholds` sets how rarely.
+trajectories, the buffer). Each collection walks the objects of its generations that are
+still alive, so what matters is how often a long-lived object is walked. With Python's
+default thresholds (700, 10, 10) the collector runs hundreds of times per run and its full
+collections walk every live sample. With (50000, 1000, 100) a sample is walked once, by the
+generation-0 collection that promotes it (one per 50,000 net allocations); a generation-1
+collection, which would walk everything promoted since the last one, comes once per 1,000 of
+those, and a full one at most once per 100 of those (bench/cluster.py's tables (f) and (r) report
+the collector's share of the controller's CPU time, `gc s`). The price is memory held by
+cyclic garbage that outlived generation 0, until a generation-1 collection: the
+controller's data structures seldom form reference cycles (reference counting frees
+them). `controller.gc_thresholds` sets how rarely.
 """
 
 from __future__ import annotations
