@@ -40,6 +40,7 @@ def serve(requests: int, replies: IO[str]) -> None:
     """Fork a child per request line read from fd `requests` until it closes; report each
     child's pid when forked and its exit code when it ends."""
     children: set[int] = set()
+    server = os.getpid()  # what each child names as its parent (see become_worker)
     pending = b""
     selector = selectors.DefaultSelector()
     selector.register(requests, selectors.EVENT_READ)
@@ -54,7 +55,7 @@ def serve(requests: int, replies: IO[str]) -> None:
                 if pid == 0:
                     selector.close()
                     os.close(replies.fileno())  # the controller's pipe: not the worker's
-                    _run_child(json.loads(line))
+                    _run_child(json.loads(line), server)
                 children.add(pid)
                 _reply(replies, {"pid": pid})
         for pid in list(children):
@@ -69,11 +70,11 @@ def _reply(replies: IO[str], message: dict[str, Any]) -> None:
     replies.flush()
 
 
-def _run_child(request: dict[str, Any]) -> NoReturn:
+def _run_child(request: dict[str, Any], server: int) -> NoReturn:
     """The forked child's whole life: the worker, then its exit code as Python's own."""
     code = 0
     try:
-        become_worker(request)
+        become_worker(request, server)
     except SystemExit as stop:
         if isinstance(stop.code, int):
             code = stop.code
@@ -89,12 +90,15 @@ def _run_child(request: dict[str, Any]) -> NoReturn:
         os._exit(code)
 
 
-def become_worker(request: dict[str, Any]) -> None:
-    """In the forked child: run `python -m module *args` as the pool would have run it."""
+def become_worker(request: dict[str, Any], server: int) -> None:
+    """In the forked child: run `python -m module *args` as the pool would have run it.
+    `server` is the pid of the process that forked it, read before the fork: if that
+    process has died since, `os.getppid()` names whoever adopted the child instead, and
+    the child would outlive the server and the controller (die_with_parent kills it)."""
     env, cwd = request["env"], request["cwd"]
     os.environ.clear()
     os.environ.update(env)
-    os.environ[PARENT_ENV] = str(os.getppid())  # the server; it exits with the controller
+    os.environ[PARENT_ENV] = str(server)  # it exits with the controller
     die_with_parent()  # at once: a fork does not inherit the server's death signal
     os.chdir(cwd)
     # `python -m` puts the working directory first, then PYTHONPATH; files written since the

@@ -111,7 +111,14 @@ class _Connection:
     def _read(self) -> None:
         assert self.process.stdout is not None
         for line in self.process.stdout:
-            message = json.loads(line)
+            message = _reply(line)
+            if message is None:  # the protocol has no other lines: nothing to wait for here
+                log.warning(
+                    "the worker fork server (pid %d) wrote a line that is not a reply; skipped: %r",
+                    self.process.pid,
+                    line[:200],
+                )
+                continue
             with self.replied:
                 if "pid" in message:  # registered here, before its exit notice can arrive
                     child = self.children[message["pid"]] = PreloadedProcess(message["pid"])
@@ -126,6 +133,21 @@ class _Connection:
             self.children.clear()
             self.started.append(None)  # a request still waiting for its pid fails
             self.replied.notify_all()
+
+
+def _reply(line: str) -> dict[str, int] | None:
+    """A server's reply line (`{"pid": p}` or `{"exit": p, "code": c}`); None for anything
+    else, which must not end the reader: a request would wait for its pid forever."""
+    try:
+        message = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(message, dict):
+        return None
+    keys = ("pid",) if "pid" in message else ("exit", "code")
+    if not all(type(message.get(key)) is int for key in keys):
+        return None
+    return message
 
 
 class ForkServer:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
+import threading
 import time
 
 import psutil
@@ -16,6 +18,7 @@ import pytest
 
 from areal.config import ConfigError, load_config
 from areal.controller.pool import WorkerPool
+from areal.controller import preload
 from areal.controller.preload import ForkServer
 from areal.workers.parent import PARENT_ENV
 
@@ -170,3 +173,22 @@ def test_the_pool_forks_unless_a_worker_is_on_a_cuda_device(tmp_path, worker_sta
 def test_an_unknown_worker_start_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="worker_start='spawn' is not one of auto"):
         load_config(overrides=["worker_start=spawn"])
+
+
+def test_a_line_that_is_not_a_reply_is_skipped_and_the_replies_after_it_are_read(caplog):
+    # Whatever reaches the server's reply pipe besides replies (a library writing to the
+    # duplicated descriptor) must not end the reader: a request would wait forever.
+    lines = ["not json", "[1, 2]", '{"pid": "7"}', '{"exit": 5}', '{"pid": 4242}']
+    script = "import sys; sys.stdout.write(sys.argv[1])"
+    connection = preload._Connection.__new__(preload._Connection)
+    connection.process = subprocess.Popen(
+        [sys.executable, "-c", script, "\n".join(lines) + "\n"], stdout=subprocess.PIPE, text=True
+    )
+    connection.children, connection.started = {}, []
+    connection.replied = threading.Condition()
+    connection._read()  # returns when the pipe closes
+    started, ended = connection.started
+    assert started.pid == 4242 and started.poll() == -signal.SIGKILL  # ended with the server
+    assert ended is None  # a request after the server ended fails instead of waiting
+    skipped = [r.getMessage() for r in caplog.records if "not a reply" in r.getMessage()]
+    assert len(skipped) == 4 and "not json" in skipped[0]
