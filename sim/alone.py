@@ -19,12 +19,17 @@ recorded run's, and a message that would arrive after more of the controller's s
 did in the simulation stops the replay (`ReplayDiverged`). Welcome is compared by kind and
 destination only: its header carries the run directory, which is another one.
 
-Recording keeps the received frames themselves (a reference each, nothing copied or
-compressed, so as to disturb the simulation whose cost is measured as little as it can):
-the arrays of every completion stay in memory until the replay (a recorded simulation's
-peak memory is somewhat higher than an unrecorded one's). The garbage collector would have their objects to walk in every
-full collection the replayed controller triggers, a cost a real controller does not have:
-`replay` freezes them (and everything else alive before it, `gc.freeze`) first.
+Recording keeps the received frames themselves, a reference each, except buffers of
+int32-sized values in few runs (per-token versions, and the simulated servers' token ids
+and log-probs, views of one shared zero buffer), which are kept as their runs and written
+out again, in fresh memory, when they are delivered: as a socket delivers every frame in
+memory of its own. (In the simulation itself the controller reads those ids and log-probs
+from the shared buffer, which stays in the caches: its in-simulation cost leaves out what a
+real controller pays to read them.) The arrays of every completion stay in memory until the
+replay (a recorded simulation's peak memory is somewhat higher than an unrecorded one's).
+The garbage collector would have their objects to walk in every full collection the
+replayed controller triggers, a cost a real controller does not have: `replay` freezes them
+(and everything else alive before it, `gc.freeze`) first.
 """
 
 from __future__ import annotations
@@ -72,9 +77,10 @@ class Arrival:
 
 @dataclass(frozen=True, slots=True)
 class _Runs:
-    """An int32 frame of few runs of equal values, as (values, lengths): a completion's
-    per-token versions (a handful of versions over thousands of tokens). Kept as they
-    arrived, a 7-step simulation at 2,048 accelerators recorded about 6 GB of them."""
+    """A frame of int32-sized values in few runs of equal values, as (values, lengths): a
+    completion's per-token versions (a handful of versions over thousands of tokens), the
+    simulated zero token ids and log-probs. Kept as they arrived, a 7-step simulation at
+    2,048 accelerators recorded about 6 GB of versions alone."""
 
     values: np.ndarray
     lengths: np.ndarray
@@ -88,15 +94,12 @@ _RUNS_MIN_BYTES = 4096
 
 
 def _compact(frame: Any) -> Any:
-    """`frame`, or its runs when it owns an int32 buffer of far fewer runs than values (a
-    view of another array, e.g. the simulated servers' shared token buffer, costs nothing
-    and is kept)."""
-    if (
-        type(frame) is not memoryview
-        or frame.nbytes < _RUNS_MIN_BYTES
-        or frame.nbytes % 4
-        or getattr(frame.obj, "base", True) is not None
-    ):
+    """`frame`, or its runs when it is a buffer of int32-sized values with far fewer runs
+    than values. Views of the simulated servers' shared zero buffers (their token ids and
+    log-probs) are compacted too, to one run each: replayed as they are, every message's
+    ids and log-probs would be the same few cached bytes, where a socket delivers each
+    frame in memory of its own (`_Runs.frame` writes it out again at delivery)."""
+    if type(frame) is not memoryview or frame.nbytes < _RUNS_MIN_BYTES or frame.nbytes % 4:
         return frame
     values = np.frombuffer(frame, np.int32)
     starts = np.flatnonzero(values[1:] != values[:-1]) + 1

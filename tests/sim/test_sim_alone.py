@@ -151,7 +151,21 @@ def test_a_recorded_frame_of_few_runs_is_kept_as_its_runs_and_handed_over_whole(
     assert type(kept) is _Runs and kept.values.tolist() == [3, 4, 6]
     (again,) = _expanded([kept])
     assert bytes(again) == bytes(frame)
-    shared = np.zeros(1 << 14, np.int32)
-    view = memoryview(shared[:3000]).cast("B")  # a view of another buffer: costs nothing
     noisy = memoryview(np.arange(3000, dtype=np.int32)).cast("B")  # as many runs as values
-    assert _compact(view) is view and _compact(noisy) is noisy
+    assert _compact(noisy) is noisy
+
+
+def test_a_view_of_a_shared_buffer_is_delivered_in_fresh_memory_each_time():
+    # The simulated servers' token ids and log-probs are views of one zero buffer; replayed
+    # as such, every message's arrays would be the same cached bytes, which no socket gives.
+    import numpy as np
+
+    from areal.sim.alone import _compact, _expanded
+
+    shared = np.zeros(1 << 14, np.float32)
+    view = memoryview(shared[:3000]).cast("B")
+    kept = _compact(view)
+    first, second = _expanded([kept, kept])
+    assert bytes(first) == bytes(view) == bytes(second)
+    addresses = {np.frombuffer(f, np.uint8).ctypes.data for f in (first, second, view)}
+    assert len(addresses) == 3  # each its own memory, none the shared buffer
