@@ -12,6 +12,7 @@ This module imports nothing heavy (no torch, no sockets: see `areal.transport`).
 from __future__ import annotations
 
 import enum
+import itertools
 import types
 import typing
 from dataclasses import dataclass, field
@@ -306,25 +307,35 @@ class Completions:
     """[sum T] int32: the completions' tokens, concatenated in order."""
     logprobs: np.ndarray
     """[sum T] float32 behaviour log-probs."""
-    versions: np.ndarray
-    """[sum T] int32 policy version that sampled each token."""
+    num_runs: list[int]
+    """R of each completion, in order: how many runs of equal versions its tokens fall in
+    (one, plus one per weight update that interrupted it and changed the version)."""
+    run_versions: np.ndarray
+    """[sum R] int32: the policy version that sampled each run's tokens. A completion's
+    runs are its own, in token order: run r of the message covers `run_lengths[r]` tokens."""
+    run_lengths: np.ndarray
+    """[sum R] int32, each at least 1: the tokens of each run (a completion's add up to its
+    T). Per-token versions travel as runs, a handful over thousands of tokens: a third of
+    the bytes of a Generated's three per-token arrays, and the controller checks them
+    without reading a value per token."""
     finish_reasons: list[FinishReason]
     num_interruptions: list[int]
     generation_s: list[float]
 
     def completions(self) -> list[Generated]:
-        """Each completion as its own Generated (the arrays are views of this message's);
-        ValueError as `check` raises it."""
+        """Each completion as its own Generated (ids and log-probs are views of this
+        message's arrays, versions its runs written out); ValueError as `check` raises it."""
         self.check()
         result, start = [], 0
-        for i, length in enumerate(self.lengths):
+        runs = itertools.pairwise(itertools.accumulate(self.num_runs, initial=0))
+        for i, (length, (first, last)) in enumerate(zip(self.lengths, runs, strict=True)):
             end = start + length
             result.append(
                 Generated(
                     request_id=self.request_ids[i],
                     output_ids=self.output_ids[start:end],
                     logprobs=self.logprobs[start:end],
-                    versions=self.versions[start:end],
+                    versions=np.repeat(self.run_versions[first:last], self.run_lengths[first:last]),
                     finish_reason=self.finish_reasons[i],
                     num_interruptions=self.num_interruptions[i],
                     generation_s=self.generation_s[i],
@@ -334,38 +345,73 @@ class Completions:
         return result
 
     def check(self) -> None:
-        """ValueError when the lists do not pair up with the request ids or the lengths do
-        not add up to the arrays' (the parts fit together; their values are not judged)."""
+        """ValueError when the lists do not pair up with the request ids, the lengths do
+        not add up to the arrays', or each completion's version runs to its length (the
+        parts fit together; the values of tokens and versions are not judged)."""
         n = len(self.request_ids)
         sizes = [
-            len(values) for values in (self.lengths, self.finish_reasons, self.num_interruptions)
+            len(values)
+            for values in (self.lengths, self.num_runs, self.finish_reasons, self.num_interruptions)
         ] + [len(self.generation_s)]
         if not n or any(size != n for size in sizes):
             raise ValueError(
-                f"request_ids, lengths, finish_reasons, num_interruptions, generation_s have "
-                f"lengths {[n, *sizes]}: one of each per completion, at least one"
+                f"request_ids, lengths, num_runs, finish_reasons, num_interruptions, "
+                f"generation_s have lengths {[n, *sizes]}: one of each per completion, at "
+                "least one"
             )
-        arrays = (self.output_ids, self.logprobs, self.versions)
+        arrays = (self.output_ids, self.logprobs)
         total = sum(self.lengths)
         if min(self.lengths) < 0 or any(a.ndim != 1 or len(a) != total for a in arrays):
             raise ValueError(
                 f"lengths {self.lengths[:8]}{'...' if n > 8 else ''} (sum {total}) do not cut "
                 f"arrays of shapes {[list(a.shape) for a in arrays]}"
             )
+        runs, lengths = self.run_versions, self.run_lengths
+        num_runs = sum(self.num_runs)
+        if min(self.num_runs) < 0 or any(
+            a.ndim != 1 or len(a) != num_runs for a in (runs, lengths)
+        ):
+            raise ValueError(
+                f"num_runs {self.num_runs[:8]}{'...' if n > 8 else ''} (sum {num_runs}) do "
+                f"not cut run arrays of shapes {[list(runs.shape), list(lengths.shape)]}"
+            )
+        if lengths.dtype.kind not in "iu" or (num_runs and lengths.min() < 1):
+            raise ValueError(f"run_lengths of dtype {lengths.dtype}: positive integers")
+        covered = np.cumsum(lengths, dtype=np.int64)  # tokens through each run
+        ends = np.cumsum(self.num_runs) - 1  # each completion's last run (-1: none before)
+        through = np.where(ends >= 0, covered[np.maximum(ends, 0)] if num_runs else 0, 0)
+        if not np.array_equal(through, np.cumsum(self.lengths)):
+            raise ValueError(
+                "the version runs of some completion do not add up to its length "
+                f"(lengths {self.lengths[:8]}, runs {self.num_runs[:8]})"
+            )
 
     @classmethod
     def of(cls, completions: list[Generated]) -> Completions:
         """The single completions `completions` (at least one) in one message."""
+        runs = [version_runs(c.versions) for c in completions]
         return cls(
             request_ids=[c.request_id for c in completions],
             lengths=[len(c.output_ids) for c in completions],
             output_ids=_joined([c.output_ids for c in completions]),
             logprobs=_joined([c.logprobs for c in completions]),
-            versions=_joined([c.versions for c in completions]),
+            num_runs=[len(values) for values, _ in runs],
+            run_versions=_joined([values for values, _ in runs]),
+            run_lengths=_joined([lengths for _, lengths in runs]),
             finish_reasons=[c.finish_reason for c in completions],
             num_interruptions=[c.num_interruptions for c in completions],
             generation_s=[c.generation_s for c in completions],
         )
+
+
+def version_runs(versions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(versions [R] int32, lengths [R] int32) of the runs of equal values in `versions`
+    (per-token versions of one completion), in order; none for no tokens."""
+    if not len(versions):
+        return np.empty(0, np.int32), np.empty(0, np.int32)
+    starts = np.flatnonzero(versions[1:] != versions[:-1]) + 1
+    bounds = np.concatenate([[0], starts, [len(versions)]])
+    return versions[bounds[:-1]].astype(np.int32), np.diff(bounds).astype(np.int32)
 
 
 def _joined(arrays: list[np.ndarray]) -> np.ndarray:

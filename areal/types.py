@@ -14,7 +14,7 @@ talks to processes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import Any, NamedTuple, TypedDict
 from collections.abc import Sequence
 
 import numpy as np
@@ -22,6 +22,20 @@ import torch
 
 PROMPT_VERSION = -1
 """Version recorded for prompt tokens: they were not sampled by any policy."""
+
+
+class VersionRuns(NamedTuple):
+    """Per-token versions of a completion as runs: `lengths[r]` tokens (at least one) in a
+    row sampled by `versions[r]` (both [R] int32). A completion's versions change only where
+    a weight update interrupted it, so the controller keeps them as they travel
+    (messages.Completions) and writes them out per token only when a batch is packed."""
+
+    versions: np.ndarray
+    lengths: np.ndarray
+
+    def expanded(self) -> np.ndarray:
+        """[T] int32, a version per token."""
+        return np.repeat(self.versions, self.lengths)
 
 
 class Trajectory:
@@ -184,14 +198,15 @@ class Trajectory:
         prompt_ids: np.ndarray,
         output_ids: np.ndarray,
         output_logprobs: np.ndarray,
-        output_versions: np.ndarray,
+        output_versions: np.ndarray | VersionRuns,
         finish_reason: str,
         oldest_version: int,
         output_loss_mask: np.ndarray | None = None,
     ) -> Trajectory:
         """`from_generation` of arrays that have the trajectory's own types already (1-D
         int32 ids and versions, float32 log-probs, a bool mask per output token or None),
-        output arrays of one length, and `oldest_version` their least sampled version:
+        output arrays of one length (versions may be their runs, covering them), and
+        `oldest_version` their least sampled version:
         kept as they are, without a copy, nothing read but their lengths (the controller
         builds one per finished sample, tens of millions of tokens a step at cluster
         scale)."""
@@ -211,7 +226,7 @@ class Trajectory:
             self._joined = (
                 np.concatenate([prompt, ids]),
                 np.concatenate([np.zeros(n, np.float32), logprobs]),
-                np.concatenate([np.full(n, PROMPT_VERSION, np.int32), versions]),
+                np.concatenate([np.full(n, PROMPT_VERSION, np.int32), _per_token(versions)]),
                 np.concatenate(
                     [np.zeros(n, bool), np.ones(len(ids), bool) if mask is None else mask]
                 ),
@@ -274,7 +289,8 @@ class Trajectory:
 
     def _find_oldest(self) -> int:
         if self._parts is not None:  # kept apart: the prompt is all PROMPT_VERSION
-            return _oldest_sampled(self._parts[3])
+            versions = self._parts[3]
+            return _oldest_sampled(versions.versions if type(versions) is VersionRuns else versions)
         versions = self._joined[2]
         prompt = versions[: self.num_prompt_tokens]
         if prompt.min() == prompt.max() == PROMPT_VERSION:  # all but episodes' built ones
@@ -302,9 +318,22 @@ class Trajectory:
         end = mid + len(ids)
         token_ids[start:mid], token_ids[mid:end] = prompt, ids
         logprobs[start:mid], logprobs[mid:end] = 0.0, out_logprobs
-        versions[start:mid], versions[mid:end] = PROMPT_VERSION, out_versions
+        versions[start:mid] = PROMPT_VERSION
+        if type(out_versions) is VersionRuns:  # a few runs: each written as one value
+            run_start = mid
+            for version, length in zip(
+                out_versions.versions.tolist(), out_versions.lengths.tolist(), strict=True
+            ):
+                versions[run_start : run_start + length] = version
+                run_start += length
+        else:
+            versions[mid:end] = out_versions
         loss_mask[start:mid] = False
         loss_mask[mid:end] = (True if mask is None else mask) if trained else False
+
+
+def _per_token(versions: np.ndarray | VersionRuns) -> np.ndarray:
+    return versions.expanded() if isinstance(versions, VersionRuns) else versions
 
 
 def _oldest_sampled(versions: np.ndarray) -> int:

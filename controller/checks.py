@@ -161,30 +161,27 @@ def completions_fit(
     msg: Completions, *, max_new_tokens: int, version: int, vocab_size: int | None
 ) -> bool:
     """True only when every completion of `msg` (whose parts fit together:
-    `Completions.completions` did not refuse it) would pass `generated_problem`, judged in one
-    pass over the concatenated arrays instead of one per completion: the ids in the
-    vocabulary, the log-probs finite and at most 0 (with slack), the versions in [0,
-    `version`] and never decreasing within a completion (a drop only where one begins), each
-    completion 1 to max_new_tokens tokens. When it says False, each completion is judged
-    (and worded) on its own."""
-    ids, logprobs, versions, lengths = msg.output_ids, msg.logprobs, msg.versions, msg.lengths
+    `Completions.check` passed) would pass `generated_problem`, judged in one pass over the
+    concatenated arrays instead of one per completion: the ids in the vocabulary, the
+    log-probs finite and at most 0 (with slack), the versions in [0, `version`] and never
+    decreasing within a completion (read off its runs: a drop only where a completion's
+    first run begins), each completion 1 to max_new_tokens tokens. When it says False, each
+    completion is judged (and worded) on its own."""
+    ids, logprobs, versions, lengths = msg.output_ids, msg.logprobs, msg.run_versions, msg.lengths
     if ids.dtype.kind not in "iu" or versions.dtype.kind not in "iu" or logprobs.dtype.kind != "f":
         return False
     if not (min(lengths) > 0 and max(lengths) <= max_new_tokens):
-        return False
+        return False  # every completion has a token, so at least one run
     if vocab_size is not None:  # a negative id read unsigned is above any vocabulary
         if _MAX(ids.view(_UNSIGNED[ids.dtype.itemsize])) >= vocab_size:
             return False
     elif _MIN(ids) < 0:
         return False
-    # Versions that never drop within a completion have their least and greatest at its
-    # ends: one pass for the drops, then the completions' first and last tokens.
-    starts = np.cumsum([0, *lengths[:-1]])
-    drops = versions[1:] < versions[:-1]  # drops[i]: from token i to i + 1
-    drops[starts[1:] - 1] = False  # a completion may start below where the one before ended
-    if drops.any():
+    if not (_MIN(versions) >= 0 and _MAX(versions) <= version):
         return False
-    if not (_MIN(versions[starts]) >= 0 and _MAX(versions[starts + lengths - 1]) <= version):
+    drops = versions[1:] < versions[:-1]  # drops[r]: from run r to r + 1
+    drops[np.cumsum(msg.num_runs[:-1], dtype=np.intp) - 1] = False  # a completion may start lower
+    if drops.any():
         return False
     return bool(_MAX(logprobs) <= LOGPROB_SLACK and _MIN(logprobs) > -math.inf)
 

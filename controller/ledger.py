@@ -28,7 +28,7 @@ import numpy as np
 
 from areal.messages import Completions, EpisodeEnd, Generated
 from areal.tasks.base import Prompt, RewardOutcome, Verdict
-from areal.types import Trajectory
+from areal.types import Trajectory, VersionRuns
 
 
 class Stage(str, enum.Enum):
@@ -228,20 +228,23 @@ class Ledger:
 
     def finish_completions(self, msg: Completions, worker: bytes) -> list[Sample]:
         """Record the completions of `msg`, every one of which `checks.completions_fit`
-        accepted (so each has at least one token and versions that never drop, the first
-        its oldest): the samples recorded, in order; a stale completion is left out. What
-        `finish_generation` does for each, with the message's bookkeeping done once: each
-        trajectory keeps views of the message's arrays (`Trajectory.from_checked`; arrays of
-        other dtypes are converted), and its oldest version is read off its first token."""
+        accepted (so each has at least one token and versions that never drop, its first
+        run its oldest): the samples recorded, in order; a stale completion is left out.
+        What `finish_generation` does for each, with the message's bookkeeping done once:
+        each trajectory keeps views of the message's arrays and its version runs
+        (`Trajectory.from_checked`; arrays of other dtypes are converted)."""
         plain = (
-            msg.output_ids.dtype == msg.versions.dtype == np.int32
+            msg.output_ids.dtype == msg.run_versions.dtype == msg.run_lengths.dtype == np.int32
             and msg.logprobs.dtype == np.float32
         )
         by_request, groups = self.by_request, self.groups
+        run_versions, run_lengths = msg.run_versions, msg.run_lengths
         recorded = []
         bounds = itertools.pairwise(itertools.accumulate(msg.lengths, initial=0))
-        for (start, end), request_id, reason, interruptions, generation_s in zip(
+        runs = itertools.pairwise(itertools.accumulate(msg.num_runs, initial=0))
+        for (start, end), (first, last), request_id, reason, interruptions, generation_s in zip(
             bounds,
+            runs,
             msg.request_ids,
             msg.finish_reasons,
             msg.num_interruptions,
@@ -252,17 +255,21 @@ class Ledger:
             if sample is None or sample.stage is not Stage.GENERATING or sample.worker != worker:
                 continue
             group = groups[sample.group_id]
+            versions = VersionRuns(run_versions[first:last], run_lengths[first:last])
             kept = plain and group.prompt_ids.dtype == np.int32  # else converted
-            build = Trajectory.from_checked if kept else Trajectory.from_generation
+            build: Callable[..., Trajectory] = (
+                Trajectory.from_checked if kept else Trajectory.from_generation
+            )
+            out_versions: np.ndarray | VersionRuns = versions if kept else versions.expanded()
             trajectory = build(
                 prompt_id=group.prompt.prompt_id,
                 group_id=group.group_id,
                 prompt_ids=group.prompt_ids,
                 output_ids=msg.output_ids[start:end],
                 output_logprobs=msg.logprobs[start:end],
-                output_versions=msg.versions[start:end],
+                output_versions=out_versions,
                 finish_reason=reason.value,
-                oldest_version=int(msg.versions[start]),
+                oldest_version=int(run_versions[first]),
             )
             trajectory.timings.update(
                 submitted=sample.submitted_at,

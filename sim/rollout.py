@@ -11,7 +11,7 @@ inference engine behind `InterruptibleGenerator` does, without simulating each t
                   arriving. A chunk's duration is the sum of its steps' roofline times
                   (cost.decode_s, context growing by one token per sequence per step); a
                   chunk cut short by a message keeps the steps that fit in the time elapsed
-    finish     -> its output (of the drawn length, per-token versions), sent with the others
+    finish     -> its output (of the drawn length, its versions as runs), sent with the others
                   finished in one Completions once the batch has a free slot and nothing
                   waits for it
     UpdateWeights(interrupt)     -> every started sequence is aborted (KV dropped), the
@@ -23,7 +23,8 @@ inference engine behind `InterruptibleGenerator` does, without simulating each t
     Cancel     -> the request is dropped without an answer
 
 Completion lengths come from the workload (sim/workload.py); token ids and log-probs are
-zeros (views of one read-only buffer), versions are real per-token arrays.
+zeros (views of one read-only buffer), versions are real runs (one per weight version
+that sampled part of the completion).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +44,6 @@ from areal.messages import (
     Completions,
     FinishReason,
     Generate,
-    Generated,
     UpdateWeights,
     Welcome,
     WeightsUpdated,
@@ -95,6 +96,18 @@ class Seq:
         return self.prompt_len + self.done
 
 
+class _Finished(typing.NamedTuple):
+    """A finished sequence, not yet sent: what its part of a Completions carries."""
+
+    request_id: str
+    length: int
+    runs: list[tuple[int, int]]
+    """(version, tokens) of each run of its tokens, in order, none empty."""
+    finish_reason: FinishReason
+    num_interruptions: int
+    generation_s: float
+
+
 class SimRollout(SimWorker):
     kind = WorkerKind.ROLLOUT
 
@@ -111,7 +124,7 @@ class SimRollout(SimWorker):
         self.running: dict[str, Seq] = {}
         self.waiting: list[Seq] = []  # admission order; preempted ones go back to the front
         self.by_id: dict[str, Seq] = {}
-        self._answered: dict[str, Generated] = {}
+        self._answered: dict[str, _Finished] = {}
         """Finished, not yet sent (`_answer`)."""
         self._finish_heap: list[tuple[int, int, int, Seq]] = []
         self._order = itertools.count()
@@ -175,13 +188,16 @@ class SimRollout(SimWorker):
             return None
         results = list(self._answered.values())
         self._answered.clear()
-        lengths = [len(r.versions) for r in results]
+        lengths = [r.length for r in results]
+        runs = [run for r in results for run in r.runs]
         return Completions(
             request_ids=[r.request_id for r in results],
             lengths=lengths,
             output_ids=_zeros(_ZEROS_I32, sum(lengths)),
             logprobs=_zeros(_ZEROS_F32, sum(lengths)),
-            versions=np.concatenate([r.versions for r in results]),
+            num_runs=[len(r.runs) for r in results],
+            run_versions=np.array([v for v, _ in runs], np.int32),
+            run_lengths=np.array([n for _, n in runs], np.int32),
             finish_reasons=[r.finish_reason for r in results],
             num_interruptions=[r.num_interruptions for r in results],
             generation_s=[r.generation_s for r in results],
@@ -328,16 +344,12 @@ class SimRollout(SimWorker):
         self._leave(newest)
         self.waiting.insert(0, newest)
 
-    def _result(self, seq: Seq) -> Generated:
-        segments = [*seq.segments, (seq.version, seq.done - seq.seg_start)]
-        versions = np.repeat(
-            np.array([v for v, _ in segments], dtype=np.int32), [n for _, n in segments]
-        )
-        return Generated(
+    def _result(self, seq: Seq) -> _Finished:
+        runs = [(v, n) for v, n in (*seq.segments, (seq.version, seq.done - seq.seg_start)) if n]
+        return _Finished(
             request_id=seq.request_id,
-            output_ids=_zeros(_ZEROS_I32, seq.done),
-            logprobs=_zeros(_ZEROS_F32, seq.done),
-            versions=versions,
+            length=seq.done,
+            runs=runs,
             finish_reason=FinishReason.STOP if seq.stop else FinishReason.LENGTH,
             num_interruptions=seq.interruptions,
             generation_s=clock.now() - seq.received_at,

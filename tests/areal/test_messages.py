@@ -77,7 +77,9 @@ SAMPLES = {
         lengths=[3, 0],
         output_ids=_arange(3),
         logprobs=np.linspace(-1, 0, 3, dtype=np.float32),
-        versions=np.array([0, 0, 1], np.int32),
+        num_runs=[2, 0],
+        run_versions=np.array([0, 1], np.int32),
+        run_lengths=np.array([2, 1], np.int32),
         finish_reasons=[FinishReason.STOP, FinishReason.LENGTH],
         num_interruptions=[1, 0],
         generation_s=[0.25, 0.5],
@@ -583,19 +585,54 @@ def test_completions_come_apart_into_the_generated_they_carry():
     assert alone.output_ids is parts[0].output_ids  # one completion: not copied
 
 
+def test_per_token_versions_travel_as_runs_and_come_back_per_token():
+    interrupted = np.array([4, 4, 4, 5, 5, 7], np.int32)  # two weight updates mid-way
+    parts = [
+        Generated(
+            request_id=f"g2-s{i}-a0",
+            output_ids=_arange(len(versions)),
+            logprobs=np.full(len(versions), -0.5, np.float32),
+            versions=versions,
+            finish_reason=FinishReason.STOP,
+        )
+        for i, versions in enumerate([interrupted, np.full(3, 7, np.int32)])
+    ]
+    msg = Completions.of(parts)
+    assert msg.num_runs == [3, 1]
+    assert msg.run_versions.tolist() == [4, 5, 7, 7] and msg.run_lengths.tolist() == [3, 2, 1, 3]
+    for got, want in zip(decode(encode(msg)).completions(), parts, strict=True):
+        _assert_same(want, got)
+
+
 @pytest.mark.parametrize(
     "change, problem",
     [
-        (dict(lengths=[3]), r"lengths \[2, 1, 2, 2, 2\]"),
+        (dict(lengths=[3]), r"lengths \[2, 1, 2, 2, 2, 2\]"),
+        (dict(num_runs=[2]), r"lengths \[2, 2, 1, 2, 2, 2\]"),
         (
             dict(
-                request_ids=[], lengths=[], finish_reasons=[], num_interruptions=[], generation_s=[]
+                request_ids=[],
+                lengths=[],
+                num_runs=[],
+                finish_reasons=[],
+                num_interruptions=[],
+                generation_s=[],
             ),
             "at least one",
         ),
         (dict(lengths=[2, 2]), r"\(sum 4\) do not cut"),
         (dict(lengths=[4, -1]), "do not cut"),
-        (dict(versions=np.zeros((3, 1), np.int32)), "do not cut"),
+        (dict(num_runs=[1, 0]), r"\(sum 1\) do not cut run arrays"),
+        (dict(num_runs=[3, -1]), "do not cut run arrays"),
+        (dict(run_versions=np.zeros((2, 1), np.int32)), "do not cut run arrays"),
+        (dict(run_lengths=np.array([3, 0], np.int32)), "positive integers"),
+        (dict(run_lengths=np.array([1.0, 2.0])), "positive integers"),
+        # a run of the first completion's spills into the second's tokens
+        (dict(lengths=[2, 1], num_runs=[1, 1], run_lengths=np.array([3, 0])), "positive"),
+        (
+            dict(lengths=[1, 2], num_runs=[1, 1], run_lengths=np.array([2, 1], np.int32)),
+            "do not add up to its length",
+        ),
     ],
 )
 def test_completions_whose_parts_do_not_fit_together_are_refused(change, problem):

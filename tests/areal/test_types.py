@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from areal import types as types_module
-from areal.types import PROMPT_VERSION, Trajectory, pack, pack_arrays
+from areal.messages import version_runs
+from areal.types import PROMPT_VERSION, Trajectory, VersionRuns, pack, pack_arrays
 
 
 def _traj(num_prompt, num_out, version=0, group_id=0, reward=0.0):
@@ -160,6 +161,48 @@ def _both_forms(rng: np.random.Generator, episode: bool) -> tuple[Trajectory, Tr
     return kept, copied
 
 
+def _runs_form(rng: np.random.Generator) -> tuple[Trajectory, Trajectory]:
+    """A completion kept with its versions as runs (as the controller records the answers
+    of a Completions message) and the same copied into [T] arrays."""
+    num_prompt, num_out = int(rng.integers(1, 6)), int(rng.integers(1, 9))
+    prompt = rng.integers(0, 100, num_prompt).astype(np.int32)
+    ids = rng.integers(0, 100, num_out).astype(np.int32)
+    logprobs = -rng.random(num_out).astype(np.float32)
+    versions = np.sort(rng.integers(0, 4, num_out)).astype(np.int32)
+    kept = Trajectory.from_checked(
+        prompt_id="p",
+        group_id=3,
+        prompt_ids=prompt,
+        output_ids=ids,
+        output_logprobs=logprobs,
+        output_versions=VersionRuns(*version_runs(versions)),
+        finish_reason="stop",
+        oldest_version=int(versions[0]),
+    )
+    copied = Trajectory.from_generation(
+        prompt_id="p",
+        group_id=3,
+        prompt_ids=prompt.tolist(),
+        output_ids=ids.tolist(),
+        output_logprobs=logprobs.tolist(),
+        output_versions=versions.tolist(),
+        finish_reason="stop",
+    )
+    return kept, copied
+
+
+def test_a_completion_kept_with_its_version_runs_reads_as_the_copied_one():
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        kept, copied = _runs_form(rng)
+        assert kept._find_oldest() == copied.oldest_version() == _oldest_by_definition(copied)
+        assert kept.num_tokens == copied.num_tokens
+        for name in ("token_ids", "logprobs", "versions", "loss_mask"):
+            got, expected = getattr(kept, name), getattr(copied, name)
+            assert got.dtype == expected.dtype, name
+            np.testing.assert_array_equal(got, expected, err_msg=name)
+
+
 @pytest.mark.parametrize("episode", [False, True])
 def test_a_completion_kept_as_it_came_reads_as_the_copied_one(episode):
     """`from_generation` keeps arrays of the trajectory's dtypes without a copy; every reader
@@ -243,6 +286,7 @@ def test_pack_arrays_equals_concatenating_each_trajectorys_arrays(seed, monkeypa
     monkeypatch.setattr(np, "empty", _garbage_empty)
     rng = np.random.default_rng(seed)
     trajs = [t for _ in range(12) for t in _both_forms(rng, episode=bool(rng.random() < 0.4))]
+    trajs += [t for _ in range(6) for t in _runs_form(rng)]
     for t in trajs:
         t.reward = float(rng.random())
     masked = (rng.random(len(trajs)) < 0.3).tolist()

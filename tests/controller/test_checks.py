@@ -276,10 +276,15 @@ def test_a_completions_message_of_well_formed_completions_passes_in_one_check():
     msg = Completions.of(parts)
     assert checks.completions_fit(msg, max_new_tokens=8, version=2, vocab_size=100)
     # a version that drops inside a completion, not where one begins, fails it
-    msg.versions = msg.versions.copy()
-    msg.versions[1:3] = [2, 1]  # [0, 2, 1 | 0, 1, 1 | 0, 1, 1]
+    parts[0].versions = np.array([0, 2, 1], np.int32)
+    msg = Completions.of(parts)  # runs [0, 2, 1 | 0, 1 | 0, 1]
     assert not checks.completions_fit(msg, max_new_tokens=8, version=2, vocab_size=100)
     assert [bool(_problem(c)) for c in msg.completions()] == [True, False, False]
+    # the same drop where a completion begins is no drop
+    parts[0].versions = np.array([0, 1, 2], np.int32)
+    assert checks.completions_fit(
+        Completions.of(parts), max_new_tokens=8, version=2, vocab_size=100
+    )
 
 
 @pytest.mark.parametrize("name", ["output_ids", "logprobs", "versions"])

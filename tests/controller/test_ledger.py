@@ -256,7 +256,7 @@ def test_an_agent_episodes_segments_become_trajectories_of_its_group():
 def test_completions_are_recorded_as_each_alone_would_be_and_a_stale_one_is_left_out(dtype):
     # finish_completions keeps views of the message's arrays (int32: as they are; another
     # dtype converted, as from_generation does) and reads each oldest version from its
-    # first token; a request the worker does not hold is left out.
+    # first version run; a request the worker does not hold is left out.
     ledger = Ledger()
     group = ledger.add_group(_prompt(), np.array([5, 6], np.int32), size=3, version=0)
     a, b, c = (ledger.pending.popleft() for _ in range(3))
@@ -265,7 +265,7 @@ def test_completions_are_recorded_as_each_alone_would_be_and_a_stale_one_is_left
     alone = [_generated(a, n=2, version=1), _generated(b, n=3, version=0)]
     alone[1].versions = np.array([0, 1, 1], np.int32)
     msg = Completions.of([*alone, _generated(c, n=1)])
-    msg.output_ids, msg.versions = msg.output_ids.astype(dtype), msg.versions.astype(dtype)
+    msg.output_ids, msg.run_versions = msg.output_ids.astype(dtype), msg.run_versions.astype(dtype)
     msg.num_interruptions, msg.generation_s = [0, 2, 0], [1.5, 0.5, 0.1]
     assert ledger.finish_completions(msg, W1) == [a, b]  # c is W2's
     assert group.num_generated == 2 and c.stage is Stage.GENERATING
