@@ -375,8 +375,13 @@ class Completions:
                 f"num_runs {self.num_runs[:8]}{'...' if n > 8 else ''} (sum {num_runs}) do "
                 f"not cut run arrays of shapes {[list(runs.shape), list(lengths.shape)]}"
             )
-        if lengths.dtype.kind not in "iu" or (num_runs and lengths.min() < 1):
-            raise ValueError(f"run_lengths of dtype {lengths.dtype}: positive integers")
+        if lengths.dtype.kind not in "iu" or (
+            num_runs and not 1 <= lengths.min() <= lengths.max() <= total
+        ):  # bounded above too: sums of huge values could wrap around to the right total
+            raise ValueError(
+                f"run_lengths of dtype {lengths.dtype}: positive integers, none above the "
+                f"{total} tokens"
+            )
         covered = np.cumsum(lengths, dtype=np.int64)  # tokens through each run
         ends = np.cumsum(self.num_runs) - 1  # each completion's last run (-1: none before)
         through = np.where(ends >= 0, covered[np.maximum(ends, 0)] if num_runs else 0, 0)

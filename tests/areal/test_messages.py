@@ -627,6 +627,7 @@ def test_per_token_versions_travel_as_runs_and_come_back_per_token():
         (dict(run_versions=np.zeros((2, 1), np.int32)), "do not cut run arrays"),
         (dict(run_lengths=np.array([3, 0], np.int32)), "positive integers"),
         (dict(run_lengths=np.array([1.0, 2.0])), "positive integers"),
+        (dict(run_lengths=np.array([2**63, 2**63 + 3], np.uint64)), "none above"),  # sum 3
         # a run of the first completion's spills into the second's tokens
         (dict(lengths=[2, 1], num_runs=[1, 1], run_lengths=np.array([3, 0])), "positive"),
         (
