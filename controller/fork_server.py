@@ -4,7 +4,8 @@ It imports MODULE... (the controller passes controller/preload.py's PRELOAD: the
 modules, torch and transformers with them), then forks a worker per request read from its
 stdin until that closes. The protocol is one JSON object per line: a request (module, args,
 env, cwd, log), the child's pid on stdout, and later `{"exit": pid, "code": c}` when the
-child ends (`c` as `Popen.returncode`: negative for a signal). Nothing else reaches that
+child ends (`c` as `Popen.returncode`: negative for a signal); `{"kill": pid}` SIGKILLs that
+child if it has not been reaped yet, and is not answered. Nothing else reaches that
 stdout: what the imports print goes to stderr. The server dies with the
 controller (areal.workers.parent), and each child with the server.
 
@@ -18,12 +19,14 @@ the workers (torch.set_num_threads).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import io
 import json
 import os
 import runpy
 import selectors
+import signal
 import sys
 import traceback
 from typing import IO, Any, NoReturn
@@ -51,11 +54,17 @@ def serve(requests: int, replies: IO[str]) -> None:
                 return
             *lines, pending = (pending + chunk).split(b"\n")
             for line in lines:
+                request = json.loads(line)
+                if "kill" in request:  # only a child not yet reaped: its pid is still its own
+                    if request["kill"] in children:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(request["kill"], signal.SIGKILL)
+                    continue
                 pid = os.fork()
                 if pid == 0:
                     selector.close()
                     os.close(replies.fileno())  # the controller's pipe: not the worker's
-                    _run_child(json.loads(line), server)
+                    _run_child(request, server)
                 children.add(pid)
                 _reply(replies, {"pid": pid})
         for pid in list(children):

@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +50,11 @@ PRELOAD = [
 class PreloadedProcess:
     """A worker forked by the server, seen through `subprocess.Popen`'s methods."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, kill: Callable[[int], None]) -> None:
         self.pid = pid
         self.returncode: int | None = None
         self._ended = threading.Event()
+        self._kill = kill
 
     def _end(self, code: int) -> None:
         self.returncode = code
@@ -68,11 +70,11 @@ class PreloadedProcess:
         return self.returncode
 
     def kill(self) -> None:
+        """SIGKILL, sent by the server: it is the parent, and until it has reaped the
+        worker the pid cannot belong to another process (a kill from here could reach a
+        process that reused the pid after the worker ended, before its exit notice came)."""
         if self.returncode is None:
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            self._kill(self.pid)
 
 
 class ServerEnded(RuntimeError):
@@ -93,13 +95,25 @@ class _Connection:
         self.children: dict[int, PreloadedProcess] = {}
         self.started: list[PreloadedProcess | None] = []
         self.replied = threading.Condition()
+        self._writing = threading.Lock()  # one line at a time on the server's stdin
         threading.Thread(target=self._read, name="fork-server", daemon=True).start()
         log.info("started the worker fork server (pid %d)", self.process.pid)
 
-    def request(self, request: dict[str, Any]) -> PreloadedProcess:
+    def _write(self, line: dict[str, Any]) -> None:
         assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps(request) + "\n")
-        self.process.stdin.flush()
+        with self._writing:
+            self.process.stdin.write(json.dumps(line) + "\n")
+            self.process.stdin.flush()
+
+    def kill(self, pid: int) -> None:
+        """Ask the server to SIGKILL its child `pid` if it has not reaped it yet."""
+        try:
+            self._write({"kill": pid})
+        except (BrokenPipeError, ValueError):  # the server is gone, its children with it
+            pass
+
+    def request(self, request: dict[str, Any]) -> PreloadedProcess:
+        self._write(request)
         with self.replied:
             while not self.started:
                 self.replied.wait()
@@ -121,7 +135,8 @@ class _Connection:
                 continue
             with self.replied:
                 if "pid" in message:  # registered here, before its exit notice can arrive
-                    child = self.children[message["pid"]] = PreloadedProcess(message["pid"])
+                    child = PreloadedProcess(message["pid"], self.kill)
+                    self.children[message["pid"]] = child
                     self.started.append(child)
                     self.replied.notify_all()
                 elif (ended := self.children.pop(message["exit"], None)) is not None:

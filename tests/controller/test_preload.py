@@ -192,3 +192,22 @@ def test_a_line_that_is_not_a_reply_is_skipped_and_the_replies_after_it_are_read
     assert ended is None  # a request after the server ended fails instead of waiting
     skipped = [r.getMessage() for r in caplog.records if "not a reply" in r.getMessage()]
     assert len(skipped) == 4 and "not json" in skipped[0]
+
+
+def test_a_kill_reaches_only_a_child_the_server_has_not_reaped(server, user_module, tmp_path):
+    # A worker's pid may be reused once the server has reaped it, before the controller
+    # hears of its exit: the kill goes through the server, which signals only its own.
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        first = server.start("forked_job", ["exit", "0"], _env(user_module), tmp_path / "a.log")
+        assert first.wait(60) == 0
+        # as if the bystander had taken the ended worker's pid before its notice came
+        preload.PreloadedProcess(bystander.pid, server._connection.kill).kill()
+        # the server reads its stdin in order: once this one is answered, the kill was read
+        after = server.start("forked_job", ["sleep", "0"], _env(user_module), tmp_path / "b.log")
+        assert bystander.poll() is None
+        after.kill()
+        assert after.wait(30) == -signal.SIGKILL
+    finally:
+        bystander.kill()
+        bystander.wait()
