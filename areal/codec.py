@@ -99,9 +99,6 @@ def _array_bytes(value: Any) -> tuple[str, tuple[int, ...], memoryview]:
 _DTYPE_NAMES = {np.dtype(name): name for name in _NUMPY_DTYPES}
 _NUMPY_DTYPE_OBJECTS = {name: np.dtype(name) for name in _NUMPY_DTYPES}
 _SCALARS = (str, int, float, bool, type(None), bytes)
-_SCALAR_TYPES = frozenset(_SCALARS)
-"""For `_SCALAR_TYPES.issuperset(map(type, values))`: a list's element types checked in C,
-2.6x faster than a generator over it for a Generate's 300 prompt token ids."""
 
 
 _REQUIRED = object()

@@ -382,10 +382,8 @@ class Completions:
                 f"run_lengths of dtype {lengths.dtype}: positive integers, none above the "
                 f"{total} tokens"
             )
-        covered = np.cumsum(lengths, dtype=np.int64)  # tokens through each run
-        ends = np.cumsum(self.num_runs) - 1  # each completion's last run (-1: none before)
-        through = np.where(ends >= 0, covered[np.maximum(ends, 0)] if num_runs else 0, 0)
-        if not np.array_equal(through, np.cumsum(self.lengths)):
+        covered = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])  # before each run
+        if not np.array_equal(covered[np.cumsum(self.num_runs)], np.cumsum(self.lengths)):
             raise ValueError(
                 "the version runs of some completion do not add up to its length "
                 f"(lengths {self.lengths[:8]}, runs {self.num_runs[:8]})"
@@ -410,13 +408,14 @@ class Completions:
 
 
 def version_runs(versions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(versions [R] int32, lengths [R] int32) of the runs of equal values in `versions`
-    (per-token versions of one completion), in order; none for no tokens."""
+    """(values [R] int32, lengths [R] int32) of the runs of equal values in `versions`
+    (per-token versions of one completion, or any array of int32-sized values), in order;
+    none for no values."""
     if not len(versions):
         return np.empty(0, np.int32), np.empty(0, np.int32)
     starts = np.flatnonzero(versions[1:] != versions[:-1]) + 1
     bounds = np.concatenate([[0], starts, [len(versions)]])
-    return versions[bounds[:-1]].astype(np.int32), np.diff(bounds).astype(np.int32)
+    return versions[bounds[:-1]].astype(np.int32, copy=False), np.diff(bounds).astype(np.int32)
 
 
 def _joined(arrays: list[np.ndarray]) -> np.ndarray:

@@ -125,7 +125,7 @@ class _Connection:
     def _read(self) -> None:
         assert self.process.stdout is not None
         for line in self.process.stdout:
-            message = _reply(line)
+            message = _parsed_reply(line)
             if message is None:  # the protocol has no other lines: nothing to wait for here
                 log.warning(
                     "the worker fork server (pid %d) wrote a line that is not a reply; skipped: %r",
@@ -150,7 +150,7 @@ class _Connection:
             self.replied.notify_all()
 
 
-def _reply(line: str) -> dict[str, int] | None:
+def _parsed_reply(line: str) -> dict[str, int] | None:
     """A server's reply line (`{"pid": p}` or `{"exit": p, "code": c}`); None for anything
     else, which must not end the reader: a request would wait for its pid forever."""
     try:
