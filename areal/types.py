@@ -55,6 +55,19 @@ class Trajectory:
     the step record, after thousands of other completions, it would be a cache miss per
     trajectory)."""
 
+    __slots__ = (
+        "_joined",
+        "_oldest",
+        "_parts",
+        "episode",
+        "finish_reason",
+        "group_id",
+        "num_prompt_tokens",
+        "prompt_id",
+        "reward",
+        "timings",
+    )
+
     def __init__(
         self,
         *,

@@ -43,7 +43,7 @@ class Purpose(str, enum.Enum):
     EVAL = "eval"
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Sample:
     group_id: int
     index: int
