@@ -32,6 +32,10 @@ Then
     r. (only with --only r) the controller alone: (f)'s largest async simulation run
        again (three times: the machine's noise), each with the controller's CPU measured
        in the simulation and on a controller alone, its messages replayed (sim/alone.py)
+    t. (only with --only t) the controller alone against completion length: (r)'s run at
+       three maximum generation lengths, its CPU per completion, a line through them (a
+       part per completion and a part per token) and what 5% of the step leaves per
+       completion on a slow day (ref us 14)
 
 `--only TABLES` runs some of them (e.g. `--only f`: the controller's cost alone). `--quick`
 runs a small subset of a-f on small clusters and batches (a smoke run), without (g) unless
@@ -58,6 +62,7 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Callable
 
+import numpy as np
 import psutil
 
 from areal.sim.config import SimConfig, sim_config
@@ -604,6 +609,66 @@ def table_r(bench: Bench) -> str:
     )
 
 
+SLOW_REF_US = 14.0
+"""A slow day's speed of this kind of machine, shared: `ref us` 11-17 was measured on it
+(docs/history.md, "The controller's own cost"); the controller is to stay under 5% of the
+step even then. Table (t) prices a completion at this speed."""
+
+SHARE_TARGET = 0.05
+"""The controller's largest share of a simulated step (the design's: it must not become the
+bottleneck)."""
+
+
+def table_t(bench: Bench) -> str:
+    """(r)'s run alone, once per maximum generation length (the paper's last): the
+    controller's CPU per completion against the tokens each carries, a line through them,
+    and what 5% of the paper-length step leaves per completion at `SLOW_REF_US`: the
+    per-completion part (the line at no tokens) and the per-token part, priced apart.
+    Run here, one after the other."""
+    n = large_counts(bench)[-1]
+    lengths = [1024, 4096] if bench.quick else [2048, 8192, bench.batch["max_new_tokens"]]
+    rows, points = [], []
+    for length in lengths:
+        config = bench.config(
+            "async", wire=True, measure_alone=True, max_new_tokens=length, **_large_values(bench, n)
+        )
+        r = _simulate_in_child(config)
+        bench.unshared += 1
+        completions = config.num_prompts * bench.batch["group_size"]
+        tokens = r.trained_tokens_per_s * r.step_s / completions
+        us = r.controller_alone_cpu_s_per_step / completions * 1e6
+        slow_us = us * SLOW_REF_US / r.reference_decode_us
+        points.append((tokens, slow_us))
+        rows.append(
+            f"{length:>7} {tokens:>8.0f} {r.step_s:>7.1f} "
+            f"{r.controller_alone_cpu_s_per_step:>8.3f} {r.controller_alone_share:>7.1%} "
+            f"{us:>8.1f} {r.reference_decode_us:>6.1f} {slow_us:>9.1f}"
+        )
+        print(f"  table t, {length} tokens: {rows[-1].split(maxsplit=1)[1]}", file=sys.stderr)
+    tokens_of, us_of = np.array(points).T
+    slope, intercept = np.polyfit(tokens_of, us_of, deg=1)
+    budget = SHARE_TARGET * r.step_s / completions * 1e6  # the last run: the paper's length
+    return (
+        _lines(
+            f"{'max tok':>7} {'tok/traj':>8} {'step s':>7} {'alone s':>8} {'share':>7} "
+            f"{'us/compl':>8} {'ref us':>6} {f'at {SLOW_REF_US:g} us':>9}",
+            rows,
+        )
+        + f"\nus per completion at ref us {SLOW_REF_US:g} = {intercept:.1f} + "
+        f"{slope * 1000:.2f} per 1,000 tokens of its trajectory (least squares over "
+        f"{len(points)} runs); {SHARE_TARGET:.0%} of the {r.step_s:.1f}-s step leaves "
+        f"{budget:.1f} us per completion, against {points[-1][1]:.1f} measured: "
+        f"{intercept:.1f} for a completion with no tokens, "
+        f"{points[-1][1] - intercept:.1f} for its {points[-1][0]:.0f} tokens"
+        + f"\n(1.5B async, eta 8, {n} accelerators, batch {config.num_prompts} x "
+        f"{bench.batch['group_size']}; max tok: rollout.max_new_tokens; tok/traj: trained "
+        "tokens per trajectory, prompt included; alone s: CPU seconds per step of the "
+        "controller alone, its messages replayed (as (r)); us/compl: those per completion "
+        f"of the batch; at {SLOW_REF_US:g} us: the same on a machine at ref us "
+        f"{SLOW_REF_US:g}, a slow day's speed of this one; {REF_NOTE})"
+    )
+
+
 def table_f(bench: Bench) -> str:
     counts = scale_counts(bench)
     runs = [(n, mode, _scale_run(bench, mode, n)) for n in counts for mode in ("sync", "async")]
@@ -702,6 +767,12 @@ TABLES = {
     "f": ("the controller's own cost", table_f, False, True),
     "s": ("what staleness.strict costs (not in the default run)", table_s, False, False),
     "r": ("the controller alone (not in the default run)", table_r, False, True),
+    "t": (
+        "the controller alone against completion length (not in the default run)",
+        table_t,
+        False,
+        True,
+    ),
 }
 """Letter: (title, the function printing it, whether it also returns data to plot, whether its
 simulations are measured: run through the codec (`wire`), one at a time; (b) shares (f)'s)."""
@@ -716,7 +787,8 @@ def main() -> int:
         default=None,
         help="the tables to run, e.g. f (the controller's cost alone); "
         "default a-g (a-f with --quick); s (the cost of "
-        "staleness.strict) and r (the controller alone) only when asked",
+        "staleness.strict), r (the controller alone) and t (alone, against completion "
+        "length) only when asked",
     )
     parser.add_argument(
         "--calibrate",
@@ -742,8 +814,8 @@ def main() -> int:
         parser.error(f"--jobs={args.jobs}: at least 1")
     default = "abcdef" if args.quick else "abcdefg"
     only = "g" if args.calibrate else args.only or default
-    if set(only) - set("abcdefgsr"):
-        parser.error(f"--only={only!r}: letters among a-g, s and r, e.g. --only f")
+    if set(only) - set("abcdefgsrt"):
+        parser.error(f"--only={only!r}: letters among a-g, s, r and t, e.g. --only f")
     page = publish(args.quick, args.out)
     if only == "g":
         text = calibrate(args.quick, args.out or Path("bench/results/calibration"))

@@ -95,6 +95,34 @@ def test_table_r_measures_the_controller_in_the_simulation_and_alone(cluster_ben
     assert "64 accelerators" in text and bench.simulations == 2
 
 
+@pytest.mark.slow
+def test_table_t_prices_a_completion_against_its_length(cluster_bench):
+    bench = cluster_bench.Bench(quick=True, seed=1, jobs=1)
+    text = cluster_bench.table_t(bench)
+    # max tok, tok/traj, step s, alone s, share, us/compl, ref us, at 14 us
+    rows = re.findall(
+        r"^\s+(\d+)\s+(\d+)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)%\s+([0-9.]+)"
+        r"\s+([0-9.]+)\s+([0-9.]+)$",
+        text,
+        re.MULTILINE,
+    )
+    assert [int(row[0]) for row in rows] == [1024, 4096], text
+    batch = re.search(r"64 accelerators, batch (\d+) x (\d+)", text)  # (f)'s largest quick run
+    assert batch, text
+    completions = int(batch[1]) * int(batch[2])
+    for _, _, _, alone, _, us, ref, slow in rows:
+        # the per-completion figures are the step's CPU over the batch, and scale with speed
+        assert float(us) == pytest.approx(float(alone) / completions * 1e6, rel=0.05, abs=0.5)
+        assert float(slow) == pytest.approx(float(us) * 14 / float(ref), rel=0.05, abs=0.1)
+    assert int(rows[1][1]) > int(rows[0][1])  # longer completions carry more tokens
+    fit = re.search(r"= (-?[0-9.]+) \+ (-?[0-9.]+) per 1,000 tokens.*leaves ([0-9.]+) us", text)
+    assert fit, text
+    # a line through two points passes through both
+    slope = (float(rows[1][7]) - float(rows[0][7])) / (int(rows[1][1]) - int(rows[0][1]))
+    assert float(fit[2]) == pytest.approx(slope * 1000, rel=0.05, abs=0.05)
+    assert float(fit[3]) > 0 and bench.simulations == 2
+
+
 def test_one_job_runs_each_configuration_once(cluster_bench, monkeypatch):
     calls = []
     monkeypatch.setattr(cluster_bench, "simulate", lambda config: calls.append(config) or config)
