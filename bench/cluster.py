@@ -620,7 +620,7 @@ bottleneck)."""
 
 
 def table_t(bench: Bench) -> str:
-    """(r)'s run alone, once per maximum generation length (the paper's last): the
+    """(r)'s run alone, once per maximum generation length (the paper's length last): the
     controller's CPU per completion against the tokens each carries, a line through them,
     and what 5% of the paper-length step leaves per completion at `SLOW_REF_US`: the
     per-completion part (the line at no tokens) and the per-token part, priced apart.
