@@ -25,6 +25,7 @@ import asyncio
 import collections.abc
 import contextvars
 import gc
+import threading
 import time
 from typing import Any
 from collections.abc import Callable, Coroutine
@@ -45,6 +46,8 @@ class CpuAccounts:
         self.running: str | None = None
         """The owner of the step running now (None between steps)."""
         self._gc_started = 0.0
+        self._loop_thread = threading.get_ident()
+        """The event loop's thread (`install`): collections in another run in no step."""
         self.by_task: dict[str, float] = {}
         self.controller_steps = 0
         """Steps the controller's tasks have taken: where in its own work a message arrived
@@ -56,6 +59,7 @@ class CpuAccounts:
         """Account `loop`'s tasks and time the collector's pauses until `uninstall`."""
         # typeshed's _TaskFactory has no `context` parameter; asyncio passes one when given.
         loop.set_task_factory(self._factory)  # type: ignore[arg-type]
+        self._loop_thread = threading.get_ident()
         gc.callbacks.append(self._on_collection)
 
     def uninstall(self) -> None:
@@ -63,6 +67,8 @@ class CpuAccounts:
             gc.callbacks.remove(self._on_collection)
 
     def _on_collection(self, phase: str, info: dict[str, int]) -> None:
+        if threading.get_ident() != self._loop_thread:  # another thread's (sim/alone.py's
+            return  # frame writer), inside none of the loop's steps
         if phase == "start":
             self._gc_started = time.thread_time()
         elif self.running is not None:

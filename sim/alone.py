@@ -22,8 +22,11 @@ destination only: its header carries the run directory, which is another one.
 Recording keeps the received frames themselves, a reference each, except buffers of
 int32-sized values in few runs (per-token versions, and the simulated servers' token ids
 and log-probs, views of one shared zero buffer), which are kept as their runs and written
-out again, in fresh memory, when they are delivered: as a socket delivers every frame in
-memory of its own. (In the simulation itself the controller reads those ids and log-probs
+out again, in fresh memory, before they are delivered: as a socket delivers every frame in
+memory of its own. They are written by a thread of the replay's own (`_FrameWriter`), a few
+messages ahead of the one delivered, as a socket's I/O thread writes what it receives on
+another core: the controller then reads frames another core wrote, as a real one does,
+and its caches do not pay for the writing. (In the simulation itself the controller reads those ids and log-probs
 from the shared buffer, which stays in the caches: its in-simulation cost leaves out what a
 real controller pays to read them.) The arrays of every completion stay in memory until the
 replay (a recorded simulation's peak memory is somewhat higher than an unrecorded one's).
@@ -38,6 +41,7 @@ import asyncio
 import contextlib
 import gc
 import io
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,6 +90,10 @@ class _Runs:
     lengths: np.ndarray
 
     def frame(self) -> memoryview:
+        if len(self.values) == 1:  # fill, unlike repeat, lets other threads run meanwhile
+            out = np.empty(int(self.lengths[0]), np.int32)
+            out.fill(self.values[0])
+            return out.data.cast("B")
         return np.repeat(self.values, self.lengths).data.cast("B")
 
 
@@ -110,6 +118,65 @@ def _compact(frame: Any) -> Any:
 
 def _expanded(frames: list[Any]) -> list[Any]:
     return [f.frame() if type(f) is _Runs else f for f in frames]
+
+
+_WRITTEN_AHEAD = 16
+"""Messages whose frames `_FrameWriter` writes before the one delivered: at 2,048
+accelerators about 13 MB of token ids and log-probs, more than a core's own caches hold
+(2 MB of L2 a core on the machine this was measured on), so that what the controller reads
+was written by the other core."""
+
+
+class _FrameWriter:
+    """Writes the recorded messages' frames out (`_expanded`), in order, up to
+    `_WRITTEN_AHEAD` messages before the one taken, on a thread of its own (see the module
+    docstring). `take(i)` waits for message i's frames; an error of the thread is raised
+    there."""
+
+    def __init__(self, arrivals: list[Arrival]) -> None:
+        self._arrivals = arrivals
+        self._written: dict[int, list[Any]] = {}
+        self._taken = 0
+        self._stopped = False
+        self._error: BaseException | None = None
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._write, name="replay-frames", daemon=True)
+        self._thread.start()
+
+    def _write(self) -> None:
+        try:
+            for i, arrival in enumerate(self._arrivals):
+                with self._changed:
+                    self._changed.wait_for(
+                        lambda: self._stopped or i < self._taken + _WRITTEN_AHEAD  # noqa: B023
+                    )
+                    if self._stopped:
+                        return
+                frames = _expanded(arrival.frames)
+                with self._changed:
+                    self._written[i] = frames
+                    self._changed.notify_all()
+        except BaseException as err:  # handed to the replay, which waits in `take`
+            with self._changed:
+                self._error = err
+                self._changed.notify_all()
+
+    def take(self, i: int) -> list[Any]:
+        """Message i's frames, written (messages are taken in order)."""
+        with self._changed:
+            self._changed.wait_for(lambda: i in self._written or self._error is not None)
+            if i not in self._written:
+                raise RuntimeError(f"writing message {i}'s frames failed") from self._error
+            self._taken = i + 1
+            self._changed.notify_all()
+            return self._written.pop(i)
+
+    def stop(self) -> None:
+        """Ends the thread (frames not taken are dropped)."""
+        with self._changed:
+            self._stopped = True
+            self._changed.notify_all()
+        self._thread.join()
 
 
 @dataclass
@@ -215,9 +282,14 @@ class _Feeder:
     as it had in the simulation and the clock has reached its time."""
 
     def __init__(
-        self, arrivals: list[Arrival], router: _ReplayRouter, accounts: CpuAccounts
+        self,
+        arrivals: list[Arrival],
+        router: _ReplayRouter,
+        accounts: CpuAccounts,
+        writer: _FrameWriter,
     ) -> None:
         self.arrivals, self.router, self.accounts = arrivals, router, accounts
+        self.writer = writer
         self.next = 0
         self.timer_for = -1
 
@@ -242,7 +314,7 @@ class _Feeder:
                     self.timer_for = self.next
                     loop.call_at(arrival.time, self)
                 return
-            self.router.deliver(arrival.identity, _expanded(arrival.frames))
+            self.router.deliver(arrival.identity, self.writer.take(self.next))
             self.next += 1
 
 
@@ -261,7 +333,8 @@ def replay(
     router = _ReplayRouter(recording.sent_frames)
     ctl = Controller(cfg, runtime=_ReplayRuntime(env, router))
     router.stop = ctl.stop
-    feeder = _Feeder(recording.arrivals, router, accounts)
+    writer = _FrameWriter(recording.arrivals)
+    feeder = _Feeder(recording.arrivals, router, accounts, writer)
 
     async def main() -> Any:
         accounts.after_controller_step = feeder
@@ -278,6 +351,7 @@ def replay(
             raise router.diverged from None  # what failed followed from it
         raise
     finally:
+        writer.stop()
         gc.unfreeze()
     if router.diverged is not None:
         raise router.diverged

@@ -2,6 +2,7 @@
 
 import asyncio
 import gc
+import threading
 
 import pytest
 
@@ -45,3 +46,22 @@ def test_collections_are_charged_to_the_step_that_ran_them_until_uninstalled():
         assert accounts.gc_s[owner] <= accounts.cpu_s[owner]
     assert accounts._on_collection not in gc.callbacks
     accounts.uninstall()  # twice: nothing to remove, no error
+
+
+@pytest.mark.slow
+def test_a_collection_in_another_thread_is_charged_to_no_step():
+    accounts = CpuAccounts()
+
+    async def controller():
+        # the step runs while another thread (the replay's frame writer) collects
+        thread = threading.Thread(target=_collect_cycles)
+        thread.start()
+        thread.join()
+
+    async def main():
+        accounts.install(asyncio.get_running_loop())
+        await asyncio.create_task(controller())
+        accounts.uninstall()
+        return dict(accounts.gc_s)
+
+    assert run_virtual(main) == {CONTROLLER: 0.0, WORKERS: 0.0}

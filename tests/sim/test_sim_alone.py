@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
+import time
 
 import msgpack
+import numpy as np
 import pytest
 
 from areal.config import ConfigError
@@ -153,6 +156,53 @@ def test_a_recorded_frame_of_few_runs_is_kept_as_its_runs_and_handed_over_whole(
     assert bytes(again) == bytes(frame)
     noisy = memoryview(np.arange(3000, dtype=np.int32)).cast("B")  # as many runs as values
     assert _compact(noisy) is noisy
+
+
+def _arrivals(frames: list[list]) -> list:
+    return [alone_mod.Arrival(0, 0.0, b"w", [b"t", b"h", *f]) for f in frames]
+
+
+def test_frames_are_written_ahead_in_order_on_another_thread(monkeypatch):
+    writers = []
+
+    def expanded(frames):
+        writers.append(threading.get_ident())
+        return [bytes(f.frame()) if type(f) is alone_mod._Runs else f for f in frames]
+
+    monkeypatch.setattr(alone_mod, "_expanded", expanded)
+    runs = [alone_mod._Runs(np.array([i], np.int32), np.array([1024], np.int32)) for i in range(40)]
+    writer = alone_mod._FrameWriter(_arrivals([[r] for r in runs]))
+    try:
+        deadline = time.monotonic() + 30
+        while len(writers) < alone_mod._WRITTEN_AHEAD and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)  # it would have written more by now, were it not bounded
+        assert len(writers) == alone_mod._WRITTEN_AHEAD
+        for i in range(len(runs)):
+            frames = writer.take(i)
+            assert frames[:2] == [b"t", b"h"]
+            assert frames[2] == np.full(1024, i, np.int32).tobytes()
+    finally:
+        writer.stop()
+    assert len(writers) == len(runs) and threading.get_ident() not in writers
+
+
+def test_a_frame_that_cannot_be_written_fails_the_message_that_needs_it():
+    bad = alone_mod._Runs(np.array([1, 2], np.int32), np.array([-1, 2], np.int32))
+    writer = alone_mod._FrameWriter(_arrivals([[b"ok"], [bad], [b"never"]]))
+    try:
+        assert writer.take(0)[2] == b"ok"
+        with pytest.raises(RuntimeError, match="writing message 1's frames failed") as err:
+            writer.take(1)
+        assert isinstance(err.value.__cause__, ValueError)  # numpy's, about the lengths
+    finally:
+        writer.stop()
+
+
+def test_stopping_the_writer_ends_its_thread_while_it_waits_for_room():
+    writer = alone_mod._FrameWriter(_arrivals([[b"x"]] * (alone_mod._WRITTEN_AHEAD + 5)))
+    writer.stop()  # frames not taken are dropped
+    assert not writer._thread.is_alive()
 
 
 def test_a_view_of_a_shared_buffer_is_delivered_in_fresh_memory_each_time():
