@@ -26,9 +26,9 @@ out again, in fresh memory, before they are delivered: as a socket delivers ever
 memory of its own. They are written by a thread of the replay's own (`_FrameWriter`), a few
 messages ahead of the one delivered, as a socket's I/O thread writes what it receives on
 another core: the controller then reads frames another core wrote, as a real one does,
-and its caches do not pay for the writing. (In the simulation itself the controller reads those ids and log-probs
-from the shared buffer, which stays in the caches: its in-simulation cost leaves out what a
-real controller pays to read them.) The arrays of every completion stay in memory until the
+and its caches do not pay for the writing. (In the simulation itself the controller reads
+those ids and log-probs from the shared buffer, which stays in the caches: its
+in-simulation cost leaves out what a real controller pays to read them.) The arrays of every completion stay in memory until the
 replay (a recorded simulation's peak memory is somewhat higher than an unrecorded one's).
 The garbage collector would have their objects to walk in every full collection the
 replayed controller triggers, a cost a real controller does not have: `replay` freezes them

@@ -163,11 +163,11 @@ def _arrivals(frames: list[list]) -> list:
 
 
 def test_frames_are_written_ahead_in_order_on_another_thread(monkeypatch):
-    writers = []
+    writers, write = [], alone_mod._expanded
 
-    def expanded(frames):
+    def expanded(frames):  # the writer's own, noting the thread it runs on
         writers.append(threading.get_ident())
-        return [bytes(f.frame()) if type(f) is alone_mod._Runs else f for f in frames]
+        return write(frames)
 
     monkeypatch.setattr(alone_mod, "_expanded", expanded)
     runs = [alone_mod._Runs(np.array([i], np.int32), np.array([1024], np.int32)) for i in range(40)]
@@ -181,7 +181,7 @@ def test_frames_are_written_ahead_in_order_on_another_thread(monkeypatch):
         for i in range(len(runs)):
             frames = writer.take(i)
             assert frames[:2] == [b"t", b"h"]
-            assert frames[2] == np.full(1024, i, np.int32).tobytes()
+            assert bytes(frames[2]) == np.full(1024, i, np.int32).tobytes()
     finally:
         writer.stop()
     assert len(writers) == len(runs) and threading.get_ident() not in writers
