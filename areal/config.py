@@ -754,7 +754,9 @@ class ControllerConfig:
         "127.0.0.1", "address the controller binds (loopback unless remote workers must join)"
     )
     port: int = opt(0, "port of the controller socket; 0 picks a free one")
-    heartbeat_interval_s: float = opt(1.0, "how often workers report alive")
+    heartbeat_interval_s: float = opt(
+        1.0, "how often each side sends a Heartbeat if it sent the other nothing else"
+    )
     heartbeat_timeout_s: float = opt(30.0, "a worker silent this long is declared lost")
     secret: str | None = opt(
         None,
@@ -808,10 +810,12 @@ class ControllerConfig:
         if not 0 <= self.port < 65536:
             raise ConfigError(f"{key}.port={self.port!r} must be in [0, 65535]")
         _positive(self.heartbeat_interval_s, f"{key}.heartbeat_interval_s")
-        if not self.heartbeat_timeout_s > 2 * self.heartbeat_interval_s:
+        # Each side sends a Heartbeat only in an interval in which it sent nothing else, so
+        # the other may hear nothing for up to two intervals; the third is slack.
+        if not self.heartbeat_timeout_s >= 3 * self.heartbeat_interval_s:
             raise ConfigError(
-                f"{key}.heartbeat_timeout_s={self.heartbeat_timeout_s!r} must exceed twice "
-                f"{key}.heartbeat_interval_s={self.heartbeat_interval_s!r}"
+                f"{key}.heartbeat_timeout_s={self.heartbeat_timeout_s!r} must be at least three "
+                f"times {key}.heartbeat_interval_s={self.heartbeat_interval_s!r}"
             )
         _positive(self.max_message_mb, f"{key}.max_message_mb")
         kinds = ("rollout", "reward", "trainer")

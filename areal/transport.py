@@ -25,7 +25,7 @@ import hashlib
 import hmac
 import logging
 from typing import Any
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import zmq
 import zmq.asyncio
@@ -91,6 +91,18 @@ class RouterChannel:
                     return False
                 raise
         return True
+
+    async def broadcast(self, identities: Iterable[bytes], msg: Any) -> None:
+        """`msg` to each of `identities`, encoded once (a peer that is gone is skipped):
+        the liveness loop's Heartbeats, one to each of up to thousands of workers."""
+        frames = encode(msg)
+        async with self._send_lock:
+            for identity in identities:
+                try:
+                    await self.socket.send_multipart([identity, *frames], copy=False)
+                except zmq.ZMQError as err:
+                    if err.errno != zmq.EHOSTUNREACH:
+                        raise
 
     def close(self) -> None:
         self.socket.close(0)

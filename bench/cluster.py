@@ -65,6 +65,7 @@ from collections.abc import Callable
 import numpy as np
 import psutil
 
+from areal.config import ControllerConfig
 from areal.sim.config import SimConfig, sim_config
 from areal.sim.plan import Evaluator, Outcome, load_plan_config
 from areal.sim.run import SimResult, simulate
@@ -429,11 +430,14 @@ def _large_run(bench: Bench, n: int, **values: Any) -> Future[SimResult]:
 
 
 def _large_values(bench: Bench, n: int) -> dict[str, Any]:
+    """(f)'s large rows, (r) and (t): the controller at scale, with Heartbeats at a real run's
+    default interval (a simulation's default keeps them rare), whose cost it pays."""
     factor = n // scale_counts(bench)[-1]
     return dict(
         _scale_values("async", n),
         num_prompts=bench.batch["num_prompts"] * factor,
         max_concurrent_prompts=512 * factor,
+        heartbeat_interval_s=ControllerConfig().heartbeat_interval_s,
     )
 
 
@@ -705,7 +709,9 @@ def _large_note(bench: Bench) -> str:
     batches = ", ".join(f"{_large_values(bench, n)['num_prompts']} x {group}" for n in large)
     return (
         f"{', '.join(map(str, large))} accelerators: async, the batch scaled with the "
-        f"cluster ({batches}), as the prompts in flight"
+        f"cluster ({batches}), as the prompts in flight, and Heartbeats at a real run's "
+        f"interval ({ControllerConfig().heartbeat_interval_s:g} s; the smaller rows: every "
+        f"{SimConfig().heartbeat_interval_s:g} s)"
     )
 
 

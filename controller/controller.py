@@ -14,7 +14,8 @@
     ledger.buffer  --> [train-driver] --Train(shard r, whole groups)--> rank r
                        waits: B trajectories in the buffer, then Trained from every rank
                        (trainers.py); records steps and evaluations (train_driver.py)
-    [liveness]         Heartbeat to every worker; a silent or exited worker is lost (its
+    [liveness]         Heartbeat to every worker sent nothing else since its last round
+                       (any message is a sign of life); a silent or exited worker is lost (its
                        work re-queued, never lost; a local one restarted; a trainer rank:
                        every rank restarts from the newest checkpoint); failed weight loads
                        retried (weight_sync.py)
@@ -104,6 +105,9 @@ class Controller:
         """The run's components and their decisions, once the run is set up (`_build`)."""
         self._channel: Any = None
         """The controller's end of the transport, once connected: where `_send` sends."""
+        self._sent_to: set[bytes] = set()
+        """Workers sent a message since the liveness loop's last round: they need no
+        Heartbeat in the next (any message proves the controller alive)."""
         self._subscribers: list[asyncio.Queue] = []
         """One queue per `events()` iterator; the metrics sink feeds them (the same list)."""
 
@@ -312,6 +316,8 @@ class Controller:
             except PeerMessageError as err:
                 core.malformed(err)
                 continue
+            if type(msg) is Heartbeat and core.heard(identity, clock.now()):
+                continue  # a sign of life changes nothing the loops wait on: no notify
             probe = core.probe(identity, msg)
             members = await self._reachable(probe) if probe else None
             out = core.on_message(identity, msg, clock.now(), members)
@@ -334,7 +340,8 @@ class Controller:
         pool, weights = core.pool, core.weights
         while True:
             await asyncio.sleep(cfg.heartbeat_interval_s)
-            await self._send(core.heartbeats())
+            await self._channel.broadcast(core.heartbeat_targets(self._sent_to), _HEARTBEAT)
+            self._sent_to.clear()
             for handle in pool.lost(cfg.heartbeat_timeout_s):
                 if handle not in pool.lost(cfg.heartbeat_timeout_s):
                     continue  # restarted meanwhile, with its trainer group
@@ -359,9 +366,10 @@ class Controller:
     async def _send(self, out: Outbox) -> None:
         """What a decision wrote: its messages and wake-ups in order, then the restarts of
         the workers it lost, then the diagnosis of failed training steps."""
-        send = self._channel.send
+        send, sent_to = self._channel.send, self._sent_to
         for item in out.items:
             if type(item) is tuple:
+                sent_to.add(item[0])
                 await send(item[0], item[1])
             else:
                 item()
@@ -417,6 +425,10 @@ class Controller:
                 Shutdown(reason="run finished" if final else "run ended", final=final),
             )
         await asyncio.to_thread(core.pool.stop_all)
+
+
+_HEARTBEAT = Heartbeat()
+"""The controller's Heartbeat: always the same, encoded once per round."""
 
 
 async def _forever(name: str, loop: Loop) -> None:

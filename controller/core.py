@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 from typing import Any
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from areal.config import RunConfig
 from areal.controller import strict_staleness
@@ -532,10 +532,18 @@ class Core:
         """The shell is done with `handle`'s process (restarted, or not ours)."""
         self.losing.discard(handle.worker_id)
 
-    def heartbeats(self) -> Outbox:
-        """A Heartbeat to every registered worker (remote workers exit when the controller
-        falls silent)."""
-        out = Outbox()
-        for handle in list(self.pool.by_identity.values()):
-            out.send(handle.identity, Heartbeat())
-        return out
+    def heartbeat_targets(self, sent_to: Collection[bytes] = ()) -> list[bytes]:
+        """The registered workers that need a Heartbeat: those not in `sent_to`, the ones
+        sent something else since the last round (any message proves the controller alive;
+        remote workers exit when it falls silent)."""
+        return [identity for identity in self.pool.by_identity if identity not in sent_to]
+
+    def heard(self, identity: bytes, now: float) -> bool:
+        """A Heartbeat from `identity` at `now`, when it is a registered worker's: its last
+        sign of life noted, nothing else to decide (False: a stranger's, for `on_message`
+        to refuse)."""
+        handle = self.pool.get(identity)
+        if handle is None:
+            return False
+        handle.last_seen = now
+        return True

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from typing import Any
+from collections.abc import Iterable
 
 from areal.codec import decode, encode
 from areal.messages import MessageError
@@ -61,6 +62,16 @@ class SimRouter:
         peer._inbox.put_nowait(payload)
         return True
 
+    async def broadcast(self, identities: Iterable[bytes], msg: Any) -> None:
+        """`msg` to each of `identities`, encoded once, as RouterChannel.broadcast."""
+        payload = encode(msg) if self.wire else msg
+        for identity in identities:
+            peer = self._peers.get(identity)
+            if peer is not None and not peer.closed:
+                if self.recorder is not None:
+                    self.recorder.sent(identity, payload)
+                peer._inbox.put_nowait(payload)
+
     def deliver(self, identity: bytes, payload: Any) -> None:
         """A message from the worker `identity` arrives."""
         if self.recorder is not None:
@@ -79,6 +90,8 @@ class SimDealer:
         self.router = router
         self.identity = identity
         self.closed = False
+        self.sent_since_beat = False
+        """Something was sent since the worker's heartbeat loop last looked."""
         self._inbox: asyncio.Queue[Any] = asyncio.Queue()
 
     async def recv(self) -> Any:
@@ -88,6 +101,7 @@ class SimDealer:
     async def send(self, msg: Any) -> None:
         if self.closed:
             return
+        self.sent_since_beat = True
         self.router.deliver(self.identity, encode(msg) if self.router.wire else msg)
 
     def close(self) -> None:

@@ -110,6 +110,14 @@ class SimConfig:
         "the messages it received to a fresh controller with no "
         "simulated worker beside it (sim/alone.py; needs wire)",
     )
+    heartbeat_interval_s: float = opt(
+        300.0,
+        "the run's controller.heartbeat_interval_s: each side sends a Heartbeat in each "
+        "interval in which it sent the other nothing else. Workers are never lost in a "
+        "simulation, so the default keeps them rare (a faster simulation); a measurement "
+        "of the controller's CPU sets the real interval (1 s by default), whose "
+        "Heartbeats it pays for",
+    )
     costs: str | None = opt(None, "cost parameter file; null: the shipped sim/costs.yaml")
     run_dir: str | None = opt(
         None, "where the simulated run writes metrics.jsonl; null: a temporary directory"
@@ -136,6 +144,10 @@ class SimConfig:
             raise ConfigError(
                 f"measure_from={self.measure_from} must be in [0, steps="
                 f"{self.steps}): at least one step is measured"
+            )
+        if not 0 < self.heartbeat_interval_s <= 86400 / 3:
+            raise ConfigError(
+                f"heartbeat_interval_s={self.heartbeat_interval_s!r} must be in (0, 28800]"
             )
         if self.measure_alone and not self.wire:
             raise ConfigError(
@@ -229,8 +241,8 @@ class SimConfig:
             "weight_sync.mode=disk",
             "eval.every_steps=0",
             f"eval.max_prompts={self.eval_prompts}",
-            # Liveness is not simulated; rarer heartbeats keep the message count down.
-            "controller.heartbeat_interval_s=300",
+            # No worker is lost in a simulation: liveness never times out.
+            f"controller.heartbeat_interval_s={self.heartbeat_interval_s}",
             "controller.heartbeat_timeout_s=86400",
             "logging.progress=false",
             "logging.tensorboard=false",

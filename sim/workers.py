@@ -4,7 +4,7 @@ Each speaks the messages of its real counterpart (areal.workers.*) over an in-pr
 channel (sim/channel.py):
 
     connect --Register--> controller --Welcome--> --Ready--> serve until Shutdown;
-    Heartbeat every controller.heartbeat_interval_s
+    Heartbeat in each controller.heartbeat_interval_s in which it sent nothing else
     reward:   Score (a group) -> (reward_latency_s each, up to reward.max_concurrency at once)
               -> Scored
     trainer:  JoinGroup -> GroupStatus(JOINED); Train(shard) -> (cost.train_s of the shard
@@ -219,10 +219,14 @@ class SimWorker:
             raise error  # a simulator bug: surfaces through the loop's handler
 
     async def _heartbeat(self) -> None:
+        """As a real worker's (workers/base.py): a Heartbeat in each interval in which it
+        sent nothing else."""
         interval = self.env.cfg.controller.heartbeat_interval_s
         while True:
             await asyncio.sleep(interval)
-            await self.channel.send(Heartbeat())
+            if not self.channel.sent_since_beat:
+                await self.channel.send(Heartbeat())
+            self.channel.sent_since_beat = False
 
 
 class SimReward(SimWorker):

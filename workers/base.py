@@ -2,7 +2,8 @@
 
     connect DEALER --Register--> controller --Welcome(config, version)--> setup() --Ready-->
     serve: recv loop -> handle(msg) (never blocks: long work runs in tasks/threads)
-    heartbeat loop: Heartbeat every interval; exit when the controller is silent too long
+    heartbeat loop: a Heartbeat each interval in which nothing else was sent (any message
+        proves the worker alive); exit when the controller is silent too long
     Shutdown, a fatal error, or a lost controller -> close() -> exit code (0: shut down;
     1: refused; 2: failed; 3: controller lost; 75: told to stop and be started again)
 
@@ -84,6 +85,8 @@ class Worker(ABC):
         self.config: RunConfig | None = None
         self.channel: DealerChannel | None = None
         self._last_heard = time.monotonic()
+        self._sent_since_beat = False
+        """Something was sent since the heartbeat loop last looked: no Heartbeat needed."""
         self._tasks: set[asyncio.Task] = set()
         self._ready = False
         self.finished = False
@@ -142,6 +145,7 @@ class Worker(ABC):
 
     async def send(self, msg: Any) -> None:
         assert self.channel is not None
+        self._sent_since_beat = True
         await self.channel.send(msg)
 
     async def serve(self) -> int:
@@ -247,12 +251,19 @@ class Worker(ABC):
             recv.cancel()
 
     async def _heartbeat_loop(self) -> None:
+        """A Heartbeat each interval in which the worker sent nothing else: the controller
+        counts every message as a sign of life, and at cluster scale a Heartbeat from each
+        of thousands of workers every interval is a real part of its CPU (docs/guides/
+        simulation.md). So the controller hears from a worker at least every two intervals
+        (the configuration requires a timeout of at least three)."""
         cfg = self.config.controller
         while True:
-            if self._ready:  # setup (loading a model) may take a while; stats need it done
-                await self.send(Heartbeat(num_running=self.num_running(), stats=self.stats()))
-            else:
-                await self.send(Heartbeat())
+            if not self._sent_since_beat:
+                if self._ready:  # setup (loading a model) may take a while; stats need it done
+                    await self.send(Heartbeat(num_running=self.num_running(), stats=self.stats()))
+                else:
+                    await self.send(Heartbeat())
+            self._sent_since_beat = False  # after the Heartbeat: only other messages count
             await asyncio.sleep(cfg.heartbeat_interval_s)
             silent = time.monotonic() - self._last_heard
             if self._ready and silent > cfg.heartbeat_timeout_s:

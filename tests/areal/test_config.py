@@ -55,6 +55,8 @@ def test_round_trip_through_yaml_and_dict(tmp_path):
         ("model.path=/does/not/exist", "model.path"),
         ("model.tiny.num_heads=8", "head_dim"),
         ("controller.heartbeat_timeout_s=1", "controller.heartbeat_timeout_s"),
+        ("controller.heartbeat_timeout_s=2.9", "must be at least three times"),
+        ("controller.heartbeat_timeout_s=3", None),
         ("trainer.checkpoint_every=-1", "trainer.checkpoint_every"),
         ("trainer.keep_checkpoints=1", "trainer.keep_checkpoints=1 must be >= 2"),
         ("rollout.num_workers=2", None),

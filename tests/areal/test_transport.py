@@ -93,3 +93,38 @@ def test_a_squatter_on_the_old_guessable_identity_does_not_block_the_worker(work
             ctx.term()
 
     assert asyncio.run(scenario()) == _register(worker_id)
+
+
+def test_a_broadcast_reaches_every_connected_peer_once_and_skips_one_that_is_gone():
+    async def scenario() -> list:
+        ctx = zmq.asyncio.Context()
+        channel = RouterChannel(ctx, "127.0.0.1", 0)
+        peers = []
+        try:
+            for name in (b"peer-1", b"peer-2"):
+                peer = ctx.socket(zmq.DEALER)
+                peer.setsockopt(zmq.IDENTITY, name)
+                peer.linger = 0
+                peer.connect(channel.address)
+                await peer.send_multipart(encode(_register(name.decode())))  # now routable
+                await asyncio.wait_for(channel.recv(), 10)
+                peers.append(peer)
+            await channel.broadcast([b"peer-1", b"gone", b"peer-2"], Heartbeat())
+            await channel.send(b"peer-1", Heartbeat(num_running=2))  # after the broadcast
+            got = []
+            for peer in peers:
+                while await peer.poll(1000):
+                    got.append((peer.identity, await peer.recv_multipart()))
+            return got
+        finally:
+            for peer in peers:
+                peer.close()
+            channel.close()
+            ctx.term()
+
+    got = asyncio.run(scenario())
+    assert got == [
+        (b"peer-1", encode(Heartbeat())),
+        (b"peer-1", encode(Heartbeat(num_running=2))),
+        (b"peer-2", encode(Heartbeat())),
+    ]

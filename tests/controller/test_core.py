@@ -298,3 +298,27 @@ def test_an_evaluation_round_is_done_when_its_last_group_is_scored(run):
     assert not round_.done.is_set()
     wake = [item for item in out.items if type(item) is not tuple]
     assert wake == [round_.done.set]
+
+
+def test_heartbeats_go_only_to_workers_sent_nothing_else_since_the_last_round(run):
+    for name in (b"rollout-0", b"rollout-1"):
+        run.on(
+            name,
+            Register(
+                kind=WorkerKind.ROLLOUT, worker_id=name.decode(), pid=1, host="h", secret=SECRET
+            ),
+        )
+    assert run.core.heartbeat_targets() == [b"rollout-0", b"rollout-1"]
+    assert run.core.heartbeat_targets({b"rollout-0"}) == [b"rollout-1"]
+
+
+def test_a_heartbeat_notes_a_registered_worker_alive_and_a_stranger_s_is_left_to_be_refused(
+    run,
+):
+    run.on(
+        b"rollout-0",
+        Register(kind=WorkerKind.ROLLOUT, worker_id="rollout-0", pid=1, host="h", secret=SECRET),
+    )
+    assert run.core.heard(b"rollout-0", 1234.5)
+    assert run.pool.get(b"rollout-0").last_seen == 1234.5
+    assert not run.core.heard(b"stranger", 1234.5)

@@ -219,3 +219,27 @@ def test_a_view_of_a_shared_buffer_is_delivered_in_fresh_memory_each_time():
     assert bytes(first) == bytes(view) == bytes(second)
     addresses = {np.frombuffer(f, np.uint8).ctypes.data for f in (first, second, view)}
     assert len(addresses) == 3  # each its own memory, none the shared buffer
+
+
+def test_heartbeats_at_the_real_interval_are_replayed_and_each_side_skips_busy_rounds():
+    """At the run's real interval the controller pays for Heartbeats both ways (sent to all
+    in one broadcast, replayed as such); neither side sends one in a round in which it sent
+    the other something else."""
+    seen = {}
+    real_replay = run_mod.replay
+    beat = bytes([MsgType.HEARTBEAT])
+
+    def replay(overrides, env, recording, *rest):
+        seen["sent"] = sum(kind == beat for _, kind, _ in recording.sent_frames)
+        seen["received"] = sum(bytes(a.frames[0]) == beat for a in recording.arrivals)
+        seen["workers"] = len({identity for identity, _, _ in recording.sent_frames})
+        seen["rounds"] = int(recording.arrivals[-1].time / 1.0)
+        return real_replay(overrides, env, recording, *rest)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(run_mod, "replay", replay)
+        result = simulate(sim_config(measure_alone=True, heartbeat_interval_s=1.0, **SMALL))
+    assert result.controller_alone_cpu_s_per_step > 0  # replayed, without divergence
+    every_round = seen["workers"] * seen["rounds"]
+    assert 0 < seen["sent"] < every_round
+    assert 0 < seen["received"] < every_round

@@ -170,6 +170,7 @@ def test_the_start_evaluates_as_many_prompts_as_asked_beside_the_first_groups(tm
         (["num_accelerators=2", "rollout_tp=2"], "leaves no rollout server or no trainer rank"),
         (["eta=-1"], "eta=-1"),
         (["eval_prompts=0"], "eval_prompts=0 must be >= 1"),
+        (["heartbeat_interval_s=0"], r"heartbeat_interval_s=0.0 must be in \(0, 28800\]"),
         (["mode=fast"], "mode='fast' is not one of"),
         (["no_such_key=1"], "no_such_key"),
         (["num_accelerators"], "key=value"),

@@ -12,7 +12,17 @@ import pytest
 import zmq.asyncio
 
 from areal.config import config_to_dict, load_config
-from areal.messages import REJOIN_EXIT_CODE, Ready, Register, Shutdown, Welcome, WorkerKind
+from areal.messages import (
+    REJOIN_EXIT_CODE,
+    Cancel,
+    Heartbeat,
+    Ready,
+    Register,
+    Shutdown,
+    Welcome,
+    WorkerError,
+    WorkerKind,
+)
 from areal.transport import RouterChannel
 from areal.workers.base import Worker
 
@@ -75,3 +85,58 @@ def test_a_worker_stops_on_its_own_when_the_controller_falls_silent():
     )
     assert exit_code == 3  # controller lost
     assert not worker.finished  # so a trainer writes no final_model
+
+
+class AnsweringWorker(EchoWorker):
+    """Answers every message from the controller (as a rollout worker answers a Generate)."""
+
+    async def handle(self, msg: Any) -> None:
+        await self.send(WorkerError(error="an answer"))
+
+
+async def _heartbeats_idle_then_busy(interval: float, span: float) -> tuple[int, int, int]:
+    """An AnsweringWorker after Ready: `span` s left alone, then `span` s sent a message
+    every interval / 4. Returns (Heartbeats while idle, Heartbeats while busy, answers)."""
+    ctx = zmq.asyncio.Context()
+    channel = RouterChannel(ctx, "127.0.0.1", 0)
+    overrides = [f"controller.heartbeat_interval_s={interval}", "controller.heartbeat_timeout_s=30"]
+    worker = AnsweringWorker(channel.address, "answers-0", secret="s")
+    serving = asyncio.create_task(worker.serve())
+    counts = {"idle": 0, "busy": 0, "answers": 0}
+    phase = "idle"
+
+    async def receive() -> None:
+        while True:
+            _, msg = await channel.recv()
+            if isinstance(msg, Heartbeat):
+                counts[phase] += 1
+            elif isinstance(msg, WorkerError):
+                counts["answers"] += 1
+
+    try:
+        identity, _ = await asyncio.wait_for(channel.recv(), 10)
+        welcome = Welcome(config=config_to_dict(load_config(overrides=overrides)), version=0)
+        await channel.send(identity, welcome)
+        msg: Any = None
+        while not isinstance(msg, Ready):
+            _, msg = await asyncio.wait_for(channel.recv(), 10)
+        receiving = asyncio.create_task(receive())
+        await asyncio.sleep(span)
+        phase = "busy"
+        for _ in range(int(span / (interval / 4))):
+            await channel.send(identity, Cancel(request_ids=["r"]))
+            await asyncio.sleep(interval / 4)
+        receiving.cancel()
+        await channel.send(identity, Shutdown(reason="test"))
+        assert await asyncio.wait_for(serving, 30) == 0
+        return counts["idle"], counts["busy"], counts["answers"]
+    finally:
+        channel.close()
+        ctx.term()
+
+
+def test_a_worker_sends_heartbeats_only_in_intervals_in_which_it_sent_nothing_else():
+    idle, busy, answers = asyncio.run(_heartbeats_idle_then_busy(interval=0.2, span=1.2))
+    assert idle >= 2  # about one an interval while it has nothing else to say
+    assert answers > 0
+    assert busy <= 1  # its answers are its sign of life (one may fall at the switch)
