@@ -607,7 +607,8 @@ def table_r(bench: Bench) -> str:
         )
         + f"\n(1.5B async, eta 8, {n} accelerators, batch {config.num_prompts} x "
         f"{bench.batch['group_size']}, step {r.step_s:.1f} s "
-        "simulated; CPU seconds per step inside the controller's tasks: in the simulation "
+        f"simulated; {HEARTBEAT_NOTE}; CPU seconds per step inside the controller's tasks: "
+        "in the simulation "
         f"(its messages recorded), and alone with the same messages replayed; {GC_NOTE}; "
         f"{REF_NOTE})"
     )
@@ -665,7 +666,8 @@ def table_t(bench: Bench) -> str:
         f"{intercept:.1f} for a completion with no tokens, "
         f"{points[-1][1] - intercept:.1f} for its {points[-1][0]:.0f} tokens"
         + f"\n(1.5B async, eta 8, {n} accelerators, batch {config.num_prompts} x "
-        f"{bench.batch['group_size']}; max tok: rollout.max_new_tokens; tok/traj: trained "
+        f"{bench.batch['group_size']}; {HEARTBEAT_NOTE}; max tok: rollout.max_new_tokens; "
+        "tok/traj: trained "
         "tokens per trajectory, prompt included; alone s: CPU seconds per step of the "
         "controller alone, its messages replayed (as (r)); us/compl: those per completion "
         f"of the batch; at {SLOW_REF_US:g} us: the same on a machine at ref us "
@@ -709,10 +711,15 @@ def _large_note(bench: Bench) -> str:
     batches = ", ".join(f"{_large_values(bench, n)['num_prompts']} x {group}" for n in large)
     return (
         f"{', '.join(map(str, large))} accelerators: async, the batch scaled with the "
-        f"cluster ({batches}), as the prompts in flight, and Heartbeats at a real run's "
-        f"interval ({ControllerConfig().heartbeat_interval_s:g} s; the smaller rows: every "
-        f"{SimConfig().heartbeat_interval_s:g} s)"
+        f"cluster ({batches}), as the prompts in flight; {HEARTBEAT_NOTE} (the smaller "
+        f"rows: every {SimConfig().heartbeat_interval_s:g} s)"
     )
+
+
+HEARTBEAT_NOTE = (
+    f"Heartbeats every {ControllerConfig().heartbeat_interval_s:g} s, a real run's default "
+    "(each side skips a round in which it sent the other something else)"
+)
 
 
 GC_NOTE = (
