@@ -340,8 +340,9 @@ class Controller:
         pool, weights = core.pool, core.weights
         while True:
             await asyncio.sleep(cfg.heartbeat_interval_s)
-            await self._channel.broadcast(core.heartbeat_targets(self._sent_to), _HEARTBEAT)
-            self._sent_to.clear()
+            targets = core.heartbeat_targets(self._sent_to)
+            self._sent_to.clear()  # what is sent from now on counts for the next round
+            await self._channel.broadcast(targets, _HEARTBEAT)
             for handle in pool.lost(cfg.heartbeat_timeout_s):
                 if handle not in pool.lost(cfg.heartbeat_timeout_s):
                     continue  # restarted meanwhile, with its trainer group
