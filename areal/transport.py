@@ -82,15 +82,9 @@ class RouterChannel:
 
     async def send(self, identity: bytes, msg: Any) -> bool:
         """Send to one peer; False if that peer is gone (ROUTER_MANDATORY)."""
-        frames = [identity, *encode(msg)]
+        frames = encode(msg)
         async with self._send_lock:
-            try:
-                await self.socket.send_multipart(frames, copy=False)
-            except zmq.ZMQError as err:
-                if err.errno == zmq.EHOSTUNREACH:
-                    return False
-                raise
-        return True
+            return await self._send_frames(identity, frames)
 
     async def broadcast(self, identities: Iterable[bytes], msg: Any) -> None:
         """`msg` to each of `identities`, encoded once (a peer that is gone is skipped):
@@ -98,11 +92,17 @@ class RouterChannel:
         frames = encode(msg)
         async with self._send_lock:
             for identity in identities:
-                try:
-                    await self.socket.send_multipart([identity, *frames], copy=False)
-                except zmq.ZMQError as err:
-                    if err.errno != zmq.EHOSTUNREACH:
-                        raise
+                await self._send_frames(identity, frames)
+
+    async def _send_frames(self, identity: bytes, frames: list[Any]) -> bool:
+        """Under the send lock: False if that peer is gone."""
+        try:
+            await self.socket.send_multipart([identity, *frames], copy=False)
+        except zmq.ZMQError as err:
+            if err.errno == zmq.EHOSTUNREACH:
+                return False
+            raise
+        return True
 
     def close(self) -> None:
         self.socket.close(0)

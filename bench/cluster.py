@@ -527,7 +527,8 @@ def table_e(bench: Bench) -> tuple[str, list[float]]:
         tput.append(r.trained_tokens_per_s)
         rows.append(
             f"{'inf' if eta is None else eta:>5} {r.step_s / 60:>9.2f} "
-            f"{r.trained_tokens_per_s:>11.0f} {r.trained_tokens_per_s / sync.trained_tokens_per_s:>9.2f}x "
+            f"{r.trained_tokens_per_s:>11.0f} "
+            f"{r.trained_tokens_per_s / sync.trained_tokens_per_s:>9.2f}x "
             f"{r.max_staleness:>9}"
         )
     return (

@@ -28,8 +28,9 @@ messages ahead of the one delivered, as a socket's I/O thread writes what it rec
 another core: the controller then reads frames another core wrote, as a real one does,
 and its caches do not pay for the writing. (In the simulation itself the controller reads
 those ids and log-probs from the shared buffer, which stays in the caches: its
-in-simulation cost leaves out what a real controller pays to read them.) The arrays of every completion stay in memory until the
-replay (a recorded simulation's peak memory is somewhat higher than an unrecorded one's).
+in-simulation cost leaves out what a real controller pays to read them.) The arrays of
+every completion stay in memory until the replay (a recorded simulation's peak memory is
+somewhat higher than an unrecorded one's).
 The garbage collector would have their objects to walk in every full collection the
 replayed controller triggers, a cost a real controller does not have: `replay` freezes them
 (and everything else alive before it, `gc.freeze`) first.

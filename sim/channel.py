@@ -56,10 +56,7 @@ class SimRouter:
         peer = self._peers.get(identity)
         if peer is None or peer.closed:
             return False
-        payload = encode(msg) if self.wire else msg
-        if self.recorder is not None:
-            self.recorder.sent(identity, payload)
-        peer._inbox.put_nowait(payload)
+        self._put(identity, peer, encode(msg) if self.wire else msg)
         return True
 
     async def broadcast(self, identities: Iterable[bytes], msg: Any) -> None:
@@ -68,9 +65,12 @@ class SimRouter:
         for identity in identities:
             peer = self._peers.get(identity)
             if peer is not None and not peer.closed:
-                if self.recorder is not None:
-                    self.recorder.sent(identity, payload)
-                peer._inbox.put_nowait(payload)
+                self._put(identity, peer, payload)
+
+    def _put(self, identity: bytes, peer: SimDealer, payload: Any) -> None:
+        if self.recorder is not None:
+            self.recorder.sent(identity, payload)
+        peer._inbox.put_nowait(payload)
 
     def deliver(self, identity: bytes, payload: Any) -> None:
         """A message from the worker `identity` arrives."""

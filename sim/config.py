@@ -26,6 +26,10 @@ PLACEMENTS = ("split", "colocated")
 T = TypeVar("T")
 
 
+NEVER_LOST_S = 86400
+"""The simulated run's controller.heartbeat_timeout_s: no worker is ever lost in one."""
+
+
 @dataclass(kw_only=True)
 class SimConfig:
     accelerator: str = opt(
@@ -145,9 +149,10 @@ class SimConfig:
                 f"measure_from={self.measure_from} must be in [0, steps="
                 f"{self.steps}): at least one step is measured"
             )
-        if not 0 < self.heartbeat_interval_s <= 86400 / 3:
+        if not 0 < self.heartbeat_interval_s <= NEVER_LOST_S / 3:
             raise ConfigError(
-                f"heartbeat_interval_s={self.heartbeat_interval_s!r} must be in (0, 28800]"
+                f"heartbeat_interval_s={self.heartbeat_interval_s!r} must be in "
+                f"(0, {NEVER_LOST_S / 3:g}]: a third of the heartbeat timeout"
             )
         if self.measure_alone and not self.wire:
             raise ConfigError(
@@ -243,7 +248,7 @@ class SimConfig:
             f"eval.max_prompts={self.eval_prompts}",
             # No worker is lost in a simulation: liveness never times out.
             f"controller.heartbeat_interval_s={self.heartbeat_interval_s}",
-            "controller.heartbeat_timeout_s=86400",
+            f"controller.heartbeat_timeout_s={NEVER_LOST_S}",
             "logging.progress=false",
             "logging.tensorboard=false",
             "logging.level=WARNING",

@@ -254,7 +254,7 @@ class Worker(ABC):
         """A Heartbeat each interval in which the worker sent nothing else: the controller
         counts every message as a sign of life, and at cluster scale a Heartbeat from each
         of thousands of workers every interval is a real part of its CPU (docs/guides/
-        simulation.md). So the controller hears from a worker at least every two intervals
+        scaling-out.md). So the controller hears from a worker at least every two intervals
         (the configuration requires a timeout of at least three)."""
         cfg = self.config.controller
         while True:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import threading
 import time
 
@@ -221,25 +222,49 @@ def test_a_view_of_a_shared_buffer_is_delivered_in_fresh_memory_each_time():
     assert len(addresses) == 3  # each its own memory, none the shared buffer
 
 
-def test_heartbeats_at_the_real_interval_are_replayed_and_each_side_skips_busy_rounds():
+def _beats_after_other_messages(log: list[tuple[bytes, bool, float]], interval: float) -> int:
+    """Heartbeats in `log` ((peer, is a Heartbeat, virtual time), in order, one direction)
+    sent to or from a peer that had some other message in the round before: the
+    `interval` up to it (open at both ends: a message at a round's own time may fall on
+    either side of it)."""
+    last_other: dict[bytes, float] = {}
+    late = 0
+    for peer, beat, at in log:
+        if not beat:
+            last_other[peer] = at
+        elif at - interval < last_other.get(peer, -math.inf) < at:
+            late += 1
+    return late
+
+
+def test_heartbeats_at_the_real_interval_are_replayed_and_each_side_skips_busy_rounds(
+    monkeypatch,
+):
     """At the run's real interval the controller pays for Heartbeats both ways (sent to all
-    in one broadcast, replayed as such); neither side sends one in a round in which it sent
-    the other something else."""
+    in one broadcast, replayed as such); neither side sends one to a peer it sent something
+    else in the round before."""
+    interval, beat = 1.0, MsgType.HEARTBEAT
+    sent: list[tuple[bytes, bool, float]] = []
+    real_sent = alone_mod.Recording.sent
+
+    def note_sent(recording, identity, frames):
+        sent.append((identity, frames[0][0] == beat, recording.clock()))
+        real_sent(recording, identity, frames)
+
     seen = {}
     real_replay = run_mod.replay
-    beat = bytes([MsgType.HEARTBEAT])
 
     def replay(overrides, env, recording, *rest):
-        seen["sent"] = sum(kind == beat for _, kind, _ in recording.sent_frames)
-        seen["received"] = sum(bytes(a.frames[0]) == beat for a in recording.arrivals)
-        seen["workers"] = len({identity for identity, _, _ in recording.sent_frames})
-        seen["rounds"] = int(recording.arrivals[-1].time / 1.0)
+        seen["received"] = [
+            (a.identity, bytes(a.frames[0])[0] == beat, a.time) for a in recording.arrivals
+        ]
         return real_replay(overrides, env, recording, *rest)
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(run_mod, "replay", replay)
-        result = simulate(sim_config(measure_alone=True, heartbeat_interval_s=1.0, **SMALL))
+    monkeypatch.setattr(alone_mod.Recording, "sent", note_sent)
+    monkeypatch.setattr(run_mod, "replay", replay)
+    result = simulate(sim_config(measure_alone=True, heartbeat_interval_s=interval, **SMALL))
     assert result.controller_alone_cpu_s_per_step > 0  # replayed, without divergence
-    every_round = seen["workers"] * seen["rounds"]
-    assert 0 < seen["sent"] < every_round
-    assert 0 < seen["received"] < every_round
+    for log in (sent, seen["received"]):
+        assert sum(b for _, b, _ in log) > 10  # idle rounds still send them
+        assert sum(not b for _, b, _ in log) > 10
+        assert _beats_after_other_messages(log, interval) == 0
