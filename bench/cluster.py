@@ -36,6 +36,9 @@ Then
        three maximum generation lengths, its CPU per completion, a line through them (a
        part per completion and a part per token) and what 5% of the step leaves per
        completion on a slow day (ref us 14)
+    q. (only with --only q) the controller alone against rollout.max_queued: (r)'s run
+       with rollout servers that queue 15 (the default), 31, 47 and 95 requests, two seeds
+       each: the controller's CPU, the step time and the trained staleness
 
 `--only TABLES` runs some of them (e.g. `--only f`: the controller's cost alone). `--quick`
 runs a small subset of a-f on small clusters and batches (a smoke run), without (g) unless
@@ -65,7 +68,7 @@ from collections.abc import Callable
 import numpy as np
 import psutil
 
-from areal.config import ControllerConfig
+from areal.config import ControllerConfig, RolloutConfig
 from areal.sim.config import SimConfig, sim_config
 from areal.sim.plan import Evaluator, Outcome, load_plan_config
 from areal.sim.run import SimResult, simulate
@@ -615,6 +618,56 @@ def table_r(bench: Bench) -> str:
     )
 
 
+QUEUED = (15, 31, 47, 95)
+"""Table (q)'s rollout.max_queued values: the default first."""
+
+
+def table_q(bench: Bench) -> str:
+    """(r)'s run alone at each of `QUEUED`, two seeds each, one after the other: what a
+    rollout server's queue buys (fewer, larger answers: the controller's CPU) and costs
+    (completions held back: staleness), and what it does to the step."""
+    n = large_counts(bench)[-1]
+    queued = (0, QUEUED[-1]) if bench.quick else QUEUED
+    seeds = (bench.seed,) if bench.quick else (bench.seed, bench.seed + 1)
+    rows = []
+    for max_queued in queued:
+        for seed in seeds:
+            config = bench.config(
+                "async",
+                wire=True,
+                measure_alone=True,
+                seed=seed,
+                max_queued=max_queued,
+                **_large_values(bench, n),
+            )
+            r = _simulate_in_child(config)
+            bench.unshared += 1
+            trained = sum(r.staleness.values())
+            mean_staleness = sum(int(k) * v for k, v in r.staleness.items()) / trained
+            rows.append(
+                f"{max_queued:>6} {seed:>4} {r.completions_per_answer:>6.1f} {r.step_s:>7.2f} "
+                f"{mean_staleness:>9.2f} {r.max_staleness:>5} "
+                f"{r.controller_alone_cpu_s_per_step:>8.2f} "
+                f"{r.controller_alone_share:>7.1%} {r.reference_decode_us:>6.1f}"
+            )
+            print(f"  table q: {rows[-1]}", file=sys.stderr)
+    return (
+        _lines(
+            f"{'queued':>6} {'seed':>4} {'answer':>6} {'step s':>7} {'staleness':>9} {'max':>5} "
+            f"{'alone s':>8} {'share':>7} {'ref us':>6}",
+            rows,
+        )
+        + f"\n(1.5B async, eta 8, {n} accelerators, batch "
+        f"{_large_values(bench, n)['num_prompts']} x {bench.batch['group_size']}, as (r); "
+        "queued: rollout.max_queued, requests each rollout server holds beyond what it "
+        f"decodes (a real run's default: {RolloutConfig().max_queued}); answer: completions "
+        "per Completions message a server sent; staleness, max: trained trajectories' mean "
+        "and largest staleness in versions; alone s: CPU seconds per step of the controller "
+        f"alone, its messages replayed (as (r)), and its share of the step; {HEARTBEAT_NOTE}; "
+        f"{REF_NOTE})"
+    )
+
+
 SLOW_REF_US = 14.0
 """A slow day's speed of this kind of machine, shared: `ref us` 11-17 was measured on it
 (docs/history.md, "The controller's own cost"); the controller is to stay under 5% of the
@@ -787,6 +840,12 @@ TABLES = {
         False,
         True,
     ),
+    "q": (
+        "the controller alone against rollout.max_queued (not in the default run)",
+        table_q,
+        False,
+        True,
+    ),
 }
 """Letter: (title, the function printing it, whether it also returns data to plot, whether its
 simulations are measured: run through the codec (`wire`), one at a time; (b) shares (f)'s)."""
@@ -801,8 +860,8 @@ def main() -> int:
         default=None,
         help="the tables to run, e.g. f (the controller's cost alone); "
         "default a-g (a-f with --quick); s (the cost of "
-        "staleness.strict), r (the controller alone) and t (alone, against completion "
-        "length) only when asked",
+        "staleness.strict), r (the controller alone), t (alone, against completion "
+        "length) and q (alone, against rollout.max_queued) only when asked",
     )
     parser.add_argument(
         "--calibrate",
@@ -828,8 +887,8 @@ def main() -> int:
         parser.error(f"--jobs={args.jobs}: at least 1")
     default = "abcdef" if args.quick else "abcdefg"
     only = "g" if args.calibrate else args.only or default
-    if set(only) - set("abcdefgsrt"):
-        parser.error(f"--only={only!r}: letters among a-g, s, r and t, e.g. --only f")
+    if set(only) - set("abcdefgsrtq"):
+        parser.error(f"--only={only!r}: letters among a-g, s, r, t and q, e.g. --only f")
     page = publish(args.quick, args.out)
     if only == "g":
         text = calibrate(args.quick, args.out or Path("bench/results/calibration"))

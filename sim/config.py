@@ -20,7 +20,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from areal.config import ConfigError, opt
+from areal.config import ConfigError, RolloutConfig, opt
 
 PLACEMENTS = ("split", "colocated")
 T = TypeVar("T")
@@ -122,6 +122,13 @@ class SimConfig:
         "of the controller's CPU sets the real interval (1 s by default), whose "
         "Heartbeats it pays for",
     )
+    max_queued: int = opt(
+        RolloutConfig().max_queued,
+        "the run's rollout.max_queued: requests each rollout server holds beyond what it "
+        "decodes at once. While it holds any, its finished completions wait and go to the "
+        "controller together: more queued means fewer, larger answers (less controller CPU "
+        "a completion) and completions that reach the controller later (staler)",
+    )
     costs: str | None = opt(None, "cost parameter file; null: the shipped sim/costs.yaml")
     run_dir: str | None = opt(
         None, "where the simulated run writes metrics.jsonl; null: a temporary directory"
@@ -154,6 +161,8 @@ class SimConfig:
                 f"heartbeat_interval_s={self.heartbeat_interval_s!r} must be in "
                 f"(0, {NEVER_LOST_S / 3:g}]: a third of the heartbeat timeout"
             )
+        if self.max_queued < 0:
+            raise ConfigError(f"max_queued={self.max_queued!r} must be >= 0 (0: none queued)")
         if self.measure_alone and not self.wire:
             raise ConfigError(
                 "measure_alone=true replays the messages as frames: it needs wire=true"
@@ -236,6 +245,7 @@ class SimConfig:
             f"rollout.num_workers={self.num_rollout_workers}",
             f"rollout.max_new_tokens={self.max_new_tokens}",
             f"rollout.max_concurrent={per_worker}",
+            f"rollout.max_queued={self.max_queued}",
             f"rollout.interrupt={self.interrupt}",
             f"staleness.eta={eta}",
             f"staleness.strict={self.strict}",

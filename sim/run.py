@@ -64,6 +64,10 @@ class SimResult:
     staleness: dict[str, int]
     """Trained trajectories by staleness (version trained at - oldest token version)."""
     max_staleness: int
+    completions_per_answer: float
+    """Completions per `Completions` a rollout server sent, the mean of the measured steps'
+    records (`rollout/completions_per_answer`): about rollout.max_queued + 1 while the
+    servers are full."""
     interruptions: int
     """Interruptions reported by the completions the controller received (in every step)."""
     interrupted_in_window: int
@@ -276,6 +280,8 @@ def _result(
         step_times=times[1:],
         staleness=dict(sorted(staleness.items(), key=lambda kv: int(kv[0]))),
         max_staleness=max(int(k) for k in staleness),
+        completions_per_answer=sum(r["rollout/completions_per_answer"] for r in steps[first:last])
+        / (last - first),
         interruptions=int(sum(r["rollout/interruptions"] for r in steps)),
         interrupted_in_window=marks[last][4] - marks[first][4],
         multi_version_trajectories=env.multi_version,

@@ -96,6 +96,25 @@ def test_table_r_measures_the_controller_in_the_simulation_and_alone(cluster_ben
 
 
 @pytest.mark.slow
+def test_table_q_measures_the_controller_alone_at_each_queue_length(cluster_bench):
+    bench = cluster_bench.Bench(quick=True, seed=1, jobs=1)
+    text = cluster_bench.table_q(bench)
+    # queued, seed, completions per answer, step s, staleness, max, alone s, share, ref us
+    rows = re.findall(
+        r"^\s+(\d+)\s+(\d+)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)\s+(\d+)\s+([0-9.]+)"
+        r"\s+([0-9.]+)%\s+([0-9.]+)$",
+        text,
+        re.MULTILINE,
+    )
+    assert [(int(row[0]), int(row[1])) for row in rows] == [(0, 1), (47, 1)], text
+    for _, _, answer, step, mean, largest, alone, share, ref in rows:
+        assert float(answer) >= 1 and 0 <= float(mean) <= int(largest) and float(ref) > 0, text
+        # the share is the CPU over the step
+        assert float(share) == pytest.approx(100 * float(alone) / float(step), abs=0.1)
+    assert "64 accelerators" in text and bench.simulations == 2
+
+
+@pytest.mark.slow
 def test_table_t_prices_a_completion_against_its_length(cluster_bench):
     bench = cluster_bench.Bench(quick=True, seed=1, jobs=1)
     text = cluster_bench.table_t(bench)

@@ -171,6 +171,7 @@ def test_the_start_evaluates_as_many_prompts_as_asked_beside_the_first_groups(tm
         (["eta=-1"], "eta=-1"),
         (["eval_prompts=0"], "eval_prompts=0 must be >= 1"),
         (["heartbeat_interval_s=0"], r"heartbeat_interval_s=0.0 must be in \(0, 28800\]"),
+        (["max_queued=-1"], "max_queued=-1 must be >= 0"),
         (["mode=fast"], "mode='fast' is not one of"),
         (["no_such_key=1"], "no_such_key"),
         (["num_accelerators"], "key=value"),
@@ -179,6 +180,16 @@ def test_the_start_evaluates_as_many_prompts_as_asked_beside_the_first_groups(tm
 def test_bad_options_are_named(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_sim_config(None, overrides)
+
+
+def test_the_simulated_run_queues_what_max_queued_says(tmp_path):
+    """The run's rollout.max_queued is the simulation's (a real run's default unless set):
+    the controller's room per rollout server and the server's rule for answering."""
+    from areal.config import RolloutConfig
+
+    assert sim_config().max_queued == RolloutConfig().max_queued
+    overrides = sim_config(max_queued=7).to_run_overrides(str(tmp_path))
+    assert "rollout.max_queued=7" in overrides
 
 
 def test_a_colocated_sync_step_that_pays_its_switches_takes_that_much_longer():
