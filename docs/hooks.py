@@ -47,6 +47,16 @@ PAGES = [
         "Cluster simulation, table (s): what staleness.strict costs",
         "python bench/cluster.py --only s",
     ),
+    (
+        "cluster-t",
+        "Cluster simulation, table (t): the controller alone against completion length",
+        "python bench/cluster.py --only t",
+    ),
+    (
+        "cluster-q",
+        "Cluster simulation, table (q): the controller alone against rollout.max_queued",
+        "python bench/cluster.py --only q",
+    ),
     ("chaos", "Faults injected into one run", "python bench/chaos.py"),
     ("soak", "Memory and open files over a long run", "python bench/soak.py --minutes 60"),
     ("sandbox", "Sandbox against a bare subprocess", "python bench/sandbox.py"),
