@@ -619,10 +619,10 @@ def table_r(bench: Bench) -> str:
 
 
 QUEUED = (15, 31, 47)
-"""Table (q)'s rollout.max_queued values: the default first. Not beyond: at 95 the servers'
-room outgrew what the staleness bound keeps in flight, answers shrank to about 13
-completions and the controller spent more than at 15; one of its two simulations ran a
-24 GB machine out of memory (docs/history.md)."""
+"""Table (q)'s rollout.max_queued values: the default first. Not beyond: at 95 the answers
+shrank to about 13 completions, samples went out as they were admitted, and the controller
+spent more than at 15; one of its two simulations ran a 24 GB machine out of memory
+(docs/history.md)."""
 
 
 def table_q(bench: Bench) -> str:
