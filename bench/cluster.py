@@ -645,11 +645,9 @@ def table_q(bench: Bench) -> str:
             )
             r = _simulate_in_child(config)
             bench.unshared += 1
-            trained = sum(r.staleness.values())
-            mean_staleness = sum(int(k) * v for k, v in r.staleness.items()) / trained
             rows.append(
                 f"{max_queued:>6} {seed:>4} {r.completions_per_answer:>6.1f} {r.step_s:>7.2f} "
-                f"{mean_staleness:>9.2f} {r.max_staleness:>5} "
+                f"{r.mean_staleness:>9.2f} {r.max_staleness:>5} "
                 f"{r.controller_alone_cpu_s_per_step:>8.2f} "
                 f"{r.controller_alone_share:>7.1%} {r.reference_decode_us:>6.1f}"
             )

@@ -110,6 +110,11 @@ class SimResult:
     summary: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def mean_staleness(self) -> float:
+        """The trained trajectories' mean staleness, in versions."""
+        return sum(int(k) * n for k, n in self.staleness.items()) / sum(self.staleness.values())
+
+    @property
     def controller_share(self) -> float:
         """Controller CPU time per step over the simulated step time."""
         return self.controller_cpu_s_per_step / self.step_s if self.step_s else float("inf")
