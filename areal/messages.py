@@ -410,7 +410,10 @@ class Completions:
 def version_runs(versions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(values [R] int32, lengths [R] int32) of the runs of equal values in `versions`
     (per-token versions of one completion, or any array of int32-sized values), in order;
-    none for no values."""
+    none for no values. ValueError for values that are not integers (a cast would turn a
+    NaN or an infinity into some version without a word)."""
+    if versions.dtype.kind not in "iu":
+        raise ValueError(f"versions of dtype {versions.dtype}: integers expected")
     if not len(versions):
         return np.empty(0, np.int32), np.empty(0, np.int32)
     starts = np.flatnonzero(versions[1:] != versions[:-1]) + 1

@@ -43,6 +43,7 @@ from areal.messages import (
     WorkerError,
     WorkerKind,
     schemas,
+    version_runs,
 )
 from areal.tasks.base import Verdict
 
@@ -602,6 +603,22 @@ def test_per_token_versions_travel_as_runs_and_come_back_per_token():
     assert msg.run_versions.tolist() == [4, 5, 7, 7] and msg.run_lengths.tolist() == [3, 2, 1, 3]
     for got, want in zip(decode(encode(msg)).completions(), parts, strict=True):
         _assert_same(want, got)
+
+
+@pytest.mark.parametrize("values", [[4.0, 4.0, 5.0], [4.0, np.nan, 5.0], [np.inf]])
+def test_version_runs_refuse_values_that_are_not_integers(values):
+    """A float version (NaN and infinities among them) is refused, not cast to some int32."""
+    with pytest.raises(ValueError, match="versions of dtype float64: integers expected"):
+        version_runs(np.array(values))
+    part = Generated(
+        request_id="g0-s0-a0",
+        output_ids=_arange(len(values)),
+        logprobs=np.zeros(len(values), np.float32),
+        versions=np.array(values, np.float32),
+        finish_reason=FinishReason.STOP,
+    )
+    with pytest.raises(ValueError, match="float32: integers expected"):
+        Completions.of([part])
 
 
 @pytest.mark.parametrize(
