@@ -210,8 +210,8 @@ class Core:
         out: Outbox,
     ) -> None:
         handle = self.pool.register(identity, msg)
-        if handle is None:
-            out.send(identity, Shutdown(reason="registration refused"))
+        if isinstance(handle, str):  # why it was refused: the peer's log says it too
+            out.send(identity, Shutdown(reason=f"registration refused: {handle}"))
             return
         trainer = handle.kind is WorkerKind.TRAINER
         version, weights_path = self.weights.welcome(handle)

@@ -161,8 +161,9 @@ class WorkerPool:
 
     # -- registration ---------------------------------------------------------------------------
 
-    def register(self, identity: bytes, msg: Register) -> WorkerHandle | None:
-        """Admit a peer presenting the right secret; None (and a log line) otherwise."""
+    def register(self, identity: bytes, msg: Register) -> WorkerHandle | str:
+        """Admit a peer presenting the right secret: its handle; otherwise why it was
+        refused (also handed to `on_refused`), which the controller tells the peer."""
         if self.secret is not None and not hmac.compare_digest(
             msg.secret.encode(), self.secret.encode()
         ):
@@ -190,11 +191,11 @@ class WorkerPool:
         log.info("%s registered (%r, pid %d)", handle.worker_id, msg.host, msg.pid)
         return handle
 
-    def _refuse(self, identity: bytes, msg: Register, why: str) -> WorkerHandle | None:
+    def _refuse(self, identity: bytes, msg: Register, why: str) -> str:
         if len(self.refused) < MAX_REFUSED:
             self.refused.append(msg.worker_id)
         self.on_refused(identity, msg, why)
-        return None
+        return why
 
     def _rank_taken(self, msg: Register) -> str:
         """Why a trainer may not take `msg.rank`; '' if it may."""

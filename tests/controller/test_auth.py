@@ -30,7 +30,7 @@ from areal.auth import (
     watch_handshakes,
 )
 from areal.config import ConfigError, load_config
-from areal.controller.pool import WorkerPool
+from areal.controller.pool import WorkerHandle, WorkerPool
 from areal.codec import decode, encode
 from areal.messages import Heartbeat, Register, WorkerKind
 from areal.transport import RouterChannel
@@ -195,10 +195,12 @@ def test_trainer_ranks_are_unique_and_in_range(tmp_path):
     pool = WorkerPool(
         load_config(overrides=["trainer.num_ranks=2"]), tmp_path, "tcp://x:1", secret=None
     )
-    assert _register(pool, b"a", "trainer-a", 0) is not None
-    assert _register(pool, b"b", "trainer-b", 0) is None  # rank 0 is held
-    assert _register(pool, b"c", "trainer-c", 2) is None  # only ranks 0 and 1
-    assert _register(pool, b"d", "trainer-d", 1) is not None
+    assert isinstance(_register(pool, b"a", "trainer-a", 0), WorkerHandle)
+    assert _register(pool, b"b", "trainer-b", 0) == "trainer rank 0 is held by trainer-a"
+    assert _register(pool, b"c", "trainer-c", 2) == (
+        "trainer rank 2 outside 0..1 (trainer.num_ranks=2)"
+    )
+    assert isinstance(_register(pool, b"d", "trainer-d", 1), WorkerHandle)
     assert pool.refused == ["trainer-b", "trainer-c"]
 
 
@@ -206,10 +208,12 @@ def test_a_worker_restarted_during_setup_replaces_its_earlier_registration(tmp_p
     pool = WorkerPool(load_config(), tmp_path, "tcp://x:1", secret=None)
     first = _register(pool, b"t0", "trainer-0", 0)
     second = _register(pool, b"t0", "trainer-0", 0)  # not ready yet: it restarted
-    assert second is not None and pool.get(b"t0") is second and first.identity is None
+    assert isinstance(second, WorkerHandle) and pool.get(b"t0") is second and first.identity is None
     assert pool.lost(timeout_s=0.0) == []  # still setting up: silence does not count yet
     second.ready = True
-    assert _register(pool, b"t0", "trainer-0", 0) is None  # a ready one is never replaced
+    assert _register(pool, b"t0", "trainer-0", 0) == (  # a ready one is never replaced
+        "a second registration of trainer-0, which is ready"
+    )
     assert pool.lost(timeout_s=0.0) == [second]  # silence counts once a worker is ready
 
 

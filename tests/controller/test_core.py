@@ -59,7 +59,7 @@ def test_a_worker_with_the_secret_is_welcomed_and_a_stranger_is_sent_away(run):
         Register(kind=WorkerKind.ROLLOUT, worker_id="intruder", pid=1, host="h", secret="wrong"),
     )
     (refusal,) = out.sent()
-    assert isinstance(refusal, Shutdown) and refusal.reason == "registration refused"
+    assert isinstance(refusal, Shutdown) and refusal.reason == "registration refused: wrong secret"
     assert run.pool.refused == ["intruder"]
     assert run.core.peer_log.totals["registration refused"] == 1
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from areal.config import load_config
-from areal.controller.pool import MAX_REFUSED, WorkerPool
+from areal.controller.pool import WorkerHandle, MAX_REFUSED, WorkerPool
 from areal.messages import Register, WorkerKind
 
 
@@ -28,10 +28,10 @@ def test_forged_registrations_are_counted_in_bounded_memory(tmp_path, caplog):
     )
     with caplog.at_level(logging.WARNING):
         for i in range(1000):
-            assert _register(pool, b"evil", f"forged-{i}", "wrong") is None
+            assert _register(pool, b"evil", f"forged-{i}", "wrong") == "wrong secret"
     assert len(pool.refused) == MAX_REFUSED
     assert seen == ["wrong secret"] * 1000 and caplog.records == []  # the controller logs
-    assert _register(pool, b"good", "rollout-0", "right") is not None
+    assert isinstance(_register(pool, b"good", "rollout-0", "right"), WorkerHandle)
 
 
 def test_a_remote_worker_reusing_a_registered_name_gets_a_distinct_one(tmp_path):

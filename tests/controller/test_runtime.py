@@ -24,8 +24,8 @@ import zmq.asyncio
 from areal.config import load_config
 from areal.controller import Controller, RunFailed
 from areal.controller.ledger import Purpose
-from areal.codec import encode
-from areal.messages import MsgType, Register, WorkerKind
+from areal.codec import decode, encode
+from areal.messages import MsgType, Register, Shutdown, WorkerKind
 from areal.models.hf import load_model
 from areal.models.logprobs import packed_logprobs
 from areal.models.weights import copy_into_model, load_tensors
@@ -79,8 +79,8 @@ async def _send_garbage(address: str) -> None:
                 )
             )
         )
-        reply = await asyncio.wait_for(sock.recv_multipart(), 10)
-        assert reply[0] == bytes([MsgType.SHUTDOWN])  # refused
+        reply = decode(await asyncio.wait_for(sock.recv_multipart(), 10))
+        assert reply == Shutdown(reason="registration refused: wrong secret")  # and why
     finally:
         sock.close()
         ctx.term()
