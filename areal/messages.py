@@ -28,6 +28,13 @@ DEFAULT_MAX_BYTES = 2 << 30
 REGISTER_MAX_BYTES = 4096
 """Largest Register (frames together): all an unregistered peer may send (transport.py)."""
 
+PROTOCOL_VERSION = 1
+"""The version of these schemas, as a whole, that a worker states in its Register: raised
+whenever a message changes in a way that a peer of another release would refuse or misread
+(a field added without a default, removed, or read differently). The controller refuses a
+worker of another version at registration and tells it both versions, before any work is
+exchanged (controller/pool.py). 0 is what a worker from before versions sends (nothing)."""
+
 MAX_DEPTH = 32
 """Deepest nesting of lists and maps in an untyped (Any) field."""
 
@@ -153,6 +160,8 @@ class Register:
     """Shared secret of the run; a wrong one gets the peer refused and logged."""
     rank: int = 0
     """Trainer rank (data-parallel index); 0 for other kinds."""
+    protocol: int = 0
+    """The sender's PROTOCOL_VERSION (0: a release from before versions, which sent none)."""
 
 
 @message(MsgType.WELCOME)

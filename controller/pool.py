@@ -2,6 +2,7 @@
 
 A worker is known by its ZeroMQ identity once it has registered (with the run's secret
 where one is in force; under CurveZMQ the connection itself is already authenticated).
+A worker must speak this release's protocol (`PROTOCOL_VERSION`, stated in its Register).
 Trainer ranks are unique and below trainer.num_ranks. Local workers are started here
 (`python -m areal.workers.<kind>`, or forked from the fork server that has imported that
 code once: `worker_start`, controller/preload.py), with their credentials (secret or key
@@ -32,7 +33,7 @@ from collections.abc import Callable
 from areal import clock
 from areal.config import RunConfig
 from areal.controller import preload
-from areal.messages import Register, WorkerKind
+from areal.messages import PROTOCOL_VERSION, Register, WorkerKind
 from areal.workers.parent import PARENT_ENV
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,15 @@ class WorkerHandle:
     num_restarts: int = 0
     pid: int = 0
     host: str = ""
+
+
+def protocol_mismatch(protocol: int) -> str:
+    """Why a worker stating `protocol` in its Register is refused (not PROTOCOL_VERSION)."""
+    theirs = "0 (a release from before protocol versions)" if protocol == 0 else str(protocol)
+    return (
+        f"the worker speaks protocol {theirs}, this controller {PROTOCOL_VERSION}: install the "
+        "same areal release on the worker's machine as on the controller's"
+    )
 
 
 async def stop_process(handle: WorkerHandle) -> None:
@@ -168,6 +178,8 @@ class WorkerPool:
             msg.secret.encode(), self.secret.encode()
         ):
             return self._refuse(identity, msg, "wrong secret")
+        if msg.protocol != PROTOCOL_VERSION:
+            return self._refuse(identity, msg, protocol_mismatch(msg.protocol))
         earlier = self.by_identity.get(identity)
         if earlier is not None and earlier.ready:
             return self._refuse(

@@ -33,6 +33,7 @@ from areal.messages import (
     Heartbeat,
     JoinGroup,
     Ready,
+    PROTOCOL_VERSION,
     Register,
     Score,
     Scored,
@@ -176,6 +177,7 @@ class SimWorker:
                 host="sim",
                 secret=SECRET,
                 rank=self.rank,
+                protocol=PROTOCOL_VERSION,
             )
         )
         welcome = await self.channel.recv()

@@ -43,6 +43,7 @@ from areal.messages import (
     Heartbeat,
     MessageError,
     Ready,
+    PROTOCOL_VERSION,
     Register,
     Shutdown,
     Welcome,
@@ -201,6 +202,7 @@ class Worker(ABC):
                 host=socket.gethostname(),
                 secret=self.secret,
                 rank=self.rank,
+                protocol=PROTOCOL_VERSION,
             )
         )
         try:
@@ -210,10 +212,12 @@ class Worker(ABC):
                 "no answer from the controller at %s within %.0f s%s",
                 self.address,
                 REGISTER_TIMEOUT_S,
-                ""
+                " (a controller of an earlier areal release cannot read this worker's "
+                "registration: install the same release on both machines)"
                 if self.keys
-                else " (a controller using CurveZMQ answers only peers "
-                "with its keys: pass --keys DIR)",
+                else " (a controller using CurveZMQ answers only peers with its keys: pass "
+                "--keys DIR; a controller of an earlier areal release cannot read this worker's "
+                "registration: install the same release on both machines)",
             )
             return None
         if isinstance(reply, Shutdown):

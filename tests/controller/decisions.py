@@ -18,7 +18,7 @@ from areal.controller.outbox import Outbox
 from areal.controller.pool import WorkerHandle, WorkerPool
 from areal.controller.setup import RunSetup
 from areal.controller.signal import Changed
-from areal.messages import FinishReason, Generated, Ready, Register, WorkerKind
+from areal.messages import PROTOCOL_VERSION, FinishReason, Generated, Ready, Register, WorkerKind
 from areal.tasks.base import Prompt
 
 SECRET = "s3cret"
@@ -94,6 +94,7 @@ class Decisions:
                 host="test",
                 secret=SECRET,
                 rank=rank,
+                protocol=PROTOCOL_VERSION,
             ),
         )
         self.on(identity, Ready(version=self.core.weights.version))

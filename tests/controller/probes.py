@@ -16,7 +16,7 @@ import numpy as np
 import zmq
 
 from areal.codec import decode, encode
-from areal.messages import MsgType, Register, Shutdown, WorkerKind
+from areal.messages import PROTOCOL_VERSION, MsgType, Register, Shutdown, WorkerKind
 
 LINGER_MS = 60_000
 """How long close() waits for queued messages to reach the controller."""
@@ -75,7 +75,16 @@ def garbage(address: str, count: int = 20_000, seed: int = 0) -> int:
     """Messages that are each refused once: random bytes, unknown type bytes, other kinds
     than Register, truncated and mangled Registers."""
     rng = random.Random(seed)
-    register = encode(Register(kind=WorkerKind.ROLLOUT, worker_id="g", pid=1, host="h", secret="x"))
+    register = encode(
+        Register(
+            kind=WorkerKind.ROLLOUT,
+            worker_id="g",
+            pid=1,
+            host="h",
+            secret="x",
+            protocol=PROTOCOL_VERSION,
+        )
+    )
 
     def one(i: int) -> list[bytes]:
         pick = i % 5
@@ -108,6 +117,7 @@ def forged_registers(address: str, count: int = 1000, num_peers: int = 1) -> int
                         pid=i,
                         host="evil",
                         secret="wrong",
+                        protocol=PROTOCOL_VERSION,
                     )
                 )
                 for i in range(share)
@@ -146,7 +156,12 @@ class Pinger:
         self.sock.send_multipart(
             encode(
                 Register(
-                    kind=WorkerKind.REWARD, worker_id="ping", pid=0, host="probe", secret="wrong"
+                    kind=WorkerKind.REWARD,
+                    worker_id="ping",
+                    pid=0,
+                    host="probe",
+                    secret="wrong",
+                    protocol=PROTOCOL_VERSION,
                 )
             )
         )

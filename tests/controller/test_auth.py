@@ -32,7 +32,7 @@ from areal.auth import (
 from areal.config import ConfigError, load_config
 from areal.controller.pool import WorkerHandle, WorkerPool
 from areal.codec import decode, encode
-from areal.messages import Heartbeat, Register, WorkerKind
+from areal.messages import PROTOCOL_VERSION, Heartbeat, Register, WorkerKind
 from areal.transport import RouterChannel
 from refusals import is_plain_peer_refusal
 
@@ -75,7 +75,16 @@ async def _exchange(address: str, curve, server_public: bytes | None) -> list:
             sock.curve_publickey, sock.curve_secretkey = curve
         sock.connect(address)
         await sock.send_multipart(
-            encode(Register(kind=WorkerKind.ROLLOUT, worker_id="w", pid=1, host="h", secret=""))
+            encode(
+                Register(
+                    kind=WorkerKind.ROLLOUT,
+                    worker_id="w",
+                    pid=1,
+                    host="h",
+                    secret="",
+                    protocol=PROTOCOL_VERSION,
+                )
+            )
         )
         while await sock.poll(1500):
             got.append(decode(await sock.recv_multipart()))
@@ -186,7 +195,13 @@ def _register(pool: WorkerPool, identity: bytes, worker_id: str, rank: int):
     return pool.register(
         identity,
         Register(
-            kind=WorkerKind.TRAINER, worker_id=worker_id, pid=1, host="h", secret="", rank=rank
+            kind=WorkerKind.TRAINER,
+            worker_id=worker_id,
+            pid=1,
+            host="h",
+            secret="",
+            rank=rank,
+            protocol=PROTOCOL_VERSION,
         ),
     )
 

@@ -16,6 +16,7 @@ from decisions import SECRET, Decisions, config, generated
 from areal.controller.ledger import Purpose, Stage
 from areal.controller.outbox import Outbox
 from areal.messages import (
+    PROTOCOL_VERSION,
     Cancel,
     Completions,
     Generate,
@@ -48,7 +49,12 @@ def test_a_worker_with_the_secret_is_welcomed_and_a_stranger_is_sent_away(run):
     out = run.on(
         b"r0",
         Register(
-            kind=WorkerKind.ROLLOUT, worker_id="rollout-0", pid=os.getpid(), host="h", secret=SECRET
+            kind=WorkerKind.ROLLOUT,
+            worker_id="rollout-0",
+            pid=os.getpid(),
+            host="h",
+            secret=SECRET,
+            protocol=PROTOCOL_VERSION,
         ),
     )
     (welcome,) = out.sent()
@@ -56,7 +62,14 @@ def test_a_worker_with_the_secret_is_welcomed_and_a_stranger_is_sent_away(run):
     assert welcome.config == {"run": "test"} and welcome.weights_path is None
     out = run.on(
         b"x",
-        Register(kind=WorkerKind.ROLLOUT, worker_id="intruder", pid=1, host="h", secret="wrong"),
+        Register(
+            kind=WorkerKind.ROLLOUT,
+            worker_id="intruder",
+            pid=1,
+            host="h",
+            secret="wrong",
+            protocol=PROTOCOL_VERSION,
+        ),
     )
     (refusal,) = out.sent()
     assert isinstance(refusal, Shutdown) and refusal.reason == "registration refused: wrong secret"
@@ -69,7 +82,14 @@ def test_samples_are_dispatched_as_a_worker_becomes_ready_in_the_same_decision(r
     identity = b"rollout-0"
     run.on(
         identity,
-        Register(kind=WorkerKind.ROLLOUT, worker_id="rollout-0", pid=1, host="h", secret=SECRET),
+        Register(
+            kind=WorkerKind.ROLLOUT,
+            worker_id="rollout-0",
+            pid=1,
+            host="h",
+            secret=SECRET,
+            protocol=PROTOCOL_VERSION,
+        ),
     )
     out = run.on(identity, Ready(version=0))
     (generate,) = out.sent(Generate)  # the group in one message
@@ -305,7 +325,12 @@ def test_heartbeats_go_only_to_workers_sent_nothing_else_since_the_last_round(ru
         run.on(
             name,
             Register(
-                kind=WorkerKind.ROLLOUT, worker_id=name.decode(), pid=1, host="h", secret=SECRET
+                kind=WorkerKind.ROLLOUT,
+                worker_id=name.decode(),
+                pid=1,
+                host="h",
+                secret=SECRET,
+                protocol=PROTOCOL_VERSION,
             ),
         )
     assert run.core.heartbeat_targets() == [b"rollout-0", b"rollout-1"]
@@ -317,7 +342,14 @@ def test_a_heartbeat_notes_a_registered_worker_alive_and_a_stranger_s_is_left_to
 ):
     run.on(
         b"rollout-0",
-        Register(kind=WorkerKind.ROLLOUT, worker_id="rollout-0", pid=1, host="h", secret=SECRET),
+        Register(
+            kind=WorkerKind.ROLLOUT,
+            worker_id="rollout-0",
+            pid=1,
+            host="h",
+            secret=SECRET,
+            protocol=PROTOCOL_VERSION,
+        ),
     )
     assert run.core.heard(b"rollout-0", 1234.5)
     assert run.pool.get(b"rollout-0").last_seen == 1234.5

@@ -32,7 +32,7 @@ from areal.auth import load_client_keys
 from areal.config import load_config
 from areal.controller import Controller
 from areal.codec import encode
-from areal.messages import FinishReason, Generated, Register, Trained, WorkerKind
+from areal.messages import PROTOCOL_VERSION, FinishReason, Generated, Register, Trained, WorkerKind
 from refusals import is_plain_peer_refusal
 
 pytestmark = pytest.mark.slow
@@ -132,6 +132,7 @@ async def _intrude(address: str, keys: Path) -> dict[str, list]:
                     pid=1,
                     host="evil",
                     secret="",
+                    protocol=PROTOCOL_VERSION,
                 ),
                 Generated(
                     request_id="x",

@@ -43,6 +43,7 @@ from areal.config import load_config
 from areal.controller import Controller
 from areal.codec import decode, encode
 from areal.messages import (
+    PROTOCOL_VERSION,
     Generate,
     Generated,
     FinishReason,
@@ -162,7 +163,14 @@ class FakeWorker:
         self.sock.setsockopt(zmq.IDENTITY, os.urandom(16))
         self.sock.connect(address)
         self.send(
-            Register(kind=kind, worker_id=worker_id, pid=os.getpid(), host="probe", secret=SECRET)
+            Register(
+                kind=kind,
+                worker_id=worker_id,
+                pid=os.getpid(),
+                host="probe",
+                secret=SECRET,
+                protocol=PROTOCOL_VERSION,
+            )
         )
         self.welcome = self.recv_until(Welcome)
 
@@ -438,7 +446,14 @@ def _forged_headers() -> st.SearchStrategy[bytes]:
 _VALID = [
     encode(m)
     for m in (
-        Register(kind=WorkerKind.ROLLOUT, worker_id="w", pid=1, host="h", secret="wrong"),
+        Register(
+            kind=WorkerKind.ROLLOUT,
+            worker_id="w",
+            pid=1,
+            host="h",
+            secret="wrong",
+            protocol=PROTOCOL_VERSION,
+        ),
         Heartbeat(num_running=2, stats={"a": 1.0}),
         WorkerError(error="e"),
         Scored(

@@ -25,7 +25,7 @@ from areal.config import load_config
 from areal.controller import Controller, RunFailed
 from areal.controller.ledger import Purpose
 from areal.codec import decode, encode
-from areal.messages import MsgType, Register, Shutdown, WorkerKind
+from areal.messages import PROTOCOL_VERSION, MsgType, Register, Shutdown, WorkerKind
 from areal.models.hf import load_model
 from areal.models.logprobs import packed_logprobs
 from areal.models.weights import copy_into_model, load_tensors
@@ -76,6 +76,7 @@ async def _send_garbage(address: str) -> None:
                     pid=1,
                     host="evil",
                     secret="wrong",
+                    protocol=PROTOCOL_VERSION,
                 )
             )
         )

@@ -12,6 +12,7 @@ from decisions import SECRET, Decisions, config
 from areal.controller.outbox import Outbox
 from areal.controller.weight_retry import MAX_FAILURES
 from areal.messages import (
+    PROTOCOL_VERSION,
     BroadcastWeights,
     GroupName,
     GroupState,
@@ -208,4 +209,6 @@ def test_after_a_resume_every_mode_serves_the_checkpoint_until_a_new_version(tmp
 
 
 def _register(kind: WorkerKind, worker_id: str) -> Register:
-    return Register(kind=kind, worker_id=worker_id, pid=1, host="h", secret=SECRET)
+    return Register(
+        kind=kind, worker_id=worker_id, pid=1, host="h", secret=SECRET, protocol=PROTOCOL_VERSION
+    )
