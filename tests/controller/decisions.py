@@ -18,8 +18,9 @@ from areal.controller.outbox import Outbox
 from areal.controller.pool import WorkerHandle, WorkerPool
 from areal.controller.setup import RunSetup
 from areal.controller.signal import Changed
-from areal.messages import PROTOCOL_VERSION, FinishReason, Generated, Ready, Register, WorkerKind
+from areal.messages import FinishReason, Generated, Ready, WorkerKind
 from areal.tasks.base import Prompt
+from registers import register
 
 SECRET = "s3cret"
 PROMPT_IDS = np.array([5, 6, 7], np.int32)
@@ -87,14 +88,8 @@ class Decisions:
         identity = f"{kind.value}-{index}".encode()
         self.on(
             identity,
-            Register(
-                kind=kind,
-                worker_id=f"{kind.value}-{index}",
-                pid=os.getpid(),
-                host="test",
-                secret=SECRET,
-                rank=rank,
-                protocol=PROTOCOL_VERSION,
+            register(
+                kind, f"{kind.value}-{index}", SECRET, pid=os.getpid(), host="test", rank=rank
             ),
         )
         self.on(identity, Ready(version=self.core.weights.version))

@@ -16,7 +16,8 @@ import numpy as np
 import zmq
 
 from areal.codec import decode, encode
-from areal.messages import PROTOCOL_VERSION, MsgType, Register, Shutdown, WorkerKind
+from areal.messages import MsgType, Shutdown, WorkerKind
+from registers import register
 
 LINGER_MS = 60_000
 """How long close() waits for queued messages to reach the controller."""
@@ -75,16 +76,7 @@ def garbage(address: str, count: int = 20_000, seed: int = 0) -> int:
     """Messages that are each refused once: random bytes, unknown type bytes, other kinds
     than Register, truncated and mangled Registers."""
     rng = random.Random(seed)
-    register = encode(
-        Register(
-            kind=WorkerKind.ROLLOUT,
-            worker_id="g",
-            pid=1,
-            host="h",
-            secret="x",
-            protocol=PROTOCOL_VERSION,
-        )
-    )
+    forged = encode(register(WorkerKind.ROLLOUT, "g", "x"))
 
     def one(i: int) -> list[bytes]:
         pick = i % 5
@@ -96,8 +88,8 @@ def garbage(address: str, count: int = 20_000, seed: int = 0) -> int:
             kind = rng.choice([k for k in MsgType if k is not MsgType.REGISTER])
             return [bytes([kind]), rng.randbytes(rng.randint(0, 256))]
         if pick == 3:
-            return [register[0], register[1][: rng.randint(0, len(register[1]) - 1)]]
-        return [register[0], msgpack.packb({"kind": "rollout", "worker_id": rng.random()})]
+            return [forged[0], forged[1][: rng.randint(0, len(forged[1]) - 1)]]
+        return [forged[0], msgpack.packb({"kind": "rollout", "worker_id": rng.random()})]
 
     return _send_all(address, (one(i) for i in range(count)))
 
@@ -111,14 +103,7 @@ def forged_registers(address: str, count: int = 1000, num_peers: int = 1) -> int
             address,
             (
                 encode(
-                    Register(
-                        kind=WorkerKind.ROLLOUT,
-                        worker_id=f"forged-{peer}-{i}",
-                        pid=i,
-                        host="evil",
-                        secret="wrong",
-                        protocol=PROTOCOL_VERSION,
-                    )
+                    register(WorkerKind.ROLLOUT, f"forged-{peer}-{i}", "wrong", pid=i, host="evil")
                 )
                 for i in range(share)
             ),
@@ -154,16 +139,7 @@ class Pinger:
         """Seconds until the answer; TimeoutError when there is none: the loop is held."""
         start = time.monotonic()
         self.sock.send_multipart(
-            encode(
-                Register(
-                    kind=WorkerKind.REWARD,
-                    worker_id="ping",
-                    pid=0,
-                    host="probe",
-                    secret="wrong",
-                    protocol=PROTOCOL_VERSION,
-                )
-            )
+            encode(register(WorkerKind.REWARD, "ping", "wrong", pid=0, host="probe"))
         )
         if not self.sock.poll(timeout_s * 1000):
             raise TimeoutError(f"no answer from the controller within {timeout_s} s")

@@ -32,9 +32,10 @@ from areal.auth import (
 from areal.config import ConfigError, load_config
 from areal.controller.pool import WorkerHandle, WorkerPool
 from areal.codec import decode, encode
-from areal.messages import PROTOCOL_VERSION, Heartbeat, Register, WorkerKind
+from areal.messages import Heartbeat, Register, WorkerKind
 from areal.transport import RouterChannel
 from refusals import is_plain_peer_refusal
+from registers import register
 
 
 def test_init_writes_private_secrets_and_authorises_the_shared_client(tmp_path):
@@ -74,18 +75,7 @@ async def _exchange(address: str, curve, server_public: bytes | None) -> list:
             sock.curve_serverkey = server_public
             sock.curve_publickey, sock.curve_secretkey = curve
         sock.connect(address)
-        await sock.send_multipart(
-            encode(
-                Register(
-                    kind=WorkerKind.ROLLOUT,
-                    worker_id="w",
-                    pid=1,
-                    host="h",
-                    secret="",
-                    protocol=PROTOCOL_VERSION,
-                )
-            )
-        )
+        await sock.send_multipart(encode(register(WorkerKind.ROLLOUT, "w", "")))
         while await sock.poll(1500):
             got.append(decode(await sock.recv_multipart()))
     finally:
@@ -194,15 +184,7 @@ def test_auth_resolution_and_remote_configuration_rules():
 def _register(pool: WorkerPool, identity: bytes, worker_id: str, rank: int):
     return pool.register(
         identity,
-        Register(
-            kind=WorkerKind.TRAINER,
-            worker_id=worker_id,
-            pid=1,
-            host="h",
-            secret="",
-            rank=rank,
-            protocol=PROTOCOL_VERSION,
-        ),
+        register(WorkerKind.TRAINER, worker_id, "", rank=rank),
     )
 
 

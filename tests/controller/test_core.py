@@ -16,12 +16,10 @@ from decisions import SECRET, Decisions, config, generated
 from areal.controller.ledger import Purpose, Stage
 from areal.controller.outbox import Outbox
 from areal.messages import (
-    PROTOCOL_VERSION,
     Cancel,
     Completions,
     Generate,
     Ready,
-    Register,
     Score,
     Scored,
     Shutdown,
@@ -34,6 +32,7 @@ from areal.messages import (
     WorkerKind,
 )
 from areal.tasks.base import Verdict
+from registers import register
 
 
 @pytest.fixture
@@ -48,28 +47,14 @@ def _request_ids(out) -> list[str]:
 def test_a_worker_with_the_secret_is_welcomed_and_a_stranger_is_sent_away(run):
     out = run.on(
         b"r0",
-        Register(
-            kind=WorkerKind.ROLLOUT,
-            worker_id="rollout-0",
-            pid=os.getpid(),
-            host="h",
-            secret=SECRET,
-            protocol=PROTOCOL_VERSION,
-        ),
+        register(WorkerKind.ROLLOUT, "rollout-0", SECRET, pid=os.getpid()),
     )
     (welcome,) = out.sent()
     assert isinstance(welcome, Welcome) and welcome.version == 0
     assert welcome.config == {"run": "test"} and welcome.weights_path is None
     out = run.on(
         b"x",
-        Register(
-            kind=WorkerKind.ROLLOUT,
-            worker_id="intruder",
-            pid=1,
-            host="h",
-            secret="wrong",
-            protocol=PROTOCOL_VERSION,
-        ),
+        register(WorkerKind.ROLLOUT, "intruder", "wrong"),
     )
     (refusal,) = out.sent()
     assert isinstance(refusal, Shutdown) and refusal.reason == "registration refused: wrong secret"
@@ -82,14 +67,7 @@ def test_samples_are_dispatched_as_a_worker_becomes_ready_in_the_same_decision(r
     identity = b"rollout-0"
     run.on(
         identity,
-        Register(
-            kind=WorkerKind.ROLLOUT,
-            worker_id="rollout-0",
-            pid=1,
-            host="h",
-            secret=SECRET,
-            protocol=PROTOCOL_VERSION,
-        ),
+        register(WorkerKind.ROLLOUT, "rollout-0", SECRET),
     )
     out = run.on(identity, Ready(version=0))
     (generate,) = out.sent(Generate)  # the group in one message
@@ -324,14 +302,7 @@ def test_heartbeats_go_only_to_workers_sent_nothing_else_since_the_last_round(ru
     for name in (b"rollout-0", b"rollout-1"):
         run.on(
             name,
-            Register(
-                kind=WorkerKind.ROLLOUT,
-                worker_id=name.decode(),
-                pid=1,
-                host="h",
-                secret=SECRET,
-                protocol=PROTOCOL_VERSION,
-            ),
+            register(WorkerKind.ROLLOUT, name.decode(), SECRET),
         )
     assert run.core.heartbeat_targets() == [b"rollout-0", b"rollout-1"]
     assert run.core.heartbeat_targets({b"rollout-0"}) == [b"rollout-1"]
@@ -342,14 +313,7 @@ def test_a_heartbeat_notes_a_registered_worker_alive_and_a_stranger_s_is_left_to
 ):
     run.on(
         b"rollout-0",
-        Register(
-            kind=WorkerKind.ROLLOUT,
-            worker_id="rollout-0",
-            pid=1,
-            host="h",
-            secret=SECRET,
-            protocol=PROTOCOL_VERSION,
-        ),
+        register(WorkerKind.ROLLOUT, "rollout-0", SECRET),
     )
     assert run.core.heard(b"rollout-0", 1234.5)
     assert run.pool.get(b"rollout-0").last_seen == 1234.5

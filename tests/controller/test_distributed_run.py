@@ -32,8 +32,9 @@ from areal.auth import load_client_keys
 from areal.config import load_config
 from areal.controller import Controller
 from areal.codec import encode
-from areal.messages import PROTOCOL_VERSION, FinishReason, Generated, Register, Trained, WorkerKind
+from areal.messages import FinishReason, Generated, Trained, WorkerKind
 from refusals import is_plain_peer_refusal
+from registers import register
 
 pytestmark = pytest.mark.slow
 
@@ -126,14 +127,7 @@ async def _intrude(address: str, keys: Path) -> dict[str, list]:
                 sock.curve_publickey, sock.curve_secretkey = stranger
             sock.connect(address)
             for msg in (
-                Register(
-                    kind=WorkerKind.ROLLOUT,
-                    worker_id=f"intruder-{name}",
-                    pid=1,
-                    host="evil",
-                    secret="",
-                    protocol=PROTOCOL_VERSION,
-                ),
+                register(WorkerKind.ROLLOUT, f"intruder-{name}", "", host="evil"),
                 Generated(
                     request_id="x",
                     output_ids=np.zeros(3, np.int32),

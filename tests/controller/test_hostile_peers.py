@@ -43,14 +43,12 @@ from areal.config import load_config
 from areal.controller import Controller
 from areal.codec import decode, encode
 from areal.messages import (
-    PROTOCOL_VERSION,
     Generate,
     Generated,
     FinishReason,
     Heartbeat,
     MsgType,
     Ready,
-    Register,
     Score,
     Scored,
     Welcome,
@@ -59,6 +57,7 @@ from areal.messages import (
     schemas,
 )
 from areal.tasks.base import Verdict
+from registers import register
 
 pytestmark = pytest.mark.slow
 
@@ -162,16 +161,7 @@ class FakeWorker:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IDENTITY, os.urandom(16))
         self.sock.connect(address)
-        self.send(
-            Register(
-                kind=kind,
-                worker_id=worker_id,
-                pid=os.getpid(),
-                host="probe",
-                secret=SECRET,
-                protocol=PROTOCOL_VERSION,
-            )
-        )
+        self.send(register(kind, worker_id, SECRET, pid=os.getpid(), host="probe"))
         self.welcome = self.recv_until(Welcome)
 
     def send(self, msg) -> None:
@@ -446,14 +436,7 @@ def _forged_headers() -> st.SearchStrategy[bytes]:
 _VALID = [
     encode(m)
     for m in (
-        Register(
-            kind=WorkerKind.ROLLOUT,
-            worker_id="w",
-            pid=1,
-            host="h",
-            secret="wrong",
-            protocol=PROTOCOL_VERSION,
-        ),
+        register(WorkerKind.ROLLOUT, "w", "wrong"),
         Heartbeat(num_running=2, stats={"a": 1.0}),
         WorkerError(error="e"),
         Scored(

@@ -9,6 +9,7 @@ from areal.codec import decode, encode
 from areal.config import load_config
 from areal.controller.pool import WorkerHandle, MAX_REFUSED, WorkerPool
 from areal.messages import PROTOCOL_VERSION, Register, WorkerKind
+from registers import register
 
 
 def _register(
@@ -76,12 +77,5 @@ def test_a_register_without_a_protocol_reads_as_protocol_0_on_the_wire():
     """What a worker from before versions sends: a Register with no protocol field."""
     frames = encode(Register(kind=WorkerKind.ROLLOUT, worker_id="w", pid=1, host="h", secret=""))
     assert b"protocol" not in bytes(frames[1]) and decode(frames).protocol == 0
-    current = Register(
-        kind=WorkerKind.ROLLOUT,
-        worker_id="w",
-        pid=1,
-        host="h",
-        secret="",
-        protocol=PROTOCOL_VERSION,
-    )
+    current = register(WorkerKind.ROLLOUT, "w", "")
     assert decode(encode(current)).protocol == PROTOCOL_VERSION

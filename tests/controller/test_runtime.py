@@ -25,10 +25,11 @@ from areal.config import load_config
 from areal.controller import Controller, RunFailed
 from areal.controller.ledger import Purpose
 from areal.codec import decode, encode
-from areal.messages import PROTOCOL_VERSION, MsgType, Register, Shutdown, WorkerKind
+from areal.messages import MsgType, Shutdown, WorkerKind
 from areal.models.hf import load_model
 from areal.models.logprobs import packed_logprobs
 from areal.models.weights import copy_into_model, load_tensors
+from registers import register
 
 pytestmark = pytest.mark.slow
 
@@ -69,16 +70,7 @@ async def _send_garbage(address: str) -> None:
         await sock.send_multipart([b"\xff", b"not msgpack"])
         await sock.send_multipart([bytes([MsgType.GENERATED]), b"\x81\xa1x\x01"])
         await sock.send_multipart(
-            encode(
-                Register(
-                    kind=WorkerKind.ROLLOUT,
-                    worker_id="intruder",
-                    pid=1,
-                    host="evil",
-                    secret="wrong",
-                    protocol=PROTOCOL_VERSION,
-                )
-            )
+            encode(register(WorkerKind.ROLLOUT, "intruder", "wrong", host="evil"))
         )
         reply = decode(await asyncio.wait_for(sock.recv_multipart(), 10))
         assert reply == Shutdown(reason="registration refused: wrong secret")  # and why

@@ -9,8 +9,9 @@ import pytest
 from decisions import SECRET, Decisions, config, generated
 
 from areal.controller.outbox import Outbox
-from areal.messages import PROTOCOL_VERSION, Ready, Register, Score, Scored, WorkerError, WorkerKind
+from areal.messages import Ready, Score, Scored, WorkerError, WorkerKind
 from areal.tasks.base import Verdict
+from registers import register
 
 
 def _generated_group(run: Decisions) -> list[str]:
@@ -32,14 +33,7 @@ def test_a_score_waits_for_a_reward_worker_and_goes_out_when_one_is_ready(tmp_pa
     reward_id = b"reward-0"
     run.on(
         reward_id,
-        Register(
-            kind=WorkerKind.REWARD,
-            worker_id="reward-0",
-            pid=1,
-            host="h",
-            secret=SECRET,
-            protocol=PROTOCOL_VERSION,
-        ),
+        register(WorkerKind.REWARD, "reward-0", SECRET),
     )
     (score,) = run.on(reward_id, Ready()).sent(Score)
     assert score.request_ids == ids and run.core.scoring.num_queued == 0

@@ -12,7 +12,6 @@ from decisions import SECRET, Decisions, config
 from areal.controller.outbox import Outbox
 from areal.controller.weight_retry import MAX_FAILURES
 from areal.messages import (
-    PROTOCOL_VERSION,
     BroadcastWeights,
     GroupName,
     GroupState,
@@ -27,6 +26,7 @@ from areal.messages import (
     WeightsUpdated,
     WorkerKind,
 )
+from registers import register
 
 
 def _decisions(tmp_path, mode: str) -> Decisions:
@@ -209,6 +209,4 @@ def test_after_a_resume_every_mode_serves_the_checkpoint_until_a_new_version(tmp
 
 
 def _register(kind: WorkerKind, worker_id: str) -> Register:
-    return Register(
-        kind=kind, worker_id=worker_id, pid=1, host="h", secret=SECRET, protocol=PROTOCOL_VERSION
-    )
+    return register(kind, worker_id, SECRET)
