@@ -90,9 +90,12 @@ class Timers:
                 calls[name] += 1
 
         setattr(owner, attribute, timed)
-        if not outer:  # a module's function: also where it was imported by name
+        if not outer:  # a module's function: also where it was imported by name (read
+            # from each module's own namespace: a lazy module's __getattr__, transformers',
+            # would import whatever the name stands for)
             for module in list(sys.modules.values()):
-                if module is not owner and getattr(module, attribute, None) is original:
+                namespace = getattr(module, "__dict__", None) or {}
+                if module is not owner and namespace.get(attribute) is original:
                     setattr(module, attribute, timed)
 
     def enable(self) -> None:

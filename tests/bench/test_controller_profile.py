@@ -24,6 +24,8 @@ def test_timers_count_only_while_enabled_and_reach_a_function_imported_by_name(m
     user.work = source.work  # type: ignore[attr-defined]  # `from timed_source import work`
     monkeypatch.setitem(sys.modules, "timed_source", source)
     monkeypatch.setitem(sys.modules, "timed_user", user)
+    import transformers  # noqa: F401  # a lazy module, whose attributes import on access
+
     timers = Timers(["timed_source:work"])
     assert source.work(10) == 45 and timers.calls["timed_source:work"] == 0
     timers.enable()
