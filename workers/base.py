@@ -42,8 +42,8 @@ from areal.messages import (
     REJOIN_EXIT_CODE,
     Heartbeat,
     MessageError,
-    Ready,
     PROTOCOL_VERSION,
+    Ready,
     Register,
     Shutdown,
     Welcome,
@@ -209,15 +209,15 @@ class Worker(ABC):
             reply = await asyncio.wait_for(self.channel.recv(), REGISTER_TIMEOUT_S)
         except TimeoutError:
             log.error(
-                "no answer from the controller at %s within %.0f s%s",
+                "no answer from the controller at %s within %.0f s (%sa controller of an "
+                "earlier areal release cannot read this worker's registration: install the "
+                "same release on both machines)",
                 self.address,
                 REGISTER_TIMEOUT_S,
-                " (a controller of an earlier areal release cannot read this worker's "
-                "registration: install the same release on both machines)"
+                ""
                 if self.keys
-                else " (a controller using CurveZMQ answers only peers with its keys: pass "
-                "--keys DIR; a controller of an earlier areal release cannot read this worker's "
-                "registration: install the same release on both machines)",
+                else "a controller using CurveZMQ answers only peers with its "
+                "keys: pass --keys DIR; ",
             )
             return None
         if isinstance(reply, Shutdown):

@@ -13,6 +13,7 @@ import zmq.asyncio
 
 from areal.config import config_to_dict, load_config
 from areal.messages import (
+    PROTOCOL_VERSION,
     REJOIN_EXIT_CODE,
     Cancel,
     Heartbeat,
@@ -140,3 +141,37 @@ def test_a_worker_sends_heartbeats_only_in_intervals_in_which_it_sent_nothing_el
     assert idle >= 2  # about one an interval while it has nothing else to say
     assert answers > 0
     assert busy <= 1  # its answers are its sign of life (one may fall at the switch)
+
+
+async def _register_with(reply: Shutdown | None) -> tuple[int, Register]:
+    """An EchoWorker registering at a bare ROUTER that answers `reply` (None: nothing):
+    (its exit code, the Register it sent)."""
+    ctx = zmq.asyncio.Context()
+    channel = RouterChannel(ctx, "127.0.0.1", 0)
+    worker = EchoWorker(channel.address, "echo-0", secret="s")
+    serving = asyncio.create_task(worker.serve())
+    try:
+        identity, register = await asyncio.wait_for(channel.recv(), 10)
+        if reply is not None:
+            await channel.send(identity, reply)
+        return await asyncio.wait_for(serving, 30), register
+    finally:
+        channel.close()
+        ctx.term()
+
+
+def test_a_refused_or_unanswered_registration_exits_1_and_says_why(monkeypatch, caplog):
+    """The worker states this release's protocol; a refusal's reason, or the likely causes
+    of silence (CurveZMQ keys, a controller of an earlier release), go to its log."""
+    monkeypatch.setattr("areal.workers.base.REGISTER_TIMEOUT_S", 0.5)
+    with caplog.at_level("ERROR", logger="areal.workers.base"):
+        code, register = asyncio.run(
+            _register_with(Shutdown(reason="registration refused: wrong secret"))
+        )
+        assert code == 1 and register.protocol == PROTOCOL_VERSION
+        assert "controller refused registration: registration refused: wrong secret" in caplog.text
+        code, _ = asyncio.run(_register_with(None))
+    assert code == 1
+    silent = caplog.records[-1].getMessage()
+    assert "no answer from the controller" in silent and "within 0 s" in silent
+    assert "pass --keys DIR" in silent and "a controller of an earlier areal release" in silent
