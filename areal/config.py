@@ -748,14 +748,26 @@ class LoggingConfig:
         _positive(self.progress_every, f"{key}.progress_every")
 
 
+HEARTBEATS_PER_S = 500
+"""The Heartbeats a second the automatic `controller.heartbeat_interval_s` lets the controller
+receive. Each costs it a few microseconds (decoded, its worker's time noted: about 1% of a
+core at 2,080 workers and one a second, docs/history.md "Heartbeats at 2,048 accelerators"),
+whatever the batch; at 500 a second they stay near a quarter of that, and a run of up to
+500 workers keeps one-second rounds."""
+
+
 @dataclass(kw_only=True)
 class ControllerConfig:
     host: str = opt(
         "127.0.0.1", "address the controller binds (loopback unless remote workers must join)"
     )
     port: int = opt(0, "port of the controller socket; 0 picks a free one")
-    heartbeat_interval_s: float = opt(
-        1.0, "how often each side sends a Heartbeat if it sent the other nothing else"
+    heartbeat_interval_s: float | None = opt(
+        None,
+        "how often each side sends a Heartbeat if it sent the other nothing else (and the "
+        "controller checks for lost workers); null: 1 s, longer past "
+        f"{HEARTBEATS_PER_S} workers so that the controller hears about "
+        f"{HEARTBEATS_PER_S} a second (RunConfig.heartbeat_interval)",
     )
     heartbeat_timeout_s: float = opt(30.0, "a worker silent this long is declared lost")
     secret: str | None = opt(
@@ -809,14 +821,17 @@ class ControllerConfig:
             )
         if not 0 <= self.port < 65536:
             raise ConfigError(f"{key}.port={self.port!r} must be in [0, 65535]")
-        _positive(self.heartbeat_interval_s, f"{key}.heartbeat_interval_s")
-        # Each side sends a Heartbeat only in an interval in which it sent nothing else, so
-        # the other may hear nothing for up to two intervals; the third is slack.
-        if not self.heartbeat_timeout_s >= 3 * self.heartbeat_interval_s:
-            raise ConfigError(
-                f"{key}.heartbeat_timeout_s={self.heartbeat_timeout_s!r} must be at least three "
-                f"times {key}.heartbeat_interval_s={self.heartbeat_interval_s!r}"
-            )
+        _positive(self.heartbeat_timeout_s, f"{key}.heartbeat_timeout_s")
+        interval = self.heartbeat_interval_s
+        if interval is not None:  # null: automatic, never more than a third of the timeout
+            _positive(interval, f"{key}.heartbeat_interval_s")
+            # Each side sends a Heartbeat only in an interval in which it sent nothing else,
+            # so the other may hear nothing for up to two intervals; the third is slack.
+            if not self.heartbeat_timeout_s >= 3 * interval:
+                raise ConfigError(
+                    f"{key}.heartbeat_timeout_s={self.heartbeat_timeout_s!r} must be at least "
+                    f"three times {key}.heartbeat_interval_s={interval!r}"
+                )
         _positive(self.max_message_mb, f"{key}.max_message_mb")
         kinds = ("rollout", "reward", "trainer")
         for kind in self.remote_kinds:
@@ -1023,6 +1038,19 @@ class RunConfig:
                 f"trainer.batch_size={self.trainer.batch_size} is not a multiple of "
                 f"task.group_size={self.task.group_size}: a batch holds whole prompt groups"
             )
+
+    def heartbeat_interval(self) -> float:
+        """`controller.heartbeat_interval_s`, or when null: 1 s, or one Heartbeat from each
+        worker every (workers / HEARTBEATS_PER_S) s once there are more than
+        HEARTBEATS_PER_S of them, and at most a third of the timeout (what the check
+        requires of a set interval). Loss is declared after the timeout either way; a
+        longer interval only makes the liveness loop, which finds lost workers (an exited
+        local process among them) and retries failed weight loads, look less often."""
+        controller = self.controller
+        if controller.heartbeat_interval_s is not None:
+            return controller.heartbeat_interval_s
+        workers = self.rollout.num_workers + self.reward.num_workers + self.trainer.num_ranks
+        return min(max(1.0, workers / HEARTBEATS_PER_S), controller.heartbeat_timeout_s / 3)
 
     def _check_ray(self) -> None:
         tp = self.rollout.vllm.tensor_parallel_size

@@ -194,8 +194,9 @@ class Ready:
 @message(MsgType.HEARTBEAT)
 @dataclass(kw_only=True)
 class Heartbeat:
-    """Both directions, every `controller.heartbeat_interval_s`: each side declares the other
-    lost after `controller.heartbeat_timeout_s` of silence."""
+    """Both directions, every heartbeat interval (`RunConfig.heartbeat_interval`) in which
+    the side sent the other nothing else: each declares the other lost after
+    `controller.heartbeat_timeout_s` of silence."""
 
     num_running: int = 0
     stats: dict[str, float] = field(default_factory=dict)

@@ -68,7 +68,7 @@ from collections.abc import Callable
 import numpy as np
 import psutil
 
-from areal.config import ControllerConfig, RolloutConfig
+from areal.config import HEARTBEATS_PER_S, ControllerConfig, RolloutConfig, load_config
 from areal.sim.config import SimConfig, sim_config
 from areal.sim.plan import Evaluator, Outcome, load_plan_config
 from areal.sim.run import SimResult, simulate
@@ -440,7 +440,7 @@ def _large_values(bench: Bench, n: int) -> dict[str, Any]:
         _scale_values("async", n),
         num_prompts=bench.batch["num_prompts"] * factor,
         max_concurrent_prompts=512 * factor,
-        heartbeat_interval_s=ControllerConfig().heartbeat_interval_s,
+        heartbeat_interval_s=ControllerConfig().heartbeat_interval_s,  # a real run's default
     )
 
 
@@ -764,16 +764,24 @@ def _large_note(bench: Bench) -> str:
     large = large_counts(bench)
     group = bench.batch["group_size"]
     batches = ", ".join(f"{_large_values(bench, n)['num_prompts']} x {group}" for n in large)
+    intervals = ", ".join(f"{_heartbeat_interval(bench, n):.2g} s" for n in large)
     return (
         f"{', '.join(map(str, large))} accelerators: async, the batch scaled with the "
-        f"cluster ({batches}), as the prompts in flight; {HEARTBEAT_NOTE} (the smaller "
-        f"rows: every {SimConfig().heartbeat_interval_s:g} s)"
+        f"cluster ({batches}), as the prompts in flight; {HEARTBEAT_NOTE}: {intervals} (the "
+        f"smaller rows: every {SimConfig().heartbeat_interval_s:g} s)"
     )
 
 
+def _heartbeat_interval(bench: Bench, n: int) -> float:
+    """The heartbeat interval of (f)'s large row of `n` accelerators' run (automatic)."""
+    sim = bench.config("async", True, **_large_values(bench, n))
+    return load_config(overrides=sim.to_run_overrides("run")).heartbeat_interval()
+
+
 HEARTBEAT_NOTE = (
-    f"Heartbeats every {ControllerConfig().heartbeat_interval_s:g} s, a real run's default "
-    "(each side skips a round in which it sent the other something else)"
+    "Heartbeats at a real run's default interval (controller.heartbeat_interval_s null: "
+    f"1 s, or workers / {HEARTBEATS_PER_S} s past {HEARTBEATS_PER_S} workers; each side "
+    "skips a round in which it sent the other something else)"
 )
 
 

@@ -338,8 +338,9 @@ class Controller:
     async def _liveness(self, core: Core) -> None:
         cfg = self.cfg.controller
         pool, weights = core.pool, core.weights
+        interval = self.cfg.heartbeat_interval()
         while True:
-            await asyncio.sleep(cfg.heartbeat_interval_s)
+            await asyncio.sleep(interval)
             targets = core.heartbeat_targets(self._sent_to)
             self._sent_to.clear()  # what is sent from now on counts for the next round
             await self._channel.broadcast(targets, _HEARTBEAT)

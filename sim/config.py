@@ -114,13 +114,13 @@ class SimConfig:
         "the messages it received to a fresh controller with no "
         "simulated worker beside it (sim/alone.py; needs wire)",
     )
-    heartbeat_interval_s: float = opt(
+    heartbeat_interval_s: float | None = opt(
         300.0,
         "the run's controller.heartbeat_interval_s: each side sends a Heartbeat in each "
         "interval in which it sent the other nothing else. Workers are never lost in a "
         "simulation, so the default keeps them rare (a faster simulation); a measurement "
-        "of the controller's CPU sets the real interval (1 s by default), whose "
-        "Heartbeats it pays for",
+        "of the controller's CPU sets a real run's (null: its default, automatic: 1 s, "
+        "longer past 500 workers), whose Heartbeats it pays for",
     )
     max_queued: int = opt(
         RolloutConfig().max_queued,
@@ -156,7 +156,9 @@ class SimConfig:
                 f"measure_from={self.measure_from} must be in [0, steps="
                 f"{self.steps}): at least one step is measured"
             )
-        if not 0 < self.heartbeat_interval_s <= NEVER_LOST_S / 3:
+        if self.heartbeat_interval_s is not None and not (
+            0 < self.heartbeat_interval_s <= NEVER_LOST_S / 3
+        ):
             raise ConfigError(
                 f"heartbeat_interval_s={self.heartbeat_interval_s!r} must be in "
                 f"(0, {NEVER_LOST_S / 3:g}]: a third of the heartbeat timeout"
@@ -257,7 +259,8 @@ class SimConfig:
             "eval.every_steps=0",
             f"eval.max_prompts={self.eval_prompts}",
             # No worker is lost in a simulation: liveness never times out.
-            f"controller.heartbeat_interval_s={self.heartbeat_interval_s}",
+            "controller.heartbeat_interval_s="
+            + ("null" if self.heartbeat_interval_s is None else f"{self.heartbeat_interval_s}"),
             f"controller.heartbeat_timeout_s={NEVER_LOST_S}",
             "logging.progress=false",
             "logging.tensorboard=false",

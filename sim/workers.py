@@ -4,7 +4,8 @@ Each speaks the messages of its real counterpart (areal.workers.*) over an in-pr
 channel (sim/channel.py):
 
     connect --Register--> controller --Welcome--> --Ready--> serve until Shutdown;
-    Heartbeat in each controller.heartbeat_interval_s in which it sent nothing else
+    Heartbeat in each heartbeat interval (RunConfig.heartbeat_interval) in which it sent
+    nothing else
     reward:   Score (a group) -> (reward_latency_s each, up to reward.max_concurrency at once)
               -> Scored
     trainer:  JoinGroup -> GroupStatus(JOINED); Train(shard) -> (cost.train_s of the shard
@@ -223,7 +224,7 @@ class SimWorker:
     async def _heartbeat(self) -> None:
         """As a real worker's (workers/base.py): a Heartbeat in each interval in which it
         sent nothing else."""
-        interval = self.env.cfg.controller.heartbeat_interval_s
+        interval = self.env.cfg.heartbeat_interval()
         while True:
             await asyncio.sleep(interval)
             if not self.channel.sent_since_beat:

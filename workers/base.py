@@ -261,6 +261,7 @@ class Worker(ABC):
         scaling-out.md). So the controller hears from a worker at least every two intervals
         (the configuration requires a timeout of at least three)."""
         cfg = self.config.controller
+        interval = self.config.heartbeat_interval()
         while True:
             if not self._sent_since_beat:
                 if self._ready:  # setup (loading a model) may take a while; stats need it done
@@ -268,7 +269,7 @@ class Worker(ABC):
                 else:
                     await self.send(Heartbeat())
             self._sent_since_beat = False  # after the Heartbeat: only other messages count
-            await asyncio.sleep(cfg.heartbeat_interval_s)
+            await asyncio.sleep(interval)
             silent = time.monotonic() - self._last_heard
             if self._ready and silent > cfg.heartbeat_timeout_s:
                 raise ControllerLost(f"controller silent for {silent:.1f} s")

@@ -54,9 +54,11 @@ def test_round_trip_through_yaml_and_dict(tmp_path):
         ("trainer.ppo.behav_imp_cap=0.5", "trainer.ppo.behav_imp_cap"),
         ("model.path=/does/not/exist", "model.path"),
         ("model.tiny.num_heads=8", "head_dim"),
-        ("controller.heartbeat_timeout_s=1", "controller.heartbeat_timeout_s"),
-        ("controller.heartbeat_timeout_s=2.9", "must be at least three times"),
-        ("controller.heartbeat_timeout_s=3", None),
+        ("controller.heartbeat_timeout_s=0", "controller.heartbeat_timeout_s=0.0 must be > 0"),
+        ("controller.heartbeat_interval_s=0", "controller.heartbeat_interval_s=0.0 must be > 0"),
+        ("controller.heartbeat_interval_s=10.5", "must be at least three times"),
+        ("controller.heartbeat_interval_s=10", None),
+        ("controller.heartbeat_timeout_s=1", None),  # the automatic interval: a third of it
         ("trainer.checkpoint_every=-1", "trainer.checkpoint_every"),
         ("trainer.keep_checkpoints=1", "trainer.keep_checkpoints=1 must be >= 2"),
         ("rollout.num_workers=2", None),
@@ -85,6 +87,22 @@ def test_bad_values_name_the_field(override, needle):
         return
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
         load_config(overrides=[override])
+
+
+@pytest.mark.parametrize(
+    "overrides, interval",
+    [
+        ([], 1.0),  # the default run's 4 workers
+        (["rollout.num_workers=400", "reward.num_workers=50", "trainer.num_ranks=50"], 1.0),
+        (["rollout.num_workers=1536", "reward.num_workers=32", "trainer.num_ranks=512"], 4.16),
+        (["rollout.num_workers=12000"], 10.0),  # at most a third of the 30-s timeout
+        (["controller.heartbeat_timeout_s=1.5"], 0.5),
+        (["rollout.num_workers=1536", "controller.heartbeat_interval_s=0.5"], 0.5),  # as set
+    ],
+    ids=lambda v: str(v),
+)
+def test_the_heartbeat_interval_grows_with_the_workers_past_500(overrides, interval):
+    assert load_config(overrides=overrides).heartbeat_interval() == pytest.approx(interval)
 
 
 def test_bad_file_is_named(tmp_path):

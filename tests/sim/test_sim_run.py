@@ -192,6 +192,21 @@ def test_the_simulated_run_queues_what_max_queued_says(tmp_path):
     assert "rollout.max_queued=7" in overrides
 
 
+def test_a_null_heartbeat_interval_is_a_real_runs_automatic_one(tmp_path):
+    """heartbeat_interval_s null: the simulated run's interval is a real run's default (1 s,
+    longer past 500 workers), which the controller's CPU measurements at scale pay for."""
+    from areal.config import load_config
+
+    def interval(**values) -> float:
+        overrides = sim_config(**values).to_run_overrides(str(tmp_path))
+        return load_config(overrides=overrides).heartbeat_interval()
+
+    assert interval() == 300.0  # the simulation's own default: rare
+    assert interval(heartbeat_interval_s=None) == 1.0
+    # 2,048 accelerators: 1,536 rollout servers, 512 trainer ranks, 32 reward workers
+    assert interval(heartbeat_interval_s=None, num_accelerators=2048) == 2080 / 500
+
+
 def test_a_colocated_sync_step_that_pays_its_switches_takes_that_much_longer():
     from areal.sim.cost import cost_model, load_costs
 

@@ -95,12 +95,19 @@ class AnsweringWorker(EchoWorker):
         await self.send(WorkerError(error="an answer"))
 
 
-async def _heartbeats_idle_then_busy(interval: float, span: float) -> tuple[int, int, int]:
-    """An AnsweringWorker after Ready: `span` s left alone, then `span` s sent a message
-    every interval / 4. Returns (Heartbeats while idle, Heartbeats while busy, answers)."""
+async def _heartbeats_idle_then_busy(
+    interval: float | None, span: float, timeout: float = 30
+) -> tuple[int, int, int]:
+    """An AnsweringWorker after Ready, with the heartbeat interval `interval` (None: the
+    automatic one): `span` s sent only Heartbeats (each interval / 2, so that a short
+    `timeout` does not end it), then `span` s also a message every interval / 4. Returns
+    (Heartbeats while idle, Heartbeats while busy, answers)."""
     ctx = zmq.asyncio.Context()
     channel = RouterChannel(ctx, "127.0.0.1", 0)
-    overrides = [f"controller.heartbeat_interval_s={interval}", "controller.heartbeat_timeout_s=30"]
+    overrides = [f"controller.heartbeat_timeout_s={timeout}"]
+    if interval is not None:
+        overrides.append(f"controller.heartbeat_interval_s={interval}")
+    interval = load_config(overrides=overrides).heartbeat_interval()
     worker = AnsweringWorker(channel.address, "answers-0", secret="s")
     serving = asyncio.create_task(worker.serve())
     counts = {"idle": 0, "busy": 0, "answers": 0}
@@ -114,6 +121,11 @@ async def _heartbeats_idle_then_busy(interval: float, span: float) -> tuple[int,
             elif isinstance(msg, WorkerError):
                 counts["answers"] += 1
 
+    async def beat() -> None:  # the controller's liveness rounds: no answer expected
+        while True:
+            await asyncio.sleep(interval / 2)
+            await channel.send(identity, Heartbeat())
+
     try:
         identity, _ = await asyncio.wait_for(channel.recv(), 10)
         welcome = Welcome(config=config_to_dict(load_config(overrides=overrides)), version=0)
@@ -122,12 +134,14 @@ async def _heartbeats_idle_then_busy(interval: float, span: float) -> tuple[int,
         while not isinstance(msg, Ready):
             _, msg = await asyncio.wait_for(channel.recv(), 10)
         receiving = asyncio.create_task(receive())
+        beating = asyncio.create_task(beat())
         await asyncio.sleep(span)
         phase = "busy"
         for _ in range(int(span / (interval / 4))):
             await channel.send(identity, Cancel(request_ids=["r"]))
             await asyncio.sleep(interval / 4)
         receiving.cancel()
+        beating.cancel()
         await channel.send(identity, Shutdown(reason="test"))
         assert await asyncio.wait_for(serving, 30) == 0
         return counts["idle"], counts["busy"], counts["answers"]
@@ -141,6 +155,14 @@ def test_a_worker_sends_heartbeats_only_in_intervals_in_which_it_sent_nothing_el
     assert idle >= 2  # about one an interval while it has nothing else to say
     assert answers > 0
     assert busy <= 1  # its answers are its sign of life (one may fall at the switch)
+
+
+def test_a_worker_keeps_the_automatic_interval_the_controller_computes():
+    """No interval set: the worker's rounds are RunConfig.heartbeat_interval's, here a third
+    of a 0.6-s timeout (0.2 s), not the 1 s of a small run with the default timeout."""
+    idle, busy, _ = asyncio.run(_heartbeats_idle_then_busy(interval=None, span=1.2, timeout=0.6))
+    assert 4 <= idle <= 8  # about one each 0.2 s over 1.2 s (1 s rounds would send 1 or 2)
+    assert busy <= 1
 
 
 async def _register_with(reply: Shutdown | None) -> tuple[int, Register]:
