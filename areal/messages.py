@@ -28,12 +28,14 @@ DEFAULT_MAX_BYTES = 2 << 30
 REGISTER_MAX_BYTES = 4096
 """Largest Register (frames together): all an unregistered peer may send (transport.py)."""
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """The version of these schemas, as a whole, that a worker states in its Register: raised
 whenever a message changes in a way that a peer of another release would refuse or misread
-(a field added without a default, removed, or read differently). The controller refuses a
-worker of another version at registration and tells it both versions, before any work is
-exchanged (controller/pool.py). 0 is what a worker from before versions sends (nothing)."""
+(a field added without a default, removed, or read differently; the run configuration a
+Welcome carries among them: an option added, or a value an older release refuses, as 2's
+null `controller.heartbeat_interval_s`). The controller refuses a worker of another version
+at registration and tells it both versions, before any work is exchanged
+(controller/pool.py). 0 is what a worker from before versions sends (nothing)."""
 
 MAX_DEPTH = 32
 """Deepest nesting of lists and maps in an untyped (Any) field."""
