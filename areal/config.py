@@ -750,10 +750,10 @@ class LoggingConfig:
 
 HEARTBEATS_PER_S = 500
 """The Heartbeats a second the automatic `controller.heartbeat_interval_s` lets the controller
-receive. Each costs it a few microseconds (decoded, its worker's time noted: about 1% of a
-core at 2,080 workers and one a second, docs/history.md "Heartbeats at 2,048 accelerators"),
-whatever the batch; at 500 a second they stay near a quarter of that, and a run of up to
-500 workers keeps one-second rounds."""
+receive. Each costs it several microseconds (decoded, its worker's time noted), whatever
+the batch: at 2,080 workers and one a second, 1-2% of a core (docs/history.md, "Heartbeats
+at 2,048 accelerators"); at 500 a second about a quarter of that, and a run of up to 500
+workers keeps one-second rounds."""
 
 
 @dataclass(kw_only=True)
