@@ -611,8 +611,8 @@ def table_r(bench: Bench) -> str:
         )
         + f"\n(1.5B async, eta 8, {n} accelerators, batch {config.num_prompts} x "
         f"{bench.batch['group_size']}, step {r.step_s:.1f} s "
-        f"simulated; {HEARTBEAT_NOTE}; CPU seconds per step inside the controller's tasks: "
-        "in the simulation "
+        f"simulated; {HEARTBEAT_NOTE}: {_heartbeat_interval(bench, n):.2g} s; CPU seconds "
+        "per step inside the controller's tasks: in the simulation "
         f"(its messages recorded), and alone with the same messages replayed; {GC_NOTE}; "
         f"{REF_NOTE})"
     )
