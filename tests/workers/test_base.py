@@ -6,6 +6,8 @@ controller falls silent."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -38,15 +40,27 @@ class EchoWorker(Worker):
         pass
 
 
+@contextlib.asynccontextmanager
+async def _serving(
+    worker_cls: type[Worker], worker_id: str
+) -> AsyncIterator[tuple[RouterChannel, Worker, asyncio.Task]]:
+    """A `worker_cls` serving against a bare ROUTER on loopback: (the ROUTER, the worker, its
+    serve task); the socket closed on the way out."""
+    ctx = zmq.asyncio.Context()
+    channel = RouterChannel(ctx, "127.0.0.1", 0)
+    worker = worker_cls(channel.address, worker_id, secret="s")
+    try:
+        yield channel, worker, asyncio.create_task(worker.serve())
+    finally:
+        channel.close()
+        ctx.term()
+
+
 async def _serve_until(shutdown: Shutdown | None, overrides: list[str] = ()):
     """Run an EchoWorker against a bare ROUTER; after Ready, send `shutdown` (None: stay
     silent). Returns (exit code, message types seen, Ready's version, the worker)."""
-    ctx = zmq.asyncio.Context()
-    channel = RouterChannel(ctx, "127.0.0.1", 0)
-    worker = EchoWorker(channel.address, "echo-0", secret="s")
-    serving = asyncio.create_task(worker.serve())
     seen = []
-    try:
+    async with _serving(EchoWorker, "echo-0") as (channel, worker, serving):
         identity, msg = await asyncio.wait_for(channel.recv(), 10)
         seen.append(type(msg))
         await channel.send(
@@ -58,9 +72,6 @@ async def _serve_until(shutdown: Shutdown | None, overrides: list[str] = ()):
         if shutdown is not None:
             await channel.send(identity, shutdown)
         return await asyncio.wait_for(serving, 60), seen, msg.version, worker
-    finally:
-        channel.close()
-        ctx.term()
 
 
 @pytest.mark.parametrize("rejoin, code", [(False, 0), (True, REJOIN_EXIT_CODE)])
@@ -102,14 +113,10 @@ async def _heartbeats_idle_then_busy(
     automatic one): `span` s sent only Heartbeats (each interval / 2, so that a short
     `timeout` does not end it), then `span` s also a message every interval / 4. Returns
     (Heartbeats while idle, Heartbeats while busy, answers)."""
-    ctx = zmq.asyncio.Context()
-    channel = RouterChannel(ctx, "127.0.0.1", 0)
     overrides = [f"controller.heartbeat_timeout_s={timeout}"]
     if interval is not None:
         overrides.append(f"controller.heartbeat_interval_s={interval}")
     interval = load_config(overrides=overrides).heartbeat_interval()
-    worker = AnsweringWorker(channel.address, "answers-0", secret="s")
-    serving = asyncio.create_task(worker.serve())
     counts = {"idle": 0, "busy": 0, "answers": 0}
     phase = "idle"
 
@@ -126,7 +133,7 @@ async def _heartbeats_idle_then_busy(
             await asyncio.sleep(interval / 2)
             await channel.send(identity, Heartbeat())
 
-    try:
+    async with _serving(AnsweringWorker, "answers-0") as (channel, _, serving):
         identity, _ = await asyncio.wait_for(channel.recv(), 10)
         welcome = Welcome(config=config_to_dict(load_config(overrides=overrides)), version=0)
         await channel.send(identity, welcome)
@@ -145,9 +152,6 @@ async def _heartbeats_idle_then_busy(
         await channel.send(identity, Shutdown(reason="test"))
         assert await asyncio.wait_for(serving, 30) == 0
         return counts["idle"], counts["busy"], counts["answers"]
-    finally:
-        channel.close()
-        ctx.term()
 
 
 def test_a_worker_sends_heartbeats_only_in_intervals_in_which_it_sent_nothing_else():
@@ -168,18 +172,11 @@ def test_a_worker_keeps_the_automatic_interval_the_controller_computes():
 async def _register_with(reply: Shutdown | None) -> tuple[int, Register]:
     """An EchoWorker registering at a bare ROUTER that answers `reply` (None: nothing):
     (its exit code, the Register it sent)."""
-    ctx = zmq.asyncio.Context()
-    channel = RouterChannel(ctx, "127.0.0.1", 0)
-    worker = EchoWorker(channel.address, "echo-0", secret="s")
-    serving = asyncio.create_task(worker.serve())
-    try:
+    async with _serving(EchoWorker, "echo-0") as (channel, _, serving):
         identity, register = await asyncio.wait_for(channel.recv(), 10)
         if reply is not None:
             await channel.send(identity, reply)
         return await asyncio.wait_for(serving, 30), register
-    finally:
-        channel.close()
-        ctx.term()
 
 
 def test_a_refused_or_unanswered_registration_exits_1_and_says_why(monkeypatch, caplog):
