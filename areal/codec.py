@@ -78,11 +78,14 @@ _TORCH_ONLY_DTYPES = ("bfloat16",)
 def _array_bytes(value: Any) -> tuple[str, tuple[int, ...], memoryview]:
     """(dtype name, shape, contiguous byte view) of a numpy array or torch tensor."""
     if isinstance(value, np.ndarray):
-        arr = value if value.flags.c_contiguous else value.copy(order="C")  # keeps 0-d shape
-        name = _DTYPE_NAMES.get(arr.dtype)  # dtype.name is slow: it showed in profiles
+        name = _DTYPE_NAMES.get(value.dtype)  # dtype.name is slow: it showed in profiles
         if name is None:
-            raise MessageError(f"array dtype {arr.dtype} cannot travel; allowed: {_NUMPY_DTYPES}")
-        return name, arr.shape, memoryview(arr).cast("B")  # type: ignore[arg-type]  # a buffer
+            raise MessageError(f"array dtype {value.dtype} cannot travel; allowed: {_NUMPY_DTYPES}")
+        try:  # C-ordered data, viewed in place (the common case: no flags object to build)
+            raw = memoryview(value).cast("B")  # type: ignore[arg-type]  # a buffer
+        except TypeError:  # strided or Fortran-ordered (or empty with a 0 in a 2-d shape)
+            raw = memoryview(value.tobytes())  # its elements in C order, copied
+        return name, value.shape, raw
     if type(value).__module__.startswith("torch"):
         tensor = value.detach()
         if tensor.device.type != "cpu":
@@ -181,24 +184,12 @@ class _EncoderState(threading.local):
 _ENCODERS = _EncoderState()
 
 
-_EXT_CACHE: dict[tuple[str, tuple[int, ...], int], msgspec.msgpack.Ext] = {}
-_EXT_CACHE_ITEMS = 1 << 16
-"""Array references already packed, by (dtype, shape, frame index): the same few recur
-across a step's messages (each Generated carries three arrays of the same few dtypes). Bounded:
-emptied when full. The decoding side keeps the same kind of cache (`_REF_CACHE`)."""
-
-
 def _array_ext(dtype: str, shape: tuple[int, ...], index: int) -> msgspec.msgpack.Ext:
-    """The msgpack extension that stands for an array in a header (see `_ARRAY_EXT`)."""
-    key = (dtype, shape, index)
-    ext = _EXT_CACHE.get(key)
-    if ext is None:
-        if len(_EXT_CACHE) >= _EXT_CACHE_ITEMS:
-            _EXT_CACHE.clear()
-        ext = _EXT_CACHE[key] = msgspec.msgpack.Ext(
-            _ARRAY_EXT, msgspec.msgpack.encode((dtype, shape, index))
-        )
-    return ext
+    """The msgpack extension that stands for an array in a header (see `_ARRAY_EXT`).
+    Packed afresh for each array: as cheap as a dictionary hit, and the (dtype, shape,
+    frame) of a completion's arrays seldom recur (their lengths vary), so a cache of them
+    mostly missed, and a miss cost several times a packing."""
+    return msgspec.msgpack.Ext(_ARRAY_EXT, msgspec.msgpack.encode((dtype, shape, index)))
 
 
 # ---------------------------------------------------------------------------------------------
