@@ -391,6 +391,8 @@ class Core:
             reason = next(filter(None, (check(group) for check in self.group_filters)), None)
             if reason is not None:
                 self.drop_group(group, reason, out)
+            else:
+                self.report.completed(group)
         else:
             self.evaluations.group_scored(group, out)
 

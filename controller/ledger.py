@@ -22,6 +22,7 @@ import collections
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -29,6 +30,9 @@ import numpy as np
 from areal.messages import Completions, EpisodeEnd, Generated
 from areal.tasks.base import Prompt, RewardOutcome, Verdict
 from areal.types import Trajectory, VersionRuns
+
+if TYPE_CHECKING:
+    from areal.controller.report import StepColumns
 
 
 class Stage(str, enum.Enum):
@@ -110,6 +114,10 @@ class Group:
     eval_round: int = -1
     position: int = -1
     """Training groups: the prompt's draw position in the task's stream (RunSetup)."""
+    step_columns: StepColumns | None = None
+    """A complete training group's part of its step record (`StepReport.completed`), kept
+    from when its last reward came in: its samples were handled moments before, so they are
+    read from the caches then rather than from memory at the step."""
 
     @property
     def done(self) -> bool:

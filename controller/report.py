@@ -8,12 +8,12 @@ summary states held-out accuracy before and after training and the wall time.
 from __future__ import annotations
 
 import collections
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from areal import clock
-from areal.algorithms.shaping import shaping_metrics
+from areal.algorithms.shaping import shaping_in_force, shaping_metrics
 from areal.evaluation import summarize
 from areal.messages import Generated, WeightsUpdated
 from areal.tasks.base import Verdict
@@ -21,6 +21,47 @@ from areal.types import Trajectory
 from areal.controller.episodes import episode_metrics
 from areal.config import RunConfig
 from areal.controller.ledger import Dropped, Group
+
+
+class StepColumns(NamedTuple):
+    """A complete training group's part of a step record, read off its samples once."""
+
+    columns: np.ndarray
+    """[trajectories, 6] float64: each trajectory's oldest version, tokens, prompt tokens,
+    reward, whether it was cut at the length limit, interruptions."""
+    num_ok: int
+    """Samples whose verdict is ok."""
+    episodes: bool
+    """Whether a trajectory is an episode's (the record's episode metrics read them)."""
+
+
+def step_columns(group: Group) -> StepColumns:
+    """`group`'s part of its step record (a complete training group: rewarded, never to
+    change), computed on the first call and kept on the group (`Group.step_columns`). The
+    controller asks as the group completes (`StepReport.completed`), when its samples were
+    just handled and are in the caches; at the step they would be read from memory, one
+    group of thousands at a time."""
+    if group.step_columns is None:
+        trajectories = group.trajectories()
+        group.step_columns = StepColumns(
+            columns=np.array(
+                [
+                    (
+                        t.oldest_version(),
+                        t.num_tokens,
+                        t.num_prompt_tokens,
+                        t.reward,
+                        t.finish_reason == "length",
+                        t.timings.get("interruptions", 0),
+                    )
+                    for t in trajectories
+                ],
+                dtype=np.float64,
+            ).reshape(-1, 6),
+            num_ok=sum(s.verdict is Verdict.OK for s in group.samples),
+            episodes=any(t.episode for t in trajectories),
+        )
+    return group.step_columns
 
 
 class StepReport:
@@ -83,6 +124,11 @@ class StepReport:
         self._dropped_positions.append(dropped.group.position)
         self.dropped_tokens_total += dropped.num_tokens
 
+    def completed(self, group: Group) -> None:
+        """A training group got its last reward and goes to the buffer: its part of the step
+        record is read now (`step_columns`)."""
+        step_columns(group)
+
     def on_weights_updated(self, msg: WeightsUpdated) -> None:
         self._pauses.append(msg.pause_s)
 
@@ -105,35 +151,18 @@ class StepReport:
         `score_queue`, `buffered`: samples in the ledger, waiting for a reward worker, and
         trajectories in the buffer now; `started`: when the run started."""
         now = self._last_step_at = clock.now()
-        trajs = [t for g in groups for t in g.trajectories()]
         trained_version = version - 1  # the batch was trained at the version before publishing
-        # One pass over the batch's trajectories (thousands at cluster scale), not one per
-        # metric; columns: oldest version, tokens, prompt tokens, reward, truncated,
-        # interruptions.
-        columns = (
-            np.array(
-                [
-                    (
-                        t.oldest_version(),
-                        t.num_tokens,
-                        t.num_prompt_tokens,
-                        t.reward,
-                        t.finish_reason == "length",
-                        t.timings.get("interruptions", 0),
-                    )
-                    for t in trajs
-                ],
-                dtype=np.float64,
-            )
-            .reshape(-1, 6)
-            .T
-        )
-        oldest, num_tokens, num_prompt, rewards, truncated, interruptions = columns
+        parts = [step_columns(g) for g in groups]  # kept since each group completed
+        oldest, num_tokens, num_prompt, rewards, truncated, interruptions = np.concatenate(
+            [part.columns for part in parts]
+        ).T
+        num_trajectories = len(oldest)
         staleness_values, staleness_counts = np.unique(
             trained_version - oldest.astype(np.int64), return_counts=True
         )
         out_lens = (num_tokens - num_prompt).astype(np.int64)
-        verdicts = [s.verdict for g in groups for s in g.samples]
+        num_ok = sum(part.num_ok for part in parts)
+        num_samples = sum(len(g.samples) for g in groups)
         batch_tokens = int(num_tokens.sum())
         assert self._train_start is not None, "a step record before start_training()"
         self._trained_tokens += batch_tokens
@@ -141,7 +170,7 @@ class StepReport:
         record: dict[str, Any] = {
             "version": version,
             "rollout/reward_mean": float(rewards.mean()),
-            "rollout/accuracy": float(np.mean([v.value == "ok" for v in verdicts])),
+            "rollout/accuracy": num_ok / num_samples,
             "rollout/completion_len_mean": float(out_lens.mean()),
             "rollout/completion_len_max": int(out_lens.max()),
             "rollout/truncated_fraction": float(truncated.mean()),
@@ -153,7 +182,7 @@ class StepReport:
             "staleness/hist": {
                 str(int(k)): int(n) for k, n in zip(staleness_values, staleness_counts, strict=True)
             },
-            "staleness/mean": float(np.dot(staleness_values, staleness_counts) / len(trajs)),
+            "staleness/mean": float(np.dot(staleness_values, staleness_counts) / num_trajectories),
             "staleness/max": int(staleness_values[-1]),
             "reward/verdicts": dict(self._verdicts),
             "reward/queue": score_queue,
@@ -170,8 +199,10 @@ class StepReport:
         record["rollout/dropped_groups"] = sum(self._dropped.values())
         record.update({f"rollout/dropped_groups/{k}": v for k, v in self._dropped.items()})
         record["rollout/dropped_tokens"] = self._dropped_tokens
-        record.update(episode_metrics(trajs, "episode/"))
-        record.update(shaping_metrics(trajs, cfg))
+        if any(part.episodes for part in parts) or shaping_in_force(cfg):  # else both are {}
+            trajs = [t for g in groups for t in g.trajectories()]
+            record.update(episode_metrics(trajs, "episode/"))
+            record.update(shaping_metrics(trajs, cfg))
         # Draw positions (RunSetup) of the prompt groups trained in this step and dropped
         # since the last one: every admitted group is accounted for by the records alone.
         record["rollout/trained_positions"] = [g.position for g in groups]

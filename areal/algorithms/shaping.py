@@ -119,10 +119,18 @@ def has_advantage_spread(trajectories: Sequence[Trajectory], cfg: RunConfig) -> 
     return bool((advantages != 0).any())
 
 
+def shaping_in_force(cfg: RunConfig) -> bool:
+    """Whether any shaping with step-record metrics is on (`shaping_metrics` is empty if not)."""
+    adv = cfg.trainer.advantage
+    return bool(adv.overlong_buffer or adv.mask_truncated)
+
+
 def shaping_metrics(trajectories: Sequence[Trajectory], cfg: RunConfig) -> dict[str, float]:
     """Step-record metrics of the shaping in force (none when it is off)."""
     adv = cfg.trainer.advantage
     out: dict[str, float] = {}
+    if not shaping_in_force(cfg):
+        return out
     if adv.overlong_buffer:
         penalties = shaped_rewards(trajectories, cfg) - torch.tensor(
             [t.reward for t in trajectories], dtype=torch.float32

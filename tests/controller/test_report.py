@@ -1,0 +1,106 @@
+"""The step record (report.py): what it says of a batch, and that a group's part of it is read
+when the group completes (`step_columns`), the same as read at the step."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from decisions import Decisions, config, generated
+
+from areal.controller.report import StepReport, step_columns
+from areal.messages import FinishReason, Scored, WorkerKind
+from areal.tasks.base import Verdict
+
+
+def _complete(run: Decisions, group_id: int, rollout, reward) -> None:
+    """Group `group_id` (2 samples) generated at version 1 (4 and 6 tokens, the second cut
+    at the length limit, interrupted twice) and rewarded 1 (ok) and 0 (wrong)."""
+    ids = [f"g{group_id}-s{i}-a0" for i in range(2)]
+    run.on(rollout.identity, generated(ids[0], num_tokens=4, version=1))
+    cut = generated(ids[1], num_tokens=6, version=1, num_interruptions=2)
+    run.on(rollout.identity, dataclasses.replace(cut, finish_reason=FinishReason.LENGTH))
+    run.on(
+        reward.identity,
+        Scored(
+            request_ids=ids,
+            rewards=[1.0, 0.0],
+            verdicts=[Verdict.OK, Verdict.WRONG],
+            details=["", ""],
+            check_s=[0.0, 0.0],
+        ),
+    )
+
+
+def _record(run: Decisions, groups) -> dict:
+    report = StepReport()
+    report.start_training()
+    return report.step_record(
+        1,
+        3,
+        groups,
+        {},
+        1.0,
+        0.0,
+        cfg=run.cfg,
+        in_flight=0,
+        score_queue=0,
+        buffered=0,
+        started=0.0,
+    )
+
+
+def _completed_groups(tmp_path, *overrides: str):
+    run = Decisions(config(tmp_path, "trainer.batch_size=4", *overrides), tmp_path)
+    run.admit(2)
+    rollout, reward = run.join(WorkerKind.ROLLOUT), run.join(WorkerKind.REWARD)
+    run.core.weights.version = 1  # published meanwhile (weight_sync.py owns it)
+    for group_id in range(2):
+        _complete(run, group_id, rollout, reward)
+    return run, list(run.core.ledger.buffer)
+
+
+def test_a_groups_part_of_the_step_record_is_read_as_it_completes(tmp_path):
+    _, groups = _completed_groups(tmp_path)
+    assert len(groups) == 2 and all(g.step_columns is not None for g in groups)
+    part = groups[0].step_columns
+    prompt = len(groups[0].prompt_ids)
+    # oldest version, tokens, prompt tokens, reward, truncated, interruptions
+    np.testing.assert_array_equal(
+        part.columns,
+        [[1, prompt + 4, prompt, 1.0, 0, 0], [1, prompt + 6, prompt, 0.0, 1, 2]],
+    )
+    assert part.num_ok == 1 and not part.episodes
+    assert step_columns(groups[0]) is part  # read once
+
+
+def test_the_step_record_of_a_batch(tmp_path):
+    run, groups = _completed_groups(tmp_path)
+    record = _record(run, groups)
+    assert record["rollout/reward_mean"] == 0.5
+    assert record["rollout/accuracy"] == 0.5
+    assert record["rollout/completion_len_mean"] == 5.0
+    assert record["rollout/completion_len_max"] == 6
+    assert record["rollout/truncated_fraction"] == 0.5
+    assert record["rollout/interruptions"] == 4
+    # trained at version 2 (the record's is the one it published), sampled at 1
+    assert record["staleness/hist"] == {"1": 4} and record["staleness/mean"] == 1.0
+    assert not any(key.startswith("episode/") for key in record)
+
+
+def test_groups_whose_part_was_not_kept_get_the_same_record(tmp_path):
+    run, groups = _completed_groups(tmp_path)
+    kept = _record(run, groups)
+    for group in groups:
+        group.step_columns = None  # as a group completed outside the controller would be
+    fresh = _record(run, groups)
+    for record in (kept, fresh):  # clocks differ between the two reports
+        for key in [k for k in record if k.startswith("perf/")]:
+            del record[key]
+    assert fresh == kept
+
+
+def test_shaping_metrics_still_read_the_trajectories(tmp_path):
+    run, groups = _completed_groups(tmp_path, "trainer.advantage.mask_truncated=true")
+    assert _record(run, groups)["rollout/truncated_masked"] == 2.0  # one per group
