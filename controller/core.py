@@ -310,11 +310,14 @@ class Core:
         if not samples:
             return
         handle.num_restarts = 0  # it delivers: a later death is not a crash loop
-        trajectories = [s.trajectory for s in samples]
-        self.report.on_generated_tokens(  # of the completions recorded (a stale one is not)
-            sum(t.num_model_tokens for t in trajectories),
-            int(sum(t.timings["interruptions"] for t in trajectories)),
-        )
+        if len(samples) == len(msg.request_ids):  # all recorded: the message's own counts
+            self.report.on_generated_tokens(sum(msg.lengths), sum(msg.num_interruptions))
+        else:  # of the completions recorded (a stale one is not)
+            trajectories = [s.trajectory for s in samples]
+            self.report.on_generated_tokens(
+                sum(t.num_model_tokens for t in trajectories),
+                int(sum(t.timings["interruptions"] for t in trajectories)),
+            )
         groups, num_training = self.ledger.groups, 0
         for sample in samples:
             group = groups[sample.group_id]

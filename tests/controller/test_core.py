@@ -93,7 +93,10 @@ def test_a_groups_completions_in_one_message_send_the_group_for_scoring(run):
     rollout = run.join(WorkerKind.ROLLOUT)
     reward = run.join(WorkerKind.REWARD)
     answer = Completions.of([generated("g0-s1-a0", 2), generated("g0-s0-a0", 4)])
+    answer.num_interruptions = [1, 2]
+    run.core.report.start_training()
     (score,) = run.on(rollout.identity, answer).sent(Score)
+    assert run.core.report._generated_tokens == 6 and run.core.report.num_interruptions == 3
     assert sorted(score.request_ids) == ["g0-s0-a0", "g0-s1-a0"]
     assert not rollout.in_flight and reward.in_flight == {"g0-s0-a0", "g0-s1-a0"}
     lengths = {
