@@ -303,6 +303,14 @@ class Generated:
     result (decoding, interruptions included), summed over calls."""
 
 
+LISTED_RUNS = 4096
+"""A Completions with at most this many version runs (a few a completion: the usual one)
+has them checked as Python ints (`Completions.check`, `controller.checks.completions_fit`):
+for a handful of values that is a fraction of what numpy's per-call cost is, and the
+controller checks thousands of these messages a step. More runs than this (a message from a
+confused or hostile peer) go through numpy, which bounds the time any message takes."""
+
+
 @message(MsgType.COMPLETIONS)
 @dataclass(kw_only=True)
 class Completions:
@@ -387,15 +395,28 @@ class Completions:
                 f"num_runs {self.num_runs[:8]}{'...' if n > 8 else ''} (sum {num_runs}) do "
                 f"not cut run arrays of shapes {[list(runs.shape), list(lengths.shape)]}"
             )
-        if lengths.dtype.kind not in "iu" or (
-            num_runs and not 1 <= lengths.min() <= lengths.max() <= total
-        ):  # bounded above too: sums of huge values could wrap around to the right total
+        # A few runs a completion (the usual message): read as Python ints, in one call.
+        listed = lengths.tolist() if num_runs <= LISTED_RUNS else None
+        if lengths.dtype.kind not in "iu":
+            fits = False
+        elif listed is not None:
+            fits = not listed or (min(listed) >= 1 and max(listed) <= total)
+        else:  # bounded above too: sums of huge values could wrap around to the right total
+            fits = not num_runs or 1 <= lengths.min() <= lengths.max() <= total
+        if not fits:
             raise ValueError(
                 f"run_lengths of dtype {lengths.dtype}: positive integers, none above the "
                 f"{total} tokens"
             )
-        covered = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])  # before each run
-        if not np.array_equal(covered[np.cumsum(self.num_runs)], np.cumsum(self.lengths)):
+        if listed is not None:
+            before = list(itertools.accumulate(listed, initial=0))  # tokens before each run
+            adds_up = [before[end] for end in itertools.accumulate(self.num_runs)] == list(
+                itertools.accumulate(self.lengths)
+            )
+        else:
+            covered = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+            adds_up = np.array_equal(covered[np.cumsum(self.num_runs)], np.cumsum(self.lengths))
+        if not adds_up:
             raise ValueError(
                 "the version runs of some completion do not add up to its length "
                 f"(lengths {self.lengths[:8]}, runs {self.num_runs[:8]})"

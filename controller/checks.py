@@ -16,6 +16,7 @@ run goes on: one bad message never ends it. This module holds no state.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -24,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from areal.messages import (
+    LISTED_RUNS,
     Completions,
     Generated,
     GroupName,
@@ -177,13 +179,33 @@ def completions_fit(
             return False
     elif _MIN(ids) < 0:
         return False
-    if not (_MIN(versions) >= 0 and _MAX(versions) <= version):
-        return False
-    drops = versions[1:] < versions[:-1]  # drops[r]: from run r to r + 1
-    drops[np.cumsum(msg.num_runs[:-1], dtype=np.intp) - 1] = False  # a completion may start lower
-    if drops.any():
-        return False
+    if len(versions) <= LISTED_RUNS:  # the usual message: a few runs a completion
+        if not _listed_runs_fit(versions.tolist(), msg.num_runs, version):
+            return False
+    else:
+        if not (_MIN(versions) >= 0 and _MAX(versions) <= version):
+            return False
+        drops = versions[1:] < versions[:-1]  # drops[r]: from run r to r + 1
+        drops[np.cumsum(msg.num_runs[:-1], dtype=np.intp) - 1] = False  # may start lower
+        if drops.any():
+            return False
     return bool(_MAX(logprobs) <= LOGPROB_SLACK and _MIN(logprobs) > -math.inf)
+
+
+def _listed_runs_fit(versions: list[int], num_runs: list[int], version: int) -> bool:
+    """`completions_fit`'s judgement of the run versions (each completion's, `num_runs` of
+    them in order) read as Python ints: all in [0, `version`], none lower than the run
+    before it in the same completion."""
+    if versions and not (min(versions) >= 0 and max(versions) <= version):
+        return False
+    start = 0
+    for count in num_runs:
+        if count > 1:  # one run (no version change while it was generated) cannot drop
+            for before, after in itertools.pairwise(versions[start : start + count]):
+                if after < before:
+                    return False
+        start += count
+    return True
 
 
 def _plain_completion_fits(

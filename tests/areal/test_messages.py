@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from areal.codec import decode, encode
+from areal import messages
 from areal.messages import (
     Completions,
     BroadcastWeights,
@@ -650,7 +651,12 @@ def test_version_runs_refuse_values_that_are_not_integers(values):
         ),
     ],
 )
-def test_completions_whose_parts_do_not_fit_together_are_refused(change, problem):
+@pytest.mark.parametrize("listed_runs", [messages.LISTED_RUNS, -1], ids=["listed", "numpy"])
+def test_completions_whose_parts_do_not_fit_together_are_refused(
+    change, problem, listed_runs, monkeypatch
+):
+    """Either way of reading the runs: as Python ints (a few) or with numpy (many)."""
+    monkeypatch.setattr(messages, "LISTED_RUNS", listed_runs)
     msg = dataclasses.replace(SAMPLES[MsgType.COMPLETIONS], **change)
     with pytest.raises(ValueError, match=problem):
         decode(encode(msg)).completions()

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from areal import messages
 from areal.controller import checks
 from areal.controller.checks import (
     generated_problem,
@@ -19,6 +20,7 @@ from areal.controller.checks import (
 )
 from areal.controller.pool import WorkerHandle
 from areal.messages import (
+    LISTED_RUNS,
     Completions,
     FinishReason,
     Generated,
@@ -247,9 +249,17 @@ def test_the_short_path_accepts_only_what_the_full_check_accepts(data, n, versio
     vocab_size=st.sampled_from([None, 100]),
 )
 @pytest.mark.slow
+@pytest.mark.parametrize("listed_runs", [LISTED_RUNS, -1], ids=["listed", "numpy"])
 def test_a_whole_completions_message_passes_only_when_each_completion_would(
-    data, lengths, version, vocab_size
+    data, lengths, version, vocab_size, listed_runs
 ):
+    with pytest.MonkeyPatch.context() as patch:  # runs read as Python ints, or with numpy
+        patch.setattr(checks, "LISTED_RUNS", listed_runs)
+        patch.setattr(messages, "LISTED_RUNS", listed_runs)
+        _passes_only_when_each_would(data, lengths, version, vocab_size)
+
+
+def _passes_only_when_each_would(data, lengths, version, vocab_size) -> None:
     parts = [
         Generated(
             request_id=f"g0-s{i}-a0",
@@ -271,7 +281,11 @@ def test_a_whole_completions_message_passes_only_when_each_completion_would(
         assert each == [""] * len(each)
 
 
-def test_a_completions_message_of_well_formed_completions_passes_in_one_check():
+@pytest.mark.parametrize("listed_runs", [LISTED_RUNS, -1], ids=["listed", "numpy"])
+def test_a_completions_message_of_well_formed_completions_passes_in_one_check(
+    listed_runs, monkeypatch
+):
+    monkeypatch.setattr(checks, "LISTED_RUNS", listed_runs)
     parts = [_generated(), _generated(), _generated()]
     msg = Completions.of(parts)
     assert checks.completions_fit(msg, max_new_tokens=8, version=2, vocab_size=100)
