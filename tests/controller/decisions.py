@@ -18,8 +18,8 @@ from areal.controller.outbox import Outbox
 from areal.controller.pool import WorkerHandle, WorkerPool
 from areal.controller.setup import RunSetup
 from areal.controller.signal import Changed
-from areal.messages import FinishReason, Generated, Ready, WorkerKind
-from areal.tasks.base import Prompt
+from areal.messages import FinishReason, Generated, Ready, Scored, WorkerKind
+from areal.tasks.base import Prompt, Verdict
 from registers import register
 
 SECRET = "s3cret"
@@ -110,4 +110,15 @@ def generated(request_id: str, num_tokens: int = 3, version: int = 0, **fields) 
         versions=np.full(num_tokens, version, np.int32),
         finish_reason=FinishReason.STOP,
         **fields,
+    )
+
+
+def scored(request_ids: list[str], rewards: list[float], verdicts: list[Verdict]) -> Scored:
+    """A reward worker's answer: each request's reward and verdict, no detail, no time."""
+    return Scored(
+        request_ids=request_ids,
+        rewards=rewards,
+        verdicts=verdicts,
+        details=[""] * len(request_ids),
+        check_s=[0.0] * len(request_ids),
     )

@@ -7,10 +7,10 @@ import dataclasses
 
 import numpy as np
 
-from decisions import Decisions, config, generated
+from decisions import Decisions, config, generated, scored
 
 from areal.controller.report import StepReport, step_columns
-from areal.messages import FinishReason, Scored, WorkerKind
+from areal.messages import FinishReason, WorkerKind
 from areal.tasks.base import Verdict
 
 
@@ -21,16 +21,7 @@ def _complete(run: Decisions, group_id: int, rollout, reward) -> None:
     run.on(rollout.identity, generated(ids[0], num_tokens=4, version=1))
     cut = generated(ids[1], num_tokens=6, version=1, num_interruptions=2)
     run.on(rollout.identity, dataclasses.replace(cut, finish_reason=FinishReason.LENGTH))
-    run.on(
-        reward.identity,
-        Scored(
-            request_ids=ids,
-            rewards=[1.0, 0.0],
-            verdicts=[Verdict.OK, Verdict.WRONG],
-            details=["", ""],
-            check_s=[0.0, 0.0],
-        ),
-    )
+    run.on(reward.identity, scored(ids, [1.0, 0.0], [Verdict.OK, Verdict.WRONG]))
 
 
 def _record(run: Decisions, groups) -> dict:

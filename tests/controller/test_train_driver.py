@@ -8,11 +8,11 @@ import json
 
 import numpy as np
 
-from decisions import Decisions, config, generated
+from decisions import Decisions, config, generated, scored
 
 from areal.controller.outbox import Outbox
 from areal.controller.resume import STATE
-from areal.messages import Cancel, Scored, Trained, WorkerKind
+from areal.messages import Cancel, Trained, WorkerKind
 from areal.tasks.base import Verdict
 
 
@@ -20,16 +20,7 @@ def _complete(run: Decisions, group_id: int, version: int, rollout, reward) -> N
     ids = [f"g{group_id}-s{i}-a0" for i in range(2)]
     for request_id in ids:
         run.on(rollout.identity, generated(request_id, version=version))
-    run.on(
-        reward.identity,
-        Scored(
-            request_ids=ids,
-            rewards=[1.0, 0.0],
-            verdicts=[Verdict.OK, Verdict.WRONG],
-            details=["", ""],
-            check_s=[0.0, 0.0],
-        ),
-    )
+    run.on(reward.identity, scored(ids, [1.0, 0.0], [Verdict.OK, Verdict.WRONG]))
 
 
 def test_without_strict_the_first_complete_groups_are_taken_and_trained_in_draw_order(tmp_path):
