@@ -368,28 +368,53 @@ class Completions:
         """ValueError when the lists do not pair up with the request ids, the lengths do
         not add up to the arrays', or each completion's version runs to its length (the
         parts fit together; the values of tokens and versions are not judged)."""
+        # Straight-line code, no generator per check: the controller runs this for every
+        # Completions, each time with its caches cold (bench/cold_caches.py).
         n = len(self.request_ids)
-        sizes = [
-            len(values)
-            for values in (self.lengths, self.num_runs, self.finish_reasons, self.num_interruptions)
-        ] + [len(self.generation_s)]
-        if not n or any(size != n for size in sizes):
+        if not (
+            n
+            and len(self.lengths) == n
+            and len(self.num_runs) == n
+            and len(self.finish_reasons) == n
+            and len(self.num_interruptions) == n
+            and len(self.generation_s) == n
+        ):
+            sizes = [
+                len(values)
+                for values in (
+                    self.lengths,
+                    self.num_runs,
+                    self.finish_reasons,
+                    self.num_interruptions,
+                    self.generation_s,
+                )
+            ]
             raise ValueError(
                 f"request_ids, lengths, num_runs, finish_reasons, num_interruptions, "
                 f"generation_s have lengths {[n, *sizes]}: one of each per completion, at "
                 "least one"
             )
-        arrays = (self.output_ids, self.logprobs)
+        ids, logprobs = self.output_ids, self.logprobs
         total = sum(self.lengths)
-        if min(self.lengths) < 0 or any(a.ndim != 1 or len(a) != total for a in arrays):
+        if not (
+            min(self.lengths) >= 0
+            and ids.ndim == 1
+            and logprobs.ndim == 1
+            and len(ids) == total
+            and len(logprobs) == total
+        ):
             raise ValueError(
                 f"lengths {self.lengths[:8]}{'...' if n > 8 else ''} (sum {total}) do not cut "
-                f"arrays of shapes {[list(a.shape) for a in arrays]}"
+                f"arrays of shapes {[list(ids.shape), list(logprobs.shape)]}"
             )
         runs, lengths = self.run_versions, self.run_lengths
         num_runs = sum(self.num_runs)
-        if min(self.num_runs) < 0 or any(
-            a.ndim != 1 or len(a) != num_runs for a in (runs, lengths)
+        if not (
+            min(self.num_runs) >= 0
+            and runs.ndim == 1
+            and lengths.ndim == 1
+            and len(runs) == num_runs
+            and len(lengths) == num_runs
         ):
             raise ValueError(
                 f"num_runs {self.num_runs[:8]}{'...' if n > 8 else ''} (sum {num_runs}) do "
