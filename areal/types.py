@@ -215,6 +215,7 @@ class Trajectory:
         finish_reason: str,
         oldest_version: int,
         output_loss_mask: np.ndarray | None = None,
+        timings: dict[str, float] | None = None,
     ) -> Trajectory:
         """`from_generation` of arrays that have the trajectory's own types already (1-D
         int32 ids and versions, float32 log-probs, a bool mask per output token or None),
@@ -222,10 +223,10 @@ class Trajectory:
         `oldest_version` their least sampled version:
         kept as they are, without a copy, nothing read but their lengths (the controller
         builds one per finished sample, tens of millions of tokens a step at cluster
-        scale)."""
+        scale). `timings`: its `timings`, kept (None: empty)."""
         _check_num_prompt(prompt_id, len(prompt_ids), len(prompt_ids) + len(output_ids))
         kept = cls.__new__(cls)
-        kept._init(prompt_id, group_id, len(prompt_ids), 0.0, finish_reason, None, None)
+        kept._init(prompt_id, group_id, len(prompt_ids), 0.0, finish_reason, timings, None)
         kept._joined = None
         kept._parts = (prompt_ids, output_ids, output_logprobs, output_versions, output_loss_mask)
         kept._oldest = oldest_version

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import enum
-import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 from collections.abc import Callable, Iterable
@@ -33,6 +32,10 @@ from areal.types import Trajectory, VersionRuns
 
 if TYPE_CHECKING:
     from areal.controller.report import StepColumns
+
+_INT32, _FLOAT32 = np.dtype(np.int32), np.dtype(np.float32)
+"""A trajectory's own dtypes. numpy keeps one object of each built-in (native-order) dtype,
+so `is` tells an array's dtype; one of another byte order is another object."""
 
 
 class Stage(str, enum.Enum):
@@ -241,53 +244,68 @@ class Ledger:
         What `finish_generation` does for each, with the message's bookkeeping done once:
         each trajectory keeps views of the message's arrays and its version runs
         (`Trajectory.from_checked`; arrays of other dtypes are converted)."""
+        int32 = _INT32
         plain = (
-            msg.output_ids.dtype == msg.run_versions.dtype == msg.run_lengths.dtype == np.int32
-            and msg.logprobs.dtype == np.float32
+            msg.output_ids.dtype is msg.run_versions.dtype is msg.run_lengths.dtype is int32
+            and msg.logprobs.dtype is _FLOAT32
         )
         by_request, groups = self.by_request, self.groups
+        output_ids, logprobs = msg.output_ids, msg.logprobs
         run_versions, run_lengths = msg.run_versions, msg.run_lengths
+        oldest = run_versions.tolist()  # a Python int per run: no numpy scalar per completion
+        generating, scoring = Stage.GENERATING, Stage.SCORING
         recorded = []
-        bounds = itertools.pairwise(itertools.accumulate(msg.lengths, initial=0))
-        runs = itertools.pairwise(itertools.accumulate(msg.num_runs, initial=0))
-        for (start, end), (first, last), request_id, reason, interruptions, generation_s in zip(
-            bounds,
-            runs,
+        start = first = 0
+        for request_id, length, count, reason, interruptions, generation_s in zip(
             msg.request_ids,
+            msg.lengths,
+            msg.num_runs,
             msg.finish_reasons,
             msg.num_interruptions,
             msg.generation_s,
             strict=True,
         ):
+            end, last = start + length, first + count
             sample = by_request.get(request_id)
-            if sample is None or sample.stage is not Stage.GENERATING or sample.worker != worker:
+            if sample is None or sample.stage is not generating or sample.worker != worker:
+                start, first = end, last
                 continue
             group = groups[sample.group_id]
             versions = VersionRuns(run_versions[first:last], run_lengths[first:last])
-            kept = plain and group.prompt_ids.dtype == np.int32  # else converted
-            build: Callable[..., Trajectory] = (
-                Trajectory.from_checked if kept else Trajectory.from_generation
-            )
-            out_versions: np.ndarray | VersionRuns = versions if kept else versions.expanded()
-            trajectory = build(
-                prompt_id=group.prompt.prompt_id,
-                group_id=group.group_id,
-                prompt_ids=group.prompt_ids,
-                output_ids=msg.output_ids[start:end],
-                output_logprobs=msg.logprobs[start:end],
-                output_versions=out_versions,
-                finish_reason=reason.value,
-                oldest_version=int(run_versions[first]),
-            )
-            trajectory.timings.update(
-                submitted=sample.submitted_at,
-                generation=generation_s,
-                interruptions=float(interruptions),
-            )
+            timings = {
+                "submitted": sample.submitted_at,
+                "generation": generation_s,
+                "interruptions": float(interruptions),
+            }
+            if plain and group.prompt_ids.dtype is int32:
+                trajectory = Trajectory.from_checked(
+                    prompt_id=group.prompt.prompt_id,
+                    group_id=group.group_id,
+                    prompt_ids=group.prompt_ids,
+                    output_ids=output_ids[start:end],
+                    output_logprobs=logprobs[start:end],
+                    output_versions=versions,
+                    finish_reason=reason.value,
+                    oldest_version=oldest[first],
+                    timings=timings,
+                )
+            else:  # converted
+                trajectory = Trajectory.from_generation(
+                    prompt_id=group.prompt.prompt_id,
+                    group_id=group.group_id,
+                    prompt_ids=group.prompt_ids,
+                    output_ids=output_ids[start:end],
+                    output_logprobs=logprobs[start:end],
+                    output_versions=versions.expanded(),
+                    finish_reason=reason.value,
+                    oldest_version=oldest[first],
+                )
+                trajectory.timings.update(timings)
             sample.trajectory = trajectory
-            sample.stage, sample.worker = Stage.SCORING, None
+            sample.stage, sample.worker = scoring, None
             group.num_generated += 1
             recorded.append(sample)
+            start, first = end, last
         return recorded
 
     # -- scoring --------------------------------------------------------------------------------
