@@ -116,6 +116,10 @@ class StepReport:
     def on_scored(self, verdict: Verdict) -> None:
         self._verdicts[verdict.value] += 1
 
+    def on_scored_all(self, verdicts: list[Verdict]) -> None:
+        """`on_scored` of each of `verdicts` (a Scored's)."""
+        self._verdicts.update([verdict.value for verdict in verdicts])
+
     def on_dropped(self, reason: str, dropped: Dropped) -> None:
         """A training group was dropped (never trained on) for `reason`."""
         self._dropped[reason] += 1

@@ -142,16 +142,21 @@ class Scoring:
 
     def _accept(self, identity: bytes, handle: WorkerHandle, msg: Scored, out: Outbox) -> None:
         """A Scored whose every outcome is a verdict with a finite reward: what `judge` does
-        for each (each is accepted), the counting done once."""
+        for each (each is accepted), the counting done once and `on_complete` called only
+        for the group it completes (usually the message's one group; the others it would
+        be told of are None)."""
+        self.report.on_scored_all(msg.verdicts)
+        held, scored, on_complete = self.ledger.scoring, self.ledger.scored, self.on_complete
         accepted = []
         for request_id, reward, verdict in zip(
             msg.request_ids, msg.rewards, msg.verdicts, strict=True
         ):
-            self.report.on_scored(verdict)
-            sample = self.ledger.scoring(request_id, identity)
+            sample = held(request_id, identity)
             if sample is not None:
                 accepted.append(verdict)
-                self.on_complete(self.ledger.scored(sample, reward, verdict), out)
+                group = scored(sample, reward, verdict)
+                if group is not None:
+                    on_complete(group, out)
         if accepted:
             handle.num_restarts = 0  # it delivers: a later death is not a crash loop
             self.faults.accepted(accepted)

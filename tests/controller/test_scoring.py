@@ -113,5 +113,7 @@ def test_a_scored_of_verdicts_only_accepts_each_once_and_a_stale_one_is_ignored(
         "reward/verdict_rate/ok": 0.5,
         "reward/verdict_rate/wrong": 0.5,
     }
+    # The step record's verdict counts hold every outcome the message carried.
+    assert run.core.report._verdicts == {"ok": 2, "wrong": 1}
     assert run.on(reward.identity, scored).items == []  # the same answer again: stale
     assert len(run.core.ledger.buffer) == 1
