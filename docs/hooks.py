@@ -57,6 +57,11 @@ PAGES = [
         "Cluster simulation, table (q): the controller alone against rollout.max_queued",
         "python bench/cluster.py --only q",
     ),
+    (
+        "cold_caches",
+        "The controller's calls with cold caches",
+        "python bench/cold_caches.py",
+    ),
     ("chaos", "Faults injected into one run", "python bench/chaos.py"),
     ("soak", "Memory and open files over a long run", "python bench/soak.py --minutes 60"),
     ("sandbox", "Sandbox against a bare subprocess", "python bench/sandbox.py"),
