@@ -209,8 +209,10 @@ _REF_CACHE: dict[bytes, _ArrayRef] = {}
 _REF_CACHE_ITEMS = 1 << 16
 _REF_CACHE_KEY_BYTES = 32
 """Array references already accepted, by their bytes: a reference is a pure function of
-them, and the same few (dtype, length, frame) recur across the tens of thousands of
-messages a step carries. Bounded: short keys only, emptied when full."""
+them. Those of small arrays recur across the tens of thousands of messages a step carries
+(a Completions' version runs: a handful of lengths); those of token arrays, whose lengths
+are the completions', mostly miss, and a miss parses the reference (`_array_ref`).
+Bounded: short keys only, emptied when full."""
 
 
 def _ext_hook(code: int, data: bytes) -> Any:
