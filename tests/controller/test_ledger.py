@@ -252,11 +252,11 @@ def test_an_agent_episodes_segments_become_trajectories_of_its_group():
     assert dropped.drop_group(g).num_tokens == 5  # every segment's tokens are counted
 
 
-@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.dtype(">i4")])
 def test_completions_are_recorded_as_each_alone_would_be_and_a_stale_one_is_left_out(dtype):
-    # finish_completions keeps views of the message's arrays (int32: as they are; another
-    # dtype converted, as from_generation does) and reads each oldest version from its
-    # first version run; a request the worker does not hold is left out.
+    # finish_completions keeps views of the message's arrays (native int32: as they are;
+    # another dtype or byte order converted, as from_generation does) and reads each oldest
+    # version from its first version run; a request the worker does not hold is left out.
     ledger = Ledger()
     group = ledger.add_group(_prompt(), np.array([5, 6], np.int32), size=3, version=0)
     a, b, c = (ledger.pending.popleft() for _ in range(3))
