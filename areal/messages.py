@@ -303,6 +303,19 @@ class Generated:
     result (decoding, interruptions included), summed over calls."""
 
 
+def _cut_by(counts: list[int], total: int, first: np.ndarray, second: np.ndarray) -> bool:
+    """Whether `counts` (summing to `total`), none negative, cut two 1-D arrays of `total`
+    items each (`Completions.check`: the lengths the token arrays, the run counts the run
+    arrays). A 0-d array's length is never asked."""
+    return (
+        min(counts) >= 0
+        and first.ndim == 1
+        and second.ndim == 1
+        and len(first) == total
+        and len(second) == total
+    )
+
+
 LISTED_RUNS = 4096
 """A Completions with at most this many version runs (a few a completion: the usual one)
 has them checked as Python ints (`Completions.check`, `controller.checks.completions_fit`):
@@ -396,26 +409,14 @@ class Completions:
             )
         ids, logprobs = self.output_ids, self.logprobs
         total = sum(self.lengths)
-        if not (
-            min(self.lengths) >= 0
-            and ids.ndim == 1
-            and logprobs.ndim == 1
-            and len(ids) == total
-            and len(logprobs) == total
-        ):
+        if not _cut_by(self.lengths, total, ids, logprobs):
             raise ValueError(
                 f"lengths {self.lengths[:8]}{'...' if n > 8 else ''} (sum {total}) do not cut "
                 f"arrays of shapes {[list(ids.shape), list(logprobs.shape)]}"
             )
         runs, lengths = self.run_versions, self.run_lengths
         num_runs = sum(self.num_runs)
-        if not (
-            min(self.num_runs) >= 0
-            and runs.ndim == 1
-            and lengths.ndim == 1
-            and len(runs) == num_runs
-            and len(lengths) == num_runs
-        ):
+        if not _cut_by(self.num_runs, num_runs, runs, lengths):
             raise ValueError(
                 f"num_runs {self.num_runs[:8]}{'...' if n > 8 else ''} (sum {num_runs}) do "
                 f"not cut run arrays of shapes {[list(runs.shape), list(lengths.shape)]}"

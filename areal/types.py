@@ -142,6 +142,7 @@ class Trajectory:
         finish_reason: str = "length",
         output_loss_mask: Sequence[bool] | np.ndarray | None = None,
         oldest_version: int | None = None,
+        timings: dict[str, float] | None = None,
     ) -> Trajectory:
         """Assemble prompt and completion; completion tokens are trained on, prompt tokens not.
 
@@ -149,7 +150,8 @@ class Trajectory:
         version PROMPT_VERSION; None: every output token was sampled. `oldest_version`: the
         least of `output_versions` when the caller knows it (the first token's, when the
         versions never drop, as the controller checks a Completions' do), so that the
-        arrays kept as they are need not be read; None: found here."""
+        arrays kept as they are need not be read; None: found here. `timings`: its
+        `timings`, kept (None: empty)."""
         num_prompt, num_out = len(prompt_ids), len(output_ids)
         if not num_out == len(output_logprobs) == len(output_versions):
             raise ValueError(
@@ -180,6 +182,7 @@ class Trajectory:
                 oldest_version=_oldest_sampled(output_versions)  # type: ignore[arg-type]
                 if oldest_version is None
                 else oldest_version,
+                timings=timings,
             )
         # Anything else (lists, other dtypes, a mask of another length) is converted as
         # numpy assignment converts it, into arrays written once each.
@@ -200,6 +203,7 @@ class Trajectory:
             loss_mask=loss_mask,
             num_prompt_tokens=num_prompt,
             finish_reason=finish_reason,
+            timings=timings,
         )
 
     @classmethod

@@ -272,36 +272,25 @@ class Ledger:
                 continue
             group = groups[sample.group_id]
             versions = VersionRuns(run_versions[first:last], run_lengths[first:last])
-            timings = {
-                "submitted": sample.submitted_at,
-                "generation": generation_s,
-                "interruptions": float(interruptions),
-            }
-            if plain and group.prompt_ids.dtype is int32:
-                trajectory = Trajectory.from_checked(
-                    prompt_id=group.prompt.prompt_id,
-                    group_id=group.group_id,
-                    prompt_ids=group.prompt_ids,
-                    output_ids=output_ids[start:end],
-                    output_logprobs=logprobs[start:end],
-                    output_versions=versions,
-                    finish_reason=reason.value,
-                    oldest_version=oldest[first],
-                    timings=timings,
-                )
-            else:  # converted
-                trajectory = Trajectory.from_generation(
-                    prompt_id=group.prompt.prompt_id,
-                    group_id=group.group_id,
-                    prompt_ids=group.prompt_ids,
-                    output_ids=output_ids[start:end],
-                    output_logprobs=logprobs[start:end],
-                    output_versions=versions.expanded(),
-                    finish_reason=reason.value,
-                    oldest_version=oldest[first],
-                )
-                trajectory.timings.update(timings)
-            sample.trajectory = trajectory
+            kept = plain and group.prompt_ids.dtype is int32  # else converted
+            build: Callable[..., Trajectory] = (
+                Trajectory.from_checked if kept else Trajectory.from_generation
+            )
+            sample.trajectory = build(
+                prompt_id=group.prompt.prompt_id,
+                group_id=group.group_id,
+                prompt_ids=group.prompt_ids,
+                output_ids=output_ids[start:end],
+                output_logprobs=logprobs[start:end],
+                output_versions=versions if kept else versions.expanded(),
+                finish_reason=reason.value,
+                oldest_version=oldest[first],
+                timings={
+                    "submitted": sample.submitted_at,
+                    "generation": generation_s,
+                    "interruptions": float(interruptions),
+                },
+            )
             sample.stage, sample.worker = scoring, None
             group.num_generated += 1
             recorded.append(sample)
