@@ -13,8 +13,9 @@ touches stays cached. This bench measures the factor on the controller's own hot
 
 Calls: decoding a Completions of 16 completions of 3,000 tokens (the message a rollout
 server answers with), its structure check and its token checks (`Completions.check`,
-`checks.completions_fit`), recording it in the ledger (`Ledger.finish_completions`), and
-encoding the Score of one group of 16. Each figure is the median over `--repeats` rounds of
+`checks.completions_fit`), recording it in the ledger (`Ledger.finish_completions`),
+encoding the Score of one group of 16, and decoding a bare Heartbeat (the most frequent
+message: every worker that sent nothing else in an interval sends one). Each figure is the median over `--repeats` rounds of
 the mean per call. The ratio cold/hot says how much a cut that saves instructions on a hot
 loop can save in the controller: a call that touches fewer distinct objects gains more.
 """
@@ -32,7 +33,7 @@ import numpy as np
 from areal.codec import decode, encode
 from areal.controller.checks import completions_fit
 from areal.controller.ledger import Ledger
-from areal.messages import Completions, FinishReason, Generated, Score
+from areal.messages import Completions, FinishReason, Generated, Heartbeat, Score
 from areal.tasks.base import Prompt
 
 from results_page import publish, write_results  # bench/ is on the path when run as a script
@@ -66,7 +67,8 @@ def _completions(group: int, rng: np.random.Generator, request_ids: list[str]) -
 
 class Inputs:
     """`count` groups admitted to a ledger and sent for generation, one Completions each
-    (encoded too), and a Score of each."""
+    (encoded too), a Score of each, and a bare Heartbeat's frames a group (copies: each
+    call reads its own)."""
 
     def __init__(self, count: int, seed: int = 0) -> None:
         rng = np.random.default_rng(seed)
@@ -74,6 +76,7 @@ class Inputs:
         self.messages: list[Completions] = []
         self.frames: list[list[bytes]] = []
         self.scores: list[Score] = []
+        self.heartbeats = [[bytes(frame) for frame in encode(Heartbeat())] for _ in range(count)]
         for g in range(count):
             prompt = Prompt(prompt_id=f"p{g}", text="x", reference="1")
             group = self.ledger.add_group(
@@ -104,6 +107,7 @@ def _calls(inputs: Inputs) -> dict[str, Callable[[int], Any]]:
             inputs.messages[i], max_new_tokens=TOKENS * 2, version=10, vocab_size=VOCAB
         ),
         "encode Score": lambda i: encode(inputs.scores[i]),
+        "decode Heartbeat": lambda i: decode(inputs.heartbeats[i]),
         "Ledger.finish_completions": lambda i: inputs.ledger.finish_completions(
             inputs.messages[i], b"worker"
         ),

@@ -11,6 +11,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from cold_caches import COMPLETIONS, Inputs, _calls, measure, table  # noqa: E402
 
 from areal.codec import decode  # noqa: E402
+from areal.messages import Heartbeat  # noqa: E402
 
 
 def test_the_inputs_are_what_the_controller_receives_and_records():
@@ -23,6 +24,7 @@ def test_the_inputs_are_what_the_controller_receives_and_records():
         assert len(msg.request_ids) == COMPLETIONS
     calls = _calls(inputs)
     assert calls["completions_fit"](0)  # well-formed: the one-pass check accepts it
+    assert calls["decode Heartbeat"](2) == Heartbeat()
     recorded = calls["Ledger.finish_completions"](1)
     assert [s.request_id for s in recorded] == inputs.messages[1].request_ids
     assert calls["Ledger.finish_completions"](1) == []  # recorded once: now stale
