@@ -66,6 +66,8 @@ class Generation:
         group = self.ledger.groups[samples[0].group_id]
         rollout = self.cfg.rollout
         training = group.purpose is Purpose.TRAIN
+        if samples[0].seed is None:
+            self._write_seeds(group)
         return Generate(
             request_ids=[sample.request_id for sample in samples],
             prompt_ids=group.prompt_ids,
@@ -73,16 +75,24 @@ class Generation:
             temperature=rollout.temperature if training else self.cfg.eval.temperature,
             top_p=rollout.top_p if training else 1.0,
             stop_token_ids=self.stop_token_ids,
-            seeds=[self._seed(group, sample) for sample in samples],
+            seeds=[sample.seed for sample in samples],
             **episode_fields(self.cfg, group.prompt),
         )
 
-    def _seed(self, group: Group, sample: Sample) -> int:
-        """The sample's sampling stream, named by what it is (areal.seeds): the same for
-        every attempt, every worker and every run with this seed."""
+    def _write_seeds(self, group: Group) -> None:
+        """Every sample of `group` its seed: its sampling stream, named by what it is
+        (areal.seeds), the same for every attempt, every worker and every run with this
+        seed. A group's at once, at its first dispatch: one hash per sample in one loop
+        rather than some in each Generate (a group is often spread over many workers), and
+        none again when a sample is sent again."""
+        run_seed = self.cfg.seed
         if group.purpose is Purpose.TRAIN:
-            return train_sample_seed(self.cfg.seed, group.position, sample.index)
-        return eval_sample_seed(self.cfg.seed, group.prompt.prompt_id, sample.index)
+            for sample in group.samples:
+                sample.seed = train_sample_seed(run_seed, group.position, sample.index)
+        else:
+            prompt_id = group.prompt.prompt_id
+            for sample in group.samples:
+                sample.seed = eval_sample_seed(run_seed, prompt_id, sample.index)
 
     def cancel(self, generating: dict[bytes, list[str]], out: Outbox) -> None:
         """Cancel these requests (by rollout worker identity); a cancelled request is never

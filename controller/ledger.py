@@ -63,6 +63,9 @@ class Sample:
     submitted_at: float = 0.0
     num_score_failures: int = 0
     """Checks of it that ended without a verdict (controller/reward_faults.py)."""
+    seed: int | None = None
+    """The seed of its sampling stream (areal.seeds), the same for every attempt: written
+    for the whole group at its first dispatch (controller/generation.py), None before."""
     segments: list[Trajectory] = field(default_factory=list)
     """Agent episodes: the training segments before the last (`trajectory`), each with its
     own prompt and reward (areal.tasks.agent); empty for everything else."""

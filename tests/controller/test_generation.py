@@ -60,7 +60,7 @@ def test_cancelled_training_requests_free_the_workers_slots_for_the_final_evalua
     assert generation.can_dispatch()  # the evaluation can now be dispatched
 
 
-def test_each_sample_is_sent_with_its_own_seed_named_by_what_it_is(tmp_path):
+def test_each_sample_is_sent_with_its_own_seed_named_by_what_it_is(tmp_path, monkeypatch):
     """Training samples by (run seed, draw position, index), held-out samples by (run seed,
     prompt id, index): a retried attempt, another worker or another evaluation round gets
     the same stream (areal.seeds)."""
@@ -96,6 +96,21 @@ def test_each_sample_is_sent_with_its_own_seed_named_by_what_it_is(tmp_path):
     seeds = [seed for msg in out.sent(Generate) for seed in msg.seeds]
     assert seeds[:2] == [train_sample_seed(7, 41, 0), train_sample_seed(7, 41, 1)]
     assert seeds[2:4] == seeds[4:6] == [eval_sample_seed(7, "eval-3", i) for i in range(2)]
+
+    # a retried attempt: the same seed, written at the group's first dispatch, not hashed again
+    retried = ledger.groups[0].samples[1]
+    worker.in_flight.discard(retried.request_id)
+    ledger.requeue(retried)
+    generation.room.offer(worker)
+    hashed = []
+    monkeypatch.setattr(
+        "areal.controller.generation.train_sample_seed", lambda *a: hashed.append(a) or 0
+    )
+    out = Outbox()
+    generation.dispatch(out)
+    (again,) = out.sent(Generate)
+    assert again.request_ids == ["g0-s1-a1"] and again.seeds == [train_sample_seed(7, 41, 1)]
+    assert hashed == []
 
 
 def test_a_groups_samples_spread_over_workers_with_room_and_go_together_to_each(tmp_path):
