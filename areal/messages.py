@@ -28,12 +28,12 @@ DEFAULT_MAX_BYTES = 2 << 30
 REGISTER_MAX_BYTES = 4096
 """Largest Register (frames together): all an unregistered peer may send (transport.py)."""
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """The version of these schemas, as a whole, that a worker states in its Register: raised
 whenever a message changes in a way that a peer of another release would refuse or misread
 (a field added without a default, removed, or read differently; the run configuration a
 Welcome carries among them: an option added, or a value an older release refuses, as 2's
-null `controller.heartbeat_interval_s`). The controller refuses a worker of another version
+null `controller.heartbeat_interval_s`; 3: a Heartbeat carries nothing). The controller refuses a worker of another version
 at registration and tells it both versions, before any work is exchanged
 (controller/pool.py). 0 is what a worker from before versions sends (nothing)."""
 
@@ -198,10 +198,9 @@ class Ready:
 class Heartbeat:
     """Both directions, every heartbeat interval (`RunConfig.heartbeat_interval`) in which
     the side sent the other nothing else: each declares the other lost after
-    `controller.heartbeat_timeout_s` of silence."""
-
-    num_running: int = 0
-    stats: dict[str, float] = field(default_factory=dict)
+    `controller.heartbeat_timeout_s` of silence. It carries nothing: its arrival is the
+    news, and at cluster scale it is the most frequent message the controller decodes
+    (an empty header, decoded without being unpacked: areal.codec)."""
 
 
 @message(MsgType.GENERATE)
@@ -708,7 +707,6 @@ class HeaderLimit:
 _SMALL = HeaderLimit(64 << 10, 256)
 HEADER_LIMITS: dict[MsgType, HeaderLimit] = {
     MsgType.REGISTER: HeaderLimit(REGISTER_MAX_BYTES, 16),
-    MsgType.HEARTBEAT: HeaderLimit(64 << 10, 1024),  # stats: a few dozen numbers
     MsgType.WELCOME: HeaderLimit(16 << 20, 1 << 16),  # the resolved run config
     MsgType.GENERATE: HeaderLimit(1 << 20, 1 << 16),  # stop token ids, an agent's prompt text
     MsgType.GENERATED: HeaderLimit(1 << 20, 1 << 12),  # an agent episode's segment lists

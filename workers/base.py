@@ -8,7 +8,7 @@
     1: refused; 2: failed; 3: controller lost; 75: told to stop and be started again)
 
 A worker holds no state that must survive: the controller re-queues whatever a lost worker
-was doing. Subclasses implement `setup`, `handle`, `num_running` and `close`. Work items
+was doing. Subclasses implement `setup`, `handle` and `close`. Work items
 that fail are reported as `WorkerError` with their request id and the worker goes on.
 """
 
@@ -103,15 +103,9 @@ class Worker(ABC):
     async def handle(self, msg: Any) -> None:
         """React to one message from the controller; must return quickly."""
 
-    def num_running(self) -> int:
-        return 0
-
     def ready_message(self, version: int) -> Ready:
         """What to announce once set up (the trainer adds where its process groups meet)."""
         return Ready(version=version)
-
-    def stats(self) -> dict[str, float]:
-        return {}
 
     async def close(self) -> None:
         """Release engines and models."""
@@ -264,10 +258,7 @@ class Worker(ABC):
         interval = self.config.heartbeat_interval()
         while True:
             if not self._sent_since_beat:
-                if self._ready:  # setup (loading a model) may take a while; stats need it done
-                    await self.send(Heartbeat(num_running=self.num_running(), stats=self.stats()))
-                else:
-                    await self.send(Heartbeat())
+                await self.send(Heartbeat())
             self._sent_since_beat = False  # after the Heartbeat: only other messages count
             await asyncio.sleep(interval)
             silent = time.monotonic() - self._last_heard

@@ -6,6 +6,8 @@ unknown fields."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgpack
 import numpy as np
 import pytest
@@ -26,6 +28,11 @@ from tests.areal.test_codec_fast_path import (
 from tests.areal.test_messages import SAMPLES
 
 COMPILED = sorted(k for k in SAMPLES if wire_struct(messages.schemas()[k]) is not None)
+
+
+def _has_fields(kind: MsgType) -> bool:
+    """Whether `kind` has a field a header could miss (a Heartbeat has none)."""
+    return bool(dataclasses.fields(messages.schemas()[kind]))
 
 
 def _packed(value):
@@ -72,7 +79,7 @@ def test_the_compiled_path_decides_every_header_as_the_python_path_does(drawn):
     _both(kind, header, frames)
 
 
-@pytest.mark.parametrize("kind", COMPILED)
+@pytest.mark.parametrize("kind", [k for k in COMPILED if _has_fields(k)])
 def test_every_near_miss_in_every_field_is_decided_alike(kind):
     _, frames = _header_and_frames(SAMPLES[kind])
     outcomes = {_both(kind, changed, frames)[0] for _, _, changed in near_miss_headers(kind)}

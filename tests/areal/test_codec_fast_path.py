@@ -203,7 +203,9 @@ def test_a_well_formed_hot_message_decodes_to_what_the_general_check_gives(kind)
     assert fast == _outcome(reference_build, schema, header, frames)
 
 
-@pytest.mark.parametrize("kind", sorted(SAMPLES))
+@pytest.mark.parametrize(
+    "kind", [k for k in sorted(SAMPLES) if dataclasses.fields(messages.schemas()[k])]
+)  # those with a field a header could miss (a Heartbeat has none)
 def test_every_near_miss_in_every_field_is_decided_as_the_general_check_does(kind):
     schema = messages.schemas()[kind]
     _, frames = _header_and_frames(SAMPLES[kind])

@@ -19,6 +19,7 @@ from areal.messages import (
     MsgType,
     Register,
     Score,
+    Trained,
     WorkerKind,
     header_limit,
 )
@@ -45,8 +46,8 @@ def unpack_calls(monkeypatch):
 def test_a_header_over_its_kinds_limit_is_refused_before_unpacking(unpack_calls):
     # The probe of issue 14 held 2^20 entries (8 MB; tests/controller/test_hostile_peers.py);
     # any header over the kind's limit is refused alike.
-    big = msgpack.packb({"num_running": 0, "stats": {str(i): 0 for i in range(1 << 14)}})
-    assert len(big) > HEADER_LIMITS[MsgType.HEARTBEAT].max_bytes
+    big = msgpack.packb({"stats": {str(i): 0 for i in range(1 << 14)}})
+    assert len(big) > header_limit(MsgType.HEARTBEAT).max_bytes
     with pytest.raises(
         MessageError, match=r"HEARTBEAT: header of \d+ bytes exceeds the 65536-byte"
     ) as err:
@@ -54,14 +55,15 @@ def test_a_header_over_its_kinds_limit_is_refused_before_unpacking(unpack_calls)
     assert err.value.reason == "too large" and unpack_calls == []
 
 
-def test_a_map_longer_than_its_kind_allows_is_refused():
-    limit = HEADER_LIMITS[MsgType.HEARTBEAT].max_items
-    header = msgpack.packb({"num_running": 0, "stats": {str(i): 0 for i in range(limit + 1)}})
-    assert len(header) < HEADER_LIMITS[MsgType.HEARTBEAT].max_bytes
-    with pytest.raises(MessageError, match="HEARTBEAT: header is not valid msgpack"):
-        decode(_frames(MsgType.HEARTBEAT, header))
-    within = msgpack.packb({"num_running": 0, "stats": {str(i): 0 for i in range(limit)}})
-    assert len(decode(_frames(MsgType.HEARTBEAT, within)).stats) == limit
+def test_a_list_longer_than_its_kind_allows_is_refused():
+    limit = HEADER_LIMITS[MsgType.WORKER_ERROR].max_items
+    ids = [str(i) for i in range(limit + 1)]
+    header = msgpack.packb({"error": "e", "request_ids": ids})
+    assert len(header) < HEADER_LIMITS[MsgType.WORKER_ERROR].max_bytes
+    with pytest.raises(MessageError, match="WORKER_ERROR: header is not valid msgpack"):
+        decode(_frames(MsgType.WORKER_ERROR, header))
+    within = msgpack.packb({"error": "e", "request_ids": ids[:limit]})
+    assert len(decode(_frames(MsgType.WORKER_ERROR, within)).request_ids) == limit
 
 
 def test_only_refuses_other_kinds_on_the_type_byte(unpack_calls):
@@ -120,5 +122,5 @@ def test_arrays_of_too_many_dimensions_and_too_many_frames_are_refused():
 def test_every_kind_has_a_limit_its_real_messages_fit():
     assert all(header_limit(kind).max_bytes >= 4096 for kind in MsgType)
     assert header_limit(MsgType.REGISTER).max_bytes == REGISTER_MAX_BYTES
-    stats = {f"train/stat_{i}": float(i) for i in range(200)}  # a trainer's heartbeat stats
-    assert decode(encode(Heartbeat(num_running=3, stats=stats))).stats == stats
+    stats = {f"train/stat_{i}": float(i) for i in range(200)}  # a trainer's step stats
+    assert decode(encode(Trained(step=1, version=1, stats=stats))).stats == stats

@@ -10,7 +10,7 @@ import zmq
 import zmq.asyncio
 
 from areal.codec import encode
-from areal.messages import REGISTER_MAX_BYTES, Heartbeat, MsgType, Register, WorkerKind
+from areal.messages import REGISTER_MAX_BYTES, Cancel, Heartbeat, MsgType, Register, WorkerKind
 from areal.transport import PeerMessageError, RouterChannel, worker_identity
 
 
@@ -34,7 +34,7 @@ def test_unregistered_peers_may_send_only_a_small_register():
                 [bytes([MsgType.HEARTBEAT]), b"\xff" * (1 << 20)],  # not a Register
                 encode(_register("w" * REGISTER_MAX_BYTES)),  # a Register too large
                 encode(_register()),  # accepted
-                encode(Heartbeat(num_running=1)),
+                encode(Heartbeat()),
             ):  # accepted once registered
                 await peer.send_multipart(frames)
                 try:
@@ -54,7 +54,7 @@ def test_unregistered_peers_may_send_only_a_small_register():
         (b"peer-1", "not accepted"),
         (b"peer-1", "too large"),
         (b"peer-1", _register()),
-        (b"peer-1", Heartbeat(num_running=1)),
+        (b"peer-1", Heartbeat()),
     ]
 
 
@@ -110,7 +110,7 @@ def test_a_broadcast_reaches_every_connected_peer_once_and_skips_one_that_is_gon
                 await asyncio.wait_for(channel.recv(), 10)
                 peers.append(peer)
             await channel.broadcast([b"peer-1", b"gone", b"peer-2"], Heartbeat())
-            await channel.send(b"peer-1", Heartbeat(num_running=2))  # after the broadcast
+            await channel.send(b"peer-1", Cancel(request_ids=["after"]))  # after the broadcast
             got = []
             for peer in peers:
                 while await peer.poll(1000):
@@ -125,6 +125,6 @@ def test_a_broadcast_reaches_every_connected_peer_once_and_skips_one_that_is_gon
     got = asyncio.run(scenario())
     assert got == [
         (b"peer-1", encode(Heartbeat())),
-        (b"peer-1", encode(Heartbeat(num_running=2))),
+        (b"peer-1", encode(Cancel(request_ids=["after"]))),
         (b"peer-2", encode(Heartbeat())),
     ]

@@ -24,15 +24,14 @@ LINGER_MS = 60_000
 
 
 def stats_bomb_header(num_entries: int = 1 << 20) -> bytes:
-    """A Heartbeat header whose stats map holds `num_entries` distinct keys: 8 MB at 2^20
-    (the probe that once held the controller's loop for ~3 s per message)."""
+    """A Heartbeat header holding a map of `num_entries` distinct keys under "stats" (a
+    field Heartbeats once had): 8 MB at 2^20, the probe that once held the controller's loop
+    for ~3 s per message."""
     records = np.zeros(num_entries, dtype=[("prefix", "u1"), ("key", "S7"), ("value", "u1")])
     records["prefix"] = 0xA7  # fixstr of 7 bytes
     records["key"] = np.char.zfill(np.arange(num_entries).astype("S7"), 7)
     return (
-        b"\x82"
-        + msgpack.packb("num_running")
-        + b"\x00"
+        b"\x81"
         + msgpack.packb("stats")
         + b"\xdf"
         + num_entries.to_bytes(4, "big")

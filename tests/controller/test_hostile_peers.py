@@ -437,7 +437,7 @@ _VALID = [
     encode(m)
     for m in (
         register(WorkerKind.ROLLOUT, "w", "wrong"),
-        Heartbeat(num_running=2, stats={"a": 1.0}),
+        Heartbeat(),
         WorkerError(error="e"),
         Scored(
             request_ids=["g1-s0-a0"],

@@ -43,12 +43,6 @@ class RewardWorker(Worker):
         )
         return welcome.version
 
-    def num_running(self) -> int:
-        return self.pool.in_flight
-
-    def stats(self) -> dict[str, float]:
-        return {f"reward/{k}": float(v) for k, v in self.pool.counts().items()}
-
     async def handle(self, msg: Any) -> None:
         if isinstance(msg, Score):
             self.spawn(self._score(msg), ",".join(msg.request_ids)[:200], msg.request_ids)

@@ -87,7 +87,6 @@ class RolloutWorker(Worker):
         self._answered = Answered()
         self._updates: asyncio.Queue = asyncio.Queue()
         self._stream: tuple[UpdateWeights, list[WeightsChunk]] | None = None
-        self._generated_tokens = 0
         self._weights_member: WeightsMember | None = None
         self._collective_hold = False
         self._announced = 0
@@ -102,12 +101,6 @@ class RolloutWorker(Worker):
         self.spawn(self._update_loop(), "weight-updates")
         # What it serves now (stream/collective: the current version arrives after Ready).
         return self.generator.version
-
-    def num_running(self) -> int:
-        return len(self._requests)
-
-    def stats(self) -> dict[str, float]:
-        return {"rollout/generated_tokens": float(self._generated_tokens)}
 
     async def handle(self, msg: Any) -> None:
         if isinstance(msg, Generate):
@@ -305,7 +298,6 @@ class RolloutWorker(Worker):
                 prompt_text=msg.prompt_text,
                 reference=msg.reference,
             )
-            self._generated_tokens += agent_episode.num_model_tokens
             await self.send(generated_agent_episode(request_id, agent_episode, msg.prompt_ids))
             return None
         if self.episodes is not None:
@@ -316,11 +308,9 @@ class RolloutWorker(Worker):
                 prompt_id=msg.prompt_id,
                 reference=msg.reference,
             )
-            self._generated_tokens += sum(episode.loss_mask)
             await self.send(generated_episode(request_id, episode, time.monotonic() - start))
             return None
         result = await self.generator.generate(request_id, msg.prompt_ids.tolist(), params)
-        self._generated_tokens += len(result.token_ids)
         return Generated(
             request_id=request_id,
             output_ids=result.token_ids_array(),

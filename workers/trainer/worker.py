@@ -148,9 +148,6 @@ class TrainerWorker(Worker):
     def ready_message(self, version: int) -> Ready:
         return Ready(version=version, store=self._store_address)
 
-    def num_running(self) -> int:
-        return int(self._busy)
-
     async def handle(self, msg: Any) -> None:
         if isinstance(msg, Train):
             self.spawn(self._train(msg), f"train-step-{msg.step}")

@@ -23,7 +23,7 @@ def answering_worker(engine, max_concurrent: int = 128) -> tuple[RolloutWorker, 
     worker = RolloutWorker("tcp://127.0.0.1:1", "rollout-test", secret="")
     worker.config = load_config(overrides=[f"rollout.max_concurrent={max_concurrent}"])
     worker.generator = InterruptibleGenerator(engine, version=0)
-    worker._requests, worker._generated_tokens = {}, 0
+    worker._requests = {}
     worker._answered = Answered()
     worker.episodes = worker.agents = None
     sent: list = []
