@@ -33,9 +33,10 @@ PROTOCOL_VERSION = 3
 whenever a message changes in a way that a peer of another release would refuse or misread
 (a field added without a default, removed, or read differently; the run configuration a
 Welcome carries among them: an option added, or a value an older release refuses, as 2's
-null `controller.heartbeat_interval_s`; 3: a Heartbeat carries nothing). The controller refuses a worker of another version
-at registration and tells it both versions, before any work is exchanged
-(controller/pool.py). 0 is what a worker from before versions sends (nothing)."""
+null `controller.heartbeat_interval_s`; 3: a Heartbeat carries nothing). The controller
+refuses a worker of another version at registration and tells it both versions, before any
+work is exchanged (controller/pool.py). 0 is what a worker from before versions sends
+(nothing)."""
 
 MAX_DEPTH = 32
 """Deepest nesting of lists and maps in an untyped (Any) field."""
