@@ -585,11 +585,18 @@ def table_s(bench: Bench) -> str:
 ALONE_REPEATS = 3
 
 
+def table_r_config(bench: Bench) -> SimConfig:
+    """Table (r)'s run: (f)'s largest async run, with its messages recorded for the replay
+    alone (bench/controller_profile.py --table-r profiles the same)."""
+    n = large_counts(bench)[-1]
+    return bench.config("async", wire=True, measure_alone=True, **_large_values(bench, n))
+
+
 def table_r(bench: Bench) -> str:
     """(f)'s largest async run, measured in the simulation and alone, a few times over. Run
     here, one after the other (nothing else runs beside a measured simulation)."""
     n = large_counts(bench)[-1]
-    config = bench.config("async", wire=True, measure_alone=True, **_large_values(bench, n))
+    config = table_r_config(bench)
     rows = []
     for i in range(2 if bench.quick else ALONE_REPEATS):
         r = _simulate_in_child(config)

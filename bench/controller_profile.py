@@ -1,11 +1,12 @@
 """Where the controller's time goes at cluster scale: cProfile of the replayed controller.
 
     python bench/controller_profile.py [--accelerators N] [--prompts P] [--steps S]
-                                       [--top K] [--out FILE] [--whole-run]
+                                       [--table-r] [--top K] [--out FILE] [--whole-run]
                                        [--timed [MODULE:NAME ...]] [key=value ...]
 
-Simulates an async run (1.5B, eta 8, the paper's batch by default) with its messages
-recorded, then replays them to a fresh controller alone (sim/alone.py, as table (r) of
+Simulates an async run (1.5B, eta 8, the paper's batch by default; with --table-r, table
+(r)'s own run of bench/cluster.py: 2,048 accelerators, its batch, Heartbeats at a real
+run's interval, seed 1) with its messages recorded, then replays them to a fresh controller alone (sim/alone.py, as table (r) of
 bench/cluster.py does) under cProfile: what is profiled is the controller's own work and
 nothing of the simulated cluster, over the steps the tables measure (after step
 measure_from: the pipeline full), or the whole replay with --whole-run. Prints the
@@ -36,7 +37,9 @@ from pathlib import Path
 from typing import Any
 
 import areal.sim.run as sim_run
-from areal.sim.config import sim_config
+from areal.sim.config import SimConfig, sim_config
+
+from cluster import Bench, table_r_config  # bench/ is on the path when run as a script
 
 
 HANDLERS = (
@@ -118,11 +121,32 @@ class Timers:
         return "\n".join(lines)
 
 
+def simulation(args: argparse.Namespace) -> SimConfig:
+    """The run to profile: table (r)'s (`--table-r`), or one built from the options."""
+    if args.table_r:
+        return table_r_config(Bench(quick=False, seed=1))
+    return sim_config(
+        num_accelerators=args.accelerators,
+        num_prompts=args.prompts,
+        eta=8,
+        steps=args.steps,
+        measure_from=args.steps - 2,
+        measure_alone=True,
+        **dict(item.split("=", 1) for item in args.overrides),
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--accelerators", type=int, default=512)
     parser.add_argument("--prompts", type=int, default=512)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument(
+        "--table-r",
+        action="store_true",
+        help="bench/cluster.py's table (r) run (2,048 accelerators; --accelerators, "
+        "--prompts and --steps are then not read, key=value refused)",
+    )
     parser.add_argument("--top", type=int, default=35)
     parser.add_argument("--out", type=Path, default=Path("/tmp/controller.prof"))
     parser.add_argument(
@@ -141,15 +165,9 @@ def main() -> int:
     )
     parser.add_argument("overrides", nargs="*", help="more simulation options (key=value)")
     args = parser.parse_args()
-    config = sim_config(
-        num_accelerators=args.accelerators,
-        num_prompts=args.prompts,
-        eta=8,
-        steps=args.steps,
-        measure_from=args.steps - 2,
-        measure_alone=True,
-        **dict(item.split("=", 1) for item in args.overrides),
-    )
+    if args.table_r and args.overrides:
+        parser.error(f"--table-r is table (r)'s run as it is: drop {' '.join(args.overrides)}")
+    config = simulation(args)
     timers = None if args.timed is None else Timers(args.timed or list(HANDLERS))
     profiler: Any = cProfile.Profile() if timers is None else timers
     real_replay = sim_run.replay
@@ -186,7 +204,7 @@ def main() -> int:
         file=sys.stderr,
     )
     if timers is not None:
-        measured = args.steps - config.measure_from if args.measured_only else args.steps
+        measured = config.steps - config.measure_from if args.measured_only else config.steps
         print(timers.table(measured))
         return 0
     profiler.dump_stats(args.out)

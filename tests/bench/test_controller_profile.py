@@ -14,7 +14,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 
-from controller_profile import HANDLERS, Timers  # noqa: E402
+from cluster import Bench, table_r_config  # noqa: E402
+from controller_profile import HANDLERS, Timers, simulation  # noqa: E402
 
 
 def test_timers_count_only_while_enabled_and_reach_a_function_imported_by_name(monkeypatch):
@@ -63,3 +64,18 @@ def test_a_small_replay_times_every_handler_and_nests_them():
     # inclusive times: a handler holds what it calls
     assert rows["Core.on_message"][1] >= rows["Core._on_completions"][1]
     assert rows["Core._on_completions"][1] >= rows["Ledger.finish_completions"][1]
+
+
+def test_table_r_profiles_the_run_table_r_measures_and_refuses_options_beside_it():
+    args = types.SimpleNamespace(table_r=True, overrides=[])
+    assert simulation(args) == table_r_config(Bench(quick=False, seed=1))
+    assert simulation(args).num_accelerators == 2048
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "controller_profile.py"), "--table-r", "eta=4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "--table-r is table (r)'s run as it is: drop eta=4" in (
+        done.stderr
+    )
