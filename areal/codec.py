@@ -503,18 +503,6 @@ def decode(
 
 _KINDS = {kind.value: kind for kind in MsgType}
 _NBYTES = operator.attrgetter("nbytes")
-_EMPTY_MAP = msgpack.packb({})
-_ALL_DEFAULTS = {
-    kind: schema
-    for kind, schema in SCHEMAS.items()
-    if all(
-        f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
-        for f in dataclasses.fields(schema)
-    )
-}
-"""The kinds whose every field has a default, by schema: an empty header is all of them
-(decoded without reading it further: a Heartbeat, the most frequent message at cluster
-scale, is one)."""
 
 
 @functools.cache
@@ -604,3 +592,14 @@ def _build_checked(schema: Any, header: dict[str, Any], frames: Sequence[memoryv
     if len(used) != len(frames):
         raise MessageError(f"{name}: {len(frames)} array frames sent, {len(used)} referenced")
     return schema(**values)
+
+
+_EMPTY_MAP = msgpack.packb({})
+_ALL_DEFAULTS = {
+    kind: schema
+    for kind, schema in SCHEMAS.items()
+    if not any(required for _, _, required, _, _ in _schema_fields(schema)[0])
+}
+"""The kinds whose every field has a default, by schema: an empty header is all of them
+(decoded without reading it further: a Heartbeat, the most frequent message at cluster
+scale, is one)."""

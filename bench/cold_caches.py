@@ -15,8 +15,8 @@ Calls: decoding a Completions of 16 completions of 3,000 tokens (the message a r
 server answers with), its structure check and its token checks (`Completions.check`,
 `checks.completions_fit`), recording it in the ledger (`Ledger.finish_completions`),
 encoding the Score of one group of 16, and decoding a bare Heartbeat (the most frequent
-message: every worker that sent nothing else in an interval sends one). Each figure is the median over `--repeats` rounds of
-the mean per call. The ratio cold/hot says how much a cut that saves instructions on a hot
+message: every worker that sent nothing else in an interval sends one). Each figure is the
+median over `--repeats` rounds of the mean per call. The ratio cold/hot says how much a cut that saves instructions on a hot
 loop can save in the controller: a call that touches fewer distinct objects gains more.
 """
 

@@ -6,13 +6,14 @@
 
 Simulates an async run (1.5B, eta 8, the paper's batch by default; with --table-r, table
 (r)'s own run of bench/cluster.py: 2,048 accelerators, its batch, Heartbeats at a real
-run's interval, seed 1) with its messages recorded, then replays them to a fresh controller alone (sim/alone.py, as table (r) of
-bench/cluster.py does) under cProfile: what is profiled is the controller's own work and
-nothing of the simulated cluster, over the steps the tables measure (after step
-measure_from: the pipeline full), or the whole replay with --whole-run. Prints the
-functions with the most time of their own (and their callers' cumulative time for the
-largest), and writes the raw profile to OUT (`python -m pstats OUT`). cProfile adds its own cost to every call, so compare shares, not
-seconds, with tables (f) and (r).
+run's interval, seed 1) with its messages recorded, then replays them to a fresh
+controller alone (sim/alone.py, as table (r) of bench/cluster.py does) under cProfile: what
+is profiled is the controller's own work and nothing of the simulated cluster, over the
+steps the tables measure (after step measure_from: the pipeline full), or the whole replay
+with --whole-run. Prints the functions with the most time of their own (and their callers'
+cumulative time for the largest), and writes the raw profile to OUT (`python -m pstats
+OUT`). cProfile adds its own cost to every call, so compare shares, not seconds, with
+tables (f) and (r).
 
 cProfile's cost per call is larger than many of the controller's calls (decoding a
 Heartbeat takes a few microseconds), so it over-weights whatever makes many small calls.

@@ -165,6 +165,9 @@ SAMPLES = {
     MsgType.WORKER_ERROR: WorkerError(error="boom", fatal=True, request_id="r"),
 }
 
+FIELDED = [kind for kind in sorted(SAMPLES) if dataclasses.fields(type(SAMPLES[kind]))]
+"""The kinds with a field a header could miss or mistype (a Heartbeat has none)."""
+
 
 def _assert_same(a, b, where=""):
     if isinstance(a, np.ndarray):
