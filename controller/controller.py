@@ -370,7 +370,7 @@ class Controller:
         the workers it lost, then the diagnosis of failed training steps."""
         send, sent_to = self._channel.send, self._sent_to
         for item in out.items:
-            if type(item) is tuple:
+            if isinstance(item, tuple):
                 sent_to.add(item[0])
                 await send(item[0], item[1])
             else:
@@ -384,7 +384,7 @@ class Controller:
     async def _reachable(self, handles: list[WorkerHandle]) -> list[bytes]:
         """The identities among `handles` still connected: a Heartbeat to a peer whose
         connection closed fails at once (ROUTER_MANDATORY)."""
-        return [h.identity for h in handles if await self._channel.send(h.identity, Heartbeat())]
+        return [h.address for h in handles if await self._channel.send(h.address, Heartbeat())]
 
     async def _lose(self, handle: WorkerHandle, why: str) -> None:
         out = Outbox()

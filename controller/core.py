@@ -42,7 +42,7 @@ from areal.controller.admission import Admission
 from areal.controller.checks import completions_fit, generated_problem, sender_problem
 from areal.controller.evaluations import Evaluations
 from areal.controller.generation import Generation
-from areal.controller.ledger import Group, Ledger, Purpose, Stage
+from areal.controller.ledger import Group, Ledger, Purpose, Sample, Stage
 from areal.controller.outbox import Outbox
 from areal.controller.peer_log import PeerLog, peer_name
 from areal.controller.pool import WorkerHandle, WorkerPool
@@ -209,12 +209,12 @@ class Core:
         members: list[bytes],
         out: Outbox,
     ) -> None:
-        handle = self.pool.register(identity, msg)
-        if isinstance(handle, str):  # why it was refused: the peer's log says it too
-            out.send(identity, Shutdown(reason=f"registration refused: {handle}"))
+        registered = self.pool.register(identity, msg)
+        if isinstance(registered, str):  # why it was refused: the peer's log says it too
+            out.send(identity, Shutdown(reason=f"registration refused: {registered}"))
             return
-        trainer = handle.kind is WorkerKind.TRAINER
-        version, weights_path = self.weights.welcome(handle)
+        trainer = registered.kind is WorkerKind.TRAINER
+        version, weights_path = self.weights.welcome(registered)
         out.send(
             identity,
             Welcome(
@@ -225,7 +225,7 @@ class Core:
                 checkpoint=self.trainers.recovery.checkpoint if trainer else "",
             ),
         )
-        self.weights.after_welcome(handle, out)
+        self.weights.after_welcome(registered, out)
 
     def _on_ready(
         self, identity: bytes, handle: WorkerHandle, msg: Ready, members: list[bytes], out: Outbox
@@ -313,7 +313,7 @@ class Core:
         if len(samples) == len(msg.request_ids):  # all recorded: the message's own counts
             self.report.on_generated_tokens(sum(msg.lengths), sum(msg.num_interruptions))
         else:  # of the completions recorded (a stale one is not)
-            trajectories = [s.trajectory for s in samples]
+            trajectories = [s.generated for s in samples]
             self.report.on_generated_tokens(
                 sum(t.num_model_tokens for t in trajectories),
                 int(sum(t.timings["interruptions"] for t in trajectories)),
@@ -356,7 +356,7 @@ class Core:
             log.debug("ignored a stale result %s from %s", msg.request_id, handle.worker_id)
             return
         handle.num_restarts = 0  # it delivers: a later death is not a crash loop
-        self.report.on_generated(sample.trajectory, msg)
+        self.report.on_generated(sample.generated, msg)
         group = self.ledger.groups[sample.group_id]
         if group.purpose is Purpose.TRAIN:
             self.admission.generated()
@@ -511,7 +511,8 @@ class Core:
         if handle.worker_id in self.losing:
             return
         self.losing.add(handle.worker_id)
-        requeued, rescore = [], []
+        requeued: list[Sample] = []
+        rescore: list[Sample] = []
         if handle.identity is not None:
             requeued, rescore = self.ledger.release_worker(handle.identity)
         log.warning(

@@ -13,6 +13,8 @@ every method writes what to send into an Outbox.
 
 from __future__ import annotations
 
+from typing import cast
+
 from areal import clock
 from areal.config import RunConfig
 from areal.controller.episodes import episode_fields
@@ -54,12 +56,12 @@ class Generation:
             if worker is None:
                 break
             sample = pending.popleft()
-            self.ledger.start_generation(sample, worker.identity, now)
+            self.ledger.start_generation(sample, worker.address, now)
             worker.in_flight.add(sample.request_id)
             batches.setdefault((id(worker), sample.group_id), (worker, []))[1].append(sample)
             self.room.offer(worker)
         for worker, samples in batches.values():
-            out.send(worker.identity, self._generate(samples))
+            out.send(worker.address, self._generate(samples))
 
     def _generate(self, samples: list[Sample]) -> Generate:
         """The Generate of `samples`, all of one group."""
@@ -75,7 +77,7 @@ class Generation:
             temperature=rollout.temperature if training else self.cfg.eval.temperature,
             top_p=rollout.top_p if training else 1.0,
             stop_token_ids=self.stop_token_ids,
-            seeds=[sample.seed for sample in samples],
+            seeds=cast("list[int]", [sample.seed for sample in samples]),  # written above
             **episode_fields(self.cfg, group.prompt),
         )
 
@@ -109,6 +111,7 @@ class Generation:
         by_worker: dict[bytes, list[str]] = {}
         for sample in list(self.ledger.in_flight(Purpose.TRAIN)):
             if sample.stage is Stage.GENERATING:
+                assert sample.worker is not None  # set with the stage
                 by_worker.setdefault(sample.worker, []).append(sample.request_id)
         for identity, request_ids in by_worker.items():
             out.send(identity, Cancel(request_ids=request_ids))

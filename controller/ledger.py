@@ -76,11 +76,23 @@ class Sample:
     def __post_init__(self) -> None:
         self.request_id = f"g{self.group_id}-s{self.index}-a{self.attempt}"
 
+    @property
+    def generated(self) -> Trajectory:
+        """Its trajectory, read once it is generated (the last segment of an agent
+        episode)."""
+        assert self.trajectory is not None, f"{self.request_id} is not generated"
+        return self.trajectory
+
+    @property
+    def judged(self) -> Verdict:
+        """Its verdict, read once it is scored."""
+        assert self.verdict is not None, f"{self.request_id} is not scored"
+        return self.verdict
+
     def trajectories(self) -> list[Trajectory]:
         """Its training sequences: the earlier segments of an agent episode, then the last
         (a generated sample's)."""
-        assert self.trajectory is not None  # generated
-        return [*self.segments, self.trajectory]
+        return [*self.segments, self.generated]
 
     def next_attempt(self) -> None:
         """Under a new request id: a late answer to the old one is then stale."""

@@ -28,6 +28,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 from collections.abc import Callable
 
 from areal import clock
@@ -42,13 +43,28 @@ MAX_REFUSED = 100
 """Refused worker ids kept for inspection (`WorkerPool.refused`); the rest are counted."""
 
 
+class WorkerProcess(Protocol):
+    """What the pool and the controller use of a worker's process: a local
+    `subprocess.Popen`, one forked by the fork server (preload.PreloadedProcess), a Ray
+    actor (launch/ray_pool.RayProcess) or a simulated worker's task (areal.sim)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+    def kill(self) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int | None: ...
+
+
 @dataclass(kw_only=True)
 class WorkerHandle:
     worker_id: str
     kind: WorkerKind
     rank: int = 0
     identity: bytes | None = None
-    process: subprocess.Popen | preload.PreloadedProcess | None = None
+    process: WorkerProcess | None = None
     ready: bool = False
     version: int = 0
     last_seen: float = field(default_factory=clock.now)
@@ -56,6 +72,13 @@ class WorkerHandle:
     num_restarts: int = 0
     pid: int = 0
     host: str = ""
+
+    @property
+    def address(self) -> bytes:
+        """Its identity, to send it something: only a registered worker is sent anything."""
+        if self.identity is None:
+            raise RuntimeError(f"{self.worker_id} has not registered: nothing can be sent to it")
+        return self.identity
 
 
 def protocol_mismatch(protocol: int) -> str:
@@ -252,7 +275,7 @@ class WorkerPool:
         )
         return list(handles.values())
 
-    def local_processes(self) -> list[subprocess.Popen | preload.PreloadedProcess]:
+    def local_processes(self) -> list[WorkerProcess]:
         return [h.process for h in self.expected.values() if h.process is not None]
 
     def stop_all(self, timeout_s: float = 10.0) -> None:

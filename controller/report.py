@@ -258,17 +258,17 @@ def eval_record(groups: list[Group], version: int, seconds: float) -> dict[str, 
     record: dict[str, Any] = {"version": version, "eval/seconds": seconds}
     # A periodic evaluation shares the rollout workers with training; in async mode its
     # sequences may be interrupted and finish under newer weights. Say which ones sampled.
-    sampled = [int(v) for g in groups for s in g.samples for v in s.trajectory.versions if v >= 0]
+    sampled = [int(v) for g in groups for s in g.samples for v in s.generated.versions if v >= 0]
     if sampled:
         record["eval/token_version_min"] = float(min(sampled))
         record["eval/token_version_max"] = float(max(sampled))
     record.update(
         summarize(
-            [[s.verdict for s in g.samples] for g in groups],
-            [[s.trajectory.reward for s in g.samples] for g in groups],
+            [[s.judged for s in g.samples] for g in groups],
+            [[s.generated.reward for s in g.samples] for g in groups],
         )
     )
-    record.update(episode_metrics([s.trajectory for g in groups for s in g.samples], "eval/"))
+    record.update(episode_metrics([s.generated for g in groups for s in g.samples], "eval/"))
     return record
 
 

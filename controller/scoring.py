@@ -82,14 +82,14 @@ class Scoring:
             return
         group = self.ledger.groups[samples[0].group_id]
         for sample in samples:
-            self.ledger.start_scoring(sample, worker.identity)
+            self.ledger.start_scoring(sample, worker.address)
             worker.in_flight.add(sample.request_id)
         out.send(
-            worker.identity,
+            worker.address,
             Score(
                 request_ids=[s.request_id for s in samples],
                 prompt_id=group.prompt.prompt_id,
-                completion_ids=[s.trajectory.output_ids for s in samples],
+                completion_ids=[s.generated.output_ids for s in samples],
                 reference=group.prompt.reference,
             ),
         )
@@ -205,7 +205,7 @@ class Scoring:
             outcome.verdict if outcome else None,
             sample.num_score_failures,
             group.purpose is Purpose.TRAIN,
-            retryable=not sample.trajectory.episode,
+            retryable=not sample.generated.episode,
         )
         if action is Action.RETRY:
             self.score_again(sample, out)

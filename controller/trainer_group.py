@@ -74,7 +74,7 @@ class TrainerGroup:
         out = Outbox()
         for handle in ranks:
             out.send(
-                handle.identity,
+                handle.address,
                 JoinGroup(
                     group=GroupName.TRAINER,
                     generation=self.generation,

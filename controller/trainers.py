@@ -132,7 +132,7 @@ class Trainers:
         self._answers = {}
         out = Outbox()
         for handle, msg in zip(ranks, messages, strict=True):
-            out.send(handle.identity, msg)
+            out.send(handle.address, msg)
         await self.send(out)
         return await pending
 

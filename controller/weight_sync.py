@@ -132,7 +132,7 @@ class WeightSync:
             interrupt=self.interrupt,
         )
         for handle in self.pool.ready(WorkerKind.ROLLOUT):
-            out.send(handle.identity, update)
+            out.send(handle.address, update)
 
     def on_chunk(self, msg: WeightsChunk, out: Outbox) -> str:
         """A chunk of the version being published; '' when taken, else why it is refused."""
@@ -204,7 +204,7 @@ class WeightSync:
         if version <= handle.version:
             return False
         out.send(
-            handle.identity,
+            handle.address,
             UpdateWeights(version=version, mode=self.mode, path=path, interrupt=self.interrupt),
         )
         return True
@@ -247,7 +247,7 @@ class StreamSync(WeightSync):
     def on_chunk(self, msg: WeightsChunk, out: Outbox) -> str:
         self.chunks.append(msg)
         for worker in self.pool.ready(WorkerKind.ROLLOUT):
-            out.send(worker.identity, msg)
+            out.send(worker.address, msg)
         return ""
 
     def _resend(self, handle: WorkerHandle, failed: int, out: Outbox) -> bool:
@@ -258,7 +258,7 @@ class StreamSync(WeightSync):
 
     def _send_chunks(self, handle: WorkerHandle, version: int, out: Outbox) -> None:
         out.send(
-            handle.identity,
+            handle.address,
             UpdateWeights(
                 version=version,
                 mode=self.mode,
@@ -267,7 +267,7 @@ class StreamSync(WeightSync):
             ),
         )
         for chunk in self.chunks:
-            out.send(handle.identity, chunk)
+            out.send(handle.address, chunk)
 
 
 class ShmSync(WeightSync):
@@ -288,7 +288,7 @@ class ShmSync(WeightSync):
         if self.version <= handle.version or self.latest is None:
             return False
         out.send(
-            handle.identity,
+            handle.address,
             UpdateWeights(
                 version=self.version, mode=self.mode, path=self.latest, interrupt=self.interrupt
             ),

@@ -128,7 +128,7 @@ class CollectiveSync(WeightSync):
         )
         for identity in self.members:
             out.send(identity, update)
-        out.send(sender.identity, BroadcastWeights(version=version, generation=self.generation))
+        out.send(sender.address, BroadcastWeights(version=version, generation=self.generation))
 
     def _reform(self, sender: WorkerHandle, members: list[bytes], out: Outbox) -> None:
         self.generation += 1
@@ -141,7 +141,7 @@ class CollectiveSync(WeightSync):
             len(members),
         )
         store = self.store()
-        for rank, identity in enumerate([sender.identity, *members]):
+        for rank, identity in enumerate([sender.address, *members]):
             out.send(
                 identity,
                 JoinGroup(

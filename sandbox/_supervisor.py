@@ -168,7 +168,7 @@ def supervise(
         read_only_root=setup.read_only_root and not setup.minimal_root,
         exposures=setup.exposures if run_uid is not None and setup.mount_jail else (),
         tmp_binds=setup.tmp_binds,
-        cgroup=(setup.memory_cgroup_root, cgroup) if cgroup else None,
+        cgroup=(setup.memory_cgroup_root, cgroup) if setup.memory_cgroup_root and cgroup else None,
         stdin_fd=stdin_fd,
         stdout_fd=out_w,
         stderr_fd=err_w,
@@ -191,6 +191,7 @@ def supervise(
         if not setup.mount_jail:
             shutil.rmtree(workdir, ignore_errors=True)
         if cgroup is not None:
+            assert setup.memory_cgroup_root is not None  # a run's cgroup is made under it
             _cgroup.remove_run(setup.memory_cgroup_root, cgroup)
 
 
@@ -288,6 +289,7 @@ def _watch(
     memory = _Memory(peak_bytes=usage.ru_maxrss * 1024, oom_killed=False)
     if cgroup is not None:
         root = setup.memory_cgroup_root
+        assert root is not None  # a run's cgroup is made under it
         memory = _Memory(
             peak_bytes=_cgroup.peak_bytes(root, cgroup),
             oom_killed=_cgroup.oom_kills(root, cgroup) > 0,

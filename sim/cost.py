@@ -343,7 +343,7 @@ class CostModel:
 
     def train_s(
         self,
-        lengths: Sequence[int],
+        lengths: Sequence[int] | np.ndarray,
         num_minibatches: int,
         num_ranks: int,
         recompute_prox: bool,

@@ -20,6 +20,7 @@ from collections.abc import Coroutine
 from areal.config import RunConfig
 from areal.controller.pool import WorkerHandle, WorkerPool
 from areal.controller.runtime import Connection
+from areal.controller.setup import RunSetup
 from areal.messages import WorkerKind
 
 from areal.sim.accounting import as_worker
@@ -107,7 +108,7 @@ class SimRuntime:
     def prepare_run(self, cfg: RunConfig) -> SimSetup:
         return prepare_sim_run(cfg, self.env.workload)
 
-    def connect(self, cfg: RunConfig, setup: SimSetup) -> Connection:
+    def connect(self, cfg: RunConfig, setup: RunSetup) -> Connection:
         self.router = SimRouter(self.wire, self.recorder)
         return Connection(
             channel=self.router,

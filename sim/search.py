@@ -55,11 +55,11 @@ def search(
     """Every stage in turn; the candidates ranked by trained tokens per second.
     `baselines`: simulate the synchronous colocated baselines too."""
     cores = shared_cores(plan)
-    stages = _shared_host_stages if cores else _cluster_stages
+    stages = _shared_host_stages(plan, cores) if cores else _cluster_stages(plan, cores)
     base = _baselines(plan, cores) if baselines else []
     planned = Planned(ranked=[], baselines=[])
     seen: dict[Candidate, Outcome] = {}
-    for index, stage in enumerate(stages(plan, cores), start=1):
+    for index, stage in enumerate(stages, start=1):
         proposed = stage(_ranked(seen))
         if index == 1:
             proposed = [*proposed, *base]

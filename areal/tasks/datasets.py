@@ -299,7 +299,7 @@ class CodeTask(DatasetTask):
                 f"memory_mb={memory_mb!r} must be > 0"
             )
         super().__init__(**params)
-        self.code_options = dict(
+        self.code_options: dict[str, Any] = dict(
             time_limit_s=float(time_limit_s),
             memory_bytes=memory_mb << 20,
             partial_credit=partial_credit,

@@ -149,7 +149,7 @@ class RayPool(WorkerPool):
         self.failures: Counter[tuple[str, str]] = Counter()
         """(worker id, node id) -> failures of that worker on that node."""
         self.attempts: Counter[str] = Counter()
-        self._actor_cls = None
+        self._actor_cls: Any = None
 
     def spawn(self, kind: WorkerKind, index: int, rank: int = 0) -> WorkerHandle:
         import ray

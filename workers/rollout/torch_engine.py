@@ -436,7 +436,11 @@ class TorchEngine(SerialControlEngine):
                 "an adapter update for an engine built without LoRA; build it "
                 "with lora=trainer.lora"
             )
-        tensors = source.tensors if source.tensors is not None else load_adapter_dir(source.path)
+        if source.tensors is not None:
+            tensors = source.tensors
+        else:
+            assert source.path is not None  # a source holds its tensors or a path to them
+            tensors = load_adapter_dir(source.path)
         copy_adapters(self._model, tensors)
 
     # ---------------------------------------------------------------- helpers

@@ -104,7 +104,7 @@ class VllmEngine(SerialControlEngine):
                 f"tensor_parallel_size={tensor_parallel_size} must be >= 1"
             )
         self._device = device
-        self._args = dict(
+        self._args: dict[str, Any] = dict(
             model=self._model_path,
             dtype=dtype,
             seed=seed,
