@@ -143,11 +143,8 @@ def supervise(
     run_uid = (
         setup.uid_base + slot if setup.mode in ("root", "none") and os.geteuid() == 0 else None
     )
-    cgroup = (
-        _cgroup.create_run(setup.memory_cgroup_root, limits.run_memory_bytes)
-        if setup.memory_cgroup_root
-        else None
-    )
+    root = setup.memory_cgroup_root  # the run's memory cgroup: (its root, its name)
+    cgroup = (root, _cgroup.create_run(root, limits.run_memory_bytes)) if root else None
     workdir = _enter_namespaces(setup, run_uid)
     stdin_fd = _memfd_with(stdin)
     out_r, out_w = os.pipe()
@@ -168,7 +165,7 @@ def supervise(
         read_only_root=setup.read_only_root and not setup.minimal_root,
         exposures=setup.exposures if run_uid is not None and setup.mount_jail else (),
         tmp_binds=setup.tmp_binds,
-        cgroup=(setup.memory_cgroup_root, cgroup) if setup.memory_cgroup_root and cgroup else None,
+        cgroup=cgroup,
         stdin_fd=stdin_fd,
         stdout_fd=out_w,
         stderr_fd=err_w,
@@ -191,8 +188,7 @@ def supervise(
         if not setup.mount_jail:
             shutil.rmtree(workdir, ignore_errors=True)
         if cgroup is not None:
-            assert setup.memory_cgroup_root is not None  # a run's cgroup is made under it
-            _cgroup.remove_run(setup.memory_cgroup_root, cgroup)
+            _cgroup.remove_run(*cgroup)
 
 
 def _memfd_with(data: bytes) -> int:
@@ -238,7 +234,7 @@ def _watch(
     language: Language,
     limits: Limits,
     setup: RunSetup,
-    cgroup: str | None,
+    cgroup: tuple[CgroupRoot, str] | None,
 ) -> ExecResult:
     pidfd = os.pidfd_open(pid)
     out, err = _Capture(cap=limits.stdout_bytes), _Capture(cap=limits.stderr_bytes)
@@ -288,11 +284,8 @@ def _watch(
         os.close(fd)
     memory = _Memory(peak_bytes=usage.ru_maxrss * 1024, oom_killed=False)
     if cgroup is not None:
-        root = setup.memory_cgroup_root
-        assert root is not None  # a run's cgroup is made under it
         memory = _Memory(
-            peak_bytes=_cgroup.peak_bytes(root, cgroup),
-            oom_killed=_cgroup.oom_kills(root, cgroup) > 0,
+            peak_bytes=_cgroup.peak_bytes(*cgroup), oom_killed=_cgroup.oom_kills(*cgroup) > 0
         )
     return _result(
         started,

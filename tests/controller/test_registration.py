@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from areal.codec import decode, encode
 from areal.config import load_config
 from areal.controller.pool import WorkerHandle, MAX_REFUSED, WorkerPool
@@ -51,6 +53,16 @@ def test_a_remote_worker_reusing_a_registered_name_gets_a_distinct_one(tmp_path)
     pool.expected["rollout-0"] = first
     second = _register(pool, b"rollout-0/" + b"b" * 32, "rollout-0", "")
     assert first.worker_id == "rollout-0" and second.worker_id == "rollout-0@62626262"
+
+
+def test_only_a_registered_worker_has_an_address_to_send_to(tmp_path):
+    pool = WorkerPool(load_config(), tmp_path, "tcp://x:1", secret=None)
+    launched = WorkerHandle(worker_id="rollout-0", kind=WorkerKind.ROLLOUT)
+    pool.expected["rollout-0"] = launched
+    with pytest.raises(RuntimeError, match="rollout-0 has not registered"):
+        _ = launched.address
+    assert _register(pool, b"r0", "rollout-0", "") is launched
+    assert launched.address == b"r0"
 
 
 def test_a_worker_of_another_release_is_refused_with_both_protocol_versions(tmp_path):
