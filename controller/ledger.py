@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 from collections.abc import Callable, Iterable
@@ -98,6 +99,36 @@ class Sample:
         """Under a new request id: a late answer to the old one is then stale."""
         self.attempt += 1
         self.__post_init__()
+
+    @classmethod
+    def first_attempts(cls, group_id: int, size: int) -> list[Sample]:
+        """A new group's `size` samples, pending at their first attempt: equal to
+        `Sample(group_id=group_id, index=i)` for each i, built with the fields set directly
+        rather than through the dataclass's keyword handling, defaults and `__post_init__`
+        (the ledger admits thousands of groups a step at cluster scale, and this was most
+        of `Ledger.add_group`'s cost). tests/controller/test_ledger.py holds the two equal."""
+        prefix, pending, new = f"g{group_id}", Stage.PENDING, cls.__new__
+        samples = []
+        for index, suffix in enumerate(_first_suffixes(size)):
+            sample = new(cls)
+            sample.group_id, sample.index, sample.attempt = group_id, index, 0
+            sample.stage, sample.worker, sample.trajectory, sample.verdict = (
+                pending,
+                None,
+                None,
+                None,
+            )
+            sample.submitted_at, sample.num_score_failures, sample.seed = 0.0, 0, None
+            sample.segments, sample.request_id = [], prefix + suffix
+            samples.append(sample)
+        return samples
+
+
+@functools.cache
+def _first_suffixes(size: int) -> tuple[str, ...]:
+    """'-s<index>-a0' for each index of a group of `size`: the part of a first attempt's
+    request id after its group's (one string a sample, built once a group size)."""
+    return tuple(f"-s{index}-a0" for index in range(size))
 
 
 @dataclass(kw_only=True)
@@ -183,7 +214,7 @@ class Ledger:
             position=position,
         )
         self._next_group_id += 1
-        group.samples = [Sample(group_id=group.group_id, index=i) for i in range(size)]
+        group.samples = Sample.first_attempts(group.group_id, size)
         self.groups[group.group_id] = group
         for sample in group.samples:
             self.by_request[sample.request_id] = sample

@@ -18,6 +18,7 @@ an Outbox.
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Callable
 
@@ -56,9 +57,9 @@ class Scoring:
         self.drop = drop
         self.room = WorkerRoom(None)
         """Ready reward workers, least loaded first."""
-        self.queue: list[list[Sample]] = []
+        self.queue: collections.deque[list[Sample]] = collections.deque()
         """Samples to score (each entry one Score: samples of one group), waiting for a
-        reward worker with room."""
+        reward worker with room; sent oldest first, taken from the front."""
         self.faults = RewardFaults(cfg.reward)
 
     @property
@@ -71,7 +72,7 @@ class Scoring:
     def dispatch(self, out: Outbox) -> None:
         """Send queued Scores while a reward worker has room."""
         while self.queue and self.room.peek():
-            self.score(self.queue.pop(0), out)
+            self.score(self.queue.popleft(), out)
 
     def score(self, samples: list[Sample], out: Outbox) -> None:
         """Score `samples` (generated, of one group) in one message to the least-loaded
@@ -97,7 +98,9 @@ class Scoring:
 
     def forget_group(self, group_id: int) -> None:
         """A dropped group's queued Scores are never sent."""
-        self.queue = [samples for samples in self.queue if samples[0].group_id != group_id]
+        self.queue = collections.deque(
+            samples for samples in self.queue if samples[0].group_id != group_id
+        )
 
     # -- outcomes -------------------------------------------------------------------------------
 

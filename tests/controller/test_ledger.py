@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from areal.controller.ledger import Ledger, Purpose, Stage
+from areal.controller.ledger import Ledger, Purpose, Sample, Stage
 from areal.messages import Completions, EpisodeEnd, FinishReason, Generated
 from areal.tasks.base import Prompt, RewardOutcome, Verdict
 from areal.types import Trajectory
@@ -45,6 +45,19 @@ def _two_generating(ledger):
     ledger.start_generation(a, W1, 0.0)
     ledger.start_generation(b, W2, 0.0)
     return group, a, b
+
+
+@pytest.mark.parametrize("size", [1, 16])
+def test_a_new_groups_samples_are_what_the_constructor_builds(size):
+    """`Sample.first_attempts` sets the fields itself: each sample equals the dataclass's
+    (every field compared, so a field added without it fails here), and none shares its
+    segments list with another."""
+    samples = Sample.first_attempts(7, size)
+    assert samples == [Sample(group_id=7, index=i) for i in range(size)]
+    assert [s.request_id for s in samples] == [f"g7-s{i}-a0" for i in range(size)]
+    assert len({id(s.segments) for s in samples}) == size
+    samples[0].next_attempt()
+    assert samples[0].request_id == "g7-s0-a1"
 
 
 def test_group_reaches_the_buffer_only_when_every_sample_is_scored():
