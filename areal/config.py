@@ -128,6 +128,21 @@ class ModelConfig:
     )
     trust_remote_code: bool = opt(False, "allow custom modelling code from the model directory")
     tiny: TinyModelConfig = opt(TinyModelConfig(), "embedded model shape (model.path=null only)")
+
+    def model_dir(self) -> str:
+        """`path`, once it is set: the controller's set-up writes the embedded model and
+        names it there before any worker is welcomed or an evaluation loads it."""
+        if self.path is None:
+            raise ConfigError(
+                "model.path is null: no model directory to read (the controller's set-up "
+                "writes the embedded model and sets it; elsewhere pass --model)"
+            )
+        return self.path
+
+    def tokenizer_dir(self) -> str:
+        """Where the tokenizer is read: `tokenizer_path`, else `model_dir()`."""
+        return self.tokenizer_path or self.model_dir()
+
     warmstart: WarmStartConfig = opt(WarmStartConfig(), "embedded model SFT (model.path=null only)")
 
     def check(self, key: str) -> None:
@@ -1038,6 +1053,13 @@ class RunConfig:
                 f"trainer.batch_size={self.trainer.batch_size} is not a multiple of "
                 f"task.group_size={self.task.group_size}: a batch holds whole prompt groups"
             )
+
+    def run_path(self) -> Path:
+        """`run_dir`, once it is set: the controller's set-up picks it (runs/<timestamp>
+        when null) before any worker is welcomed."""
+        if self.run_dir is None:
+            raise ConfigError("run_dir is null: the controller's set-up names the run directory")
+        return Path(self.run_dir)
 
     def heartbeat_interval(self) -> float:
         """`controller.heartbeat_interval_s`, or when null: 1 s, or one Heartbeat from each

@@ -143,9 +143,8 @@ def load_prompts(cfg: RunConfig) -> tuple[Any, Any, list[tuple[Any, list[int]]],
     from areal.tasks import load_task
 
     task = load_task(cfg.task.name, cfg.task.params)
-    assert cfg.model.path is not None, "evaluation needs a model directory (--model)"
     tokenizer = load_tokenizer(
-        cfg.model.tokenizer_path or cfg.model.path,
+        cfg.model.tokenizer_dir(),
         trust_remote_code=cfg.model.trust_remote_code,
         cache_dir=cfg.cache_dir,
     )

@@ -178,9 +178,8 @@ def prepare_run(cfg: RunConfig) -> RunSetup:
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
     (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
     task = load_task(cfg.task.name, cfg.task.params)
-    assert cfg.model.path is not None  # the warm model's directory, if none was given
     tokenizer = load_tokenizer(
-        cfg.model.tokenizer_path or cfg.model.path,
+        cfg.model.tokenizer_dir(),
         trust_remote_code=cfg.model.trust_remote_code,
         cache_dir=cfg.cache_dir,
     )

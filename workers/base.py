@@ -83,8 +83,8 @@ class Worker(ABC):
         self.secret = secret
         self.keys = keys
         self.rank = rank
-        self.config: RunConfig | None = None
-        self.channel: DealerChannel | None = None
+        self._config: RunConfig | None = None
+        self._channel: DealerChannel | None = None
         self._last_heard = time.monotonic()
         self._sent_since_beat = False
         """Something was sent since the heartbeat loop last looked: no Heartbeat needed."""
@@ -92,6 +92,28 @@ class Worker(ABC):
         self._ready = False
         self.finished = False
         """The controller said the run finished (Shutdown.final): write final artifacts."""
+
+    @property
+    def channel(self) -> DealerChannel:
+        """The connection to the controller, which `serve` opens first."""
+        if self._channel is None:
+            raise RuntimeError(f"{self.worker_id} is not connected: serve() connects it")
+        return self._channel
+
+    @property
+    def config(self) -> RunConfig:
+        """The run's configuration, as the controller's Welcome carried it: there from
+        `setup` on (subclasses read it there and after)."""
+        if self._config is None:
+            raise RuntimeError(
+                f"{self.worker_id} has no run configuration: it comes with the controller's "
+                "Welcome, which has not arrived"
+            )
+        return self._config
+
+    @config.setter
+    def config(self, config: RunConfig) -> None:
+        self._config = config
 
     # -- subclass API ---------------------------------------------------------------------------
 
@@ -139,7 +161,6 @@ class Worker(ABC):
         )
 
     async def send(self, msg: Any) -> None:
-        assert self.channel is not None
         self._sent_since_beat = True
         await self.channel.send(msg)
 
@@ -147,7 +168,7 @@ class Worker(ABC):
         """Run until shutdown; returns the process exit code."""
         ctx = zmq.asyncio.Context()
         credential = self.keys.secret if self.keys is not None else self.secret.encode()
-        self.channel = DealerChannel(
+        self._channel = DealerChannel(
             ctx, self.address, worker_identity(self.worker_id, credential), curve=self.keys
         )
         heartbeat = None

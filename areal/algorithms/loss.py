@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 from collections.abc import Iterable
 
 import torch
@@ -193,7 +193,26 @@ class PPOStats:
         }
 
 
-def ppo_loss_options(cfg: PPOConfig) -> dict[str, float | str | None]:
+class PPOLossOptions(TypedDict):
+    """The paper's keyword arguments of `decoupled_ppo_loss` (`ppo_loss_options`)."""
+
+    eps_clip: float
+    eps_clip_high: float | None
+    behav_imp_cap: float | None
+    behav_cap_mode: str
+
+
+class CorrectionLossOptions(TypedDict):
+    """The other keyword arguments of `decoupled_ppo_loss` (`correction_loss_options`)."""
+
+    behav_imp_floor: float | None
+    behav_imp_level: str
+    policy_loss: str
+    loss_agg_mode: str
+    loss_agg_norm: float
+
+
+def ppo_loss_options(cfg: PPOConfig) -> PPOLossOptions:
     """Keyword arguments of `decoupled_ppo_loss` taken from the run's `PPOConfig` (the
     paper's options; `correction_loss_options` adds the others)."""
     return {
@@ -204,7 +223,7 @@ def ppo_loss_options(cfg: PPOConfig) -> dict[str, float | str | None]:
     }
 
 
-def correction_loss_options(cfg: PPOConfig, max_new_tokens: int) -> dict[str, float | str | None]:
+def correction_loss_options(cfg: PPOConfig, max_new_tokens: int) -> CorrectionLossOptions:
     """The other keyword arguments of `decoupled_ppo_loss` from `PPOConfig`; Dr.GRPO's L
     defaults to the completion budget `max_new_tokens` (rollout.max_new_tokens)."""
     return {

@@ -128,3 +128,21 @@ def test_every_option_is_documented():
 def test_an_agent_and_an_environment_exclude_each_other():
     with pytest.raises(ConfigError, match="set episode.environment=null"):
         load_config(overrides=["agent.function=a.b:run", "episode.environment=tools"])
+
+
+def test_model_tokenizer_and_run_directories_are_named_once_set_and_refused_while_null(tmp_path):
+    model, tok = tmp_path / "model", tmp_path / "tok"
+    model.mkdir()
+    tok.mkdir()
+    cfg = load_config(overrides=[f"model.path={model}", f"run_dir={tmp_path / 'run'}"])
+    assert cfg.model.model_dir() == cfg.model.tokenizer_dir() == str(model)
+    assert cfg.run_path() == tmp_path / "run"
+    tokenizer = load_config(overrides=[f"model.path={model}", f"model.tokenizer_path={tok}"])
+    assert tokenizer.model.tokenizer_dir() == str(tok)
+    unset = load_config()  # the embedded model: the controller's set-up names both
+    with pytest.raises(ConfigError, match="model.path is null"):
+        unset.model.model_dir()
+    with pytest.raises(ConfigError, match="model.path is null"):
+        unset.model.tokenizer_dir()
+    with pytest.raises(ConfigError, match="run_dir is null"):
+        unset.run_path()

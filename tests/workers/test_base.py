@@ -84,6 +84,16 @@ def test_shutdown_exit_code_says_whether_to_start_the_worker_again(rejoin, code)
     assert not worker.finished
 
 
+def test_a_worker_has_no_connection_or_configuration_before_serving_and_its_welcome():
+    worker = EchoWorker("tcp://127.0.0.1:1", "echo-9", secret="s")
+    with pytest.raises(RuntimeError, match="echo-9 is not connected"):
+        _ = worker.channel
+    with pytest.raises(RuntimeError, match="echo-9 has no run configuration.*Welcome"):
+        _ = worker.config
+    _, _, _, served = asyncio.run(_serve_until(Shutdown(reason="done")))
+    assert served.config.mode == load_config().mode  # the Welcome's, kept after serving
+
+
 def test_only_a_finished_run_asks_for_final_artifacts():
     exit_code, _, _, worker = asyncio.run(_serve_until(Shutdown(reason="done", final=True)))
     assert exit_code == 0 and worker.finished

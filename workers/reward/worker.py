@@ -32,7 +32,7 @@ class RewardWorker(Worker):
         self.task = await asyncio.to_thread(load_task, cfg.task.name, cfg.task.params)
         self.tokenizer = await asyncio.to_thread(
             load_tokenizer,
-            cfg.model.tokenizer_path or cfg.model.path,
+            cfg.model.tokenizer_dir(),
             trust_remote_code=cfg.model.trust_remote_code,
             cache_dir=cfg.cache_dir,
         )

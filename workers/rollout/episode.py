@@ -77,14 +77,6 @@ class EpisodeResult:
     tool_s: float = 0.0
     num_interruptions: int = 0
 
-    def arrays(self) -> dict[str, np.ndarray]:
-        return {
-            "output_ids": np.asarray(self.token_ids, np.int32),
-            "logprobs": np.asarray(self.logprobs, np.float32),
-            "versions": np.asarray(self.versions, np.int32),
-            "loss_mask": np.asarray(self.loss_mask, bool),
-        }
-
     def append(
         self,
         token_ids: Sequence[int],
@@ -92,11 +84,19 @@ class EpisodeResult:
         versions: Sequence[int] | None,
     ) -> None:
         """Model tokens (with log-probs and versions) or, with None, observation tokens."""
-        sampled = logprobs is not None
+        if logprobs is not None and versions is not None:
+            self.logprobs += logprobs
+            self.versions += versions
+        elif logprobs is None and versions is None:
+            self.logprobs += [OBSERVATION_LOGPROB] * len(token_ids)
+            self.versions += [PROMPT_VERSION] * len(token_ids)
+        else:
+            raise ValueError(
+                "model tokens come with their log-probs and versions, observation tokens "
+                f"with neither (logprobs {logprobs is not None}, versions {versions is not None})"
+            )
         self.token_ids += token_ids
-        self.logprobs += logprobs if sampled else [OBSERVATION_LOGPROB] * len(token_ids)
-        self.versions += versions if sampled else [PROMPT_VERSION] * len(token_ids)
-        self.loss_mask += [sampled] * len(token_ids)
+        self.loss_mask += [logprobs is not None] * len(token_ids)
 
 
 class EpisodeRunner:
@@ -252,7 +252,8 @@ class EpisodeRunner:
 async def start_episodes(cfg: RunConfig, generator: InterruptibleGenerator) -> EpisodeRunner | None:
     """The episode runner of a process when `episode.environment` is set (its environment
     built and started, with the run's task and tokenizer), else None."""
-    if cfg.episode.environment is None:
+    environment_name = cfg.episode.environment
+    if environment_name is None:
         return None
     from areal.models.tokenizer import load_tokenizer
     from areal.tasks import load_task
@@ -260,14 +261,14 @@ async def start_episodes(cfg: RunConfig, generator: InterruptibleGenerator) -> E
 
     def build() -> tuple[Environment, Any]:
         tokenizer = load_tokenizer(
-            cfg.model.tokenizer_path or cfg.model.path,
+            cfg.model.tokenizer_dir(),
             trust_remote_code=cfg.model.trust_remote_code,
             cache_dir=cfg.cache_dir,
         )
         task = load_task(cfg.task.name, cfg.task.params)
         task.use_tokenizer(tokenizer)
         return load_environment(
-            cfg.episode.environment, cfg.episode.params, task=task, tokenizer=tokenizer
+            environment_name, cfg.episode.params, task=task, tokenizer=tokenizer
         ), tokenizer
 
     environment, tokenizer = await asyncio.to_thread(build)
@@ -284,7 +285,10 @@ def generated_episode(request_id: str, episode: EpisodeResult, seconds: float) -
     """The Generated message of a finished episode."""
     return Generated(
         request_id=request_id,
-        **episode.arrays(),
+        output_ids=np.asarray(episode.token_ids, np.int32),
+        logprobs=np.asarray(episode.logprobs, np.float32),
+        versions=np.asarray(episode.versions, np.int32),
+        loss_mask=np.asarray(episode.loss_mask, bool),
         finish_reason=episode.finish_reason,
         num_interruptions=episode.num_interruptions,
         generation_s=seconds,

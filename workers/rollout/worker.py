@@ -35,9 +35,10 @@ alone; `sources.py` turns what arrived into the engine's weight source.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -107,12 +108,12 @@ class RolloutWorker(Worker):
             for request_id, seed in msg.samples():
                 task = self.spawn(self._generate(msg, request_id, seed), request_id)
                 self._requests[request_id] = task
-                task.add_done_callback(lambda t, rid=request_id: self._settled(rid, t))
+                task.add_done_callback(functools.partial(self._settled, request_id))
         elif isinstance(msg, Cancel):
             for request_id in msg.request_ids:
-                task = self._requests.pop(request_id, None)
-                if task is not None:
-                    task.cancel()
+                running = self._requests.pop(request_id, None)
+                if running is not None:
+                    running.cancel()
             self._answered.forget(msg.request_ids)
         elif isinstance(msg, UpdateWeights):
             self._on_update(msg)
@@ -131,6 +132,8 @@ class RolloutWorker(Worker):
         # carry the new version.
         self.generator.hold_new_requests()
         if msg.mode in ("disk", "shm"):
+            if not msg.path:
+                raise ValueError(f"{msg.mode} update to version {msg.version} names no path")
             self._updates.put_nowait((msg, path_source(self.config, msg.path, msg.version)))
         elif msg.mode == "stream":
             self._stream = (msg, [])
@@ -148,8 +151,8 @@ class RolloutWorker(Worker):
         update, chunks = self._stream
         chunks.append(msg)
         if len(chunks) == update.num_chunks:
-            tensors = {
-                name: tensor
+            tensors = {  # the codec rebuilt each as a torch tensor (messages.Tensor)
+                name: cast(torch.Tensor, tensor)
                 for chunk in chunks
                 for name, tensor in zip(chunk.names, chunk.tensors, strict=True)
             }
@@ -322,10 +325,11 @@ class RolloutWorker(Worker):
         )
 
     async def close(self) -> None:
-        if getattr(self, "agents", None) is not None:
-            await self.agents.close()
-        if getattr(self, "episodes", None) is not None:
-            await self.episodes.close()
+        agents, episodes = getattr(self, "agents", None), getattr(self, "episodes", None)
+        if agents is not None:
+            await agents.close()
+        if episodes is not None:
+            await episodes.close()
         engine = getattr(self, "engine", None)
         if engine is not None:
             await engine.close()

@@ -32,12 +32,15 @@ from __future__ import annotations
 import datetime
 import logging
 from collections.abc import Iterator
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
 
 from areal.models.lora import adapter_tensors, has_adapters, select_adapters
 from areal.models.weights import named_tensors
+
+ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +111,9 @@ class DataParallel:
 
     # -- model ----------------------------------------------------------------------------------
 
-    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Shard `model` with FSDP2 ('fsdp'): each decoder layer, then the root. In place."""
+    def wrap(self, model: ModuleT) -> ModuleT:
+        """Shard `model` with FSDP2 ('fsdp'): each decoder layer, then the root. In place
+        (fully_shard keeps the module's class, mixing FSDP's in)."""
         if not self.fsdp:
             return model
         from torch.distributed.fsdp import fully_shard
@@ -153,9 +157,10 @@ class DataParallel:
         )
         if self.rank != 0:
             return None
+        tensors = cast("dict[str, torch.Tensor]", full)  # a full state dict: tensors only
         if adapters:
-            return select_adapters(full.items())
-        return [(name, full[name]) for name in names]
+            return select_adapters(tensors.items())
+        return [(name, tensors[name]) for name in names]
 
     # -- collectives ----------------------------------------------------------------------------
 
@@ -182,7 +187,8 @@ class DataParallel:
         for param in params:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-        for bucket in _buckets([p.grad for p in params], self.bucket_bytes):
+        grads = cast("list[torch.Tensor]", [p.grad for p in params])  # each set just above
+        for bucket in _buckets(grads, self.bucket_bytes):
             flat = torch.cat([g.reshape(-1) for g in bucket])
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
             offset = 0

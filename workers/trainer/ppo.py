@@ -29,6 +29,7 @@ audit saves, workers/trainer/audit.py). Pure torch plus the collectives of `Data
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -49,6 +50,9 @@ from areal.models.lora import add_adapters, has_adapters
 from areal.types import PackedBatch
 from areal.workers.trainer.distributed import DataParallel
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 _EXTRA_SUMS = ("entropy_sum", "num_entropy_tokens", "advantage_abs_sum", "num_seqs", "num_tokens")
 _EXTRA_MAXES = ("recompute_s", "step_s")
 _MOVEMENT_SUMS = tuple(f"movement_{k}" for k in movement.SUM_FIELDS)
@@ -56,7 +60,7 @@ _MOVEMENT_SUMS = tuple(f"movement_{k}" for k in movement.SUM_FIELDS)
 
 class PPOTrainer:
     def __init__(
-        self, model: torch.nn.Module, cfg: RunConfig, dp: DataParallel | None = None
+        self, model: PreTrainedModel, cfg: RunConfig, dp: DataParallel | None = None
     ) -> None:
         """With `trainer.lora.rank > 0` LoRA adapters are added to `model` (in place, the
         same initial adapters on every rank: seeded by `cfg.seed`), the base is frozen and
@@ -209,9 +213,8 @@ class PPOTrainer:
     ) -> tuple[PPOStats, float, torch.Tensor]:
         """One optimiser step on a minibatch: (its stats, the gradient norm before clipping,
         the [N_mb] proximal log-probs its loss used)."""
-        options = ppo_loss_options(self.cfg.ppo) | correction_loss_options(
-            self.cfg.ppo, self.max_new_tokens
-        )
+        paper_options = ppo_loss_options(self.cfg.ppo)
+        correction_options = correction_loss_options(self.cfg.ppo, self.max_new_tokens)
         self.optimizer.zero_grad(set_to_none=True)
         pieces = []
         prox_used = torch.zeros(len(batch.token_ids))
@@ -249,7 +252,8 @@ class PPOTrainer:
                 loss_normalizer=normalizer,
                 cu_seqlens=mb.cu_seqlens,
                 fresh=mb.versions == version,
-                **options,
+                **paper_options,
+                **correction_options,
             )
             (loss * self.dp.loss_scale).backward()
             pieces.append(piece)

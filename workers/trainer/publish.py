@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 
 from areal.config import RunConfig
-from areal.messages import WeightsChunk
+from areal.messages import Tensor, WeightsChunk
 from areal.models.lora import save_adapter_dir
 from areal.models.weight_slots import SlotWriter, slot_directory
 from areal.models.weights import bucket_tensors, save_tensors
@@ -97,7 +97,7 @@ class ShmPublisher:
 
     def __init__(self, cfg: RunConfig) -> None:
         self.writer = SlotWriter(
-            slot_directory(cfg.weight_sync.shm_dir, cfg.run_dir),
+            slot_directory(cfg.weight_sync.shm_dir, cfg.run_path()),
             cfg.weight_sync.keep_versions,
             lock_timeout_s=cfg.weight_sync.timeout_s,
         )
@@ -137,9 +137,9 @@ def version_dir(run_dir: str | Path, version: int) -> Path:
 def publish_to_disk(tensors: NamedTensors, cfg: RunConfig, version: int) -> str:
     """Save `tensors` as weight version `version` (full weights, or with LoRA the adapter
     directory); returns the directory."""
-    directory = version_dir(cfg.run_dir, version)
+    directory = version_dir(cfg.run_path(), version)
     save_weights_dir(directory, tensors, cfg, version)
-    _prune(Path(cfg.run_dir) / "weights", cfg.weight_sync.keep_versions, directory)
+    _prune(cfg.run_path() / "weights", cfg.weight_sync.keep_versions, directory)
     return str(directory)
 
 
@@ -179,7 +179,7 @@ def stream_chunks(tensors: NamedTensors, cfg: RunConfig, version: int) -> list[W
             index=i,
             num_chunks=len(buckets),
             names=[name for name, _ in bucket],
-            tensors=[t for _, t in bucket],
+            tensors=[Tensor(t) for _, t in bucket],
         )
         for i, bucket in enumerate(buckets)
     ]

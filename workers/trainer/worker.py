@@ -107,6 +107,16 @@ def batch_from_message(msg: Train) -> PackedBatch:
 class TrainerWorker(Worker):
     kind = WorkerKind.TRAINER
 
+    @property
+    def trainer(self) -> PPOTrainer:
+        """The rank's PPO trainer: built in `setup` for one rank, once the data-parallel
+        group has formed for several (`_train` refuses a step before then)."""
+        if self._trainer is None:
+            raise RuntimeError(
+                f"rank {self.rank} has no trainer before its data-parallel group formed"
+            )
+        return self._trainer
+
     async def setup(self, welcome: Welcome) -> int:
         cfg = self.config
         self._busy = False
@@ -118,7 +128,7 @@ class TrainerWorker(Worker):
             torch.cuda.set_device(0)
         self.model = await asyncio.to_thread(
             load_model,
-            cfg.model.path,
+            cfg.model.model_dir(),
             dtype=cfg.model.dtype,
             device=self.device,
             trust_remote_code=cfg.model.trust_remote_code,
@@ -128,9 +138,9 @@ class TrainerWorker(Worker):
         self.resume_to = welcome.version
         """The run's version when this rank joined: replayed steps lead up to it."""
         self._train_thread = SerialThread(f"train-rank{self.rank}")
-        self.trainer: PPOTrainer | None = None
+        self._trainer: PPOTrainer | None = None
         if cfg.trainer.num_ranks == 1:
-            self.trainer = PPOTrainer(self.model, cfg)
+            self._trainer = PPOTrainer(self.model, cfg)
             await self._train_thread.submit(self._restore_sync)
         self._store, self._store_address = None, ""
         if self.rank == 0 and (cfg.trainer.num_ranks > 1 or cfg.weight_sync.mode == "collective"):
@@ -195,7 +205,7 @@ class TrainerWorker(Worker):
             generation=msg.generation,
             bucket_bytes=self.config.weight_sync.bucket_mb << 20,
         )
-        self.trainer = PPOTrainer(self.model, self.config, self.dp)
+        self._trainer = PPOTrainer(self.model, self.config, self.dp)
         self._restore_sync()
 
     def _restore_sync(self) -> None:
@@ -216,7 +226,7 @@ class TrainerWorker(Worker):
     # -- training steps -------------------------------------------------------------------------
 
     async def _train(self, msg: Train) -> None:
-        if self.trainer is None:
+        if self._trainer is None:
             raise RuntimeError(
                 f"Train for step {msg.step} before the data-parallel group of "
                 f"{self.config.trainer.num_ranks} ranks was formed"
@@ -242,24 +252,31 @@ class TrainerWorker(Worker):
         the lost trainer published for that version (where still on disk) and, in collective
         mode, keeps a snapshot of it for late joiners."""
         batch = batch_from_message(msg)
-        plan = {}
-        if msg.minibatch_sizes:
-            plan = {
-                "advantages": torch.from_numpy(msg.advantages.astype("float32")),
-                "minibatch_sizes": list(msg.minibatch_sizes),
-                "minibatch_loss_tokens": list(msg.minibatch_loss_tokens),
-                "minibatch_loss_seqs": list(msg.minibatch_loss_seqs),
-            }
+        advantages = None
+        if msg.minibatch_sizes:  # a data-parallel shard: the global batch's plan comes along
+            if msg.advantages is None:
+                raise ValueError(f"Train for step {msg.step} plans minibatches without advantages")
+            advantages = torch.from_numpy(msg.advantages.astype("float32"))
         audited = msg.step in self.config.trainer.audit_steps and not msg.replay
         if audited:
             start_weights = self.dp.full_weights(self.trainer.model)
             if start_weights is not None:
-                audit.save_start_weights(self.config.run_dir, msg.step, start_weights)
-        stats = self.trainer.step(batch, msg.version, **plan)
-        if audited:
-            audit.save_batch(
-                self.config.run_dir, msg.step, self.rank, batch, self.trainer.last_prox, msg.version
+                audit.save_start_weights(self.config.run_path(), msg.step, start_weights)
+        if advantages is None:
+            stats = self.trainer.step(batch, msg.version)
+        else:
+            stats = self.trainer.step(
+                batch,
+                msg.version,
+                advantages=advantages,
+                minibatch_sizes=list(msg.minibatch_sizes),
+                minibatch_loss_tokens=list(msg.minibatch_loss_tokens),
+                minibatch_loss_seqs=list(msg.minibatch_loss_seqs),
             )
+        if audited:
+            prox = self.trainer.last_prox
+            assert prox is not None  # the step just taken kept it
+            audit.save_batch(self.config.run_path(), msg.step, self.rank, batch, prox, msg.version)
         version = msg.version + 1
         if msg.replay and version < self.resume_to:
             return stats, None, ""
@@ -308,7 +325,7 @@ class TrainerWorker(Worker):
         path = save_checkpoint(
             self.trainer.model,
             self.trainer.optimizer,
-            self.config.run_dir,
+            self.config.run_path(),
             msg.step,
             version,
             self.config.trainer.keep_checkpoints,
@@ -322,7 +339,7 @@ class TrainerWorker(Worker):
     ) -> dict[str, float]:
         """Largest |difference| between the weights after the replay and those the lost
         trainer published for `version` (disk mode: they are still kept)."""
-        published = version_dir(self.config.run_dir, version)
+        published = version_dir(self.config.run_path(), version)
         if not published.exists():
             return {}
         saved = load_tensors(published)
@@ -365,6 +382,11 @@ class TrainerWorker(Worker):
         return self._weights
 
     def _join_weights_group(self, msg: JoinGroup) -> None:
+        if self._store is None:
+            raise RuntimeError(
+                f"rank {self.rank} hosts no store to form the weights group: only rank 0 of a "
+                "collective-mode run joins it"
+            )
         joined = self._weights_member().join(msg, self._store)  # rank 0 hosts the store
         self.spawn(report_weights_op(self.send, msg.generation, joined, "join"), "join-weights")
 
@@ -393,7 +415,7 @@ class TrainerWorker(Worker):
             )
             return
         if self.rank == 0 and self.version > 0 and self.finished:
-            target = Path(self.config.run_dir) / "final_model"
+            target = self.config.run_path() / "final_model"
             try:
                 await asyncio.to_thread(write_directory, target, self._save_final)
             except OSError as err:  # a full disk: the previous final_model/ (if any) stays
@@ -416,7 +438,7 @@ class TrainerWorker(Worker):
             self.model.save_pretrained(target, safe_serialization=True)
         cfg = self.config.model
         load_tokenizer(
-            cfg.tokenizer_path or cfg.path,
+            cfg.tokenizer_dir(),
             trust_remote_code=cfg.trust_remote_code,
             cache_dir=self.config.cache_dir,
         ).save_pretrained(target)
@@ -426,7 +448,7 @@ class TrainerWorker(Worker):
         checkpoint, loadable without PEFT) and the adapter itself in `adapter/`."""
         cfg = self.config
         adapters = dict(final if final is not None else adapter_tensors(self.model))
-        merged = merge_into_base(load_tensors(cfg.model.path), adapters, cfg.trainer.lora)
+        merged = merge_into_base(load_tensors(cfg.model.model_dir()), adapters, cfg.trainer.lora)
         target.mkdir(parents=True)
         save_tensors(target, merged, metadata={"version": str(self.version)})
         self.model.config.save_pretrained(target)

@@ -12,7 +12,7 @@ from areal.messages import EpisodeEnd
 from areal.models.tokenizer import load_tokenizer
 from areal.tasks.base import Verdict
 from areal.workers.rollout.engine import FinishReason, SamplingParams
-from areal.workers.rollout.episode import EpisodeLimits, EpisodeRunner
+from areal.workers.rollout.episode import EpisodeLimits, EpisodeResult, EpisodeRunner
 from areal.workers.rollout.interruptible import InterruptibleGenerator
 
 
@@ -76,3 +76,14 @@ async def test_the_token_budget_covers_model_and_observation_tokens(make_runner)
     runner, _ = await make_runner(["y\n"], max_turns=10)
     result = await runner.run("e5", [5, 6, 7], SamplingParams(max_new_tokens=8))
     assert result.end is EpisodeEnd.TOKEN_LIMIT and len(result.token_ids) <= 8
+
+
+def test_model_tokens_carry_log_probs_and_versions_and_observations_neither():
+    result = EpisodeResult()
+    result.append([5, 6], [-0.5, -0.25], [3, 3])
+    result.append([7], None, None)  # an observation
+    assert result.logprobs == [-0.5, -0.25, 0.0] and result.versions == [3, 3, -1]
+    assert result.loss_mask == [True, True, False]
+    with pytest.raises(ValueError, match="observation tokens with neither"):
+        result.append([8], [-1.0], None)
+    assert result.token_ids == [5, 6, 7]  # the refused tokens are not half-appended

@@ -8,6 +8,7 @@ import asyncio
 import threading
 from types import SimpleNamespace
 
+import pytest
 from rollout_helpers import random_prompts
 from safetensors.torch import load_file
 
@@ -52,6 +53,16 @@ async def test_a_worker_behind_skips_pruned_disk_versions(make_engine, weights_d
         await asyncio.gather(loop, return_exceptions=True)
     assert [m.version for m in sent] == [5]
     assert worker.generator.version == 5 and result.versions == [5] * 6
+
+
+def test_a_disk_update_without_a_path_is_refused_before_new_requests_wait_on_it(tmp_path):
+    worker = RolloutWorker("tcp://127.0.0.1:1", "rollout-test", secret="")
+    worker.config = load_config()
+    worker.generator = SimpleNamespace(hold_new_requests=lambda: None)
+    worker._updates = asyncio.Queue()
+    with pytest.raises(ValueError, match="disk update to version 2 names no path"):
+        worker._on_update(UpdateWeights(version=2, mode="disk"))
+    assert worker._updates.empty()
 
 
 class ReceivedWeights:

@@ -299,8 +299,7 @@ async def start_agents(
     from areal.models.tokenizer import load_tokenizer
     from areal.tasks import load_task
 
-    function, model = cfg.agent.function, cfg.model.tokenizer_path or cfg.model.path
-    assert model is not None  # the controller resolves model.path before workers start
+    function, model = cfg.agent.function, cfg.model.tokenizer_dir()
 
     def build() -> tuple[ChatFormat, AgentFunction, Task]:
         tokenizer = load_tokenizer(
