@@ -13,7 +13,6 @@ every method writes what to send into an Outbox.
 
 from __future__ import annotations
 
-from typing import cast
 
 from areal import clock
 from areal.config import RunConfig
@@ -23,7 +22,7 @@ from areal.controller.outbox import Outbox
 from areal.controller.pool import WorkerHandle, WorkerPool
 from areal.controller.room import WorkerRoom
 from areal.messages import Cancel, Generate
-from areal.seeds import eval_sample_seed, train_sample_seed
+from areal.seeds import eval_group_seeds, train_group_seeds
 
 
 class Generation:
@@ -68,8 +67,9 @@ class Generation:
         group = self.ledger.groups[samples[0].group_id]
         rollout = self.cfg.rollout
         training = group.purpose is Purpose.TRAIN
-        if samples[0].seed is None:
-            self._write_seeds(group)
+        seeds = group.seeds
+        if seeds is None:
+            seeds = group.seeds = self._seeds(group)
         return Generate(
             request_ids=[sample.request_id for sample in samples],
             prompt_ids=group.prompt_ids,
@@ -77,24 +77,20 @@ class Generation:
             temperature=rollout.temperature if training else self.cfg.eval.temperature,
             top_p=rollout.top_p if training else 1.0,
             stop_token_ids=self.stop_token_ids,
-            seeds=cast("list[int]", [sample.seed for sample in samples]),  # written above
+            seeds=[seeds[sample.index] for sample in samples],
             **episode_fields(self.cfg, group.prompt),
         )
 
-    def _write_seeds(self, group: Group) -> None:
-        """Every sample of `group` its seed: its sampling stream, named by what it is
-        (areal.seeds), the same for every attempt, every worker and every run with this
-        seed. A group's at once, at its first dispatch: one hash per sample in one loop
-        rather than some in each Generate (a group is often spread over many workers), and
-        none again when a sample is sent again."""
-        run_seed = self.cfg.seed
+    def _seeds(self, group: Group) -> list[int]:
+        """Each sample's seed of `group`, by index: its sampling stream, named by what it
+        is (areal.seeds), the same for every attempt, every worker and every run with this
+        seed. Taken at the group's first dispatch, for the whole group in one hash call,
+        and kept on the group (`Group.seeds`): a group is often spread over many workers,
+        and a sample sent again keeps its seed."""
+        size = len(group.samples)
         if group.purpose is Purpose.TRAIN:
-            for sample in group.samples:
-                sample.seed = train_sample_seed(run_seed, group.position, sample.index)
-        else:
-            prompt_id = group.prompt.prompt_id
-            for sample in group.samples:
-                sample.seed = eval_sample_seed(run_seed, prompt_id, sample.index)
+            return train_group_seeds(self.cfg.seed, group.position, size)
+        return eval_group_seeds(self.cfg.seed, group.prompt.prompt_id, size)
 
     def cancel(self, generating: dict[bytes, list[str]], out: Outbox) -> None:
         """Cancel these requests (by rollout worker identity); a cancelled request is never

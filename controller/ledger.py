@@ -64,9 +64,6 @@ class Sample:
     submitted_at: float = 0.0
     num_score_failures: int = 0
     """Checks of it that ended without a verdict (controller/reward_faults.py)."""
-    seed: int | None = None
-    """The seed of its sampling stream (areal.seeds), the same for every attempt: written
-    for the whole group at its first dispatch (controller/generation.py), None before."""
     segments: list[Trajectory] = field(default_factory=list)
     """Agent episodes: the training segments before the last (`trajectory`), each with its
     own prompt and reward (areal.tasks.agent); empty for everything else."""
@@ -118,7 +115,7 @@ class Sample:
                 None,
                 None,
             )
-            sample.submitted_at, sample.num_score_failures, sample.seed = 0.0, 0, None
+            sample.submitted_at, sample.num_score_failures = 0.0, 0
             sample.segments, sample.request_id = [], prefix + suffix
             samples.append(sample)
         return samples
@@ -160,6 +157,9 @@ class Group:
     num_done: int = 0
     """Samples done (scored), counted so that each sample scored does not look at all of
     its group's (`Ledger.finish_scoring`)."""
+    seeds: list[int] | None = None
+    """Its samples' sampling seeds, by index (areal.seeds), the same for every attempt:
+    written at its first dispatch (controller/generation.py), None before."""
     eval_round: int = -1
     position: int = -1
     """Training groups: the prompt's draw position in the task's stream (RunSetup)."""

@@ -11,16 +11,25 @@ from areal.seeds import (
     SEED_BITS,
     continuation_seed,
     derive_seed,
+    eval_group_seeds,
     eval_sample_seed,
+    train_group_seeds,
     train_sample_seed,
     uniform,
 )
 
+GOLDEN_TRAIN = 7115781634935833515
+"""The first 8 bytes of SHAKE-128("str:train\x1fint:1\x1fint:0"), little-endian, >> 1."""
+GOLDEN_EVAL = 3329618004147204468
+GOLDEN_CONTINUE = 5605675114603067850
+
 
 def test_seeds_are_golden_values_the_same_on_every_machine():
-    # BLAKE2b of the parts' text: no dependence on PYTHONHASHSEED, platform or version.
-    assert train_sample_seed(1, 0, 0) == 8908042596128927087
-    assert eval_sample_seed(1, "eval-0", 0) == 3954305059170323206
+    # SHAKE-128 and BLAKE2b of the parts' text: no dependence on PYTHONHASHSEED, platform
+    # or version.
+    assert train_sample_seed(1, 0, 0) == GOLDEN_TRAIN
+    assert eval_sample_seed(1, "eval-0", 0) == GOLDEN_EVAL
+    assert derive_seed("continue", 5, 3) == continuation_seed(5, 3) == GOLDEN_CONTINUE
     assert uniform(5, 0) == 0.9172965288162231 and uniform(5, 1) == 0.8446887135505676
 
 
@@ -36,13 +45,17 @@ def test_each_name_gets_its_own_seed_in_range():
     assert derive_seed(1) != derive_seed("1")
 
 
-def test_a_training_seed_is_derive_seed_of_its_parts_whatever_their_int_type():
-    # train_sample_seed writes derive_seed's text itself for plain ints (once per sample
-    # dispatched); any other integer type goes through derive_seed.
-    for run, position, index in [(0, 0, 0), (1, 5, 15), (-3, 1 << 40, 7)]:
-        assert train_sample_seed(run, position, index) == derive_seed("train", run, position, index)
-    assert train_sample_seed(np.int64(1), 0, 0) == derive_seed("train", np.int64(1), 0, 0)
-    assert train_sample_seed(np.int64(1), 0, 0) != train_sample_seed(1, 0, 0)  # "int64:1"
+def test_a_groups_seeds_are_its_samples_whatever_the_group_size_or_int_type():
+    # One hash call for a group (its stream's first words): sample i's seed is the same
+    # alone, in a group of any size, and with plain ints written out or not ("int64:1" is
+    # another name than "int:1").
+    for run, position, size in [(0, 0, 1), (1, 5, 16), (-3, 1 << 40, 64)]:
+        group = train_group_seeds(run, position, size)
+        assert group == [train_sample_seed(run, position, i) for i in range(size)]
+        assert train_group_seeds(run, position, size + 3)[:size] == group
+    assert eval_group_seeds(1, "p", 4) == [eval_sample_seed(1, "p", i) for i in range(4)]
+    assert train_group_seeds(np.int64(1), 0, 2) != train_group_seeds(1, 0, 2)
+    assert train_group_seeds(1, 0, 2) != eval_group_seeds(1, "0", 2)
 
 
 def test_a_continuation_at_zero_tokens_is_the_request_itself():

@@ -104,7 +104,7 @@ def test_each_sample_is_sent_with_its_own_seed_named_by_what_it_is(tmp_path, mon
     generation.room.offer(worker)
     hashed = []
     monkeypatch.setattr(
-        "areal.controller.generation.train_sample_seed", lambda *a: hashed.append(a) or 0
+        "areal.controller.generation.train_group_seeds", lambda *a: hashed.append(a) or [0, 0]
     )
     out = Outbox()
     generation.dispatch(out)
