@@ -151,7 +151,7 @@ def message(kind: MsgType):
 
 
 @message(MsgType.REGISTER)
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Register:
     """Worker -> controller, first message on a new connection."""
 
@@ -168,7 +168,7 @@ class Register:
 
 
 @message(MsgType.WELCOME)
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Welcome:
     """Controller -> worker: the resolved run config and where the policy stands."""
 
@@ -184,7 +184,7 @@ class Welcome:
 
 
 @message(MsgType.READY)
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Ready:
     """Worker -> controller: set up (model loaded) and serving policy `version`; send work."""
 
@@ -195,7 +195,7 @@ class Ready:
 
 
 @message(MsgType.HEARTBEAT)
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Heartbeat:
     """Both directions, every heartbeat interval (`RunConfig.heartbeat_interval`) in which
     the side sent the other nothing else: each declares the other lost after
@@ -205,7 +205,7 @@ class Heartbeat:
 
 
 @message(MsgType.GENERATE)
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Generate:
     """Controller -> rollout worker: sample one completion of the prompt for each request id:
     the samples of one group that one dispatch sends to this worker (controller/
@@ -247,7 +247,7 @@ class Generate:
 
 
 @message(MsgType.GENERATED)
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Generated:
     """Rollout worker -> controller: a finished completion with per-token provenance."""
 
@@ -325,7 +325,7 @@ confused or hostile peer) go through numpy, which bounds the time any message ta
 
 
 @message(MsgType.COMPLETIONS)
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Completions:
     """Rollout worker -> controller: single completions (no episode, no agent), of any of
     its requests, sent together once its engine has a free slot and nothing queued for it
@@ -486,7 +486,7 @@ def _joined(arrays: list[np.ndarray]) -> np.ndarray:
 
 
 @message(MsgType.CANCEL)
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Cancel:
     """Controller -> rollout worker: drop these requests (their results are not wanted)."""
 
@@ -494,7 +494,7 @@ class Cancel:
 
 
 @message(MsgType.UPDATE_WEIGHTS)
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class UpdateWeights:
     """Controller -> rollout worker: serve policy `version` from now on."""
 
@@ -514,7 +514,7 @@ class UpdateWeights:
 
 
 @message(MsgType.WEIGHTS_CHUNK)
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class WeightsChunk:
     """Trainer -> controller -> rollout workers: one bucket of a weight version (stream)."""
 
@@ -526,7 +526,7 @@ class WeightsChunk:
 
 
 @message(MsgType.WEIGHTS_UPDATED)
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class WeightsUpdated:
     """Rollout worker -> controller: now serving `version`; or, with `error`, loading
     `version` failed and the worker still serves its previous weights (the controller sends
@@ -540,7 +540,7 @@ class WeightsUpdated:
 
 
 @message(MsgType.TRAIN)
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Train:
     """Controller -> trainer: one training step on a packed batch (see areal.types.PackedBatch)."""
 
@@ -573,7 +573,7 @@ class Train:
 
 
 @message(MsgType.TRAINED)
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Trained:
     """Trainer -> controller: the step is done and weights `version` are published."""
 
@@ -595,7 +595,7 @@ class Trained:
 
 
 @message(MsgType.JOIN_GROUP)
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class JoinGroup:
     """Controller -> worker: join a torch.distributed process group (leaving any earlier
     generation of it). The worker answers GroupStatus."""
@@ -615,7 +615,7 @@ class JoinGroup:
 
 
 @message(MsgType.GROUP_STATUS)
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class GroupStatus:
     """Worker -> controller: the outcome of a JoinGroup, or a failed collective in a group."""
 
@@ -626,7 +626,7 @@ class GroupStatus:
 
 
 @message(MsgType.BROADCAST_WEIGHTS)
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class BroadcastWeights:
     """Controller -> trainer rank 0: broadcast published version `version` in weights-group
     `generation` (the rollout workers got the matching UpdateWeights)."""
@@ -636,7 +636,7 @@ class BroadcastWeights:
 
 
 @message(MsgType.SCORE)
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Score:
     """Controller -> reward worker: score completions of one prompt, together.
 
@@ -653,7 +653,7 @@ class Score:
 
 
 @message(MsgType.SCORED)
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Scored:
     """Reward worker -> controller: the outcome of each completion of one Score, in order."""
 
@@ -665,7 +665,7 @@ class Scored:
 
 
 @message(MsgType.SHUTDOWN)
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Shutdown:
     """Controller -> worker: exit (exit code 0; REJOIN_EXIT_CODE when `rejoin`)."""
 
@@ -683,7 +683,7 @@ REJOIN_EXIT_CODE = 75
 
 
 @message(MsgType.WORKER_ERROR)
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class WorkerError:
     """Worker -> controller: something failed. `request_id` names the work item if any."""
 

@@ -143,7 +143,7 @@ class Dropped:
     """Completion tokens generated for the group and thrown away."""
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Group:
     group_id: int
     purpose: Purpose

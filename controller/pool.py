@@ -58,7 +58,7 @@ class WorkerProcess(Protocol):
     def wait(self, timeout: float | None = None) -> int | None: ...
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class WorkerHandle:
     worker_id: str
     kind: WorkerKind

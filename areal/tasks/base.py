@@ -38,7 +38,7 @@ class Verdict(str, enum.Enum):
         return self in (Verdict.TIMEOUT, Verdict.MEMORY, Verdict.ERROR)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RewardOutcome:
     reward: float
     verdict: Verdict
@@ -46,7 +46,7 @@ class RewardOutcome:
     """Human-readable reason, e.g. the first failing test or the error message."""
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Prompt:
     prompt_id: str
     """Stable id within the task's split (used for counting and deduplication)."""

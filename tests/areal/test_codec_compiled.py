@@ -6,6 +6,7 @@ unknown fields."""
 
 from __future__ import annotations
 
+import dataclasses
 import msgpack
 import numpy as np
 import pytest
@@ -46,7 +47,7 @@ def _decoded(frames, compiled: bool):
         msg = decode(frames, compiled=compiled)
     except messages.MessageError as err:
         return "error", str(err)
-    return "ok", {name: _plain(getattr(msg, name)) for name in vars(msg)}
+    return "ok", {f.name: _plain(getattr(msg, f.name)) for f in dataclasses.fields(msg)}
 
 
 def _both(kind, header, frames):
