@@ -18,6 +18,7 @@ clocks of its own.
 
 from __future__ import annotations
 
+import array
 import collections
 import enum
 import functools
@@ -27,7 +28,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from areal.messages import Completions, EpisodeEnd, Generated
+from areal.messages import Completions, EpisodeEnd, FinishReason, Generated
 from areal.tasks.base import Prompt, RewardOutcome, Verdict
 from areal.types import Trajectory, VersionRuns
 
@@ -163,10 +164,24 @@ class Group:
     eval_round: int = -1
     position: int = -1
     """Training groups: the prompt's draw position in the task's stream (RunSetup)."""
+    step_values: array.array = field(default_factory=lambda: array.array("d"))
+    """Its part of the step record, written as it happens: for each sample (by index),
+    STEP_COLUMNS float64s: its trajectory's oldest version, tokens, prompt tokens, reward,
+    whether it was cut at the length limit, interruptions. The ledger writes them where it
+    has the values at hand (a completion recorded, a reward), so that the step record
+    (`report.step_columns`) reads one buffer per group instead of every trajectory, whose
+    objects are out of the CPU's caches by the time the group completes. Not used for a
+    group with an agent episode's segments (`segmented`): a sample is then several
+    trajectories."""
+    num_ok: int = 0
+    """Samples whose verdict is ok (counted by `Ledger.scored`)."""
+    segmented: bool = False
+    """A sample of it is an agent episode of several training segments."""
+    episodes: bool = False
+    """A sample of it is an episode (its trajectory carries the episode's counts)."""
     step_columns: StepColumns | None = None
     """A complete training group's part of its step record (`StepReport.completed`), kept
-    from when its last reward came in: its samples were handled moments before, so they are
-    read from the caches then rather than from memory at the step."""
+    from when its last reward came in."""
 
     @property
     def done(self) -> bool:
@@ -176,6 +191,24 @@ class Group:
         """Every training sequence of the group (an agent episode may have several); called on
         a done group, whose samples all hold their trajectory."""
         return [t for s in self.samples for t in s.trajectories()]
+
+
+STEP_COLUMNS = 6
+"""Values per trajectory in `Group.step_values` (report.StepColumns' columns)."""
+_REWARD = 3
+"""The reward's place among them."""
+
+
+def trajectory_step_values(trajectory: Trajectory) -> tuple[float, ...]:
+    """A trajectory's values in a step record (`Group.step_values`' columns, in order)."""
+    return (
+        trajectory.oldest_version(),
+        trajectory.num_tokens,
+        trajectory.num_prompt_tokens,
+        trajectory.reward,
+        trajectory.finish_reason == FinishReason.LENGTH.value,
+        trajectory.timings.get("interruptions", 0),
+    )
 
 
 class Ledger:
@@ -212,6 +245,7 @@ class Ledger:
             admitted_version=version,
             eval_round=eval_round,
             position=position,
+            step_values=array.array("d", bytes(8 * STEP_COLUMNS * size)),
         )
         self._next_group_id += 1
         group.samples = Sample.first_attempts(group.group_id, size)
@@ -279,6 +313,15 @@ class Ledger:
                     ),
                 )
         sample.trajectory.timings["interruptions"] = float(msg.num_interruptions)
+        if msg.episode_end is not None:
+            group.episodes = True
+        if msg.segment_prompt_lens:
+            group.segmented = True
+        else:  # its reward is written when it comes (`scored`)
+            at = sample.index * STEP_COLUMNS
+            group.step_values[at : at + STEP_COLUMNS] = array.array(
+                "d", trajectory_step_values(sample.trajectory)
+            )
         sample.stage, sample.worker = Stage.SCORING, None
         group.num_generated += 1
         return sample
@@ -299,7 +342,7 @@ class Ledger:
         output_ids, logprobs = msg.output_ids, msg.logprobs
         run_versions, run_lengths = msg.run_versions, msg.run_lengths
         oldest = run_versions.tolist()  # a Python int per run: no numpy scalar per completion
-        generating, scoring = Stage.GENERATING, Stage.SCORING
+        generating, scoring, cut = Stage.GENERATING, Stage.SCORING, FinishReason.LENGTH
         recorded = []
         start = first = 0
         for request_id, length, count, reason, interruptions, generation_s in zip(
@@ -317,15 +360,17 @@ class Ledger:
                 start, first = end, last
                 continue
             group = groups[sample.group_id]
+            prompt_ids = group.prompt_ids
+            num_prompt = len(prompt_ids)
             versions = VersionRuns(run_versions[first:last], run_lengths[first:last])
-            kept = plain and group.prompt_ids.dtype is int32  # else converted
+            kept = plain and prompt_ids.dtype is int32  # else converted
             build: Callable[..., Trajectory] = (
                 Trajectory.from_checked if kept else Trajectory.from_generation
             )
             sample.trajectory = build(
                 prompt_id=group.prompt.prompt_id,
                 group_id=group.group_id,
-                prompt_ids=group.prompt_ids,
+                prompt_ids=prompt_ids,
                 output_ids=output_ids[start:end],
                 output_logprobs=logprobs[start:end],
                 output_versions=versions if kept else versions.expanded(),
@@ -337,6 +382,13 @@ class Ledger:
                     "interruptions": float(interruptions),
                 },
             )
+            # `trajectory_step_values`, from the message's values at hand (reward: `scored`)
+            at, values = sample.index * STEP_COLUMNS, group.step_values
+            values[at] = oldest[first]
+            values[at + 1] = num_prompt + length
+            values[at + 2] = num_prompt
+            values[at + 4] = reason is cut
+            values[at + 5] = interruptions
             sample.stage, sample.worker = scoring, None
             group.num_generated += 1
             recorded.append(sample)
@@ -387,6 +439,8 @@ class Ledger:
         sample.verdict = verdict
         sample.stage, sample.worker = Stage.DONE, None
         group = self.groups[sample.group_id]
+        group.step_values[sample.index * STEP_COLUMNS + _REWARD] = reward
+        group.num_ok += verdict is Verdict.OK
         group.num_done += 1
         if not group.done:
             return None

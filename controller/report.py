@@ -20,7 +20,7 @@ from areal.tasks.base import Verdict
 from areal.types import Trajectory
 from areal.controller.episodes import episode_metrics
 from areal.config import RunConfig
-from areal.controller.ledger import Dropped, Group
+from areal.controller.ledger import STEP_COLUMNS, Dropped, Group, trajectory_step_values
 
 
 class StepColumns(NamedTuple):
@@ -37,27 +37,25 @@ class StepColumns(NamedTuple):
 
 def step_columns(group: Group) -> StepColumns:
     """`group`'s part of its step record (a complete training group: rewarded, never to
-    change), computed on the first call and kept on the group (`Group.step_columns`). The
-    controller asks as the group completes (`StepReport.completed`), when its samples were
-    just handled and are in the caches; at the step they would be read from memory, one
-    group of thousands at a time."""
-    if group.step_columns is None:
+    change), computed on the first call and kept on the group (`Group.step_columns`); the
+    controller asks as the group completes (`StepReport.completed`). The ledger wrote each
+    sample's values as its completion and its reward came in (`Group.step_values`); a group
+    with an agent episode's segments (several trajectories a sample), or one the ledger did
+    not build, is read off its trajectories and samples."""
+    if group.step_columns is not None:
+        return group.step_columns
+    if not group.segmented and len(group.step_values) == STEP_COLUMNS * len(group.samples):
+        group.step_columns = StepColumns(
+            columns=np.frombuffer(group.step_values, np.float64).reshape(-1, STEP_COLUMNS),
+            num_ok=group.num_ok,
+            episodes=group.episodes,
+        )
+    else:
         trajectories = group.trajectories()
         group.step_columns = StepColumns(
             columns=np.array(
-                [
-                    (
-                        t.oldest_version(),
-                        t.num_tokens,
-                        t.num_prompt_tokens,
-                        t.reward,
-                        t.finish_reason == "length",
-                        t.timings.get("interruptions", 0),
-                    )
-                    for t in trajectories
-                ],
-                dtype=np.float64,
-            ).reshape(-1, 6),
+                [trajectory_step_values(t) for t in trajectories], dtype=np.float64
+            ).reshape(-1, STEP_COLUMNS),
             num_ok=sum(s.verdict is Verdict.OK for s in group.samples),
             episodes=any(t.episode for t in trajectories),
         )

@@ -3,6 +3,7 @@ when the group completes (`step_columns`), the same as read at the step."""
 
 from __future__ import annotations
 
+import array
 import dataclasses
 
 import numpy as np
@@ -10,7 +11,7 @@ import numpy as np
 from decisions import Decisions, config, generated, scored
 
 from areal.controller.report import StepReport, step_columns
-from areal.messages import FinishReason, WorkerKind
+from areal.messages import Completions, FinishReason, WorkerKind
 from areal.tasks.base import Verdict
 
 
@@ -64,6 +65,38 @@ def test_a_groups_part_of_the_step_record_is_read_as_it_completes(tmp_path):
     )
     assert part.num_ok == 1 and not part.episodes
     assert step_columns(groups[0]) is part  # read once
+
+
+def test_the_values_the_ledger_writes_are_those_read_off_the_trajectories(tmp_path):
+    """A group answered in one Completions (mixed versions, one cut and interrupted) and one
+    answered a completion at a time: the step values the ledger wrote as completions and
+    rewards came in equal those read off the group's trajectories and samples."""
+    run = Decisions(config(tmp_path, "trainer.batch_size=4"), tmp_path)
+    run.admit(2)
+    rollout, reward = run.join(WorkerKind.ROLLOUT), run.join(WorkerKind.REWARD)
+    run.core.weights.version = 2
+    mixed = generated("g0-s0-a0", num_tokens=5, version=2, num_interruptions=1)
+    mixed.versions = np.array([1, 1, 2, 2, 2], np.int32)
+    cut = generated("g0-s1-a0", num_tokens=7, version=1, num_interruptions=3)
+    cut.finish_reason = FinishReason.LENGTH
+    run.on(rollout.identity, Completions.of([mixed, cut]))
+    run.on(
+        reward.identity, scored(["g0-s0-a0", "g0-s1-a0"], [0.0, 1.0], [Verdict.WRONG, Verdict.OK])
+    )
+    _complete(run, 1, rollout, reward)
+    groups = list(run.core.ledger.buffer)
+    assert len(groups) == 2
+    for group in groups:
+        written = step_columns(group)
+        group.step_columns, group.step_values = None, array.array("d")  # as if never written
+        read = step_columns(group)
+        np.testing.assert_array_equal(written.columns, read.columns)
+        assert (written.num_ok, written.episodes) == (read.num_ok, read.episodes) == (1, False)
+    prompt = len(groups[0].prompt_ids)
+    np.testing.assert_array_equal(
+        groups[0].step_columns.columns,
+        [[1, prompt + 5, prompt, 0.0, 0, 1], [1, prompt + 7, prompt, 1.0, 1, 3]],
+    )
 
 
 def test_the_step_record_of_a_batch(tmp_path):
