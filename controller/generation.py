@@ -13,7 +13,6 @@ every method writes what to send into an Outbox.
 
 from __future__ import annotations
 
-
 from areal import clock
 from areal.config import RunConfig
 from areal.controller.episodes import episode_fields

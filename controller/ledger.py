@@ -110,12 +110,8 @@ class Sample:
         for index, suffix in enumerate(_first_suffixes(size)):
             sample = new(cls)
             sample.group_id, sample.index, sample.attempt = group_id, index, 0
-            sample.stage, sample.worker, sample.trajectory, sample.verdict = (
-                pending,
-                None,
-                None,
-                None,
-            )
+            sample.stage, sample.worker = pending, None
+            sample.trajectory, sample.verdict = None, None
             sample.submitted_at, sample.num_score_failures = 0.0, 0
             sample.segments, sample.request_id = [], prefix + suffix
             samples.append(sample)

@@ -128,12 +128,13 @@ class RolloutWorker(Worker):
         if msg.mode == "collective":
             self._on_collective_update(msg)
             return
+        if msg.mode in ("disk", "shm") and not msg.path:  # refused before anything waits on it
+            raise ValueError(f"{msg.mode} update to version {msg.version} names no path")
         # Block new requests *now*, before any later Generate is handled: their tokens must
         # carry the new version.
         self.generator.hold_new_requests()
         if msg.mode in ("disk", "shm"):
-            if not msg.path:
-                raise ValueError(f"{msg.mode} update to version {msg.version} names no path")
+            assert msg.path  # checked above
             self._updates.put_nowait((msg, path_source(self.config, msg.path, msg.version)))
         elif msg.mode == "stream":
             self._stream = (msg, [])

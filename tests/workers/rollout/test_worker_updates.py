@@ -58,11 +58,12 @@ async def test_a_worker_behind_skips_pruned_disk_versions(make_engine, weights_d
 def test_a_disk_update_without_a_path_is_refused_before_new_requests_wait_on_it(tmp_path):
     worker = RolloutWorker("tcp://127.0.0.1:1", "rollout-test", secret="")
     worker.config = load_config()
-    worker.generator = SimpleNamespace(hold_new_requests=lambda: None)
+    held = []
+    worker.generator = SimpleNamespace(hold_new_requests=lambda: held.append(True))
     worker._updates = asyncio.Queue()
     with pytest.raises(ValueError, match="disk update to version 2 names no path"):
         worker._on_update(UpdateWeights(version=2, mode="disk"))
-    assert worker._updates.empty()
+    assert worker._updates.empty() and not held  # new requests were never held for it
 
 
 class ReceivedWeights:
