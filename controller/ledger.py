@@ -62,12 +62,18 @@ class Sample:
     """Identity of the worker holding it now (rollout while generating, reward while scoring)."""
     trajectory: Trajectory | None = None
     verdict: Verdict | None = None
+    reward: float = 0.0
+    """Its reward, once scored (also its trajectory's, and in its group's step values)."""
     submitted_at: float = 0.0
     num_score_failures: int = 0
     """Checks of it that ended without a verdict (controller/reward_faults.py)."""
     segments: list[Trajectory] = field(default_factory=list)
     """Agent episodes: the training segments before the last (`trajectory`), each with its
     own prompt and reward (areal.tasks.agent); empty for everything else."""
+    recorded: Recorded | None = field(default=None, compare=False, repr=False)
+    """A completion of a Completions message, recorded (`Ledger.finish_completions`) and
+    not yet read as a Trajectory: where it lies in the message. `generated` builds the
+    trajectory from it when first read, usually on the thread that packs the batch."""
     request_id: str = field(init=False)
     """'g<group>-s<index>-a<attempt>': written once per attempt, read for every message
     about the sample (thousands of Generates and Generateds per step at cluster scale)."""
@@ -78,9 +84,36 @@ class Sample:
     @property
     def generated(self) -> Trajectory:
         """Its trajectory, read once it is generated (the last segment of an agent
-        episode)."""
-        assert self.trajectory is not None, f"{self.request_id} is not generated"
+        episode); built on the first read from a recorded completion. A training sample's is
+        first read on the packing thread (controller/train_driver.py), which holds the batch's
+        groups alone once they leave the buffer, so no other thread builds it at once."""
+        if self.trajectory is None:
+            assert self.recorded is not None, f"{self.request_id} is not generated"
+            self.trajectory = _recorded_trajectory(self, self.recorded)
         return self.trajectory
+
+    @property
+    def is_generated(self) -> bool:
+        return self.trajectory is not None or self.recorded is not None
+
+    @property
+    def is_episode(self) -> bool:
+        """Generated as an episode (a recorded completion never is)."""
+        return self.trajectory is not None and bool(self.trajectory.episode)
+
+    def num_output_tokens(self) -> int:
+        """Tokens generated for it (generated), every segment's, without building its
+        trajectory."""
+        if self.trajectory is None and self.recorded is not None:
+            return self.recorded[3] - self.recorded[2]
+        return sum(t.num_tokens - t.num_prompt_tokens for t in self.trajectories())
+
+    def output_ids(self) -> np.ndarray:
+        """Its completion's token ids, [T] (generated), without building its trajectory."""
+        if self.trajectory is None and self.recorded is not None:
+            msg, _, start, end = self.recorded[:4]
+            return msg.output_ids[start:end]
+        return self.generated.output_ids
 
     @property
     def judged(self) -> Verdict:
@@ -111,7 +144,8 @@ class Sample:
             sample = new(cls)
             sample.group_id, sample.index, sample.attempt = group_id, index, 0
             sample.stage, sample.worker = pending, None
-            sample.trajectory, sample.verdict = None, None
+            sample.trajectory, sample.verdict, sample.recorded = None, None, None
+            sample.reward = 0.0
             sample.submitted_at, sample.num_score_failures = 0.0, 0
             sample.segments, sample.request_id = [], prefix + suffix
             samples.append(sample)
@@ -326,29 +360,26 @@ class Ledger:
         """Record the completions of `msg`, every one of which `checks.completions_fit`
         accepted (so each has at least one token and versions that never drop, its first
         run its oldest): the samples recorded, in order; a stale completion is left out.
-        What `finish_generation` does for each, with the message's bookkeeping done once:
-        each trajectory keeps views of the message's arrays and its version runs
-        (`Trajectory.from_checked`; arrays of other dtypes are converted)."""
-        int32 = _INT32
-        plain = (
-            msg.output_ids.dtype is msg.run_versions.dtype is msg.run_lengths.dtype is int32
-            and msg.logprobs.dtype is _FLOAT32
-        )
+        What `finish_generation` does for each, with the message's bookkeeping done once,
+        except that no Trajectory is built here: each sample keeps where its completion
+        lies in `msg` (`Sample.recorded`), and its trajectory is built when first read,
+        which for a training sample is when its batch is packed, on the packing thread.
+        At cluster scale the controller records tens of thousands of completions a step,
+        and building their trajectories was most of this loop's time."""
         by_request, groups = self.by_request, self.groups
-        output_ids, logprobs = msg.output_ids, msg.logprobs
-        run_versions, run_lengths = msg.run_versions, msg.run_lengths
-        oldest = run_versions.tolist()  # a Python int per run: no numpy scalar per completion
+        oldest = msg.run_versions.tolist()  # a Python int per run: no numpy scalar per completion
         generating, scoring, cut = Stage.GENERATING, Stage.SCORING, FinishReason.LENGTH
         recorded = []
         start = first = 0
-        for request_id, length, count, reason, interruptions, generation_s in zip(
-            msg.request_ids,
-            msg.lengths,
-            msg.num_runs,
-            msg.finish_reasons,
-            msg.num_interruptions,
-            msg.generation_s,
-            strict=True,
+        for i, (request_id, length, count, reason, interruptions) in enumerate(
+            zip(
+                msg.request_ids,
+                msg.lengths,
+                msg.num_runs,
+                msg.finish_reasons,
+                msg.num_interruptions,
+                strict=True,
+            )
         ):
             end, last = start + length, first + count
             sample = by_request.get(request_id)
@@ -356,29 +387,9 @@ class Ledger:
                 start, first = end, last
                 continue
             group = groups[sample.group_id]
-            prompt_ids = group.prompt_ids
-            num_prompt = len(prompt_ids)
-            versions = VersionRuns(run_versions[first:last], run_lengths[first:last])
-            kept = plain and prompt_ids.dtype is int32  # else converted
-            build: Callable[..., Trajectory] = (
-                Trajectory.from_checked if kept else Trajectory.from_generation
-            )
-            sample.trajectory = build(
-                prompt_id=group.prompt.prompt_id,
-                group_id=group.group_id,
-                prompt_ids=prompt_ids,
-                output_ids=output_ids[start:end],
-                output_logprobs=logprobs[start:end],
-                output_versions=versions if kept else versions.expanded(),
-                finish_reason=reason.value,
-                oldest_version=oldest[first],
-                timings={
-                    "submitted": sample.submitted_at,
-                    "generation": generation_s,
-                    "interruptions": float(interruptions),
-                },
-            )
+            sample.recorded = (msg, i, start, end, first, last, group.prompt, group.prompt_ids)
             # `trajectory_step_values`, from the message's values at hand (reward: `scored`)
+            num_prompt = len(group.prompt_ids)
             at, values = sample.index * STEP_COLUMNS, group.step_values
             values[at] = oldest[first]
             values[at + 1] = num_prompt + length
@@ -427,8 +438,10 @@ class Ledger:
 
     def scored(self, sample: Sample, reward: float, verdict: Verdict) -> Group | None:
         """`finish_scoring` of a sample being scored (`scoring` returned it)."""
-        assert sample.trajectory is not None  # scored samples were generated
-        sample.trajectory.reward = reward
+        assert sample.is_generated, sample  # scored samples were generated
+        sample.reward = reward
+        if sample.trajectory is not None:  # else given when it is built
+            sample.trajectory.reward = reward
         if sample.segments and verdict.is_error():  # a failed agent episode: no segment
             for segment in sample.segments:  # earns a reward
                 segment.reward = 0.0
@@ -528,7 +541,7 @@ class Ledger:
                 unfinished += 1
             else:
                 finished += 1
-                tokens += sum(t.num_tokens - t.num_prompt_tokens for t in sample.trajectories())
+                tokens += sample.num_output_tokens()
         if unfinished:
             self.pending = collections.deque(
                 s for s in self.pending if s.group_id != group.group_id
@@ -553,6 +566,47 @@ class Ledger:
         for sample in self.by_request.values():
             if purpose is None or self.groups[sample.group_id].purpose is purpose:
                 yield sample
+
+
+Recorded = tuple[Completions, int, int, int, int, int, Prompt, np.ndarray]
+"""Where a recorded completion lies (`Sample.recorded`): its message, its place in the
+message, its tokens' [start, end) and its version runs' [first, last) in the message's
+arrays, and its group's prompt and prompt ids. A tuple, built for every completion; it holds
+no Sample or Group, so that a sample and its group form no reference cycle."""
+
+
+def _recorded_trajectory(sample: Sample, recorded: Recorded) -> Trajectory:
+    """The trajectory of a completion `Ledger.finish_completions` recorded for `sample`: what
+    `finish_generation` builds from a Generated, with views of the message's arrays and its
+    version runs (`Trajectory.from_checked`; arrays of other dtypes are converted), and the
+    reward when it has one."""
+    msg, i, start, end, first, last, prompt, prompt_ids = recorded
+    versions = VersionRuns(msg.run_versions[first:last], msg.run_lengths[first:last])
+    kept = (
+        msg.output_ids.dtype is msg.run_versions.dtype is msg.run_lengths.dtype is _INT32
+        and prompt_ids.dtype is _INT32
+        and msg.logprobs.dtype is _FLOAT32
+    )
+    build: Callable[..., Trajectory] = (
+        Trajectory.from_checked if kept else Trajectory.from_generation
+    )
+    trajectory = build(
+        prompt_id=prompt.prompt_id,
+        group_id=sample.group_id,
+        prompt_ids=prompt_ids,
+        output_ids=msg.output_ids[start:end],
+        output_logprobs=msg.logprobs[start:end],
+        output_versions=versions if kept else versions.expanded(),
+        finish_reason=msg.finish_reasons[i].value,
+        oldest_version=int(msg.run_versions[first]),
+        timings={
+            "submitted": sample.submitted_at,
+            "generation": msg.generation_s[i],
+            "interruptions": float(msg.num_interruptions[i]),
+        },
+    )
+    trajectory.reward = sample.reward  # 0.0 until scored (`Ledger.scored`)
+    return trajectory
 
 
 def _segments(msg: Generated, group: Group) -> list[Trajectory]:

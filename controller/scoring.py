@@ -90,7 +90,7 @@ class Scoring:
             Score(
                 request_ids=[s.request_id for s in samples],
                 prompt_id=group.prompt.prompt_id,
-                completion_ids=[s.generated.output_ids for s in samples],
+                completion_ids=[s.output_ids() for s in samples],
                 reference=group.prompt.reference,
             ),
         )
@@ -208,7 +208,7 @@ class Scoring:
             outcome.verdict if outcome else None,
             sample.num_score_failures,
             group.purpose is Purpose.TRAIN,
-            retryable=not sample.generated.episode,
+            retryable=not sample.is_episode,
         )
         if action is Action.RETRY:
             self.score_again(sample, out)

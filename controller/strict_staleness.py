@@ -39,10 +39,7 @@ STALE = "stale"
 def oldest_version(group: Group) -> int | None:
     """Oldest policy version among the tokens generated for `group` so far; None if none."""
     versions = [
-        t.oldest_version()
-        for s in group.samples
-        if s.trajectory is not None
-        for t in s.trajectories()
+        t.oldest_version() for s in group.samples if s.is_generated for t in s.trajectories()
     ]
     versions = [v for v in versions if v != PROMPT_VERSION]  # an empty completion: no tokens
     return min(versions) if versions else None

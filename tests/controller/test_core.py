@@ -99,9 +99,7 @@ def test_a_groups_completions_in_one_message_send_the_group_for_scoring(run):
     assert run.core.report._generated_tokens == 6 and run.core.report.num_interruptions == 3
     assert sorted(score.request_ids) == ["g0-s0-a0", "g0-s1-a0"]
     assert not rollout.in_flight and reward.in_flight == {"g0-s0-a0", "g0-s1-a0"}
-    lengths = {
-        s.request_id: len(s.trajectory.output_ids) for s in run.core.ledger.groups[0].samples
-    }
+    lengths = {s.request_id: len(s.generated.output_ids) for s in run.core.ledger.groups[0].samples}
     assert lengths == {"g0-s0-a0": 4, "g0-s1-a0": 2}
 
 

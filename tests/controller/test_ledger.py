@@ -282,6 +282,7 @@ def test_completions_are_recorded_as_each_alone_would_be_and_a_stale_one_is_left
     msg.num_interruptions, msg.generation_s = [0, 2, 0], [1.5, 0.5, 0.1]
     assert ledger.finish_completions(msg, W1) == [a, b]  # c is W2's
     assert group.num_generated == 2 and c.stage is Stage.GENERATING
+    assert a.trajectory is None and b.trajectory is None  # built when first read
     for sample, generated in zip((a, b), alone, strict=True):
         expected = Trajectory.from_generation(
             prompt_id="p0",
@@ -292,16 +293,43 @@ def test_completions_are_recorded_as_each_alone_would_be_and_a_stale_one_is_left
             output_versions=generated.versions,
             finish_reason="stop",
         )
-        got = sample.trajectory
+        got = sample.generated
+        assert sample.generated is got  # built once
         assert sample.stage is Stage.SCORING and sample.worker is None
         for name in ("token_ids", "logprobs", "versions", "loss_mask"):
             assert np.array_equal(getattr(got, name), getattr(expected, name)), name
         assert got.token_ids.dtype == np.int32 and got.versions.dtype == np.int32
         assert got.oldest_version() == expected.oldest_version()
         assert got.finish_reason == "stop" and got.num_prompt_tokens == 2
-    assert a.trajectory.timings == {"submitted": 2.0, "generation": 1.5, "interruptions": 0.0}
-    assert b.trajectory.timings["interruptions"] == 2.0
+    assert a.generated.timings == {"submitted": 2.0, "generation": 1.5, "interruptions": 0.0}
+    assert b.generated.timings["interruptions"] == 2.0
     assert ledger.finish_completions(msg, W1) == []  # the same answer again: stale
+
+
+def test_a_recorded_completion_is_read_without_its_trajectory_and_built_with_its_reward():
+    # What the controller reads of a recorded completion before its batch is packed (its
+    # tokens for the Score, its token count for a drop, whether it is an episode) needs no
+    # Trajectory; one built after scoring carries the reward, as does one built before.
+    ledger = Ledger()
+    group = ledger.add_group(_prompt(), np.array([5, 6], np.int32), size=2, version=0)
+    a, b = ledger.pending.popleft(), ledger.pending.popleft()
+    for sample in (a, b):
+        ledger.start_generation(sample, W1, now=0.0)
+    msg = Completions.of([_generated(a, n=2, version=0), _generated(b, n=3, version=0)])
+    msg.output_ids = np.arange(5, dtype=np.int32)
+    assert ledger.finish_completions(msg, W1) == [a, b]
+    assert a.is_generated and not a.is_episode
+    assert a.output_ids().tolist() == [0, 1] and b.output_ids().tolist() == [2, 3, 4]
+    assert a.num_output_tokens() == 2 and b.num_output_tokens() == 3
+    assert a.trajectory is None and b.trajectory is None  # nothing above built one
+    before = b.generated  # built before its reward came
+    for sample, reward in ((a, 0.25), (b, 0.75)):
+        ledger.start_scoring(sample, R1)
+        ledger.finish_scoring(sample.request_id, _outcome(reward), R1)
+    assert a.trajectory is None and a.generated.reward == 0.25  # built after
+    assert before.reward == 0.75 and b.generated is before
+    assert group.done and [t.reward for t in group.trajectories()] == [0.25, 0.75]
+    assert a.generated.output_ids.tolist() == [0, 1]
 
 
 def test_a_group_is_done_only_once_each_sample_is_scored_once():
