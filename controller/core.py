@@ -322,6 +322,8 @@ class Core:
         for sample in samples:
             group = groups[sample.group_id]
             num_training += group.purpose is Purpose.TRAIN
+            if group.num_generated < len(group.samples):  # `unscored` would say [] (most
+                continue  # samples: a message holds about one of each group's)
             unscored = self.ledger.unscored(group)
             if unscored:  # the group's last generation: score them all in one message
                 self.scoring.score(unscored, out)
