@@ -94,6 +94,7 @@ class Sample:
 
     @property
     def is_generated(self) -> bool:
+        """Past generation: its trajectory is built, or its completion recorded."""
         return self.trajectory is not None or self.recorded is not None
 
     @property
