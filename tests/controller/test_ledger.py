@@ -302,7 +302,7 @@ def test_completions_are_recorded_as_each_alone_would_be_and_a_stale_one_is_left
         assert got.oldest_version() == expected.oldest_version()
         assert got.finish_reason == "stop" and got.num_prompt_tokens == 2
     assert a.generated.timings == {"submitted": 2.0, "generation": 1.5, "interruptions": 0.0}
-    assert b.generated.timings["interruptions"] == 2.0
+    assert b.generated.timings == {"submitted": 2.0, "generation": 0.5, "interruptions": 2.0}
     assert ledger.finish_completions(msg, W1) == []  # the same answer again: stale
 
 

@@ -5,6 +5,8 @@ dominated the controller's CPU time at cluster scale (bench/cluster.py, table f)
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -12,8 +14,9 @@ from areal.algorithms.shaping import training_batch
 from areal.algorithms.sharding import shard_batch
 from areal.config import load_config
 from areal.controller.train_driver import train_messages
-from areal.controller.ledger import Group, Purpose, Sample, Stage
-from areal.tasks.base import Prompt
+from areal.controller.ledger import Group, Ledger, Purpose, Sample, Stage
+from areal.messages import Completions, FinishReason, Generated, Train
+from areal.tasks.base import Prompt, RewardOutcome, Verdict
 from areal.types import Trajectory, pack, pack_arrays
 
 
@@ -122,3 +125,82 @@ def test_pack_arrays_of_nothing_is_empty_arrays():
     arrays = pack_arrays([])
     assert arrays["cu_seqlens"].tolist() == [0]
     assert all(len(a) == 0 for name, a in arrays.items() if name != "cu_seqlens")
+
+
+def _recorded_groups(rng: np.random.Generator, together: bool) -> list[Group]:
+    """Six groups of four, their completions recorded by a Ledger as rollout workers answer:
+    each worker's in one Completions (`together`), or each in a Generated of its own."""
+    ledger, worker = Ledger(), b"rollout-0"
+    groups = [
+        ledger.add_group(
+            Prompt(prompt_id=f"p{g}", text="", reference=None),
+            rng.integers(0, 50, 1 + g % 5).astype(np.int32),
+            size=4,
+            version=0,
+            position=g,
+        )
+        for g in range(6)
+    ]
+    samples = list(ledger.pending)
+    ledger.pending.clear()
+    answers = []
+    for sample in samples:
+        ledger.start_generation(sample, worker, now=1.0)
+        n = int(rng.integers(1, 40))
+        versions = np.sort(rng.integers(0, 3, n)).astype(np.int32)
+        answers.append(
+            Generated(
+                request_id=sample.request_id,
+                output_ids=rng.integers(0, 50, n).astype(np.int32),
+                logprobs=-rng.random(n).astype(np.float32),
+                versions=versions,
+                finish_reason=FinishReason.STOP if n % 3 else FinishReason.LENGTH,
+                generation_s=n / 8,
+                num_interruptions=int(versions[-1] - versions[0]),
+            )
+        )
+    if together:
+        for at in range(0, len(answers), 8):
+            assert len(ledger.finish_completions(Completions.of(answers[at : at + 8]), worker)) == 8
+    else:
+        assert all(ledger.finish_generation(answer, worker) for answer in answers)
+    for sample in samples:
+        ledger.start_scoring(sample, b"reward-0")
+        reward = float(rng.integers(0, 2))
+        ledger.finish_scoring(
+            sample.request_id,
+            RewardOutcome(reward=reward, verdict=Verdict.OK if reward else Verdict.WRONG),
+            b"reward-0",
+        )
+    assert all(g.done for g in groups)
+    return groups
+
+
+def test_completions_recorded_together_train_as_each_alone_would():
+    # A Completions' samples keep where their completion lies and build their trajectories
+    # when the batch is packed (after their rewards came); each Generated's is built at
+    # once. The Train messages of the two must be equal, field by field.
+    cfg = load_config(
+        overrides=[
+            "trainer.num_ranks=3",
+            "trainer.num_minibatches=2",
+            "task.group_size=4",
+            "trainer.batch_size=24",
+        ]
+    )
+    together = _recorded_groups(np.random.default_rng(7), together=True)
+    assert all(s.trajectory is None for g in together for s in g.samples)  # not yet built
+    alone = _recorded_groups(np.random.default_rng(7), together=False)
+    got, expected = train_messages(cfg, 1, 2, together), train_messages(cfg, 1, 2, alone)
+    for msg, ref in zip(got, expected, strict=True):
+        for name in (f.name for f in dataclasses.fields(Train)):
+            a, b = getattr(msg, name), getattr(ref, name)
+            if isinstance(a, np.ndarray):
+                assert a.dtype == b.dtype and np.array_equal(a, b), name
+            else:
+                assert a == b, name
+    for g_together, g_alone in zip(together, alone, strict=True):
+        for s, t in zip(g_together.samples, g_alone.samples, strict=True):
+            assert s.generated.timings == t.generated.timings
+            assert s.generated.reward == t.generated.reward
+            assert s.generated.finish_reason == t.generated.finish_reason
