@@ -256,10 +256,19 @@ def eval_record(groups: list[Group], version: int, seconds: float) -> dict[str, 
     record: dict[str, Any] = {"version": version, "eval/seconds": seconds}
     # A periodic evaluation shares the rollout workers with training; in async mode its
     # sequences may be interrupted and finish under newer weights. Say which ones sampled.
-    sampled = [int(v) for g in groups for s in g.samples for v in s.generated.versions if v >= 0]
-    if sampled:
-        record["eval/token_version_min"] = float(min(sampled))
-        record["eval/token_version_max"] = float(max(sampled))
+    # Read per trajectory, in numpy: a round at cluster scale holds tens of millions of tokens,
+    # which a Python loop over each would take seconds of the event loop to read.
+    oldest, newest = [], []
+    for group in groups:
+        for sample in group.samples:
+            versions = sample.generated.versions
+            sampled = versions[versions >= 0]
+            if len(sampled):
+                oldest.append(int(sampled.min()))
+                newest.append(int(sampled.max()))
+    if oldest:
+        record["eval/token_version_min"] = float(min(oldest))
+        record["eval/token_version_max"] = float(max(newest))
     record.update(
         summarize(
             [[s.judged for s in g.samples] for g in groups],

@@ -10,9 +10,11 @@ import numpy as np
 
 from decisions import Decisions, config, generated, scored
 
-from areal.controller.report import StepReport, step_columns
+from areal.controller.ledger import Group, Purpose, Sample, Stage
+from areal.controller.report import StepReport, eval_record, step_columns
 from areal.messages import Completions, FinishReason, WorkerKind
-from areal.tasks.base import Verdict
+from areal.tasks.base import Prompt, Verdict
+from areal.types import Trajectory
 
 
 def _complete(run: Decisions, group_id: int, rollout, reward) -> None:
@@ -128,3 +130,46 @@ def test_groups_whose_part_was_not_kept_get_the_same_record(tmp_path):
 def test_shaping_metrics_still_read_the_trajectories(tmp_path):
     run, groups = _completed_groups(tmp_path, "trainer.advantage.mask_truncated=true")
     assert _record(run, groups)["rollout/truncated_masked"] == 2.0  # one per group
+
+
+def _eval_group(group_id: int, *completions: tuple[list[int], list[bool] | None]) -> Group:
+    group = Group(
+        group_id=group_id,
+        purpose=Purpose.EVAL,
+        prompt=Prompt(prompt_id=f"p{group_id}", text="", reference=None),
+        prompt_ids=np.array([1, 2], np.int32),
+        admitted_version=0,
+    )
+    for index, (versions, mask) in enumerate(completions):
+        trajectory = Trajectory.from_generation(
+            prompt_id=f"p{group_id}",
+            group_id=group_id,
+            prompt_ids=group.prompt_ids,
+            output_ids=np.arange(len(versions), dtype=np.int32),
+            output_logprobs=np.zeros(len(versions), np.float32),
+            output_versions=np.array(versions, np.int32),
+            finish_reason="stop",
+            output_loss_mask=mask,
+        )
+        group.samples.append(
+            Sample(
+                group_id=group_id,
+                index=index,
+                stage=Stage.DONE,
+                trajectory=trajectory,
+                verdict=Verdict.OK,
+            )
+        )
+    return group
+
+
+def test_an_evaluation_records_the_oldest_and_newest_version_that_sampled_a_token():
+    # Prompt tokens and an episode's observations (version -1) sampled nothing.
+    groups = [
+        _eval_group(0, ([2, 2, 3], None), ([4, -1, 5], [True, False, True])),
+        _eval_group(1, ([1, 6], None)),
+    ]
+    record = eval_record(groups, version=6, seconds=1.0)
+    assert (record["eval/token_version_min"], record["eval/token_version_max"]) == (1.0, 6.0)
+    unsampled = eval_record([_eval_group(2, ([-1, -1], [False, False]))], 6, 1.0)
+    assert "eval/token_version_min" not in unsampled
