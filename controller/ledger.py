@@ -61,6 +61,8 @@ class Sample:
     worker: bytes | None = None
     """Identity of the worker holding it now (rollout while generating, reward while scoring)."""
     trajectory: Trajectory | None = None
+    """Its trajectory once built: at once from a Generated, at the first read of `generated`
+    from a recorded completion (`recorded`). Read it through `generated`."""
     verdict: Verdict | None = None
     reward: float = 0.0
     """Its reward, once scored (also its trajectory's, and in its group's step values)."""

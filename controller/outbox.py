@@ -53,7 +53,7 @@ class Outbox:
     @property
     def messages(self) -> list[tuple[bytes, Any]]:
         """The (identity, message) pairs, in order, without the wake-ups."""
-        return [item for item in self.items if type(item) is tuple]
+        return [item for item in self.items if isinstance(item, tuple)]
 
     def sent(self, kind: type | None = None) -> list[Any]:
         """The messages (of `kind` only, if given), without destinations: for tests and
