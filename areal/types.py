@@ -315,6 +315,14 @@ class Trajectory:
             return _oldest_sampled(versions[self.num_prompt_tokens :])
         return _oldest_sampled(versions)
 
+    def newest_version(self) -> int:
+        """Version of the newest policy that sampled any token (PROMPT_VERSION if none did),
+        read without joining a kept trajectory's arrays."""
+        if self._parts is not None:  # kept apart: the prompt is all PROMPT_VERSION
+            versions = self._parts[3]
+            return _newest_sampled(versions.versions if type(versions) is VersionRuns else versions)
+        return _newest_sampled(self._joined[2])
+
     def _write(
         self,
         start: int,
@@ -365,6 +373,17 @@ def _oldest_sampled(versions: np.ndarray) -> int:
             return int(least)
     sampled = versions[versions != PROMPT_VERSION]
     return int(sampled.min()) if len(sampled) else PROMPT_VERSION
+
+
+def _newest_sampled(versions: np.ndarray) -> int:
+    """The greatest version in `versions` other than PROMPT_VERSION (PROMPT_VERSION if none):
+    `_oldest_sampled`'s counterpart, one reduction when the greatest is a sampled one."""
+    if len(versions):
+        most = versions.max()
+        if most != PROMPT_VERSION:
+            return int(most)
+    sampled = versions[versions != PROMPT_VERSION]
+    return int(sampled.max()) if len(sampled) else PROMPT_VERSION
 
 
 def _check_num_prompt(prompt_id: str, num_prompt_tokens: int, num_tokens: int) -> None:

@@ -17,7 +17,7 @@ from areal.algorithms.shaping import shaping_in_force, shaping_metrics
 from areal.evaluation import summarize
 from areal.messages import Generated, WeightsUpdated
 from areal.tasks.base import Verdict
-from areal.types import Trajectory
+from areal.types import PROMPT_VERSION, Trajectory
 from areal.controller.episodes import episode_metrics
 from areal.config import RunConfig
 from areal.controller.ledger import STEP_COLUMNS, Dropped, Group, trajectory_step_values
@@ -256,26 +256,21 @@ def eval_record(groups: list[Group], version: int, seconds: float) -> dict[str, 
     record: dict[str, Any] = {"version": version, "eval/seconds": seconds}
     # A periodic evaluation shares the rollout workers with training; in async mode its
     # sequences may be interrupted and finish under newer weights. Say which ones sampled.
-    # Read per trajectory, in numpy: a round at cluster scale holds tens of millions of tokens,
-    # which a Python loop over each would take seconds of the event loop to read.
-    oldest, newest = [], []
-    for group in groups:
-        for sample in group.samples:
-            versions = sample.generated.versions
-            sampled = versions[versions >= 0]
-            if len(sampled):
-                oldest.append(int(sampled.min()))
-                newest.append(int(sampled.max()))
-    if oldest:
-        record["eval/token_version_min"] = float(min(oldest))
-        record["eval/token_version_max"] = float(max(newest))
+    # Read per trajectory, off its runs: a round at cluster scale holds tens of millions of
+    # tokens, which a loop over each (or joining each trajectory's arrays) would spend
+    # seconds of the event loop on.
+    trajectories = [s.generated for g in groups for s in g.samples]
+    sampled = [t for t in trajectories if t.oldest_version() != PROMPT_VERSION]
+    if sampled:
+        record["eval/token_version_min"] = float(min(t.oldest_version() for t in sampled))
+        record["eval/token_version_max"] = float(max(t.newest_version() for t in sampled))
     record.update(
         summarize(
             [[s.judged for s in g.samples] for g in groups],
             [[s.generated.reward for s in g.samples] for g in groups],
         )
     )
-    record.update(episode_metrics([s.generated for g in groups for s in g.samples], "eval/"))
+    record.update(episode_metrics(trajectories, "eval/"))
     return record
 
 

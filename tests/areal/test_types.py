@@ -98,9 +98,14 @@ def _oldest_by_definition(t: Trajectory) -> int:
     return min(sampled) if sampled else PROMPT_VERSION
 
 
+def _newest_by_definition(t: Trajectory) -> int:
+    sampled = [int(v) for v in t.versions if v != PROMPT_VERSION]
+    return max(sampled) if sampled else PROMPT_VERSION
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_oldest_version_is_the_least_version_that_is_not_a_prompts(seed):
-    """Its shortcut (prompt all PROMPT_VERSION, completion without it) and the general path
+    """The same of `newest_version`, the greatest. Its shortcut (prompt all PROMPT_VERSION, completion without it) and the general path
     agree with the definition, whatever the arrays hold: prompts with versions, completions
     with observation tokens or versions below PROMPT_VERSION, no sampled token at all."""
     rng = np.random.default_rng(seed)
@@ -122,6 +127,7 @@ def test_oldest_version_is_the_least_version_that_is_not_a_prompts(seed):
             num_prompt_tokens=num_prompt,
         )
         assert t.oldest_version() == _oldest_by_definition(t), versions.tolist()
+        assert t.newest_version() == _newest_by_definition(t), versions.tolist()
 
 
 def _both_forms(rng: np.random.Generator, episode: bool) -> tuple[Trajectory, Trajectory]:
@@ -217,6 +223,7 @@ def test_a_completion_kept_as_it_came_reads_as_the_copied_one(episode):
         assert kept.num_model_tokens == copied.num_model_tokens
         assert kept.num_loss_tokens == copied.num_loss_tokens == int(copied.loss_mask.sum())
         assert kept.oldest_version() == copied.oldest_version() == _oldest_by_definition(copied)
+        assert kept.newest_version() == copied.newest_version() == _newest_by_definition(copied)
         for name in ("token_ids", "logprobs", "versions", "loss_mask"):
             got, expected = getattr(kept, name), getattr(copied, name)
             assert got.dtype == expected.dtype, name

@@ -204,3 +204,18 @@ def test_completions_recorded_together_train_as_each_alone_would():
             assert s.generated.timings == t.generated.timings
             assert s.generated.reward == t.generated.reward
             assert s.generated.finish_reason == t.generated.finish_reason
+            for read in (Trajectory.oldest_version, Trajectory.newest_version):  # off the runs
+                assert read(s.generated) == read(t.generated) == read(_joined(t.generated))
+
+
+def _joined(t: Trajectory) -> Trajectory:
+    """`t` built from its full [T] arrays (its versions read token by token)."""
+    return Trajectory(
+        prompt_id=t.prompt_id,
+        group_id=t.group_id,
+        token_ids=t.token_ids,
+        logprobs=t.logprobs,
+        versions=t.versions,
+        loss_mask=t.loss_mask,
+        num_prompt_tokens=t.num_prompt_tokens,
+    )
