@@ -607,13 +607,15 @@ def table_r(bench: Bench) -> str:
             f"{r.controller_alone_cpu_s_per_step:>9.2f} "
             f"{r.controller_alone_gc_s_per_step:>5.2f} {r.controller_alone_share:>7.1%} "
             f"{r.controller_alone_cpu_s_per_step / r.controller_cpu_s_per_step:>8.2f} "
-            f"{r.reference_decode_us:>6.1f}"
+            f"{r.reference_decode_us:>6.1f} {r.reference_alone_us:>6.1f} "
+            f"{_at_slow_speed(r):>8.1%}"
         )
         print(f"  table r, run {i + 1}: {rows[-1].split(maxsplit=1)[1]}", file=sys.stderr)
     return (
         _lines(
             f"{'run':>5} {'in sim s':>9} {'gc s':>5} {'share':>7} {'alone s':>9} "
-            f"{'gc s':>5} {'share':>7} {'alone/in':>8} {'ref us':>6}",
+            f"{'gc s':>5} {'share':>7} {'alone/in':>8} {'ref us':>6} {'ref al':>6} "
+            f"{f'at {SLOW_REF_US:g} us':>8}",
             rows,
         )
         + f"\n(1.5B async, eta 8, {n} accelerators, batch {config.num_prompts} x "
@@ -621,8 +623,17 @@ def table_r(bench: Bench) -> str:
         f"simulated; {HEARTBEAT_NOTE}: {_heartbeat_interval(bench, n):.2g} s; CPU seconds "
         "per step inside the controller's tasks: in the simulation "
         f"(its messages recorded), and alone with the same messages replayed; {GC_NOTE}; "
-        f"{REF_NOTE})"
+        f"{REF_NOTE}; {ALONE_REF_NOTE}; at {SLOW_REF_US:g} us: the alone share on a machine "
+        f"at ref us {SLOW_REF_US:g}, a slow day's speed of this one (share x "
+        f"{SLOW_REF_US:g} / ref al))"
     )
+
+
+def _at_slow_speed(r: SimResult) -> float:
+    """The controller's alone share of the step on a machine at `SLOW_REF_US`: CPU time
+    scaled by the yardstick taken around the replay."""
+    assert r.controller_alone_share is not None and r.reference_alone_us is not None
+    return r.controller_alone_share * SLOW_REF_US / r.reference_alone_us
 
 
 QUEUED = (15, 31, 47)
@@ -656,13 +667,13 @@ def table_q(bench: Bench) -> str:
                 f"{max_queued:>6} {seed:>4} {r.completions_per_answer:>6.1f} {r.step_s:>7.2f} "
                 f"{r.mean_staleness:>9.2f} {r.max_staleness:>5} "
                 f"{r.controller_alone_cpu_s_per_step:>8.2f} "
-                f"{r.controller_alone_share:>7.1%} {r.reference_decode_us:>6.1f}"
+                f"{r.controller_alone_share:>7.1%} {r.reference_alone_us:>6.1f}"
             )
             print(f"  table q: {rows[-1]}", file=sys.stderr)
     return (
         _lines(
             f"{'queued':>6} {'seed':>4} {'answer':>6} {'step s':>7} {'staleness':>9} {'max':>5} "
-            f"{'alone s':>8} {'share':>7} {'ref us':>6}",
+            f"{'alone s':>8} {'share':>7} {'ref al':>6}",
             rows,
         )
         + f"\n(1.5B async, eta 8, {n} accelerators, batch "
@@ -672,7 +683,7 @@ def table_q(bench: Bench) -> str:
         "per Completions message a server sent; staleness, max: trained trajectories' mean "
         "and largest staleness in versions; alone s: CPU seconds per step of the controller "
         f"alone, its messages replayed (as (r)), and its share of the step; {HEARTBEAT_NOTE}; "
-        f"{REF_NOTE})"
+        f"{ALONE_REF_NOTE})"
     )
 
 
@@ -704,12 +715,12 @@ def table_t(bench: Bench) -> str:
         completions = config.num_prompts * bench.batch["group_size"]
         tokens = r.trained_tokens_per_s * r.step_s / completions
         us = r.controller_alone_cpu_s_per_step / completions * 1e6
-        slow_us = us * SLOW_REF_US / r.reference_decode_us
+        slow_us = us * SLOW_REF_US / r.reference_alone_us
         points.append((tokens, slow_us))
         rows.append(
             f"{length:>7} {tokens:>8.0f} {r.step_s:>7.1f} "
             f"{r.controller_alone_cpu_s_per_step:>8.3f} {r.controller_alone_share:>7.1%} "
-            f"{us:>8.1f} {r.reference_decode_us:>6.1f} {slow_us:>9.1f}"
+            f"{us:>8.1f} {r.reference_alone_us:>6.1f} {slow_us:>9.1f}"
         )
         print(f"  table t, {length} tokens: {rows[-1].split(maxsplit=1)[1]}", file=sys.stderr)
     tokens_of, us_of = np.array(points).T
@@ -718,7 +729,7 @@ def table_t(bench: Bench) -> str:
     return (
         _lines(
             f"{'max tok':>7} {'tok/traj':>8} {'step s':>7} {'alone s':>8} {'share':>7} "
-            f"{'us/compl':>8} {'ref us':>6} {f'at {SLOW_REF_US:g} us':>9}",
+            f"{'us/compl':>8} {'ref al':>6} {f'at {SLOW_REF_US:g} us':>9}",
             rows,
         )
         + f"\nus per completion at ref us {SLOW_REF_US:g} = {intercept:.1f} + "
@@ -733,7 +744,7 @@ def table_t(bench: Bench) -> str:
         "tokens per trajectory, prompt included; alone s: CPU seconds per step of the "
         "controller alone, its messages replayed (as (r)); us/compl: those per completion "
         f"of the batch; at {SLOW_REF_US:g} us: the same on a machine at ref us "
-        f"{SLOW_REF_US:g}, a slow day's speed of this one; {REF_NOTE})"
+        f"{SLOW_REF_US:g}, a slow day's speed of this one; {ALONE_REF_NOTE})"
     )
 
 
@@ -799,6 +810,11 @@ GC_NOTE = (
 REF_NOTE = (
     "ref us: this machine's speed when the run started, microseconds to decode a "
     "3,000-token completion (sim/speed.py): CPU seconds of runs compare in its units"
+)
+ALONE_REF_NOTE = (
+    "ref al: the same yardstick (microseconds to decode a 3,000-token completion, "
+    "sim/speed.py) taken just before and just after the replay alone, their mean: the unit "
+    "the alone figures compare in (a shared machine's speed moves within minutes)"
 )
 
 

@@ -100,7 +100,12 @@ class SimResult:
     """Of controller_alone_cpu_s_per_step, its garbage collections (of its own objects)."""
     reference_decode_us: float | None
     """This machine's speed at the start of the run (wire only, else None): microseconds to
-    decode a reference completion (sim/speed.py), the yardstick of the CPU times above."""
+    decode a reference completion (sim/speed.py), the yardstick of the CPU times in the
+    simulation."""
+    reference_alone_us: float | None
+    """The same yardstick taken just before and just after the replay alone, their mean
+    (measure_alone, else None): the one the alone figures are read in. A shared machine's
+    speed moves within minutes, and the replay runs minutes after the start."""
     worker_cpu_s: float
     """CPU seconds inside the simulated workers' tasks over the whole run."""
     process_cpu_s_per_step: float
@@ -229,12 +234,14 @@ def simulate(
             summary, records, marks = run_virtual(
                 lambda: _drive(ctl, accounts, env), VIRTUAL_LIMIT_S
             )
-        alone = None
+        alone, alone_us = None, None
         if recording is not None:
             replay_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="alone-")))
+            before_us = reference_decode_us()
             alone = replay(
                 sim.to_run_overrides, env, recording, _drive, VIRTUAL_LIMIT_S, replay_dir
             )
+            alone_us = (before_us + reference_decode_us()) / 2
     steps = [r for r in records if r["kind"] == "step"]
     return _result(
         sim,
@@ -247,6 +254,7 @@ def simulate(
         time.perf_counter() - wall,
         alone,
         reference_us,
+        alone_us,
     )
 
 
@@ -261,6 +269,7 @@ def _result(
     wall_s: float,
     alone: Alone | None,
     reference_us: float | None,
+    reference_alone_us: float | None,
 ) -> SimResult:
     if len(steps) != sim.steps:
         raise RuntimeError(f"the simulated run trained {len(steps)} of {sim.steps} steps")
@@ -307,6 +316,7 @@ def _result(
         if alone is None
         else _per_step(alone.marks, _GC, first, last),
         reference_decode_us=reference_us,
+        reference_alone_us=reference_alone_us,
         worker_cpu_s=accounts.cpu_s[WORKERS],
         process_cpu_s_per_step=process_cpu / (last - first),
         wall_s=wall_s,

@@ -81,16 +81,19 @@ def test_quick_bench_prints_every_table_and_parallel_runs_match_serial(tmp_path,
 def test_table_r_measures_the_controller_in_the_simulation_and_alone(cluster_bench):
     bench = cluster_bench.Bench(quick=True, seed=1, jobs=1)
     text = cluster_bench.table_r(bench)
-    # run, in sim s, gc s, share, alone s, gc s, share, alone/in, ref us
+    # run, in sim s, gc s, share, alone s, gc s, share, alone/in, ref us, ref al, at 14 us
     rows = re.findall(
         r"^\s+(\d)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)%\s+([0-9.]+)\s+([0-9.]+)"
-        r"\s+([0-9.]+)%\s+([0-9.]+)\s+([0-9.]+)$",
+        r"\s+([0-9.]+)%\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)%$",
         text,
         re.MULTILINE,
     )
     assert [row[0] for row in rows] == ["1", "2"], text  # repeated: the machine's noise
     assert all(float(row[3]) > 0 and float(row[6]) > 0 and float(row[8]) > 0 for row in rows), text
     assert all(float(row[2]) <= float(row[1]) and float(row[5]) <= float(row[4]) for row in rows)
+    for row in rows:  # the alone share priced at ref us 14 by the yardstick around the replay
+        share, ref_alone, slow = float(row[6]), float(row[9]), float(row[10])
+        assert ref_alone > 0 and slow == pytest.approx(share * 14 / ref_alone, rel=0.05, abs=0.1)
     # (f)'s largest quick run: 64 accelerators, the batch scaled with the cluster
     assert "64 accelerators" in text and bench.simulations == 2
 
@@ -99,7 +102,7 @@ def test_table_r_measures_the_controller_in_the_simulation_and_alone(cluster_ben
 def test_table_q_measures_the_controller_alone_at_each_queue_length(cluster_bench):
     bench = cluster_bench.Bench(quick=True, seed=1, jobs=1)
     text = cluster_bench.table_q(bench)
-    # queued, seed, completions per answer, step s, staleness, max, alone s, share, ref us
+    # queued, seed, completions per answer, step s, staleness, max, alone s, share, ref al
     rows = re.findall(
         r"^\s+(\d+)\s+(\d+)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)\s+(\d+)\s+([0-9.]+)"
         r"\s+([0-9.]+)%\s+([0-9.]+)$",
@@ -120,7 +123,7 @@ def test_table_q_measures_the_controller_alone_at_each_queue_length(cluster_benc
 def test_table_t_prices_a_completion_against_its_length(cluster_bench):
     bench = cluster_bench.Bench(quick=True, seed=1, jobs=1)
     text = cluster_bench.table_t(bench)
-    # max tok, tok/traj, step s, alone s, share, us/compl, ref us, at 14 us
+    # max tok, tok/traj, step s, alone s, share, us/compl, ref al, at 14 us
     rows = re.findall(
         r"^\s+(\d+)\s+(\d+)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)%\s+([0-9.]+)"
         r"\s+([0-9.]+)\s+([0-9.]+)$",

@@ -52,6 +52,7 @@ def test_the_replayed_controller_sends_every_message_the_simulated_one_sent(mode
     assert measured.controller_alone_cpu_s_per_step > 0
     assert "recv" in measured.controller_alone_by_loop
     assert 0 < measured.controller_alone_share < 1
+    assert measured.reference_alone_us > 0 and plain.reference_alone_us is None
     # recording changes nothing simulated
     for name in ("step_times", "trained_group_ids", "staleness", "interruptions"):
         assert getattr(measured, name) == getattr(plain, name), name
