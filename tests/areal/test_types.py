@@ -104,10 +104,11 @@ def _newest_by_definition(t: Trajectory) -> int:
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_oldest_version_is_the_least_version_that_is_not_a_prompts(seed):
-    """The same of `newest_version`, the greatest. Its shortcut (prompt all PROMPT_VERSION, completion without it) and the general path
-    agree with the definition, whatever the arrays hold: prompts with versions, completions
-    with observation tokens or versions below PROMPT_VERSION, no sampled token at all."""
+def test_oldest_and_newest_version_are_the_least_and_greatest_that_are_not_a_prompts(seed):
+    """`oldest_version` and `newest_version`: their shortcuts (prompt all PROMPT_VERSION,
+    completion without it) and their general paths agree with the definition, whatever the
+    arrays hold: prompts with versions, completions with observation tokens or versions
+    below PROMPT_VERSION, no sampled token at all."""
     rng = np.random.default_rng(seed)
     for _ in range(300):
         num_prompt, num_out = int(rng.integers(1, 6)), int(rng.integers(0, 6))
