@@ -17,25 +17,22 @@ accelerators and writes the winner as a run config file.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import shlex
 import sys
 import time
 
-from areal.config import ConfigError
+from areal.config import ConfigError, describe_options
 
 from areal.sim.config import SimConfig, load_sim_config
 from areal.sim.run import SimResult, simulate
 
 
 def describe(schema: type = SimConfig) -> str:
-    """The options with their defaults and help text (for --help)."""
+    """The options with their defaults (as YAML, a list's too) and help text (for --help)."""
     lines = ["options (key=value; defaults shown):"]
-    for f in dataclasses.fields(schema):
-        choices = f.metadata.get("choices")
-        extra = f" [{', '.join(choices)}]" if choices else ""
-        lines.append(f"  {f.name}={f.default!r}{extra}\n      {f.metadata['help']}")
+    for key, default, help_text in describe_options(schema):
+        lines.append(f"  {key}={default}\n      {help_text}")
     return "\n".join(lines)
 
 

@@ -1,4 +1,4 @@
-"""python -m areal.sim: options in --help, a bad option named, one run reported."""
+"""python -m areal.sim: options in --help (the plan's too), a bad option named, one run reported."""
 
 from __future__ import annotations
 
@@ -11,8 +11,18 @@ def test_help_lists_every_option(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    for name in ("num_accelerators=128", "accelerator='h800'", "eta=4", "gen_fraction=0.75"):
+    for name in ("num_accelerators=128", "accelerator=h800", "eta=4", "gen_fraction=0.75"):
         assert name in out
+
+
+def test_plan_help_shows_a_list_default_as_a_list(capsys):
+    """A list option's default comes from a factory: the help shows the list, not the
+    dataclass's placeholder for a missing default."""
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    out = capsys.readouterr().out
+    assert "rollout_tp=[]" in out and "eta_min=1" in out and "jobs=null" in out
+    assert "MISSING" not in out
 
 
 def test_a_bad_option_is_an_error_that_names_it(capsys):
