@@ -21,6 +21,7 @@ import json
 import shlex
 import sys
 import time
+from pathlib import Path
 
 from areal.config import ConfigError, describe_options
 
@@ -99,6 +100,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def check_writable(path: Path) -> None:
+    """ConfigError when the plan could not be written to `path` (checked before the search,
+    which takes minutes): a directory, or a place this process cannot create a file in. A
+    file it creates to find out is removed again."""
+    if path.is_dir():
+        raise ConfigError(f"out={str(path)!r} is a directory; give the file to write")
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a"):
+            pass
+    except OSError as err:
+        raise ConfigError(f"out={str(path)!r} cannot be written: {err.strerror}") from None
+    if not existed:
+        path.unlink()
+
+
 def plan_main(argv: list[str]) -> int:
     """python -m areal.sim plan: search, print the best configurations, write the winner."""
     from areal.sim.plan import Evaluator, PlanConfig, load_plan_config
@@ -117,6 +135,7 @@ def plan_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         plan = load_plan_config(args.config, args.overrides)
+        check_writable(Path(plan.out))
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

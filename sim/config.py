@@ -10,6 +10,7 @@ exactly as a real one would be, with the worker counts the placement implies.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from areal.config import ConfigError, RolloutConfig, opt
+
+from areal.sim.cost import COSTS_FILE, cost_model, load_costs
 
 PLACEMENTS = ("split", "colocated")
 T = TypeVar("T")
@@ -306,7 +309,33 @@ def load_options(
                 f"{f.name}={getattr(cfg, f.name)!r} is not one of {', '.join(choices)}"
             )
     cfg.check()
+    check_costs(cfg)
     return cfg
+
+
+def check_costs(cfg: Any) -> None:
+    """The cost file (`cfg.costs`) prices `cfg.model` on `cfg.accelerator` (and its
+    `lora_rank`, where the options have one): checked when the options are loaded, so that
+    an unknown name or a malformed file is a ConfigError saying which, at once, and not a
+    traceback from the first simulation (a plan's, in another process, minutes later)."""
+    path = Path(cfg.costs) if cfg.costs is not None else COSTS_FILE
+    try:
+        modified = path.stat().st_mtime_ns
+    except OSError:
+        modified = None  # load_costs names the missing file
+    try:
+        _priced(path, modified, cfg.accelerator, cfg.model, getattr(cfg, "lora_rank", 0))
+    except (ValueError, TypeError, KeyError, AttributeError, yaml.YAMLError) as err:
+        where = cfg.costs if cfg.costs is not None else "the shipped sim/costs.yaml"
+        raise ConfigError(f"costs={where}: {err}") from None
+
+
+@functools.cache
+def _priced(path: Path, modified: int | None, accelerator: str, model: str, lora_rank: int) -> None:
+    """`check_costs`' check, once per version of a file (its modification time) and entry:
+    a plan and the benches build hundreds of options, and parsing the cost file takes tens
+    of milliseconds. A check that raises is not cached: it fails again each time."""
+    cost_model(load_costs(path), accelerator, model, lora_rank)
 
 
 def sim_config(**values: Any) -> SimConfig:

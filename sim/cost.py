@@ -460,7 +460,10 @@ def load_costs(path: str | Path | None = None) -> dict[str, Any]:
             f"cost file {str(path)!r} does not exist; costs= takes a YAML file "
             f"laid out like {COSTS_FILE}"
         )
-    return yaml.safe_load(path.read_text())
+    costs = yaml.safe_load(path.read_text())
+    if not isinstance(costs, dict):
+        raise ValueError(f"cost file {str(path)!r} must hold a mapping laid out like {COSTS_FILE}")
+    return costs
 
 
 def accelerator(costs: dict[str, Any], name: str) -> Accelerator:

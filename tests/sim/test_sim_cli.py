@@ -46,3 +46,22 @@ def test_a_small_question_gets_an_answer(capsys):
     )
     out = capsys.readouterr().out
     assert "8 x h800, model 1.5b, async" in out and "trained tokens/s" in out
+
+
+def test_an_unknown_model_is_an_error_not_a_traceback(capsys):
+    assert main(["model=70b"]) == 2
+    assert "'70b' is not in models of the cost file" in capsys.readouterr().err
+    assert main(["plan", "accelerator=tpu"]) == 2
+    assert "'tpu' is not in accelerators of the cost file" in capsys.readouterr().err
+
+
+def test_a_plan_that_could_not_be_written_fails_before_the_search(tmp_path, capsys):
+    """out= is tried before minutes of simulations: a directory, or a place no file can be
+    created in, is an error at once; a file created to find out is removed again."""
+    assert main(["plan", f"out={tmp_path}"]) == 2
+    assert "is a directory; give the file to write" in capsys.readouterr().err
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    assert main(["plan", f"out={blocker / 'plan.yaml'}"]) == 2
+    assert "cannot be written" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]

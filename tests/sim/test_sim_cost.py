@@ -1,9 +1,14 @@
-"""The cost model's formulas against hand calculations (sim/cost.py)."""
+"""The cost model's formulas against hand calculations (sim/cost.py), and the cost file
+checked when a simulation's or a plan's options are loaded."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
+from areal.config import ConfigError
+from areal.sim.config import load_sim_config
 from areal.sim.cost import (
     COSTS_FILE,
     CostModel,
@@ -14,6 +19,7 @@ from areal.sim.cost import (
     load_costs,
     model_shape,
 )
+from areal.sim.plan import load_plan_config
 
 COSTS = load_costs(COSTS_FILE)
 
@@ -139,6 +145,41 @@ def test_every_number_in_the_cost_file_has_a_source(tmp_path):
 def test_a_missing_cost_file_is_named(tmp_path):
     with pytest.raises(ValueError, match="nope.yaml' does not exist; costs= takes"):
         load_costs(tmp_path / "nope.yaml")
+
+
+def test_a_cost_file_that_is_not_a_mapping_is_named(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- 1\n- 2\n")
+    with pytest.raises(ValueError, match="list.yaml' must hold a mapping laid out like"):
+        load_costs(path)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model=70b"], "'70b' is not in models of the cost file; known: 1.5b"),
+        (["accelerator=tpu"], "'tpu' is not in accelerators of the cost file"),
+        (["costs=/nonexistent/costs.yaml"], "'/nonexistent/costs.yaml' does not exist"),
+    ],
+)
+def test_options_that_the_cost_file_cannot_price_fail_when_loaded(overrides, message):
+    """A simulation's and a plan's options are checked against the cost file as they are
+    loaded: a ConfigError naming the file and the entry, not a traceback later."""
+    for load in (load_sim_config, load_plan_config):
+        with pytest.raises(ConfigError, match=re.escape(message)) as err:
+            load(overrides=overrides)
+        assert str(err.value).startswith("costs=")
+
+
+def test_a_malformed_cost_file_fails_when_the_options_are_loaded(tmp_path):
+    path = tmp_path / "costs.yaml"
+    path.write_text("models: [1, 2\n")
+    with pytest.raises(ConfigError, match=f"costs={re.escape(str(path))}: while parsing"):
+        load_sim_config(overrides=[f"costs={path}"])
+    path.write_text(COSTS_FILE.read_text().replace("lora:", "lora_gone:"))
+    assert load_sim_config(overrides=[f"costs={path}"]).lora_rank == 0  # LoRA not asked for
+    with pytest.raises(ConfigError, match="needs a `lora` entry"):
+        load_sim_config(overrides=[f"costs={path}", "lora_rank=8"])
 
 
 def test_lora_publishes_the_adapters_and_skips_the_base_weight_gradients():
