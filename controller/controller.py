@@ -177,7 +177,7 @@ class Controller:
                 self._restore(core, resumed, metrics)
             metrics.console(f"run directory: {setup.run_dir}  |  controller at {channel.address}")
             core.record_event("data_loaded", **getattr(setup.task, "counts", {}))
-            self._spawn_local_workers(core.pool, channel.address, metrics)
+            await self._start_local_workers(core.pool, channel.address, metrics)
             return await self._supervise(core, channel, connection.loops)
         finally:
             for loop in connection.loops.values():
@@ -291,17 +291,21 @@ class Controller:
         except BaseExceptionGroup as failed:
             raise _first(failed) from None
 
-    def _spawn_local_workers(self, pool: WorkerPool, address: str, metrics: MetricsSink) -> None:
+    async def _start_local_workers(
+        self, pool: WorkerPool, address: str, metrics: MetricsSink
+    ) -> None:
+        """Every worker not left to join from elsewhere (`controller.remote_kinds`), started
+        with `WorkerPool.start`: the event loop keeps running while they start."""
         remote = set(self.cfg.controller.remote_kinds)
         if "rollout" not in remote:
             for i in range(self.cfg.rollout.num_workers):
-                pool.spawn(WorkerKind.ROLLOUT, i, rank=i)
+                await pool.start(WorkerKind.ROLLOUT, i, rank=i)
         if "reward" not in remote:
             for i in range(self.cfg.reward.num_workers):
-                pool.spawn(WorkerKind.REWARD, i)
+                await pool.start(WorkerKind.REWARD, i)
         if "trainer" not in remote:
             for rank in range(self.cfg.trainer.num_ranks):
-                pool.spawn(WorkerKind.TRAINER, rank, rank=rank)
+                await pool.start(WorkerKind.TRAINER, rank, rank=rank)
         if remote:
             metrics.console(
                 f"waiting for remote workers ({', '.join(sorted(remote))}) to join at {address}"

@@ -126,6 +126,14 @@ class WorkerPool:
 
     # -- local processes ------------------------------------------------------------------------
 
+    async def start(self, kind: WorkerKind, index: int, rank: int = 0) -> WorkerHandle:
+        """`spawn` for a run that is starting, in a thread beside the event loop: the first
+        worker forked waits for the fork server to import the workers' code, torch with it
+        (seconds), and the loop may be an embedding application's, with its own tasks to
+        run meanwhile. Only while nothing else touches the pool (before the controller's
+        loops start): a replacement is started with `spawn`, the fork server warm by then."""
+        return await asyncio.to_thread(self.spawn, kind, index, rank)
+
     def spawn(self, kind: WorkerKind, index: int, rank: int = 0) -> WorkerHandle:
         worker_id = f"{kind.value}-{index}"
         handle = self.expected.get(worker_id) or WorkerHandle(

@@ -70,6 +70,10 @@ class SimPool(WorkerPool):
         self.router = router
         self.env = env
 
+    async def start(self, kind: WorkerKind, index: int, rank: int = 0) -> WorkerHandle:
+        """`spawn` on the loop: a simulated worker is a task of this loop, started at once."""
+        return self.spawn(kind, index, rank)
+
     def spawn(self, kind: WorkerKind, index: int, rank: int = 0) -> WorkerHandle:
         worker_id = f"{kind.value}-{index}"
         handle = self.expected.get(worker_id) or WorkerHandle(

@@ -151,6 +151,11 @@ class RayPool(WorkerPool):
         self.attempts: Counter[str] = Counter()
         self._actor_cls: Any = None
 
+    async def start(self, kind: WorkerKind, index: int, rank: int = 0) -> WorkerHandle:
+        """`spawn` on the loop: creating an actor and calling it return at once (Ray places
+        it in the background; `RayProcess` follows it)."""
+        return self.spawn(kind, index, rank)
+
     def spawn(self, kind: WorkerKind, index: int, rank: int = 0) -> WorkerHandle:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
