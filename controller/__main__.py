@@ -17,6 +17,7 @@ import sys
 import textwrap
 
 from areal.config import ConfigError, describe_options, load_config
+from areal.controller import preload
 
 
 def _options_help() -> str:
@@ -71,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s controller %(levelname)s %(name)s: %(message)s",
     )
+    preload.warm(cfg)  # its imports overlap the controller's, just below
     import uvloop
 
     from areal.controller.controller import Controller, RunFailed

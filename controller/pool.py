@@ -174,10 +174,7 @@ class WorkerPool:
     @property
     def forks_workers(self) -> bool:
         """Whether workers are forked from the fork server (controller/preload.py)."""
-        if self.cfg.worker_start == "auto":  # CUDA must not be touched before a fork
-            devices = [*self.cfg.rollout.devices, *self.cfg.trainer.devices]
-            return not any(d.startswith("cuda") for d in devices)
-        return self.cfg.worker_start == "preload"
+        return preload.forks_workers(self.cfg)
 
     def _placement_env(self, kind: WorkerKind, index: int) -> dict[str, str]:
         """Thread counts, device visibility and CPU cores of one worker."""

@@ -32,9 +32,13 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from areal.messages import WorkerKind
 from areal.workers.parent import PARENT_ENV
+
+if TYPE_CHECKING:
+    from areal.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -187,13 +191,22 @@ class ForkServer:
             "log": str(log_path),
         }
         with self._lock:
-            if self._connection is None or self._connection.process.poll() is not None:
-                self._connection = _Connection(self.modules)
+            self._ensure_running()
+            assert self._connection is not None
             try:
                 return self._connection.request(request)
             except (BrokenPipeError, ServerEnded):  # it died since the check: once more
                 self._connection = _Connection(self.modules)
                 return self._connection.request(request)
+
+    def warm(self) -> None:
+        """Start the server now if it is not running, without waiting for its imports."""
+        with self._lock:
+            self._ensure_running()
+
+    def _ensure_running(self) -> None:
+        if self._connection is None or self._connection.process.poll() is not None:
+            self._connection = _Connection(self.modules)
 
     def close(self) -> None:
         """End the server (its stdin closes) and reap it; its workers end with it."""
@@ -217,3 +230,26 @@ atexit.register(_server.close)  # reaped here, not left to init as a zombie
 def start(module: str, args: list[str], env: dict[str, str], log_path: Path) -> PreloadedProcess:
     """A worker forked by this process's fork server (started on first use)."""
     return _server.start(module, args, env, log_path)
+
+
+def forks_workers(cfg: RunConfig) -> bool:
+    """Whether launcher=local forks `cfg`'s local workers from the fork server."""
+    if cfg.worker_start == "auto":  # CUDA must not be touched before a fork
+        devices = [*cfg.rollout.devices, *cfg.trainer.devices]
+        return not any(d.startswith("cuda") for d in devices)
+    return cfg.worker_start == "preload"
+
+
+def warm(cfg: RunConfig) -> None:
+    """Start the fork server now when `cfg`'s run will fork local workers from it, so that
+    its imports (torch and transformers: seconds of CPU) run while the controller imports
+    its own code and sets the run up, not after. A no-op for other launchers, for
+    `worker_start=exec`, when every kind of worker joins from elsewhere, or when the server
+    is already running."""
+    remote = set(cfg.controller.remote_kinds)
+    if (
+        cfg.launcher == "local"
+        and forks_workers(cfg)
+        and not remote >= {k.value for k in WorkerKind}
+    ):
+        _server.warm()

@@ -32,6 +32,7 @@ import zmq.asyncio
 
 from areal.auth import ZapHandler, run_keys, watch_handshakes
 from areal.config import RunConfig, is_loopback
+from areal.controller import preload
 from areal.controller.pool import WorkerPool
 from areal.controller.setup import RunSetup, prepare_run
 from areal.transport import RouterChannel
@@ -73,6 +74,7 @@ class LocalRuntime:
         reason once."""
 
     def prepare_run(self, cfg: RunConfig) -> RunSetup:
+        preload.warm(cfg)  # the fork server imports while the run is set up
         return prepare_run(cfg)
 
     def make_pool(

@@ -170,6 +170,38 @@ def test_the_pool_forks_unless_a_worker_is_on_a_cuda_device(tmp_path, worker_sta
     assert pool.forks_workers is forks
 
 
+SECRET = ["controller.auth=secret", "controller.secret=s"]
+"""What a run with remote workers needs besides (areal.config)."""
+
+
+@pytest.mark.parametrize(
+    ("overrides", "starts"),
+    [
+        ([], True),
+        (["worker_start=exec"], False),
+        (["launcher=ray"], False),
+        (["controller.remote_kinds=[reward]", *SECRET], True),
+        (["controller.remote_kinds=[rollout,reward,trainer]", *SECRET], False),
+    ],
+)
+def test_warm_starts_the_server_only_for_a_run_that_forks_local_workers(
+    tmp_path, user_module, monkeypatch, overrides, starts
+):
+    server = ForkServer(modules=[])
+    monkeypatch.setattr(preload, "_server", server)
+    cfg = load_config(overrides=[*overrides, f"run_dir={tmp_path}"])
+    try:
+        preload.warm(cfg)
+        assert (server._connection is not None) is starts
+        if starts:  # warming a running server changes nothing; its first request is served
+            first = server._connection.process
+            preload.warm(cfg)
+            child = server.start("forked_job", ["exit", "0"], _env(user_module), tmp_path / "a")
+            assert child.wait(60) == 0 and server._connection.process is first
+    finally:
+        server.close()
+
+
 def test_an_unknown_worker_start_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="worker_start='spawn' is not one of auto"):
         load_config(overrides=["worker_start=spawn"])

@@ -38,7 +38,7 @@ import asyncio
 import functools
 import logging
 import time
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -59,12 +59,14 @@ from areal.messages import (
 )
 from areal.workers.base import Worker
 from areal.workers.collective import WeightsMember, report_weights_op
-from areal.workers.rollout.agent.runner import generated_agent_episode, start_agents
 from areal.workers.rollout.engine import SamplingParams, WeightSource
 from areal.workers.rollout.episode import generated_episode, start_episodes
 from areal.workers.rollout.factory import make_engine
 from areal.workers.rollout.interruptible import InterruptibleGenerator
 from areal.workers.rollout.sources import PendingSlot, path_source, tensor_source
+
+if TYPE_CHECKING:
+    from areal.workers.rollout.agent.runner import AgentRunner
 
 log = logging.getLogger(__name__)
 
@@ -93,12 +95,19 @@ class RolloutWorker(Worker):
         self._announced = 0
         """The newest version an UpdateWeights(collective) announced."""
         self.episodes = await start_episodes(cfg, self.generator)
-        self.agents = await start_agents(
-            cfg,
-            self.generator,
-            rank=self.rank,
-            context_len=getattr(self.engine, "max_seq_len", None),
-        )
+        self.agents: AgentRunner | None = None
+        if cfg.agent.function is not None:
+            # Imported here: the OpenAI client and the endpoint's server cost every rollout
+            # worker (and the fork server, controller/preload.py) most of a second of
+            # imports, which a run without agents does not need.
+            from areal.workers.rollout.agent.runner import start_agents
+
+            self.agents = await start_agents(
+                cfg,
+                self.generator,
+                rank=self.rank,
+                context_len=getattr(self.engine, "max_seq_len", None),
+            )
         self.spawn(self._update_loop(), "weight-updates")
         # What it serves now (stream/collective: the current version arrives after Ready).
         return self.generator.version
@@ -295,6 +304,8 @@ class RolloutWorker(Worker):
             seed=seed,
         )
         if self.agents is not None:
+            from areal.workers.rollout.agent.runner import generated_agent_episode
+
             agent_episode = await self.agents.run(
                 request_id,
                 params,
