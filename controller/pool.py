@@ -35,7 +35,7 @@ from areal import clock
 from areal.config import RunConfig
 from areal.controller import preload
 from areal.messages import PROTOCOL_VERSION, Register, WorkerKind
-from areal.workers.parent import PARENT_ENV
+from areal.workers.parent import PARENT_ENV, spawning
 
 log = logging.getLogger(__name__)
 
@@ -159,12 +159,14 @@ class WorkerPool:
             handle.process = preload.start(module, args, env, logs / f"{worker_id}.log")
         else:
             with open(logs / f"{worker_id}.log", "ab") as out:
-                handle.process = subprocess.Popen(
-                    [sys.executable, "-m", module, *args],
-                    env=env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
+                handle.process = spawning(  # in a thread that lasts (areal.workers.parent)
+                    lambda: subprocess.Popen(
+                        [sys.executable, "-m", module, *args],
+                        env=env,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                    )
                 )
         handle.ready, handle.identity, handle.last_seen = False, None, clock.now()
         self.expected[worker_id] = handle

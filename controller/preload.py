@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from areal.messages import WorkerKind
-from areal.workers.parent import PARENT_ENV
+from areal.workers.parent import PARENT_ENV, spawning
 
 if TYPE_CHECKING:
     from areal.config import RunConfig
@@ -89,12 +89,14 @@ class _Connection:
     """One running server: its process, the children it forked, replies not yet taken."""
 
     def __init__(self, modules: list[str]) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "areal.controller.fork_server", *modules],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env={**os.environ, PARENT_ENV: str(os.getpid())},
+        self.process = spawning(  # in a thread that lasts: the server dies with its starter
+            lambda: subprocess.Popen(
+                [sys.executable, "-m", "areal.controller.fork_server", *modules],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env={**os.environ, PARENT_ENV: str(os.getpid())},
+            )
         )
         self.children: dict[int, PreloadedProcess] = {}
         self.started: list[PreloadedProcess | None] = []

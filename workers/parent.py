@@ -10,8 +10,11 @@ Such a worker ignores SIGINT and SIGTERM: a Ctrl-C in the terminal (sent to the 
 process group) or a launcher's SIGTERM to every process must reach only the controller,
 which then stops the run in order (the current step needs its trainer) and ends its workers.
 
-The kernel ties the signal to the parent *thread* that forked the worker: the controller
-spawns workers from its event-loop thread, which lives as long as the controller does.
+The kernel ties the signal to the parent *thread* that forked the worker, not to its
+process: a worker (or fork server) started from a thread that ends, such as one of the event
+loop's default executor, which `asyncio.run` shuts down when it returns, would be killed then.
+So the controller starts every local process through `spawning`, one thread of its own that
+lasts as long as the process does.
 Remote workers (started by hand or a launcher, no `AREAL_PARENT_PID`) are not affected; they
 exit when the controller has been silent for `controller.heartbeat_timeout_s` (base.py).
 """
@@ -20,17 +23,32 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 import os
 import signal
 import sys
 import threading
 import time
+from typing import TypeVar
 
 PARENT_ENV = "AREAL_PARENT_PID"
 _PR_SET_PDEATHSIG = 1
 _POLL_S = 0.5
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_SPAWNING = ThreadPoolExecutor(1, thread_name_prefix="areal-spawning")
+"""Its one thread is made on first use and lasts until the interpreter shuts down."""
+
+
+def spawning(start: Callable[[], T]) -> T:
+    """`start()` (which starts a process that dies with this one) run in the thread that
+    starts every such process, whatever thread calls it: see the module docstring. It must
+    not call `spawning` itself (that thread would wait on itself)."""
+    return _SPAWNING.submit(start).result()
 
 
 def die_with_parent(environ: dict[str, str] | None = None) -> bool:

@@ -60,30 +60,34 @@ def test_the_planner_is_given_the_fitted_costs(plan_check, tmp_path):
     assert not any(o.startswith("costs=") for o in plan_check.plan_options(tmp_path, 30))
 
 
-def _plan_check(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(REPO / "bench" / "plan_check.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
+def _plan_check(plan_check, capsys, *args: str) -> tuple[int, str]:
+    """`python bench/plan_check.py *args`'s exit code and stderr, for a run that ends in
+    its argument checks (in this process: the script's imports alone take seconds)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "argv", ["plan_check.py", *args])
+        with pytest.raises(SystemExit) as ended:
+            plan_check.main()
+    return ended.value.code, capsys.readouterr().err
+
+
+def test_a_missing_costs_file_is_refused(plan_check, tmp_path, capsys):
+    code, stderr = _plan_check(
+        plan_check, capsys, "--out", str(tmp_path), "--costs", str(tmp_path / "nope.yaml")
     )
+    assert code == 2
+    assert f"--costs={tmp_path / 'nope.yaml'}: no such file" in stderr
 
 
-def test_a_missing_costs_file_is_refused(tmp_path):
-    done = _plan_check("--out", str(tmp_path), "--costs", str(tmp_path / "nope.yaml"))
-    assert done.returncode == 2
-    assert f"--costs={tmp_path / 'nope.yaml'}: no such file" in done.stderr
-
-
-def test_predictions_from_other_costs_are_not_mixed_with_these(tmp_path):
+def test_predictions_from_other_costs_are_not_mixed_with_these(plan_check, tmp_path, capsys):
     (tmp_path / "fitted.yaml").write_text("accelerators: {}\n")
     (tmp_path / "check.json").write_text(
         json.dumps({"steps": 30, "predicted": {"x": 1.0}, "measured": {}})
     )
-    done = _plan_check("--out", str(tmp_path), "--costs", str(tmp_path / "fitted.yaml"))
-    assert done.returncode == 2
-    assert "holds predictions from costs=None" in done.stderr, done.stderr
+    code, stderr = _plan_check(
+        plan_check, capsys, "--out", str(tmp_path), "--costs", str(tmp_path / "fitted.yaml")
+    )
+    assert code == 2
+    assert "holds predictions from costs=None" in stderr, stderr
 
 
 @pytest.mark.slow

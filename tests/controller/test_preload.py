@@ -106,6 +106,23 @@ def test_workers_die_with_the_server_which_starts_again(server, user_module, tmp
     assert server._connection.process is not first and again.wait(60) == 0
 
 
+def test_a_server_started_from_a_thread_that_ends_outlives_it(server, user_module, tmp_path):
+    """The server dies with the thread that started it (areal.workers.parent): a run's
+    first worker is started from the event loop's default executor, whose threads
+    `asyncio.run` ends when it returns, and the next run in the same process must find the
+    server still there."""
+    thread = threading.Thread(
+        target=lambda: server.start("forked_job", ["exit", "0"], _env(user_module), tmp_path / "a")
+    )
+    thread.start()
+    thread.join()
+    first = server._connection.process
+    with pytest.raises(subprocess.TimeoutExpired):
+        first.wait(1)
+    child = server.start("forked_job", ["exit", "0"], _env(user_module), tmp_path / "b")
+    assert child.wait(60) == 0 and server._connection.process is first
+
+
 def test_a_request_to_a_server_that_just_died_goes_to_a_new_one(
     server, user_module, tmp_path, monkeypatch
 ):
