@@ -30,7 +30,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +49,10 @@ PRELOAD = [
     "areal.workers.reward.worker",
 ]
 """Modules the server imports before its first fork (torch and transformers with them)."""
+AGENT_PRELOAD = ["areal.workers.rollout.agent.runner"]
+"""Imported besides, when the server is warmed for a run with `agent.function` set (`warm`):
+the rollout worker imports its agent runner (the OpenAI client, the endpoint's server) only
+for such runs."""
 
 
 class PreloadedProcess:
@@ -201,14 +205,15 @@ class ForkServer:
                 self._connection = _Connection(self.modules)
                 return self._connection.request(request)
 
-    def warm(self) -> None:
-        """Start the server now if it is not running, without waiting for its imports."""
+    def warm(self, extra: Sequence[str] = ()) -> None:
+        """Start the server now if it is not running, without waiting for its imports; one
+        started here imports `extra` too."""
         with self._lock:
-            self._ensure_running()
+            self._ensure_running(extra)
 
-    def _ensure_running(self) -> None:
+    def _ensure_running(self, extra: Sequence[str] = ()) -> None:
         if self._connection is None or self._connection.process.poll() is not None:
-            self._connection = _Connection(self.modules)
+            self._connection = _Connection([*self.modules, *extra])
 
     def close(self) -> None:
         """End the server (its stdin closes) and reap it; its workers end with it."""
@@ -247,11 +252,11 @@ def warm(cfg: RunConfig) -> None:
     its imports (torch and transformers: seconds of CPU) run while the controller imports
     its own code and sets the run up, not after. A no-op for other launchers, for
     `worker_start=exec`, when every kind of worker joins from elsewhere, or when the server
-    is already running."""
+    is already running. For an agent run it imports AGENT_PRELOAD too."""
     remote = set(cfg.controller.remote_kinds)
     if (
         cfg.launcher == "local"
         and forks_workers(cfg)
         and not remote >= {k.value for k in WorkerKind}
     ):
-        _server.warm()
+        _server.warm(AGENT_PRELOAD if cfg.agent.function is not None else ())

@@ -219,6 +219,23 @@ def test_warm_starts_the_server_only_for_a_run_that_forks_local_workers(
         server.close()
 
 
+def test_warm_for_an_agent_run_preloads_the_agent_runner_too(tmp_path, user_module, monkeypatch):
+    """`quiet_preloaded` (which records the pid that imported it) stands in for the agent
+    runner, whose imports take seconds."""
+    monkeypatch.setenv("PYTHONPATH", str(user_module))  # the server finds it at its start
+    monkeypatch.setattr(preload, "AGENT_PRELOAD", ["quiet_preloaded"])
+    server = ForkServer(modules=[])
+    monkeypatch.setattr(preload, "_server", server)
+    try:
+        preload.warm(load_config(overrides=["agent.function=agents:solve", f"run_dir={tmp_path}"]))
+        child = server.start("forked_job", ["exit", "0"], _env(user_module), tmp_path / "a.log")
+        assert child.wait(60) == 0
+        server_pid = server._connection.process.pid
+        assert f"preloaded by {server_pid}" in (tmp_path / "a.log").read_text()
+    finally:
+        server.close()
+
+
 def test_an_unknown_worker_start_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="worker_start='spawn' is not one of auto"):
         load_config(overrides=["worker_start=spawn"])
