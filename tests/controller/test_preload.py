@@ -138,14 +138,19 @@ def test_a_request_to_a_server_that_just_died_goes_to_a_new_one(
     assert server._connection.process is not first and child.wait(60) == 0
 
 
+def _assert_a_fork_finds_quiet_preloaded_imported(server, user_module, tmp_path) -> None:
+    """A worker forked by `server` finds `quiet_preloaded` imported by the server itself."""
+    child = server.start("forked_job", ["exit", "0"], _env(user_module), tmp_path / "a.log")
+    assert child.wait(60) == 0
+    server_pid = server._connection.process.pid
+    assert f"preloaded by {server_pid}" in (tmp_path / "a.log").read_text()
+
+
 def test_the_server_preloads_the_modules_it_is_given(tmp_path, user_module, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(user_module))  # the server finds it at its start
     server = ForkServer(modules=["quiet_preloaded"])
     try:
-        child = server.start("forked_job", ["exit", "0"], _env(user_module), tmp_path / "a.log")
-        assert child.wait(60) == 0
-        server_pid = server._connection.process.pid
-        assert f"preloaded by {server_pid}" in (tmp_path / "a.log").read_text()
+        _assert_a_fork_finds_quiet_preloaded_imported(server, user_module, tmp_path)
     finally:
         server.close()
 
@@ -228,10 +233,7 @@ def test_warm_for_an_agent_run_preloads_the_agent_runner_too(tmp_path, user_modu
     monkeypatch.setattr(preload, "_server", server)
     try:
         preload.warm(load_config(overrides=["agent.function=agents:solve", f"run_dir={tmp_path}"]))
-        child = server.start("forked_job", ["exit", "0"], _env(user_module), tmp_path / "a.log")
-        assert child.wait(60) == 0
-        server_pid = server._connection.process.pid
-        assert f"preloaded by {server_pid}" in (tmp_path / "a.log").read_text()
+        _assert_a_fork_finds_quiet_preloaded_imported(server, user_module, tmp_path)
     finally:
         server.close()
 
