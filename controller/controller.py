@@ -418,7 +418,7 @@ class Controller:
                 )
             handle.num_restarts += 1
             index = int(handle.worker_id.rsplit("-", 1)[1])
-            core.pool.spawn(handle.kind, index, handle.rank)
+            await core.pool.start(handle.kind, index, handle.rank)
         finally:
             core.restarted(handle)
 

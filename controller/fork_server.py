@@ -5,8 +5,10 @@ modules, torch and transformers with them), then forks a worker per request read
 stdin until that closes. The protocol is one JSON object per line: a request (module, args,
 env, cwd, log), the child's pid on stdout, and later `{"exit": pid, "code": c}` when the
 child ends (`c` as `Popen.returncode`: negative for a signal); `{"kill": pid}` SIGKILLs that
-child if it has not been reaped yet, and is not answered. Nothing else reaches that
-stdout: what the imports print goes to stderr. The server dies with the
+child if it has not been reaped yet, and `{"import": [module, ...]}` imports those modules
+before the next fork (a module that fails to import is reported on stderr and left to the
+workers that need it); neither is answered. Nothing else reaches that stdout: what the
+imports print goes to stderr. The server dies with the
 controller (areal.workers.parent), and each child with the server.
 
 In the child, `become_worker` makes it the process a fresh `python -m module args` would
@@ -60,6 +62,9 @@ def serve(requests: int, replies: IO[str]) -> None:
                         with contextlib.suppress(ProcessLookupError):
                             os.kill(request["kill"], signal.SIGKILL)
                     continue
+                if "import" in request:
+                    _import_more(request["import"])
+                    continue
                 pid = os.fork()
                 if pid == 0:
                     selector.close()
@@ -72,6 +77,19 @@ def serve(requests: int, replies: IO[str]) -> None:
             if done:
                 children.discard(pid)
                 _reply(replies, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def _import_more(names: list[str]) -> None:
+    """Import `names` for the children forked from now on. A failure must not end the
+    server, whose children die with it: the worker that needs the module imports it
+    itself, and reports the failure there."""
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except (Exception, SystemExit) as err:  # whatever user code does at import
+            print(
+                f"fork server: {name} not preloaded ({type(err).__name__}: {err})", file=sys.stderr
+            )
 
 
 def _reply(replies: IO[str], message: dict[str, Any]) -> None:

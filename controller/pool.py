@@ -127,18 +127,28 @@ class WorkerPool:
     # -- local processes ------------------------------------------------------------------------
 
     async def start(self, kind: WorkerKind, index: int, rank: int = 0) -> WorkerHandle:
-        """`spawn` for a run that is starting, in a thread beside the event loop: the first
-        worker forked waits for the fork server to import the workers' code, torch with it
-        (seconds), and the loop may be an embedding application's, with its own tasks to
-        run meanwhile. Only while nothing else touches the pool (before the controller's
-        loops start): a replacement is started with `spawn`, the fork server warm by then."""
-        return await asyncio.to_thread(self.spawn, kind, index, rank)
-
-    def spawn(self, kind: WorkerKind, index: int, rank: int = 0) -> WorkerHandle:
+        """Start worker `index` of `kind` (again, if it ran before) without blocking the
+        event loop: a run's workers and the replacements of lost ones. The handle is reset
+        here, on the loop, and only the process is started in a thread beside it: forking
+        may wait seconds for the fork server's imports (the run's first worker, or the first
+        after the server died), while the loop goes on hearing the other workers (and an
+        embedding application's tasks run). Until its process is started the handle holds
+        none, so it cannot be found lost meanwhile; a Register that comes first finds it."""
         worker_id = f"{kind.value}-{index}"
         handle = self.expected.get(worker_id) or WorkerHandle(
             worker_id=worker_id, kind=kind, rank=rank
         )
+        handle.process, handle.ready, handle.identity = None, False, None
+        handle.last_seen = clock.now()
+        self.expected[worker_id] = handle
+        handle.process = await asyncio.to_thread(self._launcher(handle, index))
+        log.info("started %s (pid %d)", worker_id, handle.process.pid)
+        return handle
+
+    def _launcher(self, handle: WorkerHandle, index: int) -> Callable[[], WorkerProcess]:
+        """What starts `handle`'s process (forked, or a fresh interpreter) and returns it,
+        touching no handle or pool state: it may run in another thread."""
+        kind, worker_id = handle.kind, handle.worker_id
         env = dict(
             os.environ,
             PYTHONUNBUFFERED="1",
@@ -153,13 +163,15 @@ class WorkerPool:
         env.update(self._placement_env(kind, index))
         logs = self.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
+        log_path = logs / f"{worker_id}.log"
         module = f"areal.workers.{kind.value}"
-        args = ["--connect", self.address, "--worker-id", worker_id, "--rank", str(rank)]
+        args = ["--connect", self.address, "--worker-id", worker_id, "--rank", str(handle.rank)]
         if self.forks_workers:
-            handle.process = preload.start(module, args, env, logs / f"{worker_id}.log")
-        else:
-            with open(logs / f"{worker_id}.log", "ab") as out:
-                handle.process = spawning(  # in a thread that lasts (areal.workers.parent)
+            return lambda: preload.start(module, args, env, log_path)
+
+        def execute() -> WorkerProcess:
+            with open(log_path, "ab") as out:
+                return spawning(  # in a thread that lasts (areal.workers.parent)
                     lambda: subprocess.Popen(
                         [sys.executable, "-m", module, *args],
                         env=env,
@@ -168,10 +180,8 @@ class WorkerPool:
                         stdin=subprocess.DEVNULL,
                     )
                 )
-        handle.ready, handle.identity, handle.last_seen = False, None, clock.now()
-        self.expected[worker_id] = handle
-        log.info("started %s (pid %d)", worker_id, handle.process.pid)
-        return handle
+
+        return execute
 
     @property
     def forks_workers(self) -> bool:

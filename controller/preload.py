@@ -115,6 +115,13 @@ class _Connection:
             self.process.stdin.write(json.dumps(line) + "\n")
             self.process.stdin.flush()
 
+    def preload(self, modules: list[str]) -> None:
+        """Ask the server to import `modules` before its next fork (not answered)."""
+        try:
+            self._write({"import": modules})
+        except (BrokenPipeError, ValueError):  # the server is gone: its successor imports them
+            pass
+
     def kill(self, pid: int) -> None:
         """Ask the server to SIGKILL its child `pid` if it has not reaped it yet."""
         try:
@@ -179,8 +186,9 @@ class ForkServer:
     """The controller's side: a server started on first use, and again if it ended."""
 
     def __init__(self, modules: list[str] | None = None) -> None:
-        self.modules = PRELOAD if modules is None else modules
-        """What the server imports before its first fork."""
+        self.modules = list(PRELOAD if modules is None else modules)
+        """What the server imports before its first fork; `warm` may add to it, and a
+        server started again (after it died) imports all of it."""
         self._lock = threading.Lock()  # one request and its reply at a time
         self._connection: _Connection | None = None
 
@@ -206,14 +214,22 @@ class ForkServer:
                 return self._connection.request(request)
 
     def warm(self, extra: Sequence[str] = ()) -> None:
-        """Start the server now if it is not running, without waiting for its imports; one
-        started here imports `extra` too."""
+        """Start the server now if it is not running, without waiting for its imports.
+        `extra`: modules its workers will import besides `modules`, imported from now on: by
+        a server started here or again later, and by one already running before its next
+        fork (an application that runs an agent run after another run)."""
         with self._lock:
-            self._ensure_running(extra)
+            missing = [name for name in extra if name not in self.modules]
+            self.modules.extend(missing)
+            if self._connection is not None and self._connection.process.poll() is None:
+                if missing:  # if it has just died, the one started next imports them
+                    self._connection.preload(missing)
+            else:
+                self._connection = _Connection(self.modules)
 
-    def _ensure_running(self, extra: Sequence[str] = ()) -> None:
+    def _ensure_running(self) -> None:
         if self._connection is None or self._connection.process.poll() is not None:
-            self._connection = _Connection([*self.modules, *extra])
+            self._connection = _Connection(self.modules)
 
     def close(self) -> None:
         """End the server (its stdin closes) and reap it; its workers end with it."""

@@ -15,7 +15,7 @@ run unchanged on whatever the runtime provides.
 
 A channel has `send(identity, msg) -> bool` (False: that peer is gone), `recv() ->
 (identity, msg)`, `address` and `registered` (whether a peer's messages are decoded in
-full); a pool is a `WorkerPool` whose `spawn` starts what stands for a worker process.
+full); a pool is a `WorkerPool` whose `start` starts what stands for a worker process.
 """
 
 from __future__ import annotations

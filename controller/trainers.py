@@ -256,7 +256,7 @@ class Trainers:
                 pending.set_exception(TrainerLost(lost))
         remote = [h.rank for h in [handle, *others] if h.process is None]
         for local in [h for h in [handle, *others] if h.process is not None]:
-            self.pool.spawn(WorkerKind.TRAINER, local.rank, local.rank)
+            await self.pool.start(WorkerKind.TRAINER, local.rank, local.rank)
         self.console(
             f"{lost}: restarting the trainer from {self.recovery.checkpoint or 'the initial model'}"
             + (

@@ -51,6 +51,7 @@ def user_module(tmp_path):
     (package / "forked_job.py").write_text(MODULE.format(parent=PARENT_ENV))
     (package / "quiet_preloaded.py").write_text("import os\nPID = os.getpid()\n")
     (package / "noisy_preloaded.py").write_text("print('a library that talks at import')\n")
+    (package / "broken_preloaded.py").write_text("raise RuntimeError('broken at import')\n")
     return package
 
 
@@ -236,6 +237,55 @@ def test_warm_for_an_agent_run_preloads_the_agent_runner_too(tmp_path, user_modu
         _assert_a_fork_finds_quiet_preloaded_imported(server, user_module, tmp_path)
     finally:
         server.close()
+
+
+def test_warm_makes_a_running_server_import_more_before_its_next_fork(
+    tmp_path, user_module, monkeypatch
+):
+    """An application's agent run after a run without agents: the server that the first
+    warmed imports the agent runner (`quiet_preloaded` stands in) before its next fork."""
+    monkeypatch.setenv("PYTHONPATH", str(user_module))
+    server = ForkServer(modules=[])
+    try:
+        server.warm()
+        first = server._connection.process
+        server.warm(["quiet_preloaded"])
+        _assert_a_fork_finds_quiet_preloaded_imported(server, user_module, tmp_path)
+        assert server._connection.process is first
+    finally:
+        server.close()
+
+
+def test_a_server_started_again_imports_what_warm_added(tmp_path, user_module, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(user_module))
+    server = ForkServer(modules=[])
+    try:
+        server.warm(["quiet_preloaded"])
+        first = server._connection.process
+        first.kill()
+        first.wait()
+        _assert_a_fork_finds_quiet_preloaded_imported(server, user_module, tmp_path)
+        assert server._connection.process is not first
+    finally:
+        server.close()
+
+
+def test_a_module_the_server_fails_to_import_is_reported_and_it_serves_on(
+    tmp_path, user_module, monkeypatch, capfd
+):
+    monkeypatch.setenv("PYTHONPATH", str(user_module))
+    server = ForkServer(modules=[])
+    try:
+        server.warm()
+        first = server._connection.process
+        server.warm(["broken_preloaded", "quiet_preloaded"])
+        _assert_a_fork_finds_quiet_preloaded_imported(server, user_module, tmp_path)
+        assert server._connection.process is first
+    finally:
+        server.close()
+    assert (
+        "broken_preloaded not preloaded (RuntimeError: broken at import)" in capfd.readouterr().err
+    )
 
 
 def test_an_unknown_worker_start_is_refused(tmp_path):

@@ -1,5 +1,6 @@
-"""Starting local workers (controller/pool.py): a run that starts them leaves its event loop
-free while the first fork waits for the fork server's imports."""
+"""Starting local workers (controller/pool.py): a run that starts them, or a replacement of
+a lost one, leaves its event loop free while the fork waits for the fork server's imports,
+and the handle is written on the loop, where a Register may come before the fork returns."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import threading
 
 from areal.config import load_config
 from areal.controller import preload
-from areal.controller.pool import WorkerPool
-from areal.messages import WorkerKind
+from areal.controller.pool import WorkerHandle, WorkerPool
+from areal.messages import PROTOCOL_VERSION, Register, WorkerKind
 
 
 class _Started:
@@ -39,3 +40,53 @@ async def test_a_worker_starts_beside_the_event_loop(tmp_path, monkeypatch):
     assert forks == [("areal.workers.reward", True)]
     assert handle.process is not None and handle.process.pid == 4242
     assert pool.expected["reward-0"] is handle and not handle.ready
+
+
+async def test_a_replacement_that_registers_before_its_fork_returns_keeps_its_identity(
+    tmp_path, monkeypatch
+):
+    """A lost worker started again while the fork server restarts (seconds): meanwhile its
+    handle holds no process, so the liveness check does not find it lost again, and the new
+    process's Register, which can come before the fork's reply, is not undone by it."""
+    forked = threading.Event()
+    reply = threading.Event()
+
+    def fork(module, args, env, log_path):
+        forked.set()
+        reply.wait(30)
+        return _Started()
+
+    monkeypatch.setattr(preload, "start", fork)
+    pool = WorkerPool(load_config(None, ["worker_start=preload"]), tmp_path, "tcp://x:1", "s")
+    lost = pool.expected["rollout-0"] = _lost_rollout_handle(pool)
+    starting = asyncio.create_task(pool.start(WorkerKind.ROLLOUT, 0))
+    while not forked.is_set():
+        await asyncio.sleep(0.01)
+    assert lost.process is None and pool.lost(timeout_s=0) == []
+    register = Register(
+        kind=WorkerKind.ROLLOUT,
+        worker_id="rollout-0",
+        pid=4242,
+        host="h",
+        secret="s",
+        protocol=PROTOCOL_VERSION,
+    )
+    assert pool.register(b"new", register) is lost
+    reply.set()
+    assert await starting is lost
+    assert lost.identity == b"new" and pool.get(b"new") is lost
+    assert lost.process is not None and lost.process.pid == 4242
+
+
+def _lost_rollout_handle(pool: WorkerPool):
+    """rollout-0 as the controller leaves it when lost: forgotten, its process exited."""
+
+    class _Exited:
+        pid = 1111
+
+        def poll(self) -> int:
+            return 1
+
+    handle = WorkerHandle(worker_id="rollout-0", kind=WorkerKind.ROLLOUT, process=_Exited())
+    pool.forget(handle)
+    return handle
