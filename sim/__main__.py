@@ -102,11 +102,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_writable(path: Path) -> None:
     """ConfigError when the plan could not be written to `path` (checked before the search,
-    which takes minutes): a directory, or a place this process cannot create a file in. A
-    file it creates to find out is removed again."""
+    which takes minutes): a directory, anything else that is not a regular file (a FIFO,
+    whose opening would wait for a reader; a device), or a place this process cannot
+    create a file in. A file it creates to find out is removed again."""
     if path.is_dir():
         raise ConfigError(f"out={str(path)!r} is a directory; give the file to write")
     existed = path.exists()
+    if existed and not path.is_file():
+        raise ConfigError(f"out={str(path)!r} is not a regular file; give the file to write")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a"):

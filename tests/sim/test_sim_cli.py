@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from areal.sim.__main__ import main
@@ -65,3 +67,11 @@ def test_a_plan_that_could_not_be_written_fails_before_the_search(tmp_path, caps
     assert main(["plan", f"out={blocker / 'plan.yaml'}"]) == 2
     assert "cannot be written" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+
+
+def test_a_plan_to_a_fifo_is_refused_without_waiting_for_a_reader(tmp_path, capsys):
+    """Opening a FIFO to write waits until something reads it: the check would hang."""
+    fifo = tmp_path / "plan.yaml"
+    os.mkfifo(fifo)
+    assert main(["plan", f"out={fifo}"]) == 2
+    assert "is not a regular file; give the file to write" in capsys.readouterr().err
