@@ -64,8 +64,6 @@ class Sample:
     """Its trajectory once built: at once from a Generated, at the first read of `generated`
     from a recorded completion (`recorded`). Read it through `generated`."""
     verdict: Verdict | None = None
-    reward: float = 0.0
-    """Its reward, once scored (also its trajectory's, and in its group's step values)."""
     submitted_at: float = 0.0
     num_score_failures: int = 0
     """Checks of it that ended without a verdict (controller/reward_faults.py)."""
@@ -148,7 +146,6 @@ class Sample:
             sample.group_id, sample.index, sample.attempt = group_id, index, 0
             sample.stage, sample.worker = pending, None
             sample.trajectory, sample.verdict, sample.recorded = None, None, None
-            sample.reward = 0.0
             sample.submitted_at, sample.num_score_failures = 0.0, 0
             sample.segments, sample.request_id = [], prefix + suffix
             samples.append(sample)
@@ -390,10 +387,21 @@ class Ledger:
                 start, first = end, last
                 continue
             group = groups[sample.group_id]
-            sample.recorded = (msg, i, start, end, first, last, group.prompt, group.prompt_ids)
+            values = group.step_values
+            sample.recorded = (
+                msg,
+                i,
+                start,
+                end,
+                first,
+                last,
+                group.prompt,
+                group.prompt_ids,
+                values,
+            )
             # `trajectory_step_values`, from the message's values at hand (reward: `scored`)
             num_prompt = len(group.prompt_ids)
-            at, values = sample.index * STEP_COLUMNS, group.step_values
+            at = sample.index * STEP_COLUMNS
             values[at] = oldest[first]
             values[at + 1] = num_prompt + length
             values[at + 2] = num_prompt
@@ -442,8 +450,7 @@ class Ledger:
     def scored(self, sample: Sample, reward: float, verdict: Verdict) -> Group | None:
         """`finish_scoring` of a sample being scored (`scoring` returned it)."""
         assert sample.is_generated, sample  # scored samples were generated
-        sample.reward = reward
-        if sample.trajectory is not None:  # else given when it is built
+        if sample.trajectory is not None:  # else read from the step values when it is built
             sample.trajectory.reward = reward
         if sample.segments and verdict.is_error():  # a failed agent episode: no segment
             for segment in sample.segments:  # earns a reward
@@ -571,11 +578,12 @@ class Ledger:
                 yield sample
 
 
-Recorded = tuple[Completions, int, int, int, int, int, Prompt, np.ndarray]
+Recorded = tuple[Completions, int, int, int, int, int, Prompt, np.ndarray, array.array]
 """Where a recorded completion lies (`Sample.recorded`): its message, its place in the
 message, its tokens' [start, end) and its version runs' [first, last) in the message's
-arrays, and its group's prompt and prompt ids. A tuple, built for every completion; it holds
-no Sample or Group, so that a sample and its group form no reference cycle."""
+arrays, and its group's prompt, prompt ids and step values (where its reward is written
+when it comes). A tuple, built for every completion; it holds no Sample or Group, so that a
+sample and its group form no reference cycle."""
 
 
 def _recorded_trajectory(sample: Sample, recorded: Recorded) -> Trajectory:
@@ -583,7 +591,7 @@ def _recorded_trajectory(sample: Sample, recorded: Recorded) -> Trajectory:
     `finish_generation` builds from a Generated, with views of the message's arrays and its
     version runs (`Trajectory.from_checked`; arrays of other dtypes are converted), and the
     reward when it has one."""
-    msg, i, start, end, first, last, prompt, prompt_ids = recorded
+    msg, i, start, end, first, last, prompt, prompt_ids, values = recorded
     versions = VersionRuns(msg.run_versions[first:last], msg.run_lengths[first:last])
     kept = (
         msg.output_ids.dtype is msg.run_versions.dtype is msg.run_lengths.dtype is _INT32
@@ -608,7 +616,7 @@ def _recorded_trajectory(sample: Sample, recorded: Recorded) -> Trajectory:
             "interruptions": float(msg.num_interruptions[i]),
         },
     )
-    trajectory.reward = sample.reward  # 0.0 until scored (`Ledger.scored`)
+    trajectory.reward = values[sample.index * STEP_COLUMNS + _REWARD]  # 0.0 until scored
     return trajectory
 
 
