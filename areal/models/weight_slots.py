@@ -47,14 +47,13 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from areal.models.weights import TensorSpec, unflatten_bucket
+from areal.models.weights import TensorSpec, bucket_layout, unflatten_bucket
 
 _MAGIC = b"ARSLOT01"
 _HEADER = struct.Struct(
     "<8sIIqQQQ"
 )  # magic, state, reserved, version, payload offset/size, manifest size
 _HEADER_BYTES = 64
-_ALIGN = 16
 _PAGE = 4096
 EMPTY, WRITING, COMPLETE = 0, 1, 2
 _STATE_NAMES = {
@@ -109,19 +108,7 @@ class _Header:
 
 def _layout(tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[TensorSpec], bytes, int, int]:
     """(specs, manifest JSON, payload offset, file size) of a weight set."""
-    specs, offset = [], 0
-    for name, tensor in tensors:
-        num_bytes = tensor.numel() * tensor.element_size()
-        specs.append(
-            TensorSpec(
-                name=name,
-                dtype=str(tensor.dtype).removeprefix("torch."),
-                shape=tuple(tensor.shape),
-                offset=offset,
-                num_bytes=num_bytes,
-            )
-        )
-        offset += -(-num_bytes // _ALIGN) * _ALIGN
+    specs, offset = bucket_layout(tensors)
     manifest = json.dumps(
         [[s.name, s.dtype, list(s.shape), s.offset, s.num_bytes] for s in specs]
     ).encode()

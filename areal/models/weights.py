@@ -195,17 +195,12 @@ def bucket_tensors(
         yield bucket
 
 
-def flatten_bucket(
-    bucket: Iterable[tuple[str, torch.Tensor]],
-) -> tuple[torch.Tensor, list[TensorSpec]]:
-    """One contiguous uint8 buffer holding every tensor's bytes, plus where each lies.
-
-    The buffer is on the device of the first tensor (a broadcast sends it as one message).
-    Offsets are aligned to 16 bytes, so the buffer can be a little larger than the sum.
-    """
-    pairs = list(bucket)
+def bucket_layout(tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[TensorSpec], int]:
+    """Where each of `tensors` lies in a flat bucket (in order, each at an offset aligned to
+    16 bytes, so every dtype can be viewed in place), and the bucket's size in bytes. The
+    layout of a broadcast bucket, a weight slot's payload and a shared-memory weight file."""
     specs, offset = [], 0
-    for name, tensor in pairs:
+    for name, tensor in tensors:
         num_bytes = tensor.numel() * tensor.element_size()
         specs.append(
             TensorSpec(
@@ -217,6 +212,19 @@ def flatten_bucket(
             )
         )
         offset += -(-num_bytes // _ALIGN) * _ALIGN
+    return specs, offset
+
+
+def flatten_bucket(
+    bucket: Iterable[tuple[str, torch.Tensor]],
+) -> tuple[torch.Tensor, list[TensorSpec]]:
+    """One contiguous uint8 buffer holding every tensor's bytes, plus where each lies.
+
+    The buffer is on the device of the first tensor (a broadcast sends it as one message).
+    Offsets are aligned to 16 bytes, so the buffer can be a little larger than the sum.
+    """
+    pairs = list(bucket)
+    specs, offset = bucket_layout(pairs)
     device = pairs[0][1].device if pairs else torch.device("cpu")
     buffer = torch.empty(offset, dtype=torch.uint8, device=device)
     for spec, (_, tensor) in zip(specs, pairs, strict=True):

@@ -32,11 +32,15 @@ from collections.abc import Mapping
 import torch
 from safetensors import safe_open
 
-from areal.models.weights import TensorSpec, WeightMismatchError, unflatten_bucket
+from areal.models.weights import (
+    TensorSpec,
+    WeightMismatchError,
+    bucket_layout,
+    unflatten_bucket,
+)
 
 __all__ = ["CheckpointLayout", "SharedWeights", "read_shared", "write_shared"]
 
-_ALIGN = 16
 _SHM_DIR = Path("/dev/shm")
 _INDEX_FILE = "model.safetensors.index.json"
 
@@ -123,19 +127,7 @@ class SharedWeights:
 
 def write_shared(tensors: Mapping[str, torch.Tensor]) -> SharedWeights:
     """Copy `tensors` into a new shared-memory file (one copy per tensor)."""
-    specs, offset = [], 0
-    for name, tensor in tensors.items():
-        num_bytes = tensor.numel() * tensor.element_size()
-        specs.append(
-            TensorSpec(
-                name=name,
-                dtype=str(tensor.dtype).removeprefix("torch."),
-                shape=tuple(tensor.shape),
-                offset=offset,
-                num_bytes=num_bytes,
-            )
-        )
-        offset += -(-num_bytes // _ALIGN) * _ALIGN
+    specs, offset = bucket_layout(tensors.items())
     directory = _SHM_DIR if os.access(_SHM_DIR, os.W_OK) else Path(tempfile.gettempdir())
     fd, path = tempfile.mkstemp(dir=directory, prefix="areal-weights-", suffix=".bin")
     shared = SharedWeights(path=path, specs=specs, num_bytes=max(offset, 1))
