@@ -230,9 +230,10 @@ class Core:
     def _on_ready(
         self, identity: bytes, handle: WorkerHandle, msg: Ready, members: list[bytes], out: Outbox
     ) -> None:
+        handle.version = msg.version
         self.trainers.group.on_ready(handle, msg.store)
         self.weights.on_ready(handle, members, out)
-        handle.ready, handle.version = True, msg.version
+        handle.ready = True
         self.record_event("worker_ready", worker_id=handle.worker_id)
 
     def _on_group_status(

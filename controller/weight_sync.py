@@ -112,7 +112,13 @@ class WeightSync:
         return []
 
     def on_ready(self, handle: WorkerHandle, members: list[bytes], out: Outbox) -> None:
-        """`handle` became ready (before it is given work)."""
+        """`handle` became ready (before it is given work; `handle.version` is what it
+        serves). A rollout worker behind the version in force is sent the newest weights
+        there are, which it loads before its first Generate: versions published while it
+        set up were announced only to the workers ready then, and the weights its Welcome
+        named may have been pruned before it loaded them (it is then ready at version 0)."""
+        if handle.kind is WorkerKind.ROLLOUT and handle.version < self.version:
+            self._resend(handle, self.version + 1, out)
 
     # -- new versions ---------------------------------------------------------------------------
 
@@ -235,6 +241,9 @@ class StreamSync(WeightSync):
         super().__init__(*args, **kwargs)
         self.chunks: list[WeightsChunk] = []
         """The newest version's chunks so far, for workers that join or retry later."""
+        self._welcomed: dict[str, int] = {}
+        """The version whose chunks followed each joining rollout worker's Welcome, by
+        worker id, until it is ready."""
 
     def publish(self, trained: Trained, members: list[bytes], out: Outbox) -> None:
         self.chunks = []  # the trainer's chunks of this version follow its Trained
@@ -243,6 +252,18 @@ class StreamSync(WeightSync):
     def after_welcome(self, handle: WorkerHandle, out: Outbox) -> None:
         if handle.kind is WorkerKind.ROLLOUT and self.chunks:
             self._send_chunks(handle, self.version, out)
+            self._welcomed[handle.worker_id] = self.version
+
+    def on_ready(self, handle: WorkerHandle, members: list[bytes], out: Outbox) -> None:
+        """As every mode, but a version whose chunks followed the worker's Welcome is on
+        its way already (it loads them after its Ready): not sent twice."""
+        sent = self._welcomed.pop(handle.worker_id, 0)
+        if handle.kind is WorkerKind.ROLLOUT and max(sent, handle.version) < self.version:
+            self._resend(handle, self.version + 1, out)
+
+    def member_lost(self, handle: WorkerHandle) -> None:
+        super().member_lost(handle)
+        self._welcomed.pop(handle.worker_id, None)
 
     def on_chunk(self, msg: WeightsChunk, out: Outbox) -> str:
         self.chunks.append(msg)

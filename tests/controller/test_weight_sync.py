@@ -17,6 +17,7 @@ from areal.messages import (
     GroupState,
     GroupStatus,
     JoinGroup,
+    Ready,
     Register,
     Tensor,
     Trained,
@@ -184,6 +185,55 @@ def test_shm_mode_announces_slots_and_sends_the_newest_to_joining_and_failing_wo
     assert run.core.weights.retry(out) == []
     (again,) = out.sent(UpdateWeights)  # the newest version's slot, not an older one
     assert (again.mode, again.version, again.path) == ("shm", 2, slots[0])
+
+
+@pytest.mark.parametrize("mode", ["disk", "shm"])
+def test_a_worker_ready_behind_the_version_in_force_is_sent_the_newest(tmp_path, mode):
+    """Versions published while a worker set up were announced to the workers ready then,
+    and the weights its Welcome named may be gone before it loaded them (it is then ready
+    at version 0): once ready, it is sent the newest before any Generate."""
+    run = _decisions(tmp_path, mode)
+    paths = {v: _version_dir(tmp_path, v) for v in (1, 2)}
+    if mode == "shm":
+        paths = {v: str(tmp_path / "shm" / f"slot-{v % 2}.bin") for v in (1, 2)}
+    _publish(run, 1, weights_path=paths[1])
+    (welcome,) = run.on(b"late", _register(WorkerKind.ROLLOUT, "rollout-1")).sent(Welcome)
+    assert welcome.version == 1
+    _publish(run, 2, weights_path=paths[2])  # while it sets up: not announced to it
+    for served in (1, 0):  # it loaded its Welcome's version, or found it gone
+        ready = run.on(b"late", Ready(version=served))
+        (update,) = ready.sent(UpdateWeights)
+        assert (update.version, update.path, update.mode) == (2, paths[2], mode)
+        run.pool.get(b"late").ready = False  # the same Ready once more
+    on_time = run.on(b"t", _register(WorkerKind.ROLLOUT, "rollout-2"))
+    assert on_time.sent(Welcome)[0].version == 2
+    assert not run.on(b"t", Ready(version=2)).sent(UpdateWeights)  # it serves the newest
+
+
+def test_stream_mode_sends_a_ready_worker_only_a_version_its_welcome_did_not_bring(tmp_path):
+    run = _decisions(tmp_path, "stream")
+    trainer = run.join(WorkerKind.TRAINER)
+
+    def publish(version: int) -> None:
+        _publish(run, version, num_chunks=1)
+        chunk = WeightsChunk(
+            version=version,
+            index=0,
+            num_chunks=1,
+            names=["w"],
+            tensors=[Tensor(np.zeros(2, np.float32))],
+        )
+        run.on(trainer.identity, chunk)
+
+    publish(1)
+    welcomed = run.on(b"a", _register(WorkerKind.ROLLOUT, "rollout-1"))
+    assert welcomed.sent(UpdateWeights)[0].version == 1  # the chunks follow the Welcome
+    assert not run.on(b"a", Ready(version=0)).sent(UpdateWeights)  # on their way already
+    run.on(b"b", _register(WorkerKind.ROLLOUT, "rollout-2"))
+    publish(2)  # while rollout-2 sets up
+    ready = run.on(b"b", Ready(version=0))
+    assert [type(m).__name__ for m in ready.sent()] == ["UpdateWeights", "WeightsChunk"]
+    assert ready.sent(UpdateWeights)[0].version == 2
 
 
 def test_a_chunk_is_refused_outside_stream_mode(tmp_path):

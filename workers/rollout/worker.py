@@ -57,6 +57,7 @@ from areal.messages import (
     WeightsUpdated,
     WorkerKind,
 )
+from areal.models.weight_slots import SlotError
 from areal.workers.base import Worker
 from areal.workers.collective import WeightsMember, report_weights_op
 from areal.workers.rollout.engine import SamplingParams, WeightSource
@@ -79,13 +80,11 @@ class RolloutWorker(Worker):
         torch.set_num_threads(cfg.rollout.threads)
         self.engine = await make_engine(cfg, self.rank)
         # The engine starts from the model directory: version 0. A worker joining later
-        # catches up from the latest weights (disk: now; stream: the controller re-sends them).
+        # catches up from the latest weights (disk, shm: now; stream: the controller re-sends
+        # them), and from any version published while it set up once it is ready.
         self.generator = InterruptibleGenerator(self.engine, version=0)
         if welcome.weights_path and welcome.version > 0:
-            source = path_source(cfg, welcome.weights_path, welcome.version)
-            if isinstance(source, PendingSlot):
-                source = await asyncio.to_thread(source.read)
-            await self.generator.update_weights(source, welcome.version)
+            await self._load_welcome_weights(welcome)
         self._requests: dict[str, asyncio.Task] = {}
         self._answered = Answered()
         self._updates: asyncio.Queue = asyncio.Queue()
@@ -111,6 +110,27 @@ class RolloutWorker(Worker):
         self.spawn(self._update_loop(), "weight-updates")
         # What it serves now (stream/collective: the current version arrives after Ready).
         return self.generator.version
+
+    async def _load_welcome_weights(self, welcome: Welcome) -> None:
+        """Serve the version the Welcome names, unless it is gone by now: the trainer keeps
+        weight_sync.keep_versions versions and prunes (disk) or overwrites (shm) older ones,
+        which a worker that sets up for seconds while steps take less can find. It then
+        stays at version 0 and says so in its Ready; the controller sends it the newest
+        version before its first Generate (controller/weight_sync.py, `on_ready`)."""
+        assert welcome.weights_path is not None
+        try:
+            source = path_source(self.config, welcome.weights_path, welcome.version)
+            if isinstance(source, PendingSlot):
+                source = await asyncio.to_thread(source.read)
+            await self.generator.update_weights(source, welcome.version)
+        except (SlotError, FileNotFoundError) as err:
+            log.warning(
+                "weights version %d named by the Welcome are gone (%s); ready at version %d "
+                "until the controller sends the newest",
+                welcome.version,
+                err,
+                self.generator.version,
+            )
 
     async def handle(self, msg: Any) -> None:
         if isinstance(msg, Generate):

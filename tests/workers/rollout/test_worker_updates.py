@@ -1,6 +1,7 @@
 """The rollout worker's update queue over the real torch engine: a worker that falls behind
 skips disk versions the trainer may already have pruned and serves the newest one; a version
-broadcast again (collective mode) never leaves new requests waiting."""
+broadcast again (collective mode) never leaves new requests waiting; a worker whose Welcome
+names weights gone by the time it loads them starts at version 0."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from rollout_helpers import random_prompts
 from safetensors.torch import load_file
 
 from areal.config import load_config
-from areal.messages import GroupStatus, UpdateWeights, WeightsUpdated
+from areal.messages import GroupStatus, UpdateWeights, WeightsUpdated, Welcome
 from areal.workers.rollout.engine import SamplingParams
 from areal.workers.rollout.interruptible import InterruptibleGenerator
 from areal.workers.collective import SerialThread
@@ -157,3 +158,27 @@ async def test_a_failed_broadcast_keeps_requests_waiting_for_its_version(make_en
         await asyncio.gather(loop, return_exceptions=True)
     assert result.versions == [4] * 6
     assert [type(m).__name__ for m in sent] == ["GroupStatus", "WeightsUpdated"]
+
+
+@pytest.mark.parametrize("mode", ["disk", "shm"])
+async def test_a_welcome_whose_weights_are_gone_leaves_the_worker_ready_at_version_0(
+    weights_dirs, tmp_path, caplog, mode
+):
+    """The trainer pruned (disk) or overwrote (shm) the version the Welcome named while the
+    worker set up: it becomes ready at version 0, which the controller's `on_ready` answers
+    with the newest weights, instead of failing its start (and being restarted, counted
+    towards a crash loop)."""
+    cfg = load_config(overrides=[f"model.path={weights_dirs[0]}", f"run_dir={tmp_path}"])
+    worker = RolloutWorker("tcp://127.0.0.1:1", "rollout-0", secret="")
+    worker.config = cfg
+    gone = tmp_path / "weights" / "v000003" if mode == "disk" else tmp_path / "slot-1.bin"
+    welcome = Welcome(config={}, version=3, weights_path=str(gone))
+    try:
+        assert await worker.setup(welcome) == 0
+    finally:
+        await worker.close()
+    (warning,) = [
+        r.getMessage() for r in caplog.records if "named by the Welcome" in r.getMessage()
+    ]
+    assert "weights version 3 named by the Welcome are gone" in warning
+    assert "ready at version 0" in warning
