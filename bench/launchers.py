@@ -15,7 +15,9 @@ the runtime `make_runtime` picks for cfg.launcher) and watches its worker pool:
                 launchers: the worker process dies) until its replacement is ready again
                 (the loss noticed, the work re-queued, a new process started and loaded).
 
-The Ray trials join a cluster of this machine (controller/launch/local_cluster.py: a head
+Each local trial starts with no fork server, as a fresh `python -m areal.controller` does
+(the server outlives a run in its process: a second trial would find it warm and skip the
+seconds of its imports). The Ray trials join a cluster of this machine (controller/launch/local_cluster.py: a head
 and two worker nodes as separate raylets), started once and not timed, as a user's runs join
 a running cluster. `--quick` runs one trial each with a random tiny model (a smoke test);
 the full run uses the default job (the warm-started embedded model and the arithmetic task,
@@ -41,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results_page import publish, write_results
 
 from areal.config import load_config
+from areal.controller import preload
 from areal.messages import WorkerKind
 
 POLL_S = 0.02
@@ -140,6 +143,8 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, list[dict[str, fl
                 overrides = job_overrides(run_dir, model, args.quick) + [f"launcher={launcher}"]
                 if launcher == "ray":
                     overrides.append(f"ray.address={cluster.address}")
+                else:
+                    preload.close()  # the CLI's start: the run starts its own server
                 times = asyncio.run(trial(overrides))
                 print(
                     f"{launcher} trial {repeat + 1}: "
@@ -198,8 +203,9 @@ def main(argv: list[str] | None = None) -> int:
             table=text,
             data=data,
             notes="Ray trials join a running cluster of this machine (a head and two worker "
-            "nodes, started once, not timed). Start-up: from run() until every worker "
-            "is ready; replace: from kill -9 of the rollout worker's process until "
+            "nodes, started once, not timed); each local trial starts without a fork server, "
+            "as a fresh `python -m areal.controller` does. Start-up: from run() until every "
+            "worker is ready; replace: from kill -9 of the rollout worker's process until "
             "its replacement is ready.",
         )
         print(f"results: {page}")

@@ -255,6 +255,12 @@ def start(module: str, args: list[str], env: dict[str, str], log_path: Path) -> 
     return _server.start(module, args, env, log_path)
 
 
+def close() -> None:
+    """End this process's fork server, if one runs (the next worker started starts another):
+    what a new process would find. Its workers end with it."""
+    _server.close()
+
+
 def forks_workers(cfg: RunConfig) -> bool:
     """Whether launcher=local forks `cfg`'s local workers from the fork server."""
     if cfg.worker_start == "auto":  # CUDA must not be touched before a fork
