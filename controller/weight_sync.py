@@ -241,22 +241,33 @@ class StreamSync(WeightSync):
         super().__init__(*args, **kwargs)
         self.chunks: list[WeightsChunk] = []
         """The newest version's chunks so far, for workers that join or retry later."""
+        self.num_chunks = 0
+        """How many chunks the newest version has (its Trained says)."""
         self._welcomed: dict[str, int] = {}
         """The version whose chunks followed each joining rollout worker's Welcome, by
         worker id, until it is ready."""
+        self._owed: set[str] = set()
+        """Rollout workers (by id) to be sent the newest version whole once its last chunk
+        is in: they joined, became ready or asked again while it was being published. A
+        part of a version is never sent as if it were all of it."""
 
     def publish(self, trained: Trained, members: list[bytes], out: Outbox) -> None:
         self.chunks = []  # the trainer's chunks of this version follow its Trained
+        self.num_chunks = trained.num_chunks
+        self._owed -= {h.worker_id for h in self.pool.ready(WorkerKind.ROLLOUT)}  # announced
         super().publish(trained, members, out)
 
+    def _complete(self) -> bool:
+        return len(self.chunks) == self.num_chunks > 0
+
     def after_welcome(self, handle: WorkerHandle, out: Outbox) -> None:
-        if handle.kind is WorkerKind.ROLLOUT and self.chunks:
-            self._send_chunks(handle, self.version, out)
+        if handle.kind is WorkerKind.ROLLOUT and self.version > 0 and self.num_chunks:
+            self._resend(handle, self.version + 1, out)
             self._welcomed[handle.worker_id] = self.version
 
     def on_ready(self, handle: WorkerHandle, members: list[bytes], out: Outbox) -> None:
-        """As every mode, but a version whose chunks followed the worker's Welcome is on
-        its way already (it loads them after its Ready): not sent twice."""
+        """As every mode, but a version whose chunks followed the worker's Welcome (or will,
+        once all are in) is on its way already: not sent twice."""
         sent = self._welcomed.pop(handle.worker_id, 0)
         if handle.kind is WorkerKind.ROLLOUT and max(sent, handle.version) < self.version:
             self._resend(handle, self.version + 1, out)
@@ -264,17 +275,27 @@ class StreamSync(WeightSync):
     def member_lost(self, handle: WorkerHandle) -> None:
         super().member_lost(handle)
         self._welcomed.pop(handle.worker_id, None)
+        self._owed.discard(handle.worker_id)
 
     def on_chunk(self, msg: WeightsChunk, out: Outbox) -> str:
         self.chunks.append(msg)
         for worker in self.pool.ready(WorkerKind.ROLLOUT):
-            out.send(worker.address, msg)
+            if worker.worker_id not in self._owed:  # those get the whole version below
+                out.send(worker.address, msg)
+        if self._complete() and self._owed:
+            for worker in list(self.pool.by_identity.values()):
+                if worker.worker_id in self._owed:
+                    self._send_chunks(worker, self.version, out)
+            self._owed.clear()
         return ""
 
     def _resend(self, handle: WorkerHandle, failed: int, out: Outbox) -> bool:
-        if self.version <= handle.version or not self.chunks:
+        if self.version <= handle.version or not self.num_chunks:
             return False
-        self._send_chunks(handle, self.version, out)
+        if self._complete():
+            self._send_chunks(handle, self.version, out)
+        else:  # chunks still coming
+            self._owed.add(handle.worker_id)
         return True
 
     def _send_chunks(self, handle: WorkerHandle, version: int, out: Outbox) -> None:

@@ -236,6 +236,36 @@ def test_stream_mode_sends_a_ready_worker_only_a_version_its_welcome_did_not_bri
     assert ready.sent(UpdateWeights)[0].version == 2
 
 
+def test_stream_mode_sends_a_version_whole_to_a_worker_that_joins_while_it_arrives(tmp_path):
+    """A worker welcomed, or ready, between a version's Trained and its last chunk is sent
+    the whole version once the last chunk is in, never the chunks so far as if they were
+    all of it (its load would fail the completeness check and be retried)."""
+    run = _decisions(tmp_path, "stream")
+    trainer = run.join(WorkerKind.TRAINER)
+    ready = run.join(WorkerKind.ROLLOUT)
+    chunks = [
+        WeightsChunk(
+            version=1,
+            index=i,
+            num_chunks=2,
+            names=[f"w{i}"],
+            tensors=[Tensor(np.zeros(2, np.float32))],
+        )
+        for i in range(2)
+    ]
+    _publish(run, 1, num_chunks=2)
+    run.on(trainer.identity, chunks[0])
+    joining = run.on(b"late", _register(WorkerKind.ROLLOUT, "rollout-1"))
+    assert [type(m).__name__ for m in joining.sent()] == ["Welcome"]  # nothing partial
+    assert not run.on(b"late", Ready(version=0)).sent(UpdateWeights)  # owed already
+    last = run.on(trainer.identity, chunks[1])
+    to_ready = [m for identity, m in last.messages if identity == ready.identity]
+    to_late = [m for identity, m in last.messages if identity == b"late"]
+    assert to_ready == [chunks[1]]  # announced at the publish: the relayed chunk
+    assert [type(m).__name__ for m in to_late] == ["UpdateWeights", "WeightsChunk", "WeightsChunk"]
+    assert to_late[0].num_chunks == 2 and to_late[1:] == chunks
+
+
 def test_a_chunk_is_refused_outside_stream_mode(tmp_path):
     run = _decisions(tmp_path, "disk")
     assert run.core.weights.on_chunk(
