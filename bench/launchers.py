@@ -17,12 +17,13 @@ the runtime `make_runtime` picks for cfg.launcher) and watches its worker pool:
 
 Each local trial starts with no fork server, as a fresh `python -m areal.controller` does
 (the server outlives a run in its process: a second trial would find it warm and skip the
-seconds of its imports). The Ray trials join a cluster of this machine (controller/launch/local_cluster.py: a head
-and two worker nodes as separate raylets), started once and not timed, as a user's runs join
-a running cluster. `--quick` runs one trial each with a random tiny model (a smoke test);
-the full run uses the default job (the warm-started embedded model and the arithmetic task,
-evaluated on 32 held-out problems instead of 256 to keep the final evaluation short) and
-reports the median of `--repeats` trials. Full runs write docs/results/launchers.{json,md}.
+seconds of its imports). The Ray trials join a cluster of this machine
+(controller/launch/local_cluster.py: a head and two worker nodes as separate raylets),
+started once and not timed, as a user's runs join a running cluster. `--quick` runs one
+trial each with a random tiny model (a smoke test); the full run uses the default job (the
+warm-started embedded model and the arithmetic task, evaluated on 32 held-out problems
+instead of 256 to keep the final evaluation short) and reports the median of `--repeats`
+trials. Full runs write docs/results/launchers.{json,md}.
 """
 
 from __future__ import annotations

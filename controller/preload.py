@@ -221,11 +221,9 @@ class ForkServer:
         with self._lock:
             missing = [name for name in extra if name not in self.modules]
             self.modules.extend(missing)
-            if self._connection is not None and self._connection.process.poll() is None:
-                if missing:  # if it has just died, the one started next imports them
-                    self._connection.preload(missing)
-            else:
-                self._connection = _Connection(self.modules)
+            if missing and self._connection is not None:  # a dead one's successor imports them
+                self._connection.preload(missing)
+            self._ensure_running()
 
     def _ensure_running(self) -> None:
         if self._connection is None or self._connection.process.poll() is not None:

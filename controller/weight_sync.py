@@ -283,7 +283,7 @@ class StreamSync(WeightSync):
             if worker.worker_id not in self._owed:  # those get the whole version below
                 out.send(worker.address, msg)
         if self._complete() and self._owed:
-            for worker in list(self.pool.by_identity.values()):
+            for worker in self.pool.by_identity.values():
                 if worker.worker_id in self._owed:
                     self._send_chunks(worker, self.version, out)
             self._owed.clear()

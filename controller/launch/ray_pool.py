@@ -10,10 +10,11 @@
 
 The controller's liveness loop sees these exits as it sees a local process's, re-queues
 the worker's work and calls `start` (`spawn`) again: the replacement goes into the same
-bundle, which Ray moves to a node with free resources when its node was lost. A worker that failed
-(exited non-zero or died, its node alive, not killed by the controller) ray.max_failures_per_node
-times on one node is placed elsewhere from then on, with the reason in the log; the
-controller's own limit (trainers.MAX_RESTARTS deaths in a row) still ends a crash loop.
+bundle, which Ray moves to a node with free resources when its node was lost. A worker
+that failed (exited non-zero or died, its node alive, not killed by the controller)
+ray.max_failures_per_node times on one node is placed elsewhere from then on, with the
+reason in the log; the controller's own limit (trainers.MAX_RESTARTS deaths in a row)
+still ends a crash loop.
 Every placement is appended to <run_dir>/logs/placements.jsonl (worker, attempt, actor
 name, node), which is how a person or a test finds where a worker runs.
 """

@@ -22,6 +22,15 @@ class _Started:
         return None
 
 
+class _Exited:
+    """A lost worker's process, as far as the pool reads it: exited."""
+
+    pid = 1111
+
+    def poll(self) -> int:
+        return 1
+
+
 async def test_a_worker_starts_beside_the_event_loop(tmp_path, monkeypatch):
     """The fork stands in for the fork server's first one (seconds of imports): it returns
     only once a callback of the event loop has run. Started on the loop's own thread, it
@@ -58,7 +67,10 @@ async def test_a_replacement_that_registers_before_its_fork_returns_keeps_its_id
 
     monkeypatch.setattr(preload, "start", fork)
     pool = WorkerPool(load_config(None, ["worker_start=preload"]), tmp_path, "tcp://x:1", "s")
-    lost = pool.expected["rollout-0"] = _lost_rollout_handle(pool)
+    # rollout-0 as the controller leaves it when lost: unregistered, its process exited
+    lost = pool.expected["rollout-0"] = WorkerHandle(
+        worker_id="rollout-0", kind=WorkerKind.ROLLOUT, process=_Exited()
+    )
     starting = asyncio.create_task(pool.start(WorkerKind.ROLLOUT, 0))
     while not forked.is_set():
         await asyncio.sleep(0.01)
@@ -76,17 +88,3 @@ async def test_a_replacement_that_registers_before_its_fork_returns_keeps_its_id
     assert await starting is lost
     assert lost.identity == b"new" and pool.get(b"new") is lost
     assert lost.process is not None and lost.process.pid == 4242
-
-
-def _lost_rollout_handle(pool: WorkerPool):
-    """rollout-0 as the controller leaves it when lost: forgotten, its process exited."""
-
-    class _Exited:
-        pid = 1111
-
-        def poll(self) -> int:
-            return 1
-
-    handle = WorkerHandle(worker_id="rollout-0", kind=WorkerKind.ROLLOUT, process=_Exited())
-    pool.forget(handle)
-    return handle
