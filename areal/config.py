@@ -571,6 +571,13 @@ class TrainerConfig:
         "restarted from the latest one and the controller replays the "
         "batches trained since; 0: never, and a lost rank fails the run",
     )
+    checkpoint_async: bool = opt(
+        False,
+        "write each checkpoint in a thread of its own while the next "
+        "steps train: the step only copies the state in memory (about "
+        "twice the checkpoint in RAM while it is written); the "
+        "controller hears of it, and can resume from it, once written",
+    )
     keep_checkpoints: int = opt(
         2,
         "trainer checkpoints kept on disk (the newest; at least 2, "

@@ -591,7 +591,10 @@ class Trained:
     replay: bool = False
     """Answers a replayed Train: nothing was published."""
     checkpoint: str = ""
-    """Rank 0: the trainer checkpoint this step saved (trainer.checkpoint_every), if any."""
+    """Rank 0: a trainer checkpoint completed since the last Trained (trainer.checkpoint_every),
+    if any: this step's, or with trainer.checkpoint_async one written in the background."""
+    checkpoint_step: int = 0
+    """The step whose state `checkpoint` holds (0 from a sender that predates it: this step)."""
 
 
 @message(MsgType.JOIN_GROUP)

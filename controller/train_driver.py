@@ -106,9 +106,13 @@ class TrainDriver:
         self.eval_before: dict[str, Any] | None = None
         """The run's evaluation before any training (a resumed run's: from its state)."""
         self.resumed_after: int | None = None
-        self._checkpointed: Trained | None = None
-        """Rank 0's answer for the newest checkpointed step, until its resume state is
-        written (`save_resume_state`)."""
+        self._checkpointed: dict[int, tuple[str, float | None]] = {}
+        """Checkpoints rank 0 reported complete whose resume state is not written yet: step ->
+        (path, seconds it took)."""
+        self._resume_at: dict[int, ResumeState] = {}
+        """The controller's part of each checkpoint step's state, taken as its record was
+        written, until the trainer reports the checkpoint complete (with
+        trainer.checkpoint_async, a later step's Trained does)."""
         self.summary: dict[str, Any] | None = None
         """Set once the run has finished: its summary."""
 
@@ -265,7 +269,10 @@ class TrainDriver:
         record["perf/pack_cpu_s"] = pack_s
         record.update(self.scoring.faults.window_metrics())
         self.metrics.record("step", record, step=step)
-        self.save_resume_state(step)
+        every = self.cfg.trainer.checkpoint_every
+        if step in self._checkpointed or (every and step % every == 0):  # a checkpoint's step
+            self._resume_at[step] = self._resume_state(step, trained.version)
+        self._save_resume_states()
         self.metrics.progress(
             step,
             {
@@ -277,35 +284,38 @@ class TrainDriver:
         return record
 
     def checkpointed(self, msg: Trained) -> None:
-        """Rank 0 answered a step with a checkpoint: its resume state is written with the
-        step's record (or at once for a replayed step, whose record exists)."""
-        self.trainers.recovery.checkpointed(msg.step, msg.checkpoint)
-        self._checkpointed = msg
+        """Rank 0 reported a checkpoint complete: the replays start after its step, and its
+        resume state is written once the step's record is (at once for a replayed step,
+        whose record exists)."""
+        step = msg.checkpoint_step or msg.step
+        self.trainers.recovery.checkpointed(step, msg.checkpoint)
+        seconds = msg.stats.get("checkpoint_write_s", msg.stats.get("checkpoint_s"))
+        self._checkpointed[step] = (msg.checkpoint, seconds)
         if msg.replay:
-            self.save_resume_state(msg.step)
+            self._resume_at[step] = self._resume_state(step, msg.version)
+        self._save_resume_states()
 
-    def save_resume_state(self, step: int) -> None:
-        """The controller's part of `step`'s checkpoint (resume.py), once the step's record is
-        written: a run killed between the two resumes from the checkpoint before and trains
-        the step again, instead of resuming after a step whose record never reached
-        metrics.jsonl."""
-        msg = self._checkpointed
-        if msg is None or msg.step != step:
-            return
-        self._checkpointed = None
-        write_state(
-            ResumeState(
-                step=msg.step,
-                version=msg.version,
-                drawn=self.setup.num_drawn,
-                untrained=self.untrained_positions(),
-                eval_before=self.eval_before,
-                path=msg.checkpoint,
-            )
+    def _resume_state(self, step: int, version: int) -> ResumeState:
+        return ResumeState(
+            step=step,
+            version=version,
+            drawn=self.setup.num_drawn,
+            untrained=self.untrained_positions(),
+            eval_before=self.eval_before,
         )
-        self.record_event(
-            "checkpoint", step=msg.step, path=msg.checkpoint, seconds=msg.stats.get("checkpoint_s")
-        )
+
+    def _save_resume_states(self) -> None:
+        """The controller's part of each checkpoint both reported complete and recorded: a
+        run killed between the two resumes from the checkpoint before and trains the step
+        again, instead of resuming after a step whose record never reached metrics.jsonl."""
+        for step in sorted(self._checkpointed.keys() & self._resume_at.keys()):
+            path, seconds = self._checkpointed.pop(step)
+            state = self._resume_at.pop(step)
+            state.path = path
+            write_state(state)
+            self.record_event("checkpoint", step=step, path=path, seconds=seconds)
+            for older in [s for s in self._resume_at if s < step]:  # never reported
+                del self._resume_at[older]
 
     def untrained_positions(self) -> list[int]:
         """Draw positions of the prompt groups admitted and not trained, or queued again."""

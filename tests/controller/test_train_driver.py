@@ -90,3 +90,29 @@ def test_the_resume_state_is_written_with_the_step_record_not_before(tmp_path):
     kinds = [(json.loads(line)["kind"], json.loads(line).get("event")) for line in lines]
     assert kinds[-2:] == [("step", None), ("event", "checkpoint")]
     assert np.isclose(record["perf/train_wait_s"], 0.5)
+
+
+def test_a_checkpoint_reported_steps_later_gets_the_state_of_its_own_step(tmp_path):
+    # trainer.checkpoint_async: step 2's checkpoint is written while step 3 trains, and the
+    # Trained of step 3 reports it. Its resume state is the one taken at step 2's record.
+    cfg = config(tmp_path, "trainer.checkpoint_every=2", "trainer.batch_size=2", "staleness.eta=4")
+    run = Decisions(cfg, tmp_path)
+    run.admit(4)
+    rollout, reward = run.join(WorkerKind.ROLLOUT), run.join(WorkerKind.REWARD)
+    run.core.report.start_training()
+    driver = run.core.driver
+    for step in (1, 2, 3):
+        _complete(run, step - 1, 0, rollout, reward)
+        trained = Trained(step=step, version=step, stats={})
+        driver.record_step(step, driver.take_batch(1, Outbox()), trained, 1.0, 0.0)
+    checkpoint = tmp_path / "checkpoints" / "step_2"
+    checkpoint.mkdir(parents=True)
+    assert not (checkpoint / STATE).exists()
+    later = Trained(step=3, version=3, stats={}, checkpoint=str(checkpoint), checkpoint_step=2)
+    driver.checkpointed(later)
+    state = json.loads((checkpoint / STATE).read_text())
+    assert (state["step"], state["version"], state["path"]) == (2, 2, str(checkpoint))
+    assert state["untrained"] == [2, 3]  # as at step 2: the group step 3 trained included
+    assert run.core.trainers.recovery.checkpoint == str(checkpoint)
+    events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e.get("event") == "checkpoint"] == [2]

@@ -17,6 +17,13 @@ directory, loaded again at restart, so a checkpoint is megabytes instead of the 
 A checkpoint is what makes a trainer rank replaceable (docs/design.md section 3): the controller
 keeps the batches trained since the newest one and replays them, so the restarted trainer
 reaches the weights and optimiser state of the lost one (see controller.py, "trainer lost").
+
+With trainer.checkpoint_async (`BackgroundCheckpoints`) the step only copies the state in
+memory (weights, optimiser, the published weights: about twice the checkpoint in RAM while
+it is written); a thread of its own writes the copy while the next steps train, through a
+gloo group of its own when there are several ranks (collectives of two threads must not
+share a group). At most one is written at a time: the next checkpoint step waits for it.
+It is complete, and reported to the controller, only when its `areal.json` is written.
 """
 
 from __future__ import annotations
@@ -24,7 +31,10 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import time
 import warnings
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Callable, Iterator
@@ -42,6 +52,8 @@ from torch.distributed.checkpoint.state_dict import (
 from areal.models.lora import has_adapters
 
 META = "areal.json"
+_SINGLE_PROCESS = ".*in a single process"
+"""DCP's warning when it saves without a process group."""
 
 
 @dataclass(frozen=True)
@@ -73,12 +85,122 @@ def save_checkpoint(
     model_state, optim_state = _state(model, optimizer)
     with _single_process_quiet():
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=target)
+    _complete(target, step, version, keep, write_weights)
+    return target
+
+
+def _complete(
+    target: Path,
+    step: int,
+    version: int,
+    keep: int,
+    write_weights: Callable[[Path], Any] | None,
+) -> None:
+    """After every rank's DCP files (when rank 0's save returns, every rank's part and the
+    metadata are written): rank 0 writes the weights directory, then `areal.json` last, and
+    prunes."""
     if _rank() == 0:
         if write_weights is not None:
             write_weights(target / "weights")
         write_json(target / META, {"step": step, "version": version})
         _prune(target.parent, keep)
-    return target
+
+
+@dataclass(frozen=True)
+class Written:
+    """A checkpoint the background thread finished: where, of which step, and how long the
+    thread took to write it."""
+
+    path: Path
+    step: int
+    write_s: float
+
+
+class BackgroundCheckpoints:
+    """trainer.checkpoint_async: `start` copies the state on the caller's thread and hands
+    the copy to a thread that writes it; `finished` (at each step's end) and `wait` (before
+    the next checkpoint and at shutdown) return the checkpoint it completed, or raise its
+    error on the caller's thread."""
+
+    def __init__(self) -> None:
+        self._writing: Future[Written] | None = None
+        # DCP's own thread says it assumes one process when no group exists (intended);
+        # a filter scoped by catch_warnings would not reach that thread.
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
+        self._group: dist.ProcessGroup | None = None
+
+    @property
+    def writing(self) -> bool:
+        return self._writing is not None
+
+    def start(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        run_dir: str | Path,
+        step: int,
+        version: int,
+        keep: int,
+        weights: list[tuple[str, torch.Tensor]] | None,
+        write_weights: Callable[[Path, list[tuple[str, torch.Tensor]]], Any],
+    ) -> None:
+        """Copy the state of every rank (a collective where there are several: call it on
+        each rank at the same step) and begin writing it; `weights` (rank 0: the published
+        weights) are copied too and given to `write_weights(directory, weights)`."""
+        if self._writing is not None:
+            raise RuntimeError("a checkpoint is still being written: wait() for it first")
+        if dist.is_initialized() and self._group is None:
+            self._group = dist.new_group(backend="gloo")  # every rank, the same step
+        target = checkpoint_dir(run_dir, step).resolve()
+        model_state, optim_state = _state(model, optimizer)
+        # DCP copies the state to CPU memory before it returns, then writes in its thread.
+        files = dcp.async_save(
+            {"model": model_state, "optim": optim_state},
+            checkpoint_id=target,
+            process_group=self._group,
+            no_dist=not dist.is_initialized(),
+        )
+        write = None
+        if weights is not None:
+            copies = [(name, t.detach().to("cpu", copy=True)) for name, t in weights]
+            write = lambda directory: write_weights(directory, copies)  # noqa: E731
+        writing: Future[Written] = Future()
+        start = time.perf_counter()
+
+        def finish() -> None:  # a daemon thread: a write stuck on a dead peer ends with us
+            try:
+                writing.set_result(self._finish(files, target, step, version, keep, write, start))
+            except BaseException as err:  # raised again on the trainer's thread by wait()
+                writing.set_exception(err)
+
+        threading.Thread(target=finish, name="areal-checkpoint", daemon=True).start()
+        self._writing = writing
+
+    def _finish(
+        self,
+        files: Future,
+        target: Path,
+        step: int,
+        version: int,
+        keep: int,
+        write_weights: Callable[[Path], Any] | None,
+        start: float,
+    ) -> Written:
+        """On the writing thread: DCP's files, then `_complete`."""
+        files.result()
+        _complete(target, step, version, keep, write_weights)
+        return Written(path=target, step=step, write_s=time.perf_counter() - start)
+
+    def finished(self) -> Written | None:
+        """The checkpoint written since the last call, if the thread has finished it."""
+        if self._writing is None or not self._writing.done():
+            return None
+        return self.wait()
+
+    def wait(self) -> Written | None:
+        """The checkpoint being written, once written (None: none was)."""
+        writing, self._writing = self._writing, None
+        return None if writing is None else writing.result()
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -155,5 +277,5 @@ def _rank() -> int:
 def _single_process_quiet() -> Iterator[None]:
     """DCP warns that it assumes one process when no group exists: that is intended here."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*in a single process")
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
         yield

@@ -8,10 +8,11 @@
            weights before it, its inputs after it, saved by audit.py) -> full weights, or with
            LoRA the adapters (rank 0; FSDP: all ranks gather) -> rank 0 publishes i + 1
            through the publisher of weight_sync.mode (disk | stream | collective snapshot |
-           shm slot) -> every trainer.checkpoint_every steps: checkpoint (all ranks, DCP)
+           shm slot) -> every trainer.checkpoint_every steps: checkpoint (all ranks, DCP;
+           trainer.checkpoint_async: the state copied, written in the background)
            -> Trained(version i + 1, reduced stats, weights_path | num_chunks | manifest,
-              checkpoint) [-> WeightsChunk x num_chunks]; ranks > 0 send Trained with the
-              same stats
+              checkpoint completed since the last step, its step) [-> WeightsChunk x
+              num_chunks]; ranks > 0 send Trained with the same stats
     Train(replay)  after a restart from Welcome.checkpoint (loaded at setup, or after the
            group formed): the step again, publishing nothing -> Trained(replay)
     collective, rank 0 only:
@@ -71,7 +72,12 @@ from areal.workers.collective import (
 from areal.workers.trainer import audit
 from areal.workers.trainer.distributed import DataParallel, resolve_mode
 from areal.workers.trainer.ppo import PPOTrainer
-from areal.workers.trainer.checkpoint import load_checkpoint, read_info, save_checkpoint
+from areal.workers.trainer.checkpoint import (
+    BackgroundCheckpoints,
+    load_checkpoint,
+    read_info,
+    save_checkpoint,
+)
 from areal.workers.trainer.publish import (
     Publication,
     Publisher,
@@ -82,6 +88,9 @@ from areal.workers.trainer.publish import (
 )
 
 log = logging.getLogger(__name__)
+
+NO_CHECKPOINT = ("", 0)
+"""What a Trained reports when no checkpoint completed: (path, step)."""
 
 
 def trainer_device(devices: list[str], rank: int) -> str:
@@ -138,6 +147,8 @@ class TrainerWorker(Worker):
         self.resume_to = welcome.version
         """The run's version when this rank joined: replayed steps lead up to it."""
         self._train_thread = SerialThread(f"train-rank{self.rank}")
+        self._checkpoints = BackgroundCheckpoints()
+        """trainer.checkpoint_async: the checkpoint being written while steps train."""
         self._trainer: PPOTrainer | None = None
         if cfg.trainer.num_ranks == 1:
             self._trainer = PPOTrainer(self.model, cfg)
@@ -245,7 +256,9 @@ class TrainerWorker(Worker):
         finally:
             self._busy = False
 
-    def _step_sync(self, msg: Train) -> tuple[dict[str, float], Publication | None, str]:
+    def _step_sync(
+        self, msg: Train
+    ) -> tuple[dict[str, float], Publication | None, tuple[str, int]]:
         """The step, then (rank 0) the publication of its result and (every
         trainer.checkpoint_every steps, all ranks) a checkpoint, on the train thread. A
         replayed step publishes nothing; the last one checks its result against the weights
@@ -279,12 +292,12 @@ class TrainerWorker(Worker):
             audit.save_batch(self.config.run_path(), msg.step, self.rank, batch, prox, msg.version)
         version = msg.version + 1
         if msg.replay and version < self.resume_to:
-            return stats, None, ""
+            return stats, None, NO_CHECKPOINT
         start = time.perf_counter()
         tensors = self.dp.full_weights(self.trainer.model)
         if msg.replay:  # the last one: this rank now holds the run's current version
             if tensors is None:
-                return stats, None, ""
+                return stats, None, NO_CHECKPOINT
             stats.update(self._replay_check(tensors, version))
             # Collective mode: a late joiner may need this version broadcast again.
             return (
@@ -292,7 +305,7 @@ class TrainerWorker(Worker):
                 self._publisher().publish(tensors, version)
                 if self.config.weight_sync.mode == "collective"
                 else None,
-                "",
+                NO_CHECKPOINT,
             )
         published = None
         if tensors is not None:
@@ -311,28 +324,55 @@ class TrainerWorker(Worker):
 
     def _checkpoint_sync(
         self, msg: Train, stats: dict[str, float], tensors: list[tuple[str, torch.Tensor]] | None
-    ) -> str:
-        every = self.config.trainer.checkpoint_every
-        if not every or msg.step % every:
-            return ""
-        start = time.perf_counter()
+    ) -> tuple[str, int]:
+        """Every trainer.checkpoint_every steps a checkpoint (all ranks), written here or, with
+        trainer.checkpoint_async, begun here and written in the background. Returns what
+        rank 0's Trained reports: (path, step) of the checkpoint completed since the last
+        step, or NO_CHECKPOINT. `checkpoint_s` in `stats`: the seconds this step spent on it."""
+        cfg = self.config.trainer
+        due = bool(cfg.checkpoint_every) and msg.step % cfg.checkpoint_every == 0
         version = msg.version + 1
-        write = (
-            None
-            if tensors is None
-            else (lambda directory: save_weights_dir(directory, tensors, self.config, version))
-        )
-        path = save_checkpoint(
-            self.trainer.model,
-            self.trainer.optimizer,
-            self.config.run_path(),
-            msg.step,
-            version,
-            self.config.trainer.keep_checkpoints,
-            write_weights=write,
-        )
-        stats["checkpoint_s"] = time.perf_counter() - start
-        return str(path) if self.rank == 0 else ""
+        if not cfg.checkpoint_async:
+            if not due:
+                return NO_CHECKPOINT
+            start = time.perf_counter()
+            write = (
+                None
+                if tensors is None
+                else (lambda directory: save_weights_dir(directory, tensors, self.config, version))
+            )
+            path = save_checkpoint(
+                self.trainer.model,
+                self.trainer.optimizer,
+                self.config.run_path(),
+                msg.step,
+                version,
+                cfg.keep_checkpoints,
+                write_weights=write,
+            )
+            stats["checkpoint_s"] = time.perf_counter() - start
+            return (str(path), msg.step) if self.rank == 0 else NO_CHECKPOINT
+        written = self._checkpoints.finished()
+        if due:
+            start = time.perf_counter()
+            written = self._checkpoints.wait() or written  # the previous one, if still writing
+            self._checkpoints.start(
+                self.trainer.model,
+                self.trainer.optimizer,
+                self.config.run_path(),
+                msg.step,
+                version,
+                cfg.keep_checkpoints,
+                tensors,
+                lambda directory, copies: save_weights_dir(directory, copies, self.config, version),
+            )
+            stats["checkpoint_s"] = time.perf_counter() - start
+        if msg.step >= cfg.total_steps:  # the run's last step: the newest reported now, so
+            written = self._checkpoints.wait() or written  # that --resume can train on from it
+        if written is None:
+            return NO_CHECKPOINT
+        stats["checkpoint_write_s"] = written.write_s
+        return (str(written.path), written.step) if self.rank == 0 else NO_CHECKPOINT
 
     def _replay_check(
         self, tensors: list[tuple[str, torch.Tensor]], version: int
@@ -350,7 +390,11 @@ class TrainerWorker(Worker):
         return {"replay_max_abs_diff": diff}
 
     async def _send_trained(
-        self, msg: Train, stats: dict[str, float], published: Publication | None, checkpoint: str
+        self,
+        msg: Train,
+        stats: dict[str, float],
+        published: Publication | None,
+        checkpoint: tuple[str, int],
     ) -> None:
         version = msg.version + 1
         trained = Trained(
@@ -359,7 +403,8 @@ class TrainerWorker(Worker):
             stats=stats,
             rank=self.rank,
             replay=msg.replay,
-            checkpoint=checkpoint,
+            checkpoint=checkpoint[0],
+            checkpoint_step=checkpoint[1],
         )
         if published is not None:
             trained.weights_path = published.weights_path
@@ -424,6 +469,11 @@ class TrainerWorker(Worker):
                 )
             else:
                 log.info("saved the final policy (version %d) to %s", self.version, target)
+        if self._checkpoints.writing:  # complete on disk; the controller does not hear of it
+            try:
+                await asyncio.to_thread(self._checkpoints.wait)
+            except Exception:  # the run is over: its resume uses an older one
+                log.exception("rank %d: the checkpoint being written failed", self.rank)
         if self._weights_publisher is not None:
             self._weights_publisher.close(finished=self.finished)
         self.dp.close()

@@ -1,5 +1,7 @@
 """A trainer resumed from a checkpoint and given the same batches again ends where the
-original did: same weights, same AdamW state, bitwise (one process, same thread count).
+original did: same weights, same AdamW state, bitwise (one process, same thread count);
+also from a checkpoint written in the background (trainer.checkpoint_async) while the
+original trained on, which must hold the state of its own step.
 
 This is what makes a lost trainer replaceable: the controller replays the steps trained
 since the newest checkpoint (controller/recovery.py, tests/controller/test_trainer_recovery.py).
@@ -15,8 +17,10 @@ import torch
 from areal.config import load_config
 from areal.models.hf import load_model
 from areal.types import PackedBatch
+from areal.models.weights import load_tensors, save_tensors
 from areal.workers.trainer.checkpoint import (
     META,
+    BackgroundCheckpoints,
     checkpoint_dir,
     load_checkpoint,
     read_info,
@@ -61,15 +65,32 @@ def _optimizer_tensors(trainer: PPOTrainer) -> list[torch.Tensor]:
     return [t for state in trainer.optimizer.state.values() for t in state.values()]
 
 
-def test_resume_and_replay_reaches_the_same_weights_and_optimiser_state(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "background"])
+def test_resume_and_replay_reaches_the_same_weights_and_optimiser_state(
+    tmp_path, tiny_model_dir, background
+):
     torch.set_num_threads(1)
     batches = [_batch(seed) for seed in range(4)]
     original = _trainer(tiny_model_dir, tmp_path)
     for version, batch in enumerate(batches[:2]):
         original.step(batch, version)
-    path = save_checkpoint(original.model, original.optimizer, tmp_path, step=2, version=2, keep=2)
+    if background:  # the steps after it change the weights and AdamW state while it writes
+        writer = BackgroundCheckpoints()
+        named = list(original.model.named_parameters())
+        published = {name: t.detach().clone() for name, t in named}
+        writer.start(original.model, original.optimizer, tmp_path, 2, 2, 2, named, save_tensors)
+        assert writer.writing
+    else:
+        path = save_checkpoint(original.model, original.optimizer, tmp_path, 2, 2, keep=2)
     for version, batch in enumerate(batches[2:], start=2):
         original.step(batch, version)
+    if background:
+        written = writer.wait()
+        assert written is not None and written.step == 2 and not writer.writing
+        path = written.path
+        saved = load_tensors(path / "weights")  # the published form, as of step 2 too
+        assert saved.keys() == published.keys()
+        assert all(torch.equal(saved[name], t) for name, t in published.items())
 
     resumed = _trainer(tiny_model_dir, tmp_path)  # fresh weights, no optimiser state
     info = load_checkpoint(resumed.model, resumed.optimizer, path)
@@ -104,3 +125,20 @@ def test_an_incomplete_checkpoint_is_refused_by_name(tmp_path, tiny_model_dir):
         read_info(path)
     with pytest.raises(ValueError, match="not a complete trainer checkpoint"):
         load_checkpoint(trainer.model, trainer.optimizer, tmp_path / "nowhere")
+
+
+def test_a_background_write_that_fails_raises_on_the_trainers_thread(tmp_path, tiny_model_dir):
+    trainer = _trainer(tiny_model_dir, tmp_path)
+    writer = BackgroundCheckpoints()
+    assert writer.wait() is None and writer.finished() is None  # nothing being written
+
+    def refuse(directory, weights):
+        raise OSError(28, "No space left on device")
+
+    writer.start(trainer.model, trainer.optimizer, tmp_path, 4, 4, 2, [], refuse)
+    with pytest.raises(RuntimeError, match="still being written"):
+        writer.start(trainer.model, trainer.optimizer, tmp_path, 6, 6, 2, None, refuse)
+    with pytest.raises(OSError, match="No space left"):
+        writer.wait()
+    assert not (checkpoint_dir(tmp_path, 4) / META).exists()  # never marked complete
+    assert not writer.writing  # the next one may start
