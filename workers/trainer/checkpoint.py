@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -154,12 +155,13 @@ class BackgroundCheckpoints:
         target = checkpoint_dir(run_dir, step).resolve()
         model_state, optim_state = _state(model, optimizer)
         # DCP copies the state to CPU memory before it returns, then writes in its thread.
-        files = dcp.async_save(
+        saving = dcp.async_save(
             {"model": model_state, "optim": optim_state},
             checkpoint_id=target,
             process_group=self._group,
             no_dist=not dist.is_initialized(),
         )
+        files = saving.upload_completion if isinstance(saving, AsyncSaveResponse) else saving
         write = None
         if weights is not None:
             copies = [(name, t.detach().to("cpu", copy=True)) for name, t in weights]
