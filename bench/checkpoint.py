@@ -115,9 +115,7 @@ def measure(name: str, repeats: int, root: Path) -> dict[str, float]:
     written = []
 
     def begin():  # what the step waits for; the write is waited for outside the timing
-        background.start(
-            model, optimizer, root, next(step), 0, 2, named, lambda d, w: save_tensors(d, w)
-        )
+        background.start(model, optimizer, root, next(step), 0, 2, named, save_tensors)
 
     def finish():
         done = background.wait()
@@ -132,7 +130,8 @@ def measure(name: str, repeats: int, root: Path) -> dict[str, float]:
             next(step),
             0,
             keep=2,
-            write_weights=lambda d: save_tensors(d, named),
+            weights=named,
+            write_weights=save_tensors,
         )
 
     row = {

@@ -53,6 +53,8 @@ from torch.distributed.checkpoint.state_dict import (
 from areal.models.lora import has_adapters
 
 META = "areal.json"
+WriteWeights = Callable[[Path, list[tuple[str, torch.Tensor]]], Any]
+"""Writes the published form of (name, tensor) pairs into a checkpoint's directory."""
 _SINGLE_PROCESS = ".*in a single process"
 """DCP's warning when it saves without a process group."""
 
@@ -76,17 +78,21 @@ def save_checkpoint(
     step: int,
     version: int,
     keep: int,
-    write_weights: Callable[[Path], Any] | None = None,
+    weights: list[tuple[str, torch.Tensor]] | None = None,
+    write_weights: WriteWeights | None = None,
 ) -> Path:
     """Save on every rank of the default group (a collective when there are several);
-    rank 0 also calls `write_weights(<checkpoint>/weights)` (the published form of its
-    weights, workers/trainer/publish.save_weights_dir), then marks the checkpoint complete
-    and removes all but the `keep` newest."""
+    rank 0 also calls `write_weights(<checkpoint>/weights, weights)` (the published form of
+    its weights, workers/trainer/publish.save_weights_dir), then marks the checkpoint
+    complete and removes all but the `keep` newest."""
     target = checkpoint_dir(run_dir, step).resolve()  # workers elsewhere may have another cwd
     model_state, optim_state = _state(model, optimizer)
     with _single_process_quiet():
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=target)
-    _complete(target, step, version, keep, write_weights)
+    write = None
+    if weights is not None and write_weights is not None:
+        write = lambda directory: write_weights(directory, weights)  # noqa: E731
+    _complete(target, step, version, keep, write)
     return target
 
 
@@ -142,12 +148,12 @@ class BackgroundCheckpoints:
         step: int,
         version: int,
         keep: int,
-        weights: list[tuple[str, torch.Tensor]] | None,
-        write_weights: Callable[[Path, list[tuple[str, torch.Tensor]]], Any],
+        weights: list[tuple[str, torch.Tensor]] | None = None,
+        write_weights: WriteWeights | None = None,
     ) -> None:
-        """Copy the state of every rank (a collective where there are several: call it on
-        each rank at the same step) and begin writing it; `weights` (rank 0: the published
-        weights) are copied too and given to `write_weights(directory, weights)`."""
+        """`save_checkpoint` begun: the state of every rank copied (a collective where there
+        are several: call it on each rank at the same step), `weights` too, then written in
+        the background."""
         if self._writing is not None:
             raise RuntimeError("a checkpoint is still being written: wait() for it first")
         if dist.is_initialized() and self._group is None:
@@ -163,7 +169,7 @@ class BackgroundCheckpoints:
         )
         files = saving.upload_completion if isinstance(saving, AsyncSaveResponse) else saving
         write = None
-        if weights is not None:
+        if weights is not None and write_weights is not None:
             copies = [(name, t.detach().to("cpu", copy=True)) for name, t in weights]
             write = lambda directory: write_weights(directory, copies)  # noqa: E731
         writing: Future[Written] = Future()

@@ -332,40 +332,28 @@ class TrainerWorker(Worker):
         cfg = self.config.trainer
         due = bool(cfg.checkpoint_every) and msg.step % cfg.checkpoint_every == 0
         version = msg.version + 1
+        what = (
+            self.trainer.model,
+            self.trainer.optimizer,
+            self.config.run_path(),
+            msg.step,
+            version,
+            cfg.keep_checkpoints,
+            tensors,
+            lambda directory, weights: save_weights_dir(directory, weights, self.config, version),
+        )
         if not cfg.checkpoint_async:
             if not due:
                 return NO_CHECKPOINT
             start = time.perf_counter()
-            write = (
-                None
-                if tensors is None
-                else (lambda directory: save_weights_dir(directory, tensors, self.config, version))
-            )
-            path = save_checkpoint(
-                self.trainer.model,
-                self.trainer.optimizer,
-                self.config.run_path(),
-                msg.step,
-                version,
-                cfg.keep_checkpoints,
-                write_weights=write,
-            )
+            path = save_checkpoint(*what)
             stats["checkpoint_s"] = time.perf_counter() - start
             return (str(path), msg.step) if self.rank == 0 else NO_CHECKPOINT
         written = self._checkpoints.finished()
         if due:
             start = time.perf_counter()
             written = self._checkpoints.wait() or written  # the previous one, if still writing
-            self._checkpoints.start(
-                self.trainer.model,
-                self.trainer.optimizer,
-                self.config.run_path(),
-                msg.step,
-                version,
-                cfg.keep_checkpoints,
-                tensors,
-                lambda directory, copies: save_weights_dir(directory, copies, self.config, version),
-            )
+            self._checkpoints.start(*what)
             stats["checkpoint_s"] = time.perf_counter() - start
         if msg.step >= cfg.total_steps:  # the run's last step: the newest reported now, so
             written = self._checkpoints.wait() or written  # that --resume can train on from it
