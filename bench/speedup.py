@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -274,6 +275,7 @@ def _run_and_evaluate(
 ) -> tuple[dict, list[dict]]:
     """One timed run, then the held-out accuracy of its published versions."""
     run_dir = args.out / (mode if args.seeds == 1 else f"{mode}-seed{seed}")
+    shutil.rmtree(run_dir, ignore_errors=True)  # a previous bench's run: never mixed with this
     start = time.monotonic()
     summary, records = uvloop.run(_run(_overrides(args, model_dir, run_dir, mode, seed)))
     print(f"{mode} seed {seed} run finished in {time.monotonic() - start:.0f} s", file=sys.stderr)

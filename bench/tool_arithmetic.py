@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -39,6 +40,7 @@ QUICK = [
 
 def run_one(engine: str, seed: int, out: Path, extra: list[str]) -> dict:
     run_dir = out / f"{engine}-seed{seed}"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a previous bench's run: never mixed with this
     command = [
         sys.executable,
         "-m",

@@ -63,10 +63,16 @@ from areal.controller.ledger import Group, Ledger
 from areal.controller.metrics import MetricsSink, closed_marker, is_closed
 from areal.controller.outbox import Outbox
 from areal.controller.pool import WorkerHandle, WorkerPool, stop_process
-from areal.controller.resume import ResumeState, clear_after, find_state, kept_dropped_groups
+from areal.controller.resume import (
+    ResumeState,
+    clear_after,
+    find_state,
+    kept_dropped_groups,
+    previous_run,
+)
 from areal.controller.launch import make_runtime
 from areal.controller.runtime import Runtime
-from areal.controller.setup import RunSetup
+from areal.controller.setup import RunSetup, resolve_run_dir
 from areal.controller.signal import Changed
 from areal.controller.trainers import MAX_RESTARTS, RunFailed
 from areal.messages import Heartbeat, Shutdown, WorkerKind
@@ -189,7 +195,19 @@ class Controller:
 
     async def _prepare(self) -> tuple[RunSetup, ResumeState | None]:
         """The run's set-up (in a thread: it tokenizes, may build a model) and, when
-        resuming, the checkpoint's state. RunFailed saying why when either cannot be had."""
+        resuming, the checkpoint's state. RunFailed saying why when either cannot be had, or
+        when a new run's directory holds another run (mixed in, that run's newer checkpoints
+        and weight versions would be kept and this run's pruned)."""
+        if not self.resume:
+            run_dir = resolve_run_dir(self.cfg)
+            held = previous_run(run_dir)
+            if held:
+                self._close_subscribers()
+                raise RunFailed(
+                    f"run_dir={str(run_dir)!r} holds a previous run ({', '.join(held)}): "
+                    f"continue it with --resume {run_dir}, or give this run another run_dir "
+                    "(or remove that one)"
+                )
         try:
             setup = await asyncio.to_thread(self.runtime.prepare_run, self.cfg)
         except BaseException as err:

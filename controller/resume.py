@@ -69,6 +69,19 @@ def find_state(run_dir: str | Path) -> ResumeState:
     )
 
 
+def previous_run(run_dir: str | Path) -> list[str]:
+    """What a run wrote in `run_dir` that a new run there would mix with: its records, weight
+    versions and checkpoints (a new run's pruning keeps the newest names, which would be the
+    old run's). Empty when `run_dir` holds none of them (a run that failed at set-up wrote
+    only its config.yaml)."""
+    root = Path(run_dir)
+    found = ["metrics.jsonl"] if (root / "metrics.jsonl").exists() else []
+    for folder in ("weights", "checkpoints"):
+        if (root / folder).is_dir() and any((root / folder).iterdir()):
+            found.append(f"{folder}/")
+    return found
+
+
 def _number(name: str, prefix: str) -> int | None:
     digits = name.removeprefix(prefix)
     return int(digits) if name.startswith(prefix) and digits.isdigit() else None

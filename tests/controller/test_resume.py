@@ -119,3 +119,16 @@ def test_resuming_a_run_without_checkpoints_says_so(tmp_path, tiny_model_dir):
     cfg = letter_config(tmp_path / "empty", tiny_model_dir, TOTAL)
     with pytest.raises(RunFailed, match="cannot resume: .* holds no complete checkpoint"):
         asyncio.run(Controller(cfg, resume=True).run())
+
+
+def test_a_new_run_in_a_previous_runs_directory_is_refused_and_that_run_kept(runs, tiny_model_dir):
+    # Mixed in, the previous run's newer checkpoints and weight versions would be kept by the
+    # new run's pruning and its own removed (a checkpoint's resume state then has no folder).
+    run_dir = runs["run_dir"]
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    config = (run_dir / "config.yaml").read_text()
+    cfg = letter_config(run_dir, tiny_model_dir, FIRST)
+    with pytest.raises(RunFailed, match=r"holds a previous run \(metrics.jsonl, weights/, check"):
+        asyncio.run(Controller(cfg).run())
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
+    assert (run_dir / "config.yaml").read_text() == config

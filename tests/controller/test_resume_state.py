@@ -14,6 +14,7 @@ from areal.controller.resume import (
     clear_after,
     find_state,
     kept_dropped_groups,
+    previous_run,
     write_state,
 )
 from areal.controller.weight_retry import newest_on_disk
@@ -46,6 +47,18 @@ def test_the_newest_checkpoint_with_every_part_is_chosen(tmp_path):
     assert state.weights == checkpoint_dir(tmp_path, 4).resolve() / "weights"
     assert (checkpoint_dir(tmp_path, 4) / STATE).is_file()
     assert not list(tmp_path.glob("checkpoints/*/*.tmp"))  # written atomically
+
+
+def test_a_previous_run_is_its_records_weights_or_checkpoints(tmp_path):
+    assert previous_run(tmp_path / "absent") == []
+    (tmp_path / "config.yaml").write_text("seed: 1\n")  # a run that failed at set-up
+    (tmp_path / "weights").mkdir()  # made, nothing published
+    assert previous_run(tmp_path) == []
+    _checkpoint(tmp_path, 2)
+    assert previous_run(tmp_path) == ["checkpoints/"]
+    (tmp_path / "weights" / "v000001").mkdir()
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert previous_run(tmp_path) == ["metrics.jsonl", "weights/", "checkpoints/"]
 
 
 def test_no_checkpoint_is_a_clear_error(tmp_path):
