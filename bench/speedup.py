@@ -89,7 +89,11 @@ def _warm_model(args: argparse.Namespace) -> Path:
 
 
 async def _run(overrides: list[str]) -> tuple[dict, list[dict]]:
-    ctl = Controller(load_config(overrides=overrides))
+    """One real run from scratch (a run directory a previous bench left is removed first: a
+    new run refuses one that holds another run); its summary and step and eval records."""
+    cfg = load_config(overrides=overrides)
+    shutil.rmtree(cfg.run_dir, ignore_errors=True)
+    ctl = Controller(cfg)
     run = asyncio.create_task(ctl.run())
     records = [r async for r in ctl.events() if r["kind"] in ("step", "eval")]
     return await run, records
@@ -275,7 +279,6 @@ def _run_and_evaluate(
 ) -> tuple[dict, list[dict]]:
     """One timed run, then the held-out accuracy of its published versions."""
     run_dir = args.out / (mode if args.seeds == 1 else f"{mode}-seed{seed}")
-    shutil.rmtree(run_dir, ignore_errors=True)  # a previous bench's run: never mixed with this
     start = time.monotonic()
     summary, records = uvloop.run(_run(_overrides(args, model_dir, run_dir, mode, seed)))
     print(f"{mode} seed {seed} run finished in {time.monotonic() - start:.0f} s", file=sys.stderr)
