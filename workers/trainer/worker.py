@@ -129,6 +129,9 @@ class TrainerWorker(Worker):
     async def setup(self, welcome: Welcome) -> int:
         cfg = self.config
         self._busy = False
+        self._checkpoints = BackgroundCheckpoints()
+        """trainer.checkpoint_async: the checkpoint being written while steps train (set
+        first: close() reads it even when the model loaded and a later set-up step failed)."""
         self.dp = DataParallel.single()
         torch.set_num_threads(cfg.trainer.threads)
         torch.manual_seed(cfg.seed + self.rank)
@@ -147,8 +150,6 @@ class TrainerWorker(Worker):
         self.resume_to = welcome.version
         """The run's version when this rank joined: replayed steps lead up to it."""
         self._train_thread = SerialThread(f"train-rank{self.rank}")
-        self._checkpoints = BackgroundCheckpoints()
-        """trainer.checkpoint_async: the checkpoint being written while steps train."""
         self._trainer: PPOTrainer | None = None
         if cfg.trainer.num_ranks == 1:
             self._trainer = PPOTrainer(self.model, cfg)
