@@ -18,7 +18,11 @@ from trainer_batches import record_gradients
 from areal.config import load_config
 from areal.models.hf import load_model
 from areal.models.lora import is_adapter_dir, load_adapter_dir
-from areal.workers.trainer.checkpoint import load_checkpoint, save_checkpoint
+from areal.workers.trainer.checkpoint import (
+    BackgroundCheckpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
 from areal.workers.trainer.distributed import DataParallel
 from areal.workers.trainer.ppo import PPOTrainer
 from areal.workers.trainer.publish import save_weights_dir
@@ -96,19 +100,28 @@ def test_the_step_does_not_depend_on_the_packing(tmp_path, tiny_model_dir):
     assert diffs.max() < 0.02 * lr and (diffs > 1e-7).float().mean() < 1e-2, summary
 
 
-def test_checkpoint_holds_adapters_only_and_resumes_bitwise(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "background"])
+def test_checkpoint_holds_adapters_only_and_resumes_bitwise(tmp_path, tiny_model_dir, background):
     torch.set_num_threads(1)
     batches = [_batch(seed) for seed in range(4)]
     original = _trainer(tiny_model_dir, tmp_path)
     for version, batch in enumerate(batches[:2]):
         original.step(batch, version)
-    path = save_checkpoint(original.model, original.optimizer, tmp_path, step=2, version=2, keep=2)
+    if background:  # trainer.checkpoint_async: written while the next steps train
+        writer = BackgroundCheckpoints()
+        writer.start(original.model, original.optimizer, tmp_path, step=2, version=2, keep=2)
+    else:
+        path = save_checkpoint(original.model, original.optimizer, tmp_path, 2, 2, keep=2)
+    for version, batch in enumerate(batches[2:], start=2):
+        original.step(batch, version)
+    if background:
+        written = writer.wait()
+        assert written is not None
+        path = written.path
     saved = FileSystemReader(path).read_metadata().state_dict_metadata
     model_keys = [k for k in saved if k.startswith("model.")]
     assert len(model_keys) == 28 and all(".lora_" in k for k in model_keys), model_keys[:3]
     assert not any("base_layer" in k or "embed_tokens" in k for k in saved)
-    for version, batch in enumerate(batches[2:], start=2):
-        original.step(batch, version)
 
     resumed = _trainer(tiny_model_dir, tmp_path)
     load_checkpoint(resumed.model, resumed.optimizer, path)
