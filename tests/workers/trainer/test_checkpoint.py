@@ -10,6 +10,7 @@ since the newest checkpoint (controller/recovery.py, tests/controller/test_train
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,6 +66,34 @@ def _optimizer_tensors(trainer: PPOTrainer) -> list[torch.Tensor]:
     return [t for state in trainer.optimizer.state.values() for t in state.values()]
 
 
+def save_then_train(
+    trainer: PPOTrainer, run_dir, batches: list[PackedBatch], background: bool
+) -> Path:
+    """A checkpoint of step 2 (version 2) with the published weights, then `batches`
+    trained (versions 2, 3, ...): saved in the step, or written in the background while
+    they train (trainer.checkpoint_async), changing the weights and AdamW state in place.
+    The published weights it holds are checked to be those of step 2."""
+    named = list(trainer.model.named_parameters())
+    published = {name: t.detach().clone() for name, t in named}
+    args = (trainer.model, trainer.optimizer, run_dir, 2, 2, 2, named, save_tensors)
+    writer = BackgroundCheckpoints()
+    if background:
+        writer.start(*args)
+        assert writer.writing
+    else:
+        path = save_checkpoint(*args)
+    for version, batch in enumerate(batches, start=2):
+        trainer.step(batch, version)
+    if background:
+        written = writer.wait()
+        assert written is not None and written.step == 2 and not writer.writing
+        path = written.path
+    saved = load_tensors(path / "weights")
+    assert saved.keys() == published.keys()
+    assert all(torch.equal(saved[name], t) for name, t in published.items())
+    return path
+
+
 @pytest.mark.parametrize("background", [False, True], ids=["sync", "background"])
 def test_resume_and_replay_reaches_the_same_weights_and_optimiser_state(
     tmp_path, tiny_model_dir, background
@@ -74,23 +103,7 @@ def test_resume_and_replay_reaches_the_same_weights_and_optimiser_state(
     original = _trainer(tiny_model_dir, tmp_path)
     for version, batch in enumerate(batches[:2]):
         original.step(batch, version)
-    if background:  # the steps after it change the weights and AdamW state while it writes
-        writer = BackgroundCheckpoints()
-        named = list(original.model.named_parameters())
-        published = {name: t.detach().clone() for name, t in named}
-        writer.start(original.model, original.optimizer, tmp_path, 2, 2, 2, named, save_tensors)
-        assert writer.writing
-    else:
-        path = save_checkpoint(original.model, original.optimizer, tmp_path, 2, 2, keep=2)
-    for version, batch in enumerate(batches[2:], start=2):
-        original.step(batch, version)
-    if background:
-        written = writer.wait()
-        assert written is not None and written.step == 2 and not writer.writing
-        path = written.path
-        saved = load_tensors(path / "weights")  # the published form, as of step 2 too
-        assert saved.keys() == published.keys()
-        assert all(torch.equal(saved[name], t) for name, t in published.items())
+    path = save_then_train(original, tmp_path, batches[2:], background)
 
     resumed = _trainer(tiny_model_dir, tmp_path)  # fresh weights, no optimiser state
     info = load_checkpoint(resumed.model, resumed.optimizer, path)

@@ -12,17 +12,13 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from test_checkpoint import _batch
+from test_checkpoint import _batch, save_then_train
 from trainer_batches import record_gradients
 
 from areal.config import load_config
 from areal.models.hf import load_model
 from areal.models.lora import is_adapter_dir, load_adapter_dir
-from areal.workers.trainer.checkpoint import (
-    BackgroundCheckpoints,
-    load_checkpoint,
-    save_checkpoint,
-)
+from areal.workers.trainer.checkpoint import load_checkpoint
 from areal.workers.trainer.distributed import DataParallel
 from areal.workers.trainer.ppo import PPOTrainer
 from areal.workers.trainer.publish import save_weights_dir
@@ -107,17 +103,7 @@ def test_checkpoint_holds_adapters_only_and_resumes_bitwise(tmp_path, tiny_model
     original = _trainer(tiny_model_dir, tmp_path)
     for version, batch in enumerate(batches[:2]):
         original.step(batch, version)
-    if background:  # trainer.checkpoint_async: written while the next steps train
-        writer = BackgroundCheckpoints()
-        writer.start(original.model, original.optimizer, tmp_path, step=2, version=2, keep=2)
-    else:
-        path = save_checkpoint(original.model, original.optimizer, tmp_path, 2, 2, keep=2)
-    for version, batch in enumerate(batches[2:], start=2):
-        original.step(batch, version)
-    if background:
-        written = writer.wait()
-        assert written is not None
-        path = written.path
+    path = save_then_train(original, tmp_path, batches[2:], background)
     saved = FileSystemReader(path).read_metadata().state_dict_metadata
     model_keys = [k for k in saved if k.startswith("model.")]
     assert len(model_keys) == 28 and all(".lora_" in k for k in model_keys), model_keys[:3]
