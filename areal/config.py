@@ -574,8 +574,8 @@ class TrainerConfig:
     checkpoint_async: bool = opt(
         False,
         "write each checkpoint in a thread of its own while the next "
-        "steps train: the step only copies the state in memory (about "
-        "twice the checkpoint in RAM while it is written); the "
+        "steps train: the step only copies the state (a copy of the "
+        "checkpoint in CPU memory while it is written); the "
         "controller hears of it, and can resume from it, once written",
     )
     keep_checkpoints: int = opt(

@@ -18,9 +18,9 @@ A checkpoint is what makes a trainer rank replaceable (docs/design.md section 3)
 keeps the batches trained since the newest one and replays them, so the restarted trainer
 reaches the weights and optimiser state of the lost one (see controller.py, "trainer lost").
 
-With trainer.checkpoint_async (`BackgroundCheckpoints`) the step only copies the state in
-memory (weights, optimiser, the published weights: about twice the checkpoint in RAM while
-it is written); a thread of its own writes the copy while the next steps train, through a
+With trainer.checkpoint_async (`BackgroundCheckpoints`) the step only copies the state
+(weights, optimiser, the published weights: a copy of the checkpoint in CPU memory while it
+is written); a thread of its own writes the copy while the next steps train, through a
 gloo group of its own when there are several ranks (collectives of two threads must not
 share a group). At most one is written at a time: the next checkpoint step waits for it.
 It is complete, and reported to the controller, only when its `areal.json` is written.
