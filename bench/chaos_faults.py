@@ -42,8 +42,38 @@ KINDS = (
 )
 
 
+WORKERS_EXIT_S = 30.0
+"""How long the workers of a killed controller may take to exit. The kernel kills them at
+once (PR_SET_PDEATHSIG, areal.workers.parent); a process of a few GB then takes a moment to
+free its memory on a loaded machine. Their zombies are not waited for: they run nothing,
+and their reaping is up to the init they were handed to, which on some machines reaps
+every second or two."""
+
+
 class Hang(RuntimeError):
     """The run made no progress within the deadline."""
+
+
+def exited(process: psutil.Process) -> bool:
+    """It runs no more: gone, or a zombie awaiting its reaping."""
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_exited(
+    processes: list[psutil.Process], timeout_s: float
+) -> tuple[float, list[psutil.Process]]:
+    """Seconds until every one of `processes` exited (or `timeout_s`), and those still
+    running then."""
+    start = time.monotonic()
+    while True:
+        running = [p for p in processes if not exited(p)]
+        waited = time.monotonic() - start
+        if not running or waited > timeout_s:
+            return waited, running
+        time.sleep(0.02)
 
 
 @dataclass
@@ -248,8 +278,10 @@ class RunUnderTest:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
         fault.injected, fault.target = True, "controller"
-        _, alive = psutil.wait_procs(workers, timeout=2.0)
-        fault.detail = f"{len(workers) - len(alive)}/{len(workers)} workers died with it"
+        waited, alive = wait_exited(workers, WORKERS_EXIT_S)
+        fault.detail = (
+            f"{len(workers) - len(alive)}/{len(workers)} workers died with it in {waited:.2f} s"
+        )
         for orphan in alive:
             orphan.kill()
         if alive:

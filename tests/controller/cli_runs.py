@@ -107,9 +107,23 @@ def kill_hard(proc: subprocess.Popen) -> tuple[list[psutil.Process], list[psutil
     return workers, tree
 
 
+def running(process: psutil.Process) -> bool:
+    """Still running: neither gone nor a zombie. A zombie has exited and awaits only its
+    reaping, by whatever init its parent's death handed it to (this machine's reaps every
+    second or two)."""
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def all_gone(processes: list[psutil.Process], timeout_s: float) -> bool:
-    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
-    for p in alive:  # do not leave them behind even when the test fails
+    """Every one of `processes` exited within `timeout_s`; those still running then are
+    killed (not left behind when the test fails)."""
+    deadline = time.monotonic() + timeout_s
+    while (alive := [p for p in processes if running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for p in alive:
         p.kill()
     return not alive
 
