@@ -1,7 +1,8 @@
 """The rollout worker's update queue over the real torch engine: a worker that falls behind
 skips disk versions the trainer may already have pruned and serves the newest one; a version
 broadcast again (collective mode) never leaves new requests waiting; a worker whose Welcome
-names weights gone by the time it loads them starts at version 0."""
+names weights gone by the time it loads them starts at version 0 (on vLLM too, in its CI
+stage)."""
 
 from __future__ import annotations
 
@@ -160,21 +161,47 @@ async def test_a_failed_broadcast_keeps_requests_waiting_for_its_version(make_en
     assert [type(m).__name__ for m in sent] == ["GroupStatus", "WeightsUpdated"]
 
 
-@pytest.mark.parametrize("mode", ["disk", "shm"])
+VLLM_OVERRIDES = [
+    "rollout.engine=vllm",
+    "rollout.max_concurrent=8",
+    "rollout.vllm.max_model_len=256",
+    "rollout.vllm.cpu_kvcache_space_gb=0.25",
+]
+
+
+@pytest.mark.parametrize(
+    ("engine", "mode"),
+    [
+        ("torch", "disk"),
+        ("torch", "shm"),
+        # On vLLM the slot is read in the worker's own process too (vllm_engine's
+        # `_update_weights`), and a gone version directory is read as a slot (`path_source`):
+        # one case stands for both modes. vLLM takes half a minute to start on CPU.
+        pytest.param("vllm", "disk", marks=[pytest.mark.vllm, pytest.mark.slow]),
+    ],
+)
 async def test_a_welcome_whose_weights_are_gone_leaves_the_worker_ready_at_version_0(
-    weights_dirs, tmp_path, caplog, mode
+    weights_dirs, tmp_path, caplog, engine, mode
 ):
     """The trainer pruned (disk) or overwrote (shm) the version the Welcome named while the
     worker set up: it becomes ready at version 0, which the controller's `on_ready` answers
     with the newest weights, instead of failing its start (and being restarted, counted
-    towards a crash loop)."""
-    cfg = load_config(overrides=[f"model.path={weights_dirs[0]}", f"run_dir={tmp_path}"])
+    towards a crash loop). Its engine serves version 0 meanwhile: the failed load left it
+    running on the model's weights."""
+    overrides = VLLM_OVERRIDES if engine == "vllm" else []
+    cfg = load_config(
+        overrides=[f"model.path={weights_dirs[0]}", f"run_dir={tmp_path}", *overrides]
+    )
     worker = RolloutWorker("tcp://127.0.0.1:1", "rollout-0", secret="")
     worker.config = cfg
     gone = tmp_path / "weights" / "v000003" if mode == "disk" else tmp_path / "slot-1.bin"
     welcome = Welcome(config={}, version=3, weights_path=str(gone))
     try:
         assert await worker.setup(welcome) == 0
+        (prompt,) = random_prompts(1, min_len=4, max_len=8)
+        result = await asyncio.wait_for(
+            worker.generator.generate("after", prompt, SamplingParams(max_new_tokens=6)), 120
+        )
     finally:
         await worker.close()
     (warning,) = [
@@ -182,3 +209,4 @@ async def test_a_welcome_whose_weights_are_gone_leaves_the_worker_ready_at_versi
     ]
     assert "weights version 3 named by the Welcome are gone" in warning
     assert "ready at version 0" in warning
+    assert result.versions == [0] * len(result.token_ids) and result.token_ids
