@@ -581,7 +581,9 @@ class TrainerConfig:
     keep_checkpoints: int = opt(
         2,
         "trainer checkpoints kept on disk (the newest; at least 2, "
-        "so that the one the controller last heard of is never gone)",
+        "so that the one the controller last heard of is never gone; "
+        "one more with checkpoint_async, whose checkpoints the "
+        "controller hears of later)",
     )
     measure_movement: bool = opt(
         False,

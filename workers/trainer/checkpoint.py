@@ -24,6 +24,8 @@ is written); a thread of its own writes the copy while the next steps train, thr
 gloo group of its own when there are several ranks (collectives of two threads must not
 share a group). At most one is written at a time: the next checkpoint step waits for it.
 It is complete, and reported to the controller, only when its `areal.json` is written.
+It is reported a step or more after that, so it keeps one more checkpoint than a save in
+the step (`BACKGROUND_EXTRA_KEPT`).
 """
 
 from __future__ import annotations
@@ -55,6 +57,14 @@ from areal.models.lora import has_adapters
 META = "areal.json"
 WriteWeights = Callable[[Path, list[tuple[str, torch.Tensor]]], Any]
 """Writes the published form of (name, tensor) pairs into a checkpoint's directory."""
+BACKGROUND_EXTRA_KEPT = 1
+"""Checkpoints a background write keeps beyond trainer.keep_checkpoints. A save in the step
+is reported with that step, before the controller sends the next, so when the newest is
+written the one before it holds the controller's part (its resume state) and keep=2 leaves
+it. A background checkpoint is reported with the first step that ends after it is written,
+up to the next checkpoint step: when the newest completes, the controller may not yet have
+heard of the one before, and its newest resumable checkpoint is the third newest. Pruning
+that would leave a controller killed then nothing to resume from."""
 _SINGLE_PROCESS = ".*in a single process"
 """DCP's warning when it saves without a process group."""
 
@@ -196,7 +206,7 @@ class BackgroundCheckpoints:
     ) -> Written:
         """On the writing thread: DCP's files, then `_complete`."""
         files.result()
-        _complete(target, step, version, keep, write_weights)
+        _complete(target, step, version, keep + BACKGROUND_EXTRA_KEPT, write_weights)
         return Written(path=target, step=step, write_s=time.perf_counter() - start)
 
     def finished(self) -> Written | None:

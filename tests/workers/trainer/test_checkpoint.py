@@ -130,6 +130,18 @@ def test_only_the_newest_complete_checkpoints_are_kept(tmp_path, tiny_model_dir)
     assert json.loads((checkpoint_dir(tmp_path, 6) / META).read_text()) == {"step": 6, "version": 6}
 
 
+def test_background_writes_keep_one_checkpoint_more(tmp_path, tiny_model_dir):
+    """When a background checkpoint is written, the controller may have heard only of the
+    third newest (it hears of each with a later step): that one stays."""
+    trainer = _trainer(tiny_model_dir, tmp_path)
+    writer = BackgroundCheckpoints()
+    for step in (2, 4, 6, 8):
+        writer.start(trainer.model, trainer.optimizer, tmp_path, step, step, keep=2)
+        assert writer.wait().step == step
+    kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert kept == ["step_000004", "step_000006", "step_000008"]
+
+
 def test_an_incomplete_checkpoint_is_refused_by_name(tmp_path, tiny_model_dir):
     trainer = _trainer(tiny_model_dir, tmp_path)
     path = save_checkpoint(trainer.model, trainer.optimizer, tmp_path, 3, 3, keep=2)
