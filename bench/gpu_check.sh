@@ -10,7 +10,9 @@
 # Phases (each bounded; the whole script stays under 8 minutes):
 #   env      versions, GPU, which imports work                     -> env.txt
 #   cuda     torch engine on CUDA: log-prob parity with the trainer's forward, an
-#            interrupted run with two versions, stream-mode (bucketed, CUDA) weights
+#            interrupted run with two versions, stream-mode (bucketed, CUDA) weights; a
+#            background checkpoint (trainer.checkpoint_async) of a model on CUDA, written
+#            while it trains on, loaded back equal to the state it was taken of
 #                                                                   -> cuda_checks.json
 #   pytest   the CPU tests of models, weight publishing, torch engine and interruption,
 #            on this machine's torch/transformers; the vLLM tests if vLLM imports
@@ -88,8 +90,9 @@ from rollout_helpers import random_prompts
 from areal.models.hf import load_model
 from areal.models.logprobs import packed_logprobs
 from areal.models.tiny import save_tiny_model
-from areal.models.weights import (bucket_tensors, flatten_bucket, merge_buckets,
-                                  named_tensors, unflatten_bucket)
+from areal.models.weights import (bucket_tensors, flatten_bucket, load_tensors, merge_buckets,
+                                  named_tensors, save_tensors, unflatten_bucket)
+from areal.workers.trainer.checkpoint import BackgroundCheckpoints, load_checkpoint
 from areal.workers.rollout.engine import DiskWeights, FinishReason, SamplingParams, TensorWeights
 from areal.workers.rollout.interruptible import InterruptibleGenerator
 from areal.workers.rollout.torch_engine import TorchEngine
@@ -170,6 +173,40 @@ async def main(tmp):
         assert report["stream_parity_max"] < ATOL, report
     finally:
         await engine.close()
+    background_checkpoint(dirs[0], Path(tmp) / "run")
+
+
+def background_checkpoint(model_dir, run_dir):
+    """trainer.checkpoint_async from CUDA: DCP stages the state (and the published weights
+    are copied) to CPU memory, the model trains on while the thread writes, and what loads
+    back is the state at the checkpoint, not after."""
+    def train(model, optimizer, seed):
+        ids = torch.randint(3, 90, (4, 32), generator=torch.Generator().manual_seed(seed))
+        model(ids.to(DEVICE)).logits.float().logsumexp(-1).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    model = load_model(model_dir, device=DEVICE)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    train(model, optimizer, 0)
+    taken = {n: t.detach().cpu().clone() for n, t in model.named_parameters()}
+    writer = BackgroundCheckpoints()
+    t0 = time.perf_counter()
+    writer.start(model, optimizer, run_dir, 1, 1, 2, list(model.named_parameters()),
+                 save_tensors)
+    report["checkpoint_async_wait_s"] = time.perf_counter() - t0
+    for seed in (1, 2):  # in place, while the thread writes
+        train(model, optimizer, seed)
+    written = writer.wait()
+    report["checkpoint_async_write_s"] = written.write_s
+    fresh = load_model(model_dir, device=DEVICE)
+    load_checkpoint(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3), written.path)
+    loaded = {n: t.detach().cpu() for n, t in fresh.named_parameters()}
+    published = load_tensors(written.path / "weights")
+    report["checkpoint_async_equal"] = all(
+        torch.equal(loaded[n], t) and torch.equal(published[n].cpu(), t) for n, t in taken.items()
+    )
+    assert report["checkpoint_async_equal"], report
 
 
 with tempfile.TemporaryDirectory() as tmp:
