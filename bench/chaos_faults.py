@@ -244,27 +244,32 @@ class RunUnderTest:
 
     def _delete_while_frozen(self, fault: Fault) -> bool:
         """Freeze the rollout worker (for at most half the heartbeat timeout); once the
-        trainer has published a version past the newest one before, delete its weights file
-        (not the directory: the trainer may still be syncing it); thaw."""
+        trainer has published a version past the newest one before, delete the weights file
+        of every version published since (not the directories: the trainer may still be
+        syncing them); thaw. Every one, not only the first: a thawed worker skips to the
+        newest update it holds, and would load a later version if its file were left."""
         proc = self._target(fault)
         weights = self.run_dir / "weights"
         before = max(p.name for p in weights.iterdir())
+
+        def published() -> list[Path]:
+            return [
+                f
+                for p in sorted(weights.iterdir())
+                if p.name > before
+                for f in p.glob("*.safetensors")
+            ]
+
         proc.send_signal(signal.SIGSTOP)
         try:
             try:
-                newest = self.wait_for(
-                    lambda: [
-                        f
-                        for p in sorted(weights.iterdir())
-                        if p.name > before
-                        for f in p.glob("*.safetensors")
-                    ],
-                    "a new weight version",
-                    timeout_s=self.heartbeat_timeout_s / 2,
+                self.wait_for(
+                    published, "a new weight version", timeout_s=self.heartbeat_timeout_s / 2
                 )
             except Hang:
                 return False
             time.sleep(0.2)  # the controller relays UpdateWeights to the frozen worker
+            newest = published()
             for path in newest:
                 path.unlink(missing_ok=True)
             fault.detail = f"deleted {', '.join(p.parent.name for p in newest)}"
