@@ -111,17 +111,6 @@ def measure(name: str, repeats: int, root: Path) -> dict[str, float]:
             os.fsync(out.fileno())
         path.unlink()
 
-    background = BackgroundCheckpoints()
-    written = []
-
-    def begin():  # what the step waits for; the write is waited for outside the timing
-        background.start(model, optimizer, root, next(step), 0, 2, named, save_tensors)
-
-    def finish():
-        done = background.wait()
-        assert done is not None
-        written.append(done.write_s)
-
     def save():
         save_checkpoint(
             model,
@@ -144,13 +133,15 @@ def measure(name: str, repeats: int, root: Path) -> dict[str, float]:
         "publish": _best(lambda: publish_to_disk(named, cfg, 1), repeats),
         "save": _best(save, repeats),
     }
-    waits = []
-    for _ in range(repeats):
+    background, waits, writes = BackgroundCheckpoints(), [], []
+    for _ in range(repeats):  # the step waits for `start`; the write is waited for untimed
         start = time.perf_counter()
-        begin()
+        background.start(model, optimizer, root, next(step), 0, 2, named, save_tensors)
         waits.append(time.perf_counter() - start)
-        finish()
-    row["async"], row["async_write"] = min(waits), min(written)
+        written = background.wait()
+        assert written is not None
+        writes.append(written.write_s)
+    row["async"], row["async_write"] = min(waits), min(writes)
     latest = sorted((root / "checkpoints").iterdir())[-1]
     fresh, fresh_optimizer = build(name)
     row["load"] = _best(lambda: load_checkpoint(fresh, fresh_optimizer, latest), repeats)

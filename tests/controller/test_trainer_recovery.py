@@ -137,7 +137,10 @@ def test_a_killed_trainer_rank_is_restarted_and_the_run_completes(run_name, requ
         assert checkpoints[-1] == every_one[-1] and set(checkpoints) <= set(every_one)
     else:
         assert checkpoints == every_one
-    assert restored["checkpoint"].endswith(f"step_{newest:06d}" if newest else "")
+    if newest:
+        assert restored["checkpoint"].endswith(f"step_{newest:06d}")
+    else:  # none heard of before the loss: the restart begins from the model
+        assert restored["checkpoint"] == ""
     assert restored["replayed_steps"] == published - newest > 0
 
 

@@ -99,10 +99,7 @@ def save_checkpoint(
     model_state, optim_state = _state(model, optimizer)
     with _single_process_quiet():
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=target)
-    write = None
-    if weights is not None and write_weights is not None:
-        write = lambda directory: write_weights(directory, weights)  # noqa: E731
-    _complete(target, step, version, keep, write)
+    _complete(target, step, version, keep, weights, write_weights)
     return target
 
 
@@ -111,14 +108,15 @@ def _complete(
     step: int,
     version: int,
     keep: int,
-    write_weights: Callable[[Path], Any] | None,
+    weights: list[tuple[str, torch.Tensor]] | None,
+    write_weights: WriteWeights | None,
 ) -> None:
     """After every rank's DCP files (when rank 0's save returns, every rank's part and the
     metadata are written): rank 0 writes the weights directory, then `areal.json` last, and
     prunes."""
     if _rank() == 0:
-        if write_weights is not None:
-            write_weights(target / "weights")
+        if weights is not None and write_weights is not None:
+            write_weights(target / "weights", weights)
         write_json(target / META, {"step": step, "version": version})
         _prune(target.parent, keep)
 
@@ -178,36 +176,22 @@ class BackgroundCheckpoints:
             no_dist=not dist.is_initialized(),
         )
         files = saving.upload_completion if isinstance(saving, AsyncSaveResponse) else saving
-        write = None
-        if weights is not None and write_weights is not None:
-            copies = [(name, t.detach().to("cpu", copy=True)) for name, t in weights]
-            write = lambda directory: write_weights(directory, copies)  # noqa: E731
+        if weights is not None:  # the model trains on in place while they are written
+            weights = [(name, t.detach().to("cpu", copy=True)) for name, t in weights]
         writing: Future[Written] = Future()
         start = time.perf_counter()
 
         def finish() -> None:  # a daemon thread: a write stuck on a dead peer ends with us
-            try:
-                writing.set_result(self._finish(files, target, step, version, keep, write, start))
+            try:  # DCP's files, then the weights and areal.json
+                files.result()
+                keep_all = keep + BACKGROUND_EXTRA_KEPT
+                _complete(target, step, version, keep_all, weights, write_weights)
+                writing.set_result(Written(target, step, time.perf_counter() - start))
             except BaseException as err:  # raised again on the trainer's thread by wait()
                 writing.set_exception(err)
 
         threading.Thread(target=finish, name="areal-checkpoint", daemon=True).start()
         self._writing = writing
-
-    def _finish(
-        self,
-        files: Future,
-        target: Path,
-        step: int,
-        version: int,
-        keep: int,
-        write_weights: Callable[[Path], Any] | None,
-        start: float,
-    ) -> Written:
-        """On the writing thread: DCP's files, then `_complete`."""
-        files.result()
-        _complete(target, step, version, keep + BACKGROUND_EXTRA_KEPT, write_weights)
-        return Written(path=target, step=step, write_s=time.perf_counter() - start)
 
     def finished(self) -> Written | None:
         """The checkpoint written since the last call, if the thread has finished it."""
