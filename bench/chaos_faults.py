@@ -10,8 +10,9 @@ Kinds:
     kill_rollout, kill_reward, kill_trainer   kill -9 of that worker
     stop_rollout, stop_reward, stop_trainer   SIGSTOP past controller.heartbeat_timeout_s
     weight_load     the rollout worker is frozen while the trainer publishes from buffered
-                    groups; the weights file of every version published meanwhile is
-                    deleted; thawed, it fails to load (WeightsUpdated.error)
+                    groups; the trainer is frozen too, the weights file of every version
+                    published meanwhile deleted, and the worker thawed: it fails to load
+                    (WeightsUpdated.error), and the trainer is thawed
     kill_controller kill -9 of the controller (its workers must die with it at once), then
                     `python -m areal.controller --resume RUN_DIR`
 """
@@ -234,20 +235,32 @@ class RunUnderTest:
                 ),
                 "a full batch buffered",
             )
-            if self._delete_while_frozen(fault):
-                return self.wait_for(
+            trainers = self._delete_while_frozen(fault)
+            if trainers is None:
+                mark = len(self.records)
+                continue
+            try:  # thawed once the worker has failed: no later version can spare it
+                failed = self.wait_for(
                     lambda: self.find(mark, event="weights_load_failed"),  # noqa: B023
                     "weights_load_failed",
+                    timeout_s=self.heartbeat_timeout_s / 2,
                 )
-            mark = len(self.records)
+            finally:
+                for proc in trainers:
+                    proc.send_signal(signal.SIGCONT)
+            return int(failed)
         raise Hang("the trainer published no version while the rollout worker was frozen")
 
-    def _delete_while_frozen(self, fault: Fault) -> bool:
+    def _delete_while_frozen(self, fault: Fault) -> list[psutil.Process] | None:
         """Freeze the rollout worker (for at most half the heartbeat timeout); once the
-        trainer has published a version past the newest one before, delete the weights file
-        of every version published since (not the directories: the trainer may still be
-        syncing them); thaw. Every one, not only the first: a thawed worker skips to the
-        newest update it holds, and would load a later version if its file were left."""
+        trainer has published a version past the newest one before, freeze the trainer
+        ranks too, delete the weights file of every version published since (not the
+        directories: the trainer may still be syncing them), and thaw the worker. Every
+        one, not only the first: a thawed worker skips to the newest update it holds. And
+        the trainer stays frozen until the worker has failed: a version published after
+        the deletion, still queued for the worker when it reads its updates, would be
+        loaded instead. The frozen trainer ranks, for the caller to thaw; None if the
+        trainer published nothing in time (nothing was deleted)."""
         proc = self._target(fault)
         weights = self.run_dir / "weights"
         before = max(p.name for p in weights.iterdir())
@@ -260,6 +273,7 @@ class RunUnderTest:
                 for f in p.glob("*.safetensors")
             ]
 
+        trainers: list[psutil.Process] = []
         proc.send_signal(signal.SIGSTOP)
         try:
             try:
@@ -267,14 +281,21 @@ class RunUnderTest:
                     published, "a new weight version", timeout_s=self.heartbeat_timeout_s / 2
                 )
             except Hang:
-                return False
+                return None
             time.sleep(0.2)  # the controller relays UpdateWeights to the frozen worker
+            trainers = [p for n, p in self.workers().items() if n.startswith("trainer")]
+            for trainer in trainers:
+                trainer.send_signal(signal.SIGSTOP)
             newest = published()
             for path in newest:
                 path.unlink(missing_ok=True)
             fault.detail = f"deleted {', '.join(p.parent.name for p in newest)}"
             fault.injected = True
-            return True
+            return trainers
+        except BaseException:
+            for trainer in trainers:
+                trainer.send_signal(signal.SIGCONT)
+            raise
         finally:
             proc.send_signal(signal.SIGCONT)
 

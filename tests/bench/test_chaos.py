@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -48,3 +49,106 @@ def test_a_zombie_counts_as_exited_and_a_live_process_does_not():
         live.kill()
         live.wait()
         dead.wait()
+
+
+FAKE_RUN = """
+import subprocess, sys, time
+sleeper = "import time; time.sleep(600)"
+children = [
+    subprocess.Popen([sys.executable, "-c", sleeper, "--worker-id", name])
+    for name in ("rollout-0", "trainer-0")
+]
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def frozen_weight_run(tmp_path):
+    """bench/chaos_faults.RunUnderTest around a stand-in controller whose children carry a
+    rollout worker's and a trainer rank's --worker-id (real processes, real signals), a
+    weights folder at v000001 and a record of a full batch buffered."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from chaos_faults import RunUnderTest
+
+    run_dir = tmp_path / "run"
+    (run_dir / "weights" / "v000001").mkdir(parents=True)
+    (run_dir / "weights" / "v000001" / "model.safetensors").write_bytes(b"1")
+    metrics = run_dir / "metrics.jsonl"
+    metrics.write_text('{"kind": "step", "buffer/trajectories": 8}\n')
+    run = RunUnderTest(
+        run_dir=run_dir,
+        overrides=[],
+        log=tmp_path / "log",
+        deadline_s=20.0,
+        heartbeat_timeout_s=2.0,
+        batch_size=8,
+        proc=subprocess.Popen([sys.executable, "-c", FAKE_RUN]),
+    )
+    while len(run.workers()) < 2:
+        time.sleep(0.05)
+    workers = run.workers()
+    yield run, workers["rollout-0"], workers["trainer-0"], metrics
+    for process in [*workers.values(), psutil.Process(run.proc.pid)]:
+        process.kill()
+    run.proc.wait()
+
+
+def _publish_when_frozen(run_dir: Path, rollout: psutil.Process, seen: dict) -> None:
+    """The trainer's part: a version published while the rollout worker is frozen; then
+    what held when the worker was thawed."""
+    while rollout.status() != psutil.STATUS_STOPPED:
+        time.sleep(0.01)
+    version = run_dir / "weights" / "v000002"
+    version.mkdir()
+    (version / "model.safetensors").write_bytes(b"2")
+    while rollout.status() == psutil.STATUS_STOPPED:
+        time.sleep(0.01)
+    seen["trainer at thaw"] = seen["trainer"].status()
+    seen["file at thaw"] = (version / "model.safetensors").exists()
+
+
+def test_a_failed_weight_load_keeps_the_trainer_frozen_until_the_worker_failed(
+    frozen_weight_run,
+):
+    """A version published after the deletion would be loaded instead of the deleted one
+    (a thawed worker skips to the newest update it holds), and the fault would wait for a
+    failure that never comes: the trainer ranks stay frozen from the deletion until the
+    worker's failure is recorded, and are thawed then."""
+    from chaos_faults import Fault
+
+    run, rollout, trainer, metrics = frozen_weight_run
+    seen: dict = {"trainer": trainer}
+    publisher = threading.Thread(
+        target=_publish_when_frozen, args=(run.run_dir, rollout, seen), daemon=True
+    )
+    publisher.start()
+
+    def fail_once_thawed() -> None:
+        publisher.join()
+        with open(metrics, "a") as f:
+            f.write('{"kind": "event", "event": "weights_load_failed"}\n')
+
+    threading.Thread(target=fail_once_thawed, daemon=True).start()
+    fault = Fault(kind="weight_load")
+    failed = run._weight(fault, 0)
+    assert run.records[failed]["event"] == "weights_load_failed"
+    assert seen["trainer at thaw"] == psutil.STATUS_STOPPED
+    assert seen["file at thaw"] is False
+    assert fault.injected and fault.detail == "deleted v000002"
+    assert trainer.status() != psutil.STATUS_STOPPED
+    assert rollout.status() != psutil.STATUS_STOPPED
+
+
+def test_a_weight_load_that_never_fails_is_a_hang_and_thaws_the_trainer(frozen_weight_run):
+    from chaos_faults import Fault, Hang
+
+    run, rollout, trainer, _ = frozen_weight_run
+    seen: dict = {"trainer": trainer}
+    threading.Thread(
+        target=_publish_when_frozen, args=(run.run_dir, rollout, seen), daemon=True
+    ).start()
+    with pytest.raises(Hang, match="weights_load_failed"):
+        run._weight(Fault(kind="weight_load"), 0)
+    assert seen["trainer at thaw"] == psutil.STATUS_STOPPED
+    assert trainer.status() != psutil.STATUS_STOPPED
+    assert rollout.status() != psutil.STATUS_STOPPED

@@ -101,13 +101,16 @@ class LiveRun:
     def num_steps(self) -> int:
         return sum(r["kind"] == "step" for r in list(self.records))
 
-    def wait_for(self, predicate, what: str, timeout_s: float = 120.0) -> None:
+    def wait_for(self, predicate, what: str, timeout_s: float = 120.0, state=None) -> None:
+        """`state`, if given: a callable whose value the failure's text shows (what was
+        reached instead)."""
         stop = time.monotonic() + timeout_s
         while not predicate():
             if self.error is not None or not self.thread.is_alive():
                 raise AssertionError(f"the run ended while waiting for {what}: {self.error!r}")
             if time.monotonic() > stop:
-                raise AssertionError(f"no {what} within {timeout_s} s")
+                reached = f"; reached {state()}" if state is not None else ""
+                raise AssertionError(f"no {what} within {timeout_s} s{reached}")
             time.sleep(0.05)
 
     def stop(self) -> None:
@@ -283,7 +286,7 @@ def test_heartbeat_bombs_do_not_hold_the_loop(live):
         # The ping comes from another peer: its answer does not wait for the bomber's last
         # frames, which the open socket still delivers.
         totals = live.ctl.core.peer_log.totals
-        live.wait_for(lambda: totals["too large"] >= 16, f"16 refusals ({dict(totals)})")
+        live.wait_for(lambda: totals["too large"] >= 16, "16 refusals", state=lambda: dict(totals))
     print(f"answered {unregistered_s:.2f} s / {registered_s:.2f} s after the bombs")
     assert totals["not accepted"] >= 16, dict(totals)
     live.wait_for(lambda: live.num_steps() > steps, "a training step after the bombs")
@@ -315,6 +318,11 @@ def test_floods_write_bounded_warnings_and_records(live, warnings_seen):
             and ctl.core.peer_log.totals["registration refused"] - refused >= 1101
         ),
         "every flooded message handled",
+        state=lambda: (
+            f"{ctl.core.num_malformed - malformed} of 20,000 malformed, "
+            f"{ctl.core.peer_log.totals['registration refused'] - refused} of 1,101 "
+            "registrations refused"
+        ),
     )
     new_warnings = len(warnings_seen.texts) - warnings_before
     new_records = [r for r in live.records[records_before:] if r["kind"] == "event"]
