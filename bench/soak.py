@@ -4,8 +4,9 @@
 
 Starts `python -m areal.controller` (the default job unless overrides say otherwise, with
 steps enough never to finish on its own), samples the resident memory (RSS) and the open file
-descriptors of the controller and of every worker (its children, by `--worker-id`; their own
-children, such as sandbox or verifier processes, are summed into them) every `--interval`
+descriptors of the controller, of the fork server that starts its local workers and of every
+worker (its descendants named by `--worker-id`; any other process, such as a worker's sandbox
+or verifier, is summed into the nearest of them above it) every `--interval`
 seconds with psutil, and after `--minutes` stops the run with SIGTERM (the current step
 finishes, the summary is written). Per process it prints start / end / max and the slope of
 a least-squares line through the second half of the samples (what is left once caches and
@@ -14,7 +15,9 @@ process's mean in the same half (%/h: the baseline each process is judged agains
 the samples (`samples.json`) and a plot of both over time (`soak.png`) under --out.
 
 "start" is the first sample after every worker is ready (the first step record). A process
-that restarted mid-run is shown under its worker id, its samples joined.
+that restarted mid-run is shown under its worker id, its samples joined. A worker forked
+by the fork server counts the pages it still shares with the server in its RSS (copy on
+write), so the rows' sum overstates the run's memory; each row's slope is its own.
 """
 
 from __future__ import annotations
@@ -48,45 +51,43 @@ class Series:
     fds: list[float] = field(default_factory=list)
 
 
+FORK_SERVER = "fork server"
+
+
 def label_of(proc: psutil.Process) -> str | None:
-    """'controller' or the worker id of one of its children; None for anything else."""
+    """The worker id a process's command line names, or FORK_SERVER; None for anything else.
+    A worker forked by the fork server has its command line as one string (its title,
+    controller/fork_server.py), so the words are split again."""
     try:
-        cmdline = proc.cmdline()
+        words = " ".join(proc.cmdline()).split()
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return None
-    if "--worker-id" in cmdline:
-        return cmdline[cmdline.index("--worker-id") + 1]
+    if "--worker-id" in words[:-1]:
+        return words[words.index("--worker-id") + 1]
+    if "areal.controller.fork_server" in words:
+        return FORK_SERVER
     return None
 
 
-def _usage(proc: psutil.Process) -> tuple[float, int]:
-    """(RSS in MB, open descriptors) of a process and its descendants together."""
-    rss, fds = 0, 0
-    for p in [proc, *proc.children(recursive=True)]:
-        try:
-            rss += p.memory_info().rss
-            fds += p.num_fds()
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return rss / MB, fds
-
-
 def sample(controller: psutil.Process) -> dict[str, tuple[float, int]]:
-    """Usage of the controller (itself alone) and of each worker (with its descendants)."""
-    out = {}
-    try:
-        out["controller"] = (controller.memory_info().rss / MB, controller.num_fds())
-        children = controller.children()
-    except psutil.NoSuchProcess:
-        return out
-    for child in children:
-        label = label_of(child)
-        if label is None:
-            continue
+    """(RSS in MB, open descriptors) of the controller, the fork server and each worker,
+    found among all the controller's descendants (local workers are the fork server's
+    children); every other process counts with the nearest of them above it."""
+    out: dict[str, tuple[float, int]] = {}
+
+    def visit(proc: psutil.Process, owner: str) -> None:
         try:
-            out[label] = _usage(child)
-        except psutil.NoSuchProcess:
-            continue
+            rss, fds = proc.memory_info().rss / MB, proc.num_fds()
+            children = proc.children()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return
+        owner = label_of(proc) or owner
+        total_rss, total_fds = out.get(owner, (0.0, 0))
+        out[owner] = (total_rss + rss, total_fds + fds)
+        for child in children:
+            visit(child, owner)
+
+    visit(controller, "controller")
     return out
 
 
