@@ -13,6 +13,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from chaos_faults import Fault, Hang, RunUnderTest, wait_exited
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -33,9 +36,6 @@ def test_chaos_quick_loses_nothing_and_trains_nothing_twice(tmp_path):
 def test_a_zombie_counts_as_exited_and_a_live_process_does_not():
     """A killed controller's workers become zombies until an init reaps them (some reap
     every second or two): they run nothing, so the bench does not wait for their reaping."""
-    sys.path.insert(0, str(REPO / "bench"))
-    from chaos_faults import wait_exited
-
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -67,9 +67,6 @@ def frozen_weight_run(tmp_path):
     """bench/chaos_faults.RunUnderTest around a stand-in controller whose children carry a
     rollout worker's and a trainer rank's --worker-id (real processes, real signals), a
     weights folder at v000001 and a record of a full batch buffered."""
-    sys.path.insert(0, str(REPO / "bench"))
-    from chaos_faults import RunUnderTest
-
     run_dir = tmp_path / "run"
     (run_dir / "weights" / "v000001").mkdir(parents=True)
     (run_dir / "weights" / "v000001" / "model.safetensors").write_bytes(b"1")
@@ -114,8 +111,6 @@ def test_a_failed_weight_load_keeps_the_trainer_frozen_until_the_worker_failed(
     (a thawed worker skips to the newest update it holds), and the fault would wait for a
     failure that never comes: the trainer ranks stay frozen from the deletion until the
     worker's failure is recorded, and are thawed then."""
-    from chaos_faults import Fault
-
     run, rollout, trainer, metrics = frozen_weight_run
     seen: dict = {"trainer": trainer}
     publisher = threading.Thread(
@@ -140,8 +135,6 @@ def test_a_failed_weight_load_keeps_the_trainer_frozen_until_the_worker_failed(
 
 
 def test_a_weight_load_that_never_fails_is_a_hang_and_thaws_the_trainer(frozen_weight_run):
-    from chaos_faults import Fault, Hang
-
     run, rollout, trainer, _ = frozen_weight_run
     seen: dict = {"trainer": trainer}
     threading.Thread(
