@@ -641,8 +641,15 @@ class TrainerConfig:
 
 @dataclass(kw_only=True)
 class RewardConfig:
-    num_workers: int = opt(1, "reward worker processes")
-    max_concurrency: int = opt(8, "checks a reward worker runs at once")
+    num_workers: int = opt(
+        1,
+        "reward worker processes; 0: none, each rollout worker checks its own "
+        "completions before sending them (one Completions carries their rewards: no "
+        "Score or Scored through the controller)",
+    )
+    max_concurrency: int = opt(
+        8, "checks a reward worker (with reward.num_workers=0: a rollout worker) runs at once"
+    )
     timeout_s: float = opt(
         10.0,
         "per-trajectory reward time limit; over it the check is an "
@@ -652,8 +659,9 @@ class RewardConfig:
         2,
         "a check that fails for want of infrastructure (verifier or sandbox "
         "error, over reward.timeout_s, reward worker lost) is run again this "
-        "many times; a wrong answer or a program over its own time limit is a "
-        "verdict, never retried",
+        "many times (by another reward worker; with reward.num_workers=0 by the "
+        "rollout worker that generated it); a wrong answer or a program over its own "
+        "time limit is a verdict, never retried",
     )
     on_error: str = opt(
         "drop",
@@ -664,7 +672,7 @@ class RewardConfig:
     )
 
     def check(self, key: str) -> None:
-        _positive(self.num_workers, f"{key}.num_workers")
+        _non_negative(self.num_workers, f"{key}.num_workers")
         _positive(self.max_concurrency, f"{key}.max_concurrency")
         _positive(self.timeout_s, f"{key}.timeout_s")
         _non_negative(self.retries, f"{key}.retries")

@@ -28,12 +28,13 @@ DEFAULT_MAX_BYTES = 2 << 30
 REGISTER_MAX_BYTES = 4096
 """Largest Register (frames together): all an unregistered peer may send (transport.py)."""
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """The version of these schemas, as a whole, that a worker states in its Register: raised
 whenever a message changes in a way that a peer of another release would refuse or misread
 (a field added without a default, removed, or read differently; the run configuration a
 Welcome carries among them: an option added, or a value an older release refuses, as 2's
-null `controller.heartbeat_interval_s`; 3: a Heartbeat carries nothing). The controller
+null `controller.heartbeat_interval_s`; 3: a Heartbeat carries nothing; 4: reward.num_workers
+may be 0, and a Completions then carries its rewards). The controller
 refuses a worker of another version at registration and tells it both versions, before any
 work is exchanged (controller/pool.py). 0 is what a worker from before versions sends
 (nothing)."""
@@ -222,9 +223,11 @@ class Generate:
     top_p: float = 1.0
     stop_token_ids: list[int] = field(default_factory=list)
     prompt_id: str = ""
-    """Episodes only (episode.environment set): the task's prompt id, for the environment."""
+    """Episodes (episode.environment set), and every Generate when the rollout workers score
+    (reward.num_workers=0): the task's prompt id."""
     reference: Any = None
-    """Episodes only: the prompt's reference (plain data) the environment rewards against."""
+    """As `prompt_id`: the prompt's reference (plain data) the environment, or the task's
+    reward function on the rollout worker, rewards against."""
     prompt_text: str = ""
     """Agent episodes only (agent.function set): the task's prompt text, the agent's
     `sample.prompt` (an agent renders its own messages; `prompt_ids` are not used)."""
@@ -269,9 +272,10 @@ class Generated:
     episode_end: EpisodeEnd | None = None
     """How the episode ended; None: not an episode (the reward workers score it)."""
     reward: float = 0.0
-    """Episodes: the reward the episode ended with (the controller does not score it again)."""
+    """Episodes, and single completions under reward.num_workers=0: the reward the
+    rollout worker found (the controller does not score it again)."""
     verdict: Verdict | None = None
-    """Episodes: the verdict that goes with `reward`."""
+    """The verdict that goes with `reward`; None: not scored by the rollout worker."""
     detail: str = ""
     num_turns: int = 1
     """Model turns in the episode."""
@@ -354,6 +358,16 @@ class Completions:
     finish_reasons: list[FinishReason]
     num_interruptions: list[int]
     generation_s: list[float]
+    # -- scored by the rollout worker (reward.num_workers=0); empty: the reward workers score
+    rewards: list[float] = field(default_factory=list)
+    """Each completion's reward, in order, as a reward worker's Scored would carry it."""
+    verdicts: list[Verdict] = field(default_factory=list)
+    details: list[str] = field(default_factory=list)
+
+    @property
+    def scored(self) -> bool:
+        """Whether its rollout worker checked its completions (`rewards` and the rest)."""
+        return bool(self.rewards or self.verdicts or self.details)
 
     def completions(self) -> list[Generated]:
         """Each completion as its own Generated (ids and log-probs are views of this
@@ -372,15 +386,23 @@ class Completions:
                     finish_reason=self.finish_reasons[i],
                     num_interruptions=self.num_interruptions[i],
                     generation_s=self.generation_s[i],
+                    **self._outcome(i),
                 )
             )
             start = end
         return result
 
+    def _outcome(self, i: int) -> dict[str, Any]:
+        """Completion `i`'s reward, verdict and detail as Generated fields (none unscored)."""
+        if not self.scored:
+            return {}
+        return {"reward": self.rewards[i], "verdict": self.verdicts[i], "detail": self.details[i]}
+
     def check(self) -> None:
-        """ValueError when the lists do not pair up with the request ids, the lengths do
-        not add up to the arrays', or each completion's version runs to its length (the
-        parts fit together; the values of tokens and versions are not judged)."""
+        """ValueError when the lists do not pair up with the request ids (the outcome lists,
+        when scored, too), the lengths do not add up to the arrays', or each completion's
+        version runs to its length (the parts fit together; the values of tokens, versions
+        and rewards are not judged)."""
         # Straight-line code, no generator per check: the controller runs this for every
         # Completions, each time with its caches cold (bench/cold_caches.py).
         n = len(self.request_ids)
@@ -391,6 +413,9 @@ class Completions:
             and len(self.finish_reasons) == n
             and len(self.num_interruptions) == n
             and len(self.generation_s) == n
+            and (
+                not self.scored or len(self.rewards) == len(self.verdicts) == len(self.details) == n
+            )
         ):
             sizes = [
                 len(values)
@@ -400,12 +425,15 @@ class Completions:
                     self.finish_reasons,
                     self.num_interruptions,
                     self.generation_s,
+                    self.rewards,
+                    self.verdicts,
+                    self.details,
                 )
             ]
             raise ValueError(
                 f"request_ids, lengths, num_runs, finish_reasons, num_interruptions, "
-                f"generation_s have lengths {[n, *sizes]}: one of each per completion, at "
-                "least one"
+                f"generation_s, rewards, verdicts, details have lengths {[n, *sizes]}: one "
+                "of each per completion, at least one (the last three: none when unscored)"
             )
         ids, logprobs = self.output_ids, self.logprobs
         total = sum(self.lengths)
@@ -463,7 +491,20 @@ class Completions:
             finish_reasons=[c.finish_reason for c in completions],
             num_interruptions=[c.num_interruptions for c in completions],
             generation_s=[c.generation_s for c in completions],
+            **_outcomes(completions),
         )
+
+
+def _outcomes(completions: list[Generated]) -> dict[str, Any]:
+    """Completions fields of the completions' outcomes: all of them when each carries a
+    verdict (its rollout worker scored it), else none."""
+    if any(c.verdict is None for c in completions):
+        return {}
+    return {
+        "rewards": [c.reward for c in completions],
+        "verdicts": [c.verdict for c in completions],
+        "details": [c.detail for c in completions],
+    }
 
 
 def version_runs(versions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

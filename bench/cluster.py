@@ -597,12 +597,15 @@ def table_r(bench: Bench) -> str:
     here, one after the other (nothing else runs beside a measured simulation)."""
     n = large_counts(bench)[-1]
     config = table_r_config(bench)
+    scorers = (("reward", config), ("rollout", dataclasses.replace(config, rollout_rewards=True)))
     rows = []
-    for i in range(2 if bench.quick else ALONE_REPEATS):
-        r = _simulate_in_child(config)
+    for i, (scorer, run_config) in enumerate(
+        pair for _ in range(1 if bench.quick else ALONE_REPEATS) for pair in scorers
+    ):
+        r = _simulate_in_child(run_config)
         bench.unshared += 1
         rows.append(
-            f"{i + 1:>5} {r.controller_cpu_s_per_step:>9.2f} "
+            f"{i + 1:>5} {scorer:>8} {r.controller_cpu_s_per_step:>9.2f} "
             f"{r.controller_gc_s_per_step:>5.2f} {r.controller_share:>7.1%} "
             f"{r.controller_alone_cpu_s_per_step:>9.2f} "
             f"{r.controller_alone_gc_s_per_step:>5.2f} {r.controller_alone_share:>7.1%} "
@@ -613,14 +616,18 @@ def table_r(bench: Bench) -> str:
         print(f"  table r, run {i + 1}: {rows[-1].split(maxsplit=1)[1]}", file=sys.stderr)
     return (
         _lines(
-            f"{'run':>5} {'in sim s':>9} {'gc s':>5} {'share':>7} {'alone s':>9} "
+            f"{'run':>5} {'rewards':>8} {'in sim s':>9} {'gc s':>5} {'share':>7} {'alone s':>9} "
             f"{'gc s':>5} {'share':>7} {'alone/in':>8} {'ref us':>6} {'ref al':>6} "
             f"{f'at {SLOW_REF_US:g} us':>8}",
             rows,
         )
         + f"\n(1.5B async, eta 8, {n} accelerators, batch {config.num_prompts} x "
         f"{bench.batch['group_size']}, step {r.step_s:.1f} s "
-        f"simulated; {HEARTBEAT_NOTE}: {_heartbeat_interval(bench, n):.2g} s; CPU seconds "
+        f"simulated; rewards: computed by reward workers, each group sent to one in a Score "
+        "through the controller (the default), or by the rollout servers themselves, their "
+        "Completions carrying the rewards (reward.num_workers=0; the simulation's "
+        "rollout_rewards), the two run in turn; "
+        f"{HEARTBEAT_NOTE}: {_heartbeat_interval(bench, n):.2g} s; CPU seconds "
         "per step inside the controller's tasks: in the simulation "
         f"(its messages recorded), and alone with the same messages replayed; {GC_NOTE}; "
         f"{REF_NOTE}; {ALONE_REF_NOTE}; at {SLOW_REF_US:g} us: the alone share on a machine "

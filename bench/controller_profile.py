@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import functools
 import importlib
 import io
@@ -53,6 +54,7 @@ HANDLERS = (
     "areal.messages:Completions.check",
     "areal.controller.scoring:Scoring.score",
     "areal.controller.scoring:Scoring.on_scored",
+    "areal.controller.scoring:Scoring.on_scored_completions",
     "areal.controller.generation:Generation.dispatch",
     "areal.controller.admission:Admission.admit",
     "areal.controller.report:StepReport.step_record",
@@ -124,8 +126,10 @@ class Timers:
 
 def simulation(args: argparse.Namespace) -> SimConfig:
     """The run to profile: table (r)'s (`--table-r`), or one built from the options."""
+    overrides = dict(item.split("=", 1) for item in args.overrides)
     if args.table_r:
-        return table_r_config(Bench(quick=False, seed=1))
+        table_r = table_r_config(Bench(quick=False, seed=1))
+        return sim_config(**{**dataclasses.asdict(table_r), **overrides}) if overrides else table_r
     return sim_config(
         num_accelerators=args.accelerators,
         num_prompts=args.prompts,
@@ -133,7 +137,7 @@ def simulation(args: argparse.Namespace) -> SimConfig:
         steps=args.steps,
         measure_from=args.steps - 2,
         measure_alone=True,
-        **dict(item.split("=", 1) for item in args.overrides),
+        **overrides,
     )
 
 
@@ -146,7 +150,8 @@ def main() -> int:
         "--table-r",
         action="store_true",
         help="bench/cluster.py's table (r) run (2,048 accelerators; --accelerators, "
-        "--prompts and --steps are then not read, key=value refused)",
+        "--prompts and --steps are then not read; key=value changes that run, as "
+        "rollout_rewards=true)",
     )
     parser.add_argument("--top", type=int, default=35)
     parser.add_argument("--out", type=Path, default=Path("/tmp/controller.prof"))
@@ -166,8 +171,6 @@ def main() -> int:
     )
     parser.add_argument("overrides", nargs="*", help="more simulation options (key=value)")
     args = parser.parse_args()
-    if args.table_r and args.overrides:
-        parser.error(f"--table-r is table (r)'s run as it is: drop {' '.join(args.overrides)}")
     config = simulation(args)
     timers = None if args.timed is None else Timers(args.timed or list(HANDLERS))
     profiler: Any = cProfile.Profile() if timers is None else timers

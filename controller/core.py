@@ -8,7 +8,8 @@ what must go out into an Outbox, which the async shell (controller.py) sends.
     Generated      -> checked (checks.py), recorded in the ledger; strict bound: its group
                       dropped if too stale; an episode: judged with its environment's reward;
                       the group's last sample: one Score for the group (scoring.py)
-    Completions    -> each of its completions as a Generated
+    Completions    -> each of its completions as a Generated (reward.num_workers=0: each
+                      with the outcome its rollout worker found, judged at once, no Score)
     Scored         -> each outcome judged (scoring.py); a whole group done -> the buffer,
                       its evaluation round, or dropped by a group filter
     Trained        -> a step's rank answered (trainers.py); rank 0 publishes the version
@@ -306,8 +307,12 @@ class Core:
                 self._completion(identity, handle, completion, out, checked)
             return
         # What `_completion` does for each, the message's bookkeeping done once.
+        rollout_scored = not self.scoring.has_reward_workers
+        completed: list[Group] | None = (  # reward.num_workers=0: outcomes recorded at once
+            [] if rollout_scored and self.scoring.all_accepted(msg) else None
+        )
         handle.in_flight.difference_update(msg.request_ids)
-        samples = self.ledger.finish_completions(msg, identity)
+        samples = self.ledger.finish_completions(msg, identity, completed)
         if not samples:
             return
         handle.num_restarts = 0  # it delivers: a later death is not a crash loop
@@ -323,12 +328,16 @@ class Core:
         for sample in samples:
             group = groups[sample.group_id]
             num_training += group.purpose is Purpose.TRAIN
-            if group.num_generated < len(group.samples):  # `unscored` would say [] (most
-                continue  # samples: a message holds about one of each group's)
+            if rollout_scored or group.num_generated < len(group.samples):  # `unscored`
+                continue  # would say [] (most samples: a message holds about one of each group's)
             unscored = self.ledger.unscored(group)
             if unscored:  # the group's last generation: score them all in one message
                 self.scoring.score(unscored, out)
         self.admission.generated(num_training)
+        if completed is not None:
+            self.scoring.on_accepted_completions(samples, completed, out)
+        elif rollout_scored:  # some outcome failed, or none came: each judged on its own
+            self.scoring.on_scored_completions(samples, msg, identity, out)
 
     def _completion(
         self, identity: bytes, handle: WorkerHandle, msg: Generated, out: Outbox, checked: bool
@@ -368,8 +377,9 @@ class Core:
             ):
                 self.drop_group(group, strict_staleness.STALE, out)
                 return
-        if msg.episode_end is not None:  # an episode: its environment gave the reward
-            self.scoring.on_episode(sample, msg, identity, out)
+        if msg.episode_end is not None or not self.scoring.has_reward_workers:
+            # an episode (its environment gave the reward), or scored by its rollout worker
+            self.scoring.on_rollout_scored(sample, msg, identity, out)
             return
         unscored = self.ledger.unscored(group)
         if unscored:  # the group's last generation: score them all in one message

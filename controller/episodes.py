@@ -2,8 +2,10 @@
 
 - `episode_fields`: a Generate also carries the prompt's id and reference, which the
   rollout worker's environment rewards against;
-- `episode_scored`: a finished episode arrives with its reward (Generated.reward/verdict),
-  so it is recorded as scored at once instead of going to a reward worker;
+- `rollout_outcome`: a finished episode arrives with its reward (Generated.reward/verdict),
+  so it is recorded as scored at once instead of going to a reward worker (as is a single
+  completion when the run has no reward workers, reward.num_workers=0: its rollout worker
+  scored it);
 - `episode_metrics`: the `episode/` (step records) or `eval/` (evaluations) metrics of a
   set of trajectories: turns, tool calls, tool errors and time, model vs observation tokens,
   how episodes ended; for agent episodes also calls and segments per episode, retries
@@ -29,32 +31,43 @@ from areal.types import Trajectory
 
 
 def episode_fields(cfg: RunConfig, prompt: Prompt) -> dict[str, Any]:
-    """Extra Generate fields: the prompt id and reference when episodes run (and the prompt
-    text for an agent, which renders its own messages), else none."""
+    """Extra Generate fields: the prompt id and reference when episodes run or the rollout
+    workers score (reward.num_workers=0), and the prompt text for an agent, which renders
+    its own messages; else none."""
     if cfg.agent.function is not None:
         return {
             "prompt_id": prompt.prompt_id,
             "reference": prompt.reference,
             "prompt_text": prompt.text,
         }
-    if cfg.episode.environment is None:
+    if cfg.episode.environment is None and cfg.reward.num_workers > 0:
         return {}
     return {"prompt_id": prompt.prompt_id, "reference": prompt.reference}
 
 
-def episode_scored(msg: Generated) -> RewardOutcome:
-    """The outcome of an episode that ended with its environment's reward."""
-    if msg.verdict is None:  # a worker that does not follow the schema's contract
-        return RewardOutcome(
-            reward=0.0, verdict=Verdict.ERROR, detail="the episode arrived without a verdict"
-        )
-    if not math.isfinite(msg.reward):
+def rollout_outcome(msg: Generated) -> RewardOutcome:
+    """The outcome its rollout worker found for `msg`: an episode's, from its environment,
+    or a single completion's, from the task's reward function (reward.num_workers=0)."""
+    return outcome_of(msg.reward, msg.verdict, msg.detail)
+
+
+def outcome_of(reward: float, verdict: Verdict | None, detail: str) -> RewardOutcome:
+    """A rollout worker's reward, verdict and detail as an outcome; one that breaks the
+    schema's contract (no verdict, a reward that is not a finite number) is an
+    infrastructure failure (ERROR) saying so."""
+    if verdict is None:  # a worker that does not follow the schema's contract
         return RewardOutcome(
             reward=0.0,
             verdict=Verdict.ERROR,
-            detail=f"the episode's reward {msg.reward!r} is not a finite number",
+            detail="the completion arrived from its rollout worker without a verdict",
         )
-    return RewardOutcome(reward=msg.reward, verdict=msg.verdict, detail=msg.detail)
+    if not math.isfinite(reward):
+        return RewardOutcome(
+            reward=0.0,
+            verdict=Verdict.ERROR,
+            detail=f"the rollout worker's reward {reward!r} is not a finite number",
+        )
+    return RewardOutcome(reward=reward, verdict=verdict, detail=detail)
 
 
 def episode_metrics(trajectories: Sequence[Trajectory], prefix: str) -> dict[str, Any]:

@@ -92,6 +92,11 @@ class Sample:
             self.trajectory = _recorded_trajectory(self, self.recorded)
         return self.trajectory
 
+    def message_index(self) -> int:
+        """Which completion of the Completions that recorded it (`recorded`) it is."""
+        assert self.recorded is not None, f"{self.request_id} was not recorded from a message"
+        return self.recorded[1]
+
     @property
     def is_generated(self) -> bool:
         """Past generation: its trajectory is built, or its completion recorded."""
@@ -356,10 +361,16 @@ class Ledger:
         group.num_generated += 1
         return sample
 
-    def finish_completions(self, msg: Completions, worker: bytes) -> list[Sample]:
+    def finish_completions(
+        self, msg: Completions, worker: bytes, completed: list[Group] | None = None
+    ) -> list[Sample]:
         """Record the completions of `msg`, every one of which `checks.completions_fit`
         accepted (so each has at least one token and versions that never drop, its first
         run its oldest): the samples recorded, in order; a stale completion is left out.
+        `completed` given: `msg` carries its rollout worker's outcomes, every one a verdict
+        with a finite reward (the caller checked), and each is recorded too, in the same
+        pass (what `scored` does, while the sample's and group's memory is at hand): the
+        groups this completes are appended to `completed`, for `complete` once read.
         What `finish_generation` does for each, with the message's bookkeeping done once,
         except that no Trajectory is built here: each sample keeps where its completion
         lies in `msg` (`Sample.recorded`), and its trajectory is built when first read,
@@ -369,6 +380,7 @@ class Ledger:
         by_request, groups = self.by_request, self.groups
         oldest = msg.run_versions.tolist()  # a Python int per run: no numpy scalar per completion
         generating, scoring, cut = Stage.GENERATING, Stage.SCORING, FinishReason.LENGTH
+        done, ok, rewards, verdicts = Stage.DONE, Verdict.OK, msg.rewards, msg.verdicts
         recorded = []
         start = first = 0
         for i, (request_id, length, count, reason, interruptions) in enumerate(
@@ -407,10 +419,21 @@ class Ledger:
             values[at + 2] = num_prompt
             values[at + 4] = reason is cut
             values[at + 5] = interruptions
-            sample.stage, sample.worker = scoring, None
+            sample.worker = None
             group.num_generated += 1
             recorded.append(sample)
             start, first = end, last
+            if completed is None:
+                sample.stage = scoring
+                continue
+            # `scored`, for a recorded completion (no trajectory, no segments)
+            sample.stage = done
+            sample.verdict = verdict = verdicts[i]
+            values[at + _REWARD] = rewards[i]
+            group.num_ok += verdict is ok
+            group.num_done += 1
+            if group.num_done == len(group.samples):
+                completed.append(group)
         return recorded
 
     # -- scoring --------------------------------------------------------------------------------
@@ -463,12 +486,17 @@ class Ledger:
         group.num_done += 1
         if not group.done:
             return None
+        self.complete(group)
+        return group
+
+    def complete(self, group: Group) -> None:
+        """`group`, every sample of it scored, leaves the ledger's groups in flight: a
+        training group for the buffer."""
         for s in group.samples:
             del self.by_request[s.request_id]
         if group.purpose is Purpose.TRAIN:
             self.buffer.append(group)
         del self.groups[group.group_id]
-        return group
 
     # -- faults ---------------------------------------------------------------------------------
 

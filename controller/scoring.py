@@ -8,6 +8,10 @@
                    --> an infrastructure failure of each check it held, judged the same way
     an episode     its environment's reward arrives with the Generated (episodes.py) and is
                    judged the same way, never retried by a reward worker
+    reward.num_workers=0: no reward workers; each rollout worker scores its own completions
+                   (retrying failed checks itself) and its Completions carries the rewards:
+                   --all_accepted: recorded with them, on_accepted_completions; else
+                   on_scored_completions--> each judged the same way, never retried here
 
 Owns the queue of Scores waiting for a reward worker, the reward workers' room and the
 reward-fault policy's counts. A sample accepted completes its group when it was the last:
@@ -20,18 +24,19 @@ from __future__ import annotations
 
 import collections
 import math
+from typing import cast
 from collections.abc import Callable
 
 from areal.config import RunConfig
 from areal.controller.checks import reward_problem, scored_problem
-from areal.controller.episodes import episode_scored
+from areal.controller.episodes import outcome_of, rollout_outcome
 from areal.controller.ledger import Group, Ledger, Purpose, Sample
 from areal.controller.outbox import Outbox
 from areal.controller.pool import WorkerHandle
 from areal.controller.report import StepReport
 from areal.controller.reward_faults import REWARD_ERROR, Action, RewardFaults
 from areal.controller.room import WorkerRoom
-from areal.messages import Generated, Score, Scored, WorkerError
+from areal.messages import Completions, Generated, Score, Scored, WorkerError
 from areal.tasks.base import RewardOutcome, Verdict
 
 Refuse = Callable[[bytes, str, str], None]
@@ -61,6 +66,9 @@ class Scoring:
         """Samples to score (each entry one Score: samples of one group), waiting for a
         reward worker with room; sent oldest first, taken from the front."""
         self.faults = RewardFaults(cfg.reward)
+        self.has_reward_workers = cfg.reward.num_workers > 0
+        """False: the rollout workers score (reward.num_workers=0), a failed check is
+        retried where it ran, and none is sent to a reward worker."""
 
     @property
     def num_queued(self) -> int:
@@ -181,12 +189,59 @@ class Scoring:
             if sample is not None:
                 self.judge(sample, outcome, identity, out)
 
-    def on_episode(self, sample: Sample, msg: Generated, identity: bytes, out: Outbox) -> None:
-        """An episode ended with its environment's reward: scored at once."""
+    def on_rollout_scored(
+        self, sample: Sample, msg: Generated, identity: bytes, out: Outbox
+    ) -> None:
+        """`sample`, just generated, arrived with the outcome its rollout worker found (an
+        episode's environment, or the task's reward function under reward.num_workers=0):
+        judged at once."""
         self.ledger.start_scoring(sample, identity)
-        outcome = episode_scored(msg)
+        outcome = rollout_outcome(msg)
         self.report.on_scored(outcome.verdict)
         self.judge(sample, outcome, identity, out)
+
+    @staticmethod
+    def all_accepted(msg: Completions) -> bool:
+        """Whether `msg` carries its rollout worker's outcomes (reward.num_workers=0), every
+        one a verdict with a finite reward: each is accepted as it is recorded
+        (`Ledger.finish_completions`, then `on_accepted_completions`)."""
+        return (
+            msg.scored
+            and all(map(math.isfinite, msg.rewards))
+            and not any(verdict.is_error() for verdict in msg.verdicts)
+        )
+
+    def on_accepted_completions(
+        self, samples: list[Sample], completed: list[Group], out: Outbox
+    ) -> None:
+        """`samples`, recorded with their accepted outcomes (`all_accepted`), completed
+        `completed`: what `judge` does for each accepted one, the counting done once."""
+        verdicts = [cast(Verdict, sample.verdict) for sample in samples]
+        self.report.on_scored_all(verdicts)
+        for group in completed:
+            self.ledger.complete(group)
+            self.on_complete(group, out)
+        if verdicts:
+            self.faults.accepted(verdicts)
+
+    def on_scored_completions(
+        self, samples: list[Sample], msg: Completions, identity: bytes, out: Outbox
+    ) -> None:
+        """`samples`, the completions of `msg` just recorded (in message order), with the
+        outcomes their rollout worker found (reward.num_workers=0), not all accepted
+        (`all_accepted`): each judged on its own; a message without outcomes makes each an
+        infrastructure failure saying so."""
+        for sample in samples:
+            if self.ledger.scoring(sample.request_id, None) is not sample:
+                continue  # its group was dropped by an outcome judged before it
+            self.ledger.start_scoring(sample, identity)
+            if msg.scored:
+                i = sample.message_index()
+                outcome = outcome_of(msg.rewards[i], msg.verdicts[i], msg.details[i])
+            else:
+                outcome = outcome_of(0.0, None, "")
+            self.report.on_scored(outcome.verdict)
+            self.judge(sample, outcome, identity, out)
 
     def worker_lost(self, rescore: list[Sample], out: Outbox) -> None:
         """The checks a lost reward worker held: an infrastructure failure of each."""
@@ -203,12 +258,13 @@ class Scoring:
         if outcome is None or outcome.verdict.is_error():
             sample.num_score_failures += 1
         # An episode's reward came from its environment, in the rollout worker: the reward
-        # workers cannot score it again, so its failure goes straight to reward.on_error.
+        # workers cannot score it again, so its failure goes straight to reward.on_error; as
+        # does any failure when there are no reward workers (the rollout worker retried it).
         action = self.faults.judge(
             outcome.verdict if outcome else None,
             sample.num_score_failures,
             group.purpose is Purpose.TRAIN,
-            retryable=not sample.is_episode,
+            retryable=self.has_reward_workers and not sample.is_episode,
         )
         if action is Action.RETRY:
             self.score_again(sample, out)

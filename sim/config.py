@@ -76,6 +76,13 @@ class SimConfig:
         "token more than eta versions old; groups that cannot make it are "
         "dropped and generated again)",
     )
+    rollout_rewards: bool = opt(
+        False,
+        "the run's reward.num_workers=0: each rollout server checks its own "
+        "completions (the workload's reward latency each, reward.max_concurrency at "
+        "once) and its Completions carries the rewards; false: reward workers score "
+        "them (one per 8 nodes), through the controller",
+    )
     num_prompts: int = opt(512, "prompts per training step")
     group_size: int = opt(16, "samples per prompt")
     max_new_tokens: int = opt(27648, "longest completion")
@@ -256,7 +263,7 @@ class SimConfig:
             f"staleness.strict={self.strict}",
             # Reward checks run on CPUs beside the accelerators: one worker (256 checks at
             # once) per 8 nodes is never the bottleneck here.
-            f"reward.num_workers={math.ceil(num_nodes / 8)}",
+            f"reward.num_workers={0 if self.rollout_rewards else math.ceil(num_nodes / 8)}",
             "reward.max_concurrency=256",
             "weight_sync.mode=disk",
             "eval.every_steps=0",

@@ -13,7 +13,9 @@ inference engine behind `InterruptibleGenerator` does, without simulating each t
                   chunk cut short by a message keeps the steps that fit in the time elapsed
     finish     -> its output (of the drawn length, its versions as runs), sent with the others
                   finished in one Completions once the batch has a free slot and nothing
-                  waits for it
+                  waits for it; with reward.num_workers=0 checked first (the workload's
+                  reward latency, reward.max_concurrency at once), its reward in the
+                  Completions, the check holding its place as on a real rollout worker
     UpdateWeights(interrupt)     -> every started sequence is aborted (KV dropped), the
                   weights load (cost.weight_load_s), and the sequences are resubmitted
                   with prompt + tokens so far (re-prefilled); later tokens carry the new
@@ -50,6 +52,8 @@ from areal.messages import (
     WorkerKind,
 )
 
+from areal.tasks.base import Verdict
+
 from areal.sim.workers import SimWorker
 from areal.sim.workload import prompt_key, sample_name
 
@@ -76,6 +80,8 @@ class Seq:
     """New tokens this completion runs for (it then stops, or hits max_new_tokens)."""
     stop: bool
     received_at: float
+    key: int = 0
+    """The prompt's key, the reward's draw (`Workload.correct`)."""
     done: int = 0
     """Tokens generated before the current stay in the running batch."""
     joined_step: int = 0
@@ -106,6 +112,8 @@ class _Finished(typing.NamedTuple):
     finish_reason: FinishReason
     num_interruptions: int
     generation_s: float
+    correct: bool | None = None
+    """Checked here (reward.num_workers=0): whether it was judged right; None: unchecked."""
 
 
 class SimRollout(SimWorker):
@@ -126,6 +134,10 @@ class SimRollout(SimWorker):
         self.by_id: dict[str, Seq] = {}
         self._answered: dict[str, _Finished] = {}
         """Finished, not yet sent (`_answer`)."""
+        self._scores = env.cfg.reward.num_workers == 0
+        self._checks = asyncio.Semaphore(env.cfg.reward.max_concurrency)
+        self._checking: dict[str, asyncio.Task] = {}
+        """Finished and being checked (reward.num_workers=0), by request id."""
         self._finish_heap: list[tuple[int, int, int, Seq]] = []
         self._order = itertools.count()
         self._ctx_base = 0  # sum over running of (context at join - joined_step)
@@ -165,11 +177,15 @@ class SimRollout(SimWorker):
                 target=target,
                 stop=target < msg.max_new_tokens,
                 received_at=clock.now(),
+                key=int(msg.reference) if isinstance(msg.reference, int) else 0,
             )
             self.by_id[request_id] = seq
             self.waiting.append(seq)
 
     def _drop(self, request_id: str) -> None:
+        checking = self._checking.pop(request_id, None)
+        if checking is not None:
+            checking.cancel()
         seq = self.by_id.pop(request_id, None)
         if seq is None:
             return
@@ -184,12 +200,19 @@ class SimRollout(SimWorker):
         nothing queued for it (the rollout worker's rule: workers/rollout/worker.py,
         `Answered`); None while it is full or nothing has finished. Built here rather than
         by `Completions.of`, which would copy the simulated zero tokens: these are views."""
-        if not self._answered or len(self.by_id) >= self.max_running:
+        if not self._answered or len(self.by_id) + len(self._checking) >= self.max_running:
             return None
         results = list(self._answered.values())
         self._answered.clear()
         lengths = [r.length for r in results]
         runs = [run for r in results for run in r.runs]
+        outcomes: dict[str, Any] = {}
+        if self._scores:
+            outcomes = {
+                "rewards": [1.0 if r.correct else 0.0 for r in results],
+                "verdicts": [Verdict.OK if r.correct else Verdict.WRONG for r in results],
+                "details": [""] * len(results),
+            }
         return Completions(
             request_ids=[r.request_id for r in results],
             lengths=lengths,
@@ -201,7 +224,23 @@ class SimRollout(SimWorker):
             finish_reasons=[r.finish_reason for r in results],
             num_interruptions=[r.num_interruptions for r in results],
             generation_s=[r.generation_s for r in results],
+            **outcomes,
         )
+
+    def _finished(self, seq: Seq) -> None:
+        """`seq` finished: it waits to be answered, checked first under reward.num_workers=0."""
+        if self._scores:
+            self._checking[seq.request_id] = self.spawn(self._check(seq, self._result(seq)))
+        else:
+            self._answered[seq.request_id] = self._result(seq)
+
+    async def _check(self, seq: Seq, result: _Finished) -> None:
+        async with self._checks:
+            await asyncio.sleep(self.env.workload.reward_latency_s)
+        del self._checking[seq.request_id]
+        correct = self.env.workload.correct(seq.key, sample_name(seq.request_id))
+        self._answered[seq.request_id] = result._replace(correct=correct)
+        self._wake()
 
     def _wake(self) -> None:
         if self._waker is not None:
@@ -300,7 +339,7 @@ class SimRollout(SimWorker):
         self.step += steps
         self.env.generated_tokens[0] += steps * batch
         for seq in self._pop_finished():
-            self._answered[seq.request_id] = self._result(seq)
+            self._finished(seq)
 
     # -- the running batch ------------------------------------------------------------------------
 

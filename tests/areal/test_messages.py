@@ -598,6 +598,32 @@ def test_completions_come_apart_into_the_generated_they_carry():
     assert alone.output_ids is parts[0].output_ids  # one completion: not copied
 
 
+def test_completions_carry_their_rollout_workers_outcomes_only_when_each_has_one():
+    # reward.num_workers=0: the rollout worker scored each completion before sending it.
+    parts = [
+        Generated(
+            request_id=f"g1-s{i}-a0",
+            output_ids=_arange(3),
+            logprobs=np.full(3, -0.5, np.float32),
+            versions=np.zeros(3, np.int32),
+            finish_reason=FinishReason.STOP,
+            reward=float(i),
+            verdict=verdict,
+            detail=f"check {i}",
+        )
+        for i, verdict in enumerate([Verdict.WRONG, Verdict.OK])
+    ]
+    msg = decode(encode(Completions.of(parts)))
+    assert msg.scored and msg.rewards == [0.0, 1.0] and msg.details == ["check 0", "check 1"]
+    assert msg.verdicts == [Verdict.WRONG, Verdict.OK]
+    for got, want in zip(msg.completions(), parts, strict=True):
+        assert (got.reward, got.verdict, got.detail) == (want.reward, want.verdict, want.detail)
+    parts[1].verdict = None  # one unscored: the message carries no outcome at all
+    unscored = decode(encode(Completions.of(parts)))
+    assert not unscored.scored and unscored.rewards == unscored.verdicts == []
+    assert [c.verdict for c in unscored.completions()] == [None, None]
+
+
 def test_per_token_versions_travel_as_runs_and_come_back_per_token():
     interrupted = np.array([4, 4, 4, 5, 5, 7], np.int32)  # two weight updates mid-way
     parts = [
@@ -636,8 +662,14 @@ def test_version_runs_refuse_values_that_are_not_integers(values):
 @pytest.mark.parametrize(
     "change, problem",
     [
-        (dict(lengths=[3]), r"lengths \[2, 1, 2, 2, 2, 2\]"),
-        (dict(num_runs=[2]), r"lengths \[2, 2, 1, 2, 2, 2\]"),
+        (dict(lengths=[3]), r"lengths \[2, 1, 2, 2, 2, 2, 0, 0, 0\]"),
+        (dict(num_runs=[2]), r"lengths \[2, 2, 1, 2, 2, 2, 0, 0, 0\]"),
+        # scored by the rollout worker: an outcome for every completion, or none
+        (dict(rewards=[1.0]), r"lengths \[2, 2, 2, 2, 2, 2, 1, 0, 0\]"),
+        (
+            dict(rewards=[1.0, 0.0], verdicts=[Verdict.OK, Verdict.WRONG], details=[""]),
+            r"lengths \[2, 2, 2, 2, 2, 2, 2, 2, 1\]",
+        ),
         (
             dict(
                 request_ids=[],

@@ -81,14 +81,17 @@ def test_quick_bench_prints_every_table_and_parallel_runs_match_serial(tmp_path,
 def test_table_r_measures_the_controller_in_the_simulation_and_alone(cluster_bench):
     bench = cluster_bench.Bench(quick=True, seed=1, jobs=1)
     text = cluster_bench.table_r(bench)
-    # run, in sim s, gc s, share, alone s, gc s, share, alone/in, ref us, ref al, at 14 us
-    rows = re.findall(
-        r"^\s+(\d)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)%\s+([0-9.]+)\s+([0-9.]+)"
-        r"\s+([0-9.]+)%\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)%$",
+    # run, rewards, in sim s, gc s, share, alone s, gc s, share, alone/in, ref us, ref al,
+    # at 14 us
+    found = re.findall(
+        r"^\s+(\d)\s+(reward|rollout)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)%\s+([0-9.]+)"
+        r"\s+([0-9.]+)\s+([0-9.]+)%\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)%$",
         text,
         re.MULTILINE,
     )
-    assert [row[0] for row in rows] == ["1", "2"], text  # repeated: the machine's noise
+    # rewards by reward workers, then by the rollout servers (quick: one run of each)
+    assert [(row[0], row[1]) for row in found] == [("1", "reward"), ("2", "rollout")], text
+    rows = [(row[0], *row[2:]) for row in found]
     assert all(float(row[3]) > 0 and float(row[6]) > 0 and float(row[8]) > 0 for row in rows), text
     assert all(float(row[2]) <= float(row[1]) and float(row[5]) <= float(row[4]) for row in rows)
     for row in rows:  # the alone share priced at ref us 14 by the yardstick around the replay

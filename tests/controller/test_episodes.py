@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from areal.controller.episodes import episode_scored
+from areal.controller.episodes import rollout_outcome
 from areal.messages import EpisodeEnd, FinishReason, Generated
 from areal.tasks.base import Verdict
 
@@ -27,19 +27,19 @@ def _episode(reward: float, verdict: Verdict | None) -> Generated:
 
 
 def test_an_episode_keeps_its_environments_reward():
-    outcome = episode_scored(_episode(0.5, Verdict.WRONG))
+    outcome = rollout_outcome(_episode(0.5, Verdict.WRONG))
     assert (outcome.reward, outcome.verdict, outcome.detail) == (0.5, Verdict.WRONG, "env said so")
 
 
 def test_an_episode_without_a_verdict_is_an_error():
-    outcome = episode_scored(_episode(1.0, None))
+    outcome = rollout_outcome(_episode(1.0, None))
     assert outcome.reward == 0.0 and outcome.verdict is Verdict.ERROR
     assert "without a verdict" in outcome.detail
 
 
 @pytest.mark.parametrize("reward", [float("nan"), float("inf"), float("-inf")])
 def test_an_episode_whose_reward_is_not_finite_is_an_error(reward):
-    outcome = episode_scored(_episode(reward, Verdict.OK))
+    outcome = rollout_outcome(_episode(reward, Verdict.OK))
     assert outcome.reward == 0.0 and outcome.verdict is Verdict.ERROR
     assert "not a finite number" in outcome.detail
 

@@ -84,6 +84,27 @@ def test_the_controller_sends_each_group_for_scoring_in_one_message():
     assert all(len(score_of[g]) == SMALL["group_size"] for g in trained)  # all of each
 
 
+def test_with_rollout_rewards_no_score_goes_out_and_the_replay_agrees():
+    # reward.num_workers=0: the simulated rollout servers check their own completions; the
+    # replayed controller must still send exactly what the simulated one sent.
+    seen = {}
+    real_replay = run_mod.replay
+
+    def replay(overrides, env, recording, *rest):
+        seen["kinds"] = {kind for _, kind, _ in recording.sent_frames}
+        seen["overrides"] = overrides
+        return real_replay(overrides, env, recording, *rest)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(run_mod, "replay", replay)
+        result = simulate(sim_config(measure_alone=True, rollout_rewards=True, **SMALL))
+    assert "reward.num_workers=0" in seen["overrides"]("run")
+    assert bytes([MsgType.SCORE]) not in seen["kinds"]
+    assert bytes([MsgType.GENERATE]) in seen["kinds"]
+    assert len(result.trained_group_ids) == SMALL["steps"] * SMALL["num_prompts"]
+    assert result.controller_alone_cpu_s_per_step > 0
+
+
 def _tampered(tamper):
     """simulate() whose recording is altered by `tamper` before the replay."""
     real_replay = run_mod.replay

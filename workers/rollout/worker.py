@@ -10,6 +10,11 @@
     UpdateWeights(shm)         -> update from the shared-memory slot <path>, read in place
     Cancel    -> the request's task is cancelled (or its waiting completion forgotten); no
                  result is sent
+    reward.num_workers=0 -> each single completion is checked here, by the task's reward
+                 function (workers/reward/checker.py, infrastructure failures retried up
+                 to reward.retries times), before it waits in Answered: its Completions
+                 carries the rewards, and the controller sends no Score. The check holds
+                 the request's place on this worker until it ends.
     Generate with episode.environment set -> EpisodeRunner.run (episode.py): model turns
                  and the environment's observations in one trajectory -> Generated with
                  its loss mask and the environment's reward
@@ -67,6 +72,7 @@ from areal.workers.rollout.interruptible import InterruptibleGenerator
 from areal.workers.rollout.sources import PendingSlot, path_source, tensor_source
 
 if TYPE_CHECKING:
+    from areal.workers.reward.checker import CompletionChecker
     from areal.workers.rollout.agent.runner import AgentRunner
 
 log = logging.getLogger(__name__)
@@ -94,6 +100,11 @@ class RolloutWorker(Worker):
         self._announced = 0
         """The newest version an UpdateWeights(collective) announced."""
         self.episodes = await start_episodes(cfg, self.generator)
+        self.checker: CompletionChecker | None = None
+        if cfg.reward.num_workers == 0 and self.episodes is None and cfg.agent.function is None:
+            from areal.workers.reward.checker import CompletionChecker
+
+            self.checker = await CompletionChecker.start(cfg)
         self.agents: AgentRunner | None = None
         if cfg.agent.function is not None:
             # Imported here: the OpenAI client and the endpoint's server cost every rollout
@@ -346,7 +357,7 @@ class RolloutWorker(Worker):
             await self.send(generated_episode(request_id, episode, time.monotonic() - start))
             return None
         result = await self.generator.generate(request_id, msg.prompt_ids.tolist(), params)
-        return Generated(
+        completion = Generated(
             request_id=request_id,
             output_ids=result.token_ids_array(),
             logprobs=result.logprobs_array(),
@@ -355,9 +366,20 @@ class RolloutWorker(Worker):
             num_interruptions=result.num_interruptions,
             generation_s=time.monotonic() - start,
         )
+        if self.checker is not None:  # reward.num_workers=0: scored here
+            outcome = await self.checker.check_retrying(
+                completion.output_ids, msg.reference, self.config.reward.retries
+            )
+            completion.reward = float(outcome.reward)
+            completion.verdict = outcome.verdict
+            completion.detail = outcome.detail[:2000]
+        return completion
 
     async def close(self) -> None:
         agents, episodes = getattr(self, "agents", None), getattr(self, "episodes", None)
+        checker = getattr(self, "checker", None)
+        if checker is not None:
+            checker.close()
         if agents is not None:
             await agents.close()
         if episodes is not None:

@@ -39,7 +39,7 @@ async def _score(
         while not isinstance(msg, Ready):
             identity, msg = await asyncio.wait_for(channel.recv(), 60)
         if break_decode_of is not None:
-            decode = worker.tokenizer.decode
+            decode = worker.checker.tokenizer.decode
 
             def failing(ids, **kwargs):
                 text = decode(ids, **kwargs)
@@ -47,13 +47,13 @@ async def _score(
                     raise ValueError("no such token")
                 return text
 
-            worker.tokenizer.decode = failing
+            worker.checker.tokenizer.decode = failing
         if break_checks:
 
             async def broken(*args, **kwargs):
                 raise RuntimeError("the checker pool is broken")
 
-            worker.pool.check = broken
+            worker.checker.pool.check = broken
         await channel.send(identity, score)
         while not isinstance(msg, (Scored, WorkerError)):
             identity, msg = await asyncio.wait_for(channel.recv(), 60)

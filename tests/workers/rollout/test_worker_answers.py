@@ -13,19 +13,27 @@ from rollout_helpers import random_prompts
 
 from areal.config import load_config
 from areal.messages import Cancel, Completions, FinishReason, Generate, Generated, WorkerError
+from areal.models.tokenizer import load_tokenizer
+from areal.sandbox.pool import CheckerPool
+from areal.tasks.base import RewardOutcome, Verdict
+from areal.workers.reward.checker import CompletionChecker
 from areal.workers.rollout.interruptible import InterruptibleGenerator
 from areal.workers.rollout.worker import Answered, RolloutWorker
 
 
-def answering_worker(engine, max_concurrent: int = 128) -> tuple[RolloutWorker, list]:
+def answering_worker(
+    engine, max_concurrent: int = 128, checker: CompletionChecker | None = None, *overrides: str
+) -> tuple[RolloutWorker, list]:
     """A rollout worker's request path (what `setup` builds for it), without a controller;
-    the messages it sends are collected."""
+    the messages it sends are collected. `checker`: it scores its own completions (what
+    `setup` starts under reward.num_workers=0)."""
     worker = RolloutWorker("tcp://127.0.0.1:1", "rollout-test", secret="")
-    worker.config = load_config(overrides=[f"rollout.max_concurrent={max_concurrent}"])
+    worker.config = load_config(overrides=[f"rollout.max_concurrent={max_concurrent}", *overrides])
     worker.generator = InterruptibleGenerator(engine, version=0)
     worker._requests = {}
     worker._answered = Answered()
     worker.episodes = worker.agents = None
+    worker.checker = checker
     sent: list = []
 
     async def send(msg) -> None:
@@ -35,13 +43,14 @@ def answering_worker(engine, max_concurrent: int = 128) -> tuple[RolloutWorker, 
     return worker, sent
 
 
-def generate(request_ids: list[str], max_new_tokens: int = 6) -> Generate:
+def generate(request_ids: list[str], max_new_tokens: int = 6, reference: object = None) -> Generate:
     return Generate(
         request_ids=request_ids,
         prompt_ids=np.array(random_prompts(1, min_len=6, max_len=6, seed=2)[0], np.int32),
         max_new_tokens=max_new_tokens,
         temperature=1.0,
         seeds=[100 + i for i in range(len(request_ids))],
+        reference=reference,
     )
 
 
@@ -130,3 +139,58 @@ def test_a_cancelled_completion_waiting_to_be_answered_is_forgotten():
     answer = answered.take()
     assert answer is not None and answer.request_ids == ["a", "c"] and answer.lengths == [2, 2]
     assert answered.take() is None
+
+
+class _CountingTask:
+    """A task whose reward function answers from a script: what it was asked (the decoded
+    completion and the reference) is kept; the first `failures` calls raise, as a broken
+    verifier does (the checker pool makes each an ERROR outcome)."""
+
+    def __init__(self, failures: int = 0) -> None:
+        self.failures = failures
+        self.calls: list[tuple[str, object]] = []
+
+    def reward(self, completion: str, reference: object) -> RewardOutcome:
+        self.calls.append((completion, reference))
+        if len(self.calls) <= self.failures:
+            raise RuntimeError("the verifier crashed")
+        return RewardOutcome(reward=1.0, verdict=Verdict.OK, detail=f"{len(completion)} chars")
+
+
+def _checker(tiny_model_dir: str, task: _CountingTask) -> CompletionChecker:
+    return CompletionChecker(task, load_tokenizer(tiny_model_dir), CheckerPool(max_concurrency=2))
+
+
+async def test_with_no_reward_workers_each_completion_is_scored_before_it_is_answered(
+    make_engine, tiny_model_dir
+):
+    task = _CountingTask()
+    checker = _checker(tiny_model_dir, task)
+    worker, sent = answering_worker(await make_engine(), 128, checker)
+    await worker.handle(generate(["g0-s0-a0", "g0-s1-a0"], reference={"answer": 12}))
+    await settle(worker)
+    checker.close()
+    completions = [c for m in sent for c in m.completions()]
+    assert [m.scored for m in sent] == [True] * len(sent) and len(completions) == 2
+    tokenizer = load_tokenizer(tiny_model_dir)
+    texts = {tokenizer.decode(c.output_ids.tolist(), skip_special_tokens=True) for c in completions}
+    assert {text for text, _ in task.calls} == texts  # each completion's own text
+    assert [reference for _, reference in task.calls] == [{"answer": 12}] * 2
+    for c in completions:
+        assert (c.reward, c.verdict) == (1.0, Verdict.OK) and c.detail.endswith("chars")
+
+
+@pytest.mark.parametrize("retries,verdict", [(2, Verdict.OK), (1, Verdict.ERROR)])
+async def test_a_failed_check_is_run_again_on_the_worker_up_to_reward_retries(
+    make_engine, tiny_model_dir, retries, verdict
+):
+    task = _CountingTask(failures=2)
+    checker = _checker(tiny_model_dir, task)
+    worker, sent = answering_worker(await make_engine(), 128, checker, f"reward.retries={retries}")
+    await worker.handle(generate(["g0-s0-a0"]))
+    await settle(worker)
+    checker.close()
+    (completion,) = sent[0].completions()
+    assert len(task.calls) == retries + 1 and completion.verdict is verdict
+    if verdict is Verdict.ERROR:
+        assert completion.reward == 0.0 and "the verifier crashed" in completion.detail
