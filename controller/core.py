@@ -308,11 +308,11 @@ class Core:
             return
         # What `_completion` does for each, the message's bookkeeping done once.
         rollout_scored = not self.scoring.has_reward_workers
-        completed: list[Group] | None = (  # reward.num_workers=0: outcomes recorded at once
-            [] if rollout_scored and self.scoring.all_accepted(msg) else None
-        )
+        # reward.num_workers=0: the outcomes recorded with the completions when all accepted
+        with_outcomes = rollout_scored and self.scoring.all_accepted(msg)
         handle.in_flight.difference_update(msg.request_ids)
-        samples = self.ledger.finish_completions(msg, identity, completed)
+        recorded = self.ledger.finish_completions(msg, identity, with_outcomes)
+        samples = recorded.samples
         if not samples:
             return
         handle.num_restarts = 0  # it delivers: a later death is not a crash loop
@@ -324,20 +324,16 @@ class Core:
                 sum(t.num_model_tokens for t in trajectories),
                 int(sum(t.timings["interruptions"] for t in trajectories)),
             )
-        groups, num_training = self.ledger.groups, 0
-        for sample in samples:
-            group = groups[sample.group_id]
-            num_training += group.purpose is Purpose.TRAIN
-            if rollout_scored or group.num_generated < len(group.samples):  # `unscored`
-                continue  # would say [] (most samples: a message holds about one of each group's)
-            unscored = self.ledger.unscored(group)
-            if unscored:  # the group's last generation: score them all in one message
-                self.scoring.score(unscored, out)
-        self.admission.generated(num_training)
-        if completed is not None:
-            self.scoring.on_accepted_completions(samples, completed, out)
+        self.admission.generated(recorded.num_training)
+        if with_outcomes:
+            self.scoring.on_accepted_completions(recorded, msg, out)
         elif rollout_scored:  # some outcome failed, or none came: each judged on its own
             self.scoring.on_scored_completions(samples, msg, identity, out)
+        else:
+            for group in recorded.generated:  # each group's last generation: all its
+                unscored = self.ledger.unscored(group)  # samples scored in one message
+                if unscored:
+                    self.scoring.score(unscored, out)
 
     def _completion(
         self, identity: bytes, handle: WorkerHandle, msg: Generated, out: Outbox, checked: bool

@@ -23,7 +23,7 @@ import collections
 import enum
 import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -246,6 +246,20 @@ def trajectory_step_values(trajectory: Trajectory) -> tuple[float, ...]:
     )
 
 
+class RecordedMessage(NamedTuple):
+    """What `Ledger.finish_completions` recorded of a Completions."""
+
+    samples: list[Sample]
+    """The samples recorded, in message order (stale completions left out)."""
+    num_training: int
+    """Of them, training samples (admission counts them)."""
+    generated: list[Group]
+    """Groups whose last sample to generate this recorded (their Score can go), without
+    outcomes."""
+    completed: list[Group]
+    """With outcomes: groups whose last sample to score this recorded."""
+
+
 class Ledger:
     """All requests and groups of a run, keyed by request id and group id."""
 
@@ -362,15 +376,15 @@ class Ledger:
         return sample
 
     def finish_completions(
-        self, msg: Completions, worker: bytes, completed: list[Group] | None = None
-    ) -> list[Sample]:
+        self, msg: Completions, worker: bytes, with_outcomes: bool = False
+    ) -> RecordedMessage:
         """Record the completions of `msg`, every one of which `checks.completions_fit`
         accepted (so each has at least one token and versions that never drop, its first
-        run its oldest): the samples recorded, in order; a stale completion is left out.
-        `completed` given: `msg` carries its rollout worker's outcomes, every one a verdict
-        with a finite reward (the caller checked), and each is recorded too, in the same
-        pass (what `scored` does, while the sample's and group's memory is at hand): the
-        groups this completes are appended to `completed`, for `complete` once read.
+        run its oldest); a stale completion is left out. What the caller needs of the
+        samples' groups is gathered in the same pass, while their memory is at hand
+        (`RecordedMessage`). `with_outcomes`: `msg` carries its rollout worker's outcomes,
+        every one a verdict with a finite reward (the caller checked), and each is recorded
+        too (what `scored` does): the groups this completes are for `complete` once read.
         What `finish_generation` does for each, with the message's bookkeeping done once,
         except that no Trajectory is built here: each sample keeps where its completion
         lies in `msg` (`Sample.recorded`), and its trajectory is built when first read,
@@ -381,7 +395,8 @@ class Ledger:
         oldest = msg.run_versions.tolist()  # a Python int per run: no numpy scalar per completion
         generating, scoring, cut = Stage.GENERATING, Stage.SCORING, FinishReason.LENGTH
         done, ok, rewards, verdicts = Stage.DONE, Verdict.OK, msg.rewards, msg.verdicts
-        recorded = []
+        training = Purpose.TRAIN
+        recorded, generated, completed, num_training = [], [], [], 0
         start = first = 0
         for i, (request_id, length, count, reason, interruptions) in enumerate(
             zip(
@@ -422,9 +437,12 @@ class Ledger:
             sample.worker = None
             group.num_generated += 1
             recorded.append(sample)
+            num_training += group.purpose is training
             start, first = end, last
-            if completed is None:
+            if not with_outcomes:
                 sample.stage = scoring
+                if group.num_generated == len(group.samples):
+                    generated.append(group)
                 continue
             # `scored`, for a recorded completion (no trajectory, no segments)
             sample.stage = done
@@ -434,7 +452,7 @@ class Ledger:
             group.num_done += 1
             if group.num_done == len(group.samples):
                 completed.append(group)
-        return recorded
+        return RecordedMessage(recorded, num_training, generated, completed)
 
     # -- scoring --------------------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from areal.config import RunConfig
 from areal.controller.checks import reward_problem, scored_problem
 from areal.controller.episodes import outcome_of, rollout_outcome
-from areal.controller.ledger import Group, Ledger, Purpose, Sample
+from areal.controller.ledger import Group, Ledger, Purpose, RecordedMessage, Sample
 from areal.controller.outbox import Outbox
 from areal.controller.pool import WorkerHandle
 from areal.controller.report import StepReport
@@ -212,13 +212,17 @@ class Scoring:
         )
 
     def on_accepted_completions(
-        self, samples: list[Sample], completed: list[Group], out: Outbox
+        self, recorded: RecordedMessage, msg: Completions, out: Outbox
     ) -> None:
-        """`samples`, recorded with their accepted outcomes (`all_accepted`), completed
-        `completed`: what `judge` does for each accepted one, the counting done once."""
-        verdicts = [cast(Verdict, sample.verdict) for sample in samples]
+        """The samples of `msg` recorded with their accepted outcomes (`all_accepted`): what
+        `judge` does for each, the counting done once and `on_complete` called for the
+        groups they completed."""
+        if len(recorded.samples) == len(msg.verdicts):  # all recorded: the message's own
+            verdicts = msg.verdicts
+        else:
+            verdicts = [cast(Verdict, sample.verdict) for sample in recorded.samples]
         self.report.on_scored_all(verdicts)
-        for group in completed:
+        for group in recorded.completed:
             self.ledger.complete(group)
             self.on_complete(group, out)
         if verdicts:

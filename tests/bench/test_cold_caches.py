@@ -25,9 +25,9 @@ def test_the_inputs_are_what_the_controller_receives_and_records():
     calls = _calls(inputs)
     assert calls["completions_fit"](0)  # well-formed: the one-pass check accepts it
     assert calls["decode Heartbeat"](2) == Heartbeat()
-    recorded = calls["Ledger.finish_completions"](1)
+    recorded = calls["Ledger.finish_completions"](1).samples
     assert [s.request_id for s in recorded] == inputs.messages[1].request_ids
-    assert calls["Ledger.finish_completions"](1) == []  # recorded once: now stale
+    assert calls["Ledger.finish_completions"](1).samples == []  # recorded once: now stale
 
 
 def test_a_small_run_times_every_call_hot_and_cold():

@@ -280,7 +280,7 @@ def test_completions_are_recorded_as_each_alone_would_be_and_a_stale_one_is_left
     msg = Completions.of([*alone, _generated(c, n=1)])
     msg.output_ids, msg.run_versions = msg.output_ids.astype(dtype), msg.run_versions.astype(dtype)
     msg.num_interruptions, msg.generation_s = [0, 2, 0], [1.5, 0.5, 0.1]
-    assert ledger.finish_completions(msg, W1) == [a, b]  # c is W2's
+    assert ledger.finish_completions(msg, W1).samples == [a, b]  # c is W2's
     assert group.num_generated == 2 and c.stage is Stage.GENERATING
     assert a.trajectory is None and b.trajectory is None  # built when first read
     for sample, generated in zip((a, b), alone, strict=True):
@@ -303,7 +303,35 @@ def test_completions_are_recorded_as_each_alone_would_be_and_a_stale_one_is_left
         assert got.finish_reason == "stop" and got.num_prompt_tokens == 2
     assert a.generated.timings == {"submitted": 2.0, "generation": 1.5, "interruptions": 0.0}
     assert b.generated.timings == {"submitted": 2.0, "generation": 0.5, "interruptions": 2.0}
-    assert ledger.finish_completions(msg, W1) == []  # the same answer again: stale
+    assert ledger.finish_completions(msg, W1).samples == []  # the same answer again: stale
+
+
+@pytest.mark.parametrize("with_outcomes", [False, True])
+def test_recording_completions_says_which_groups_it_generated_or_completed(with_outcomes):
+    # What the controller does after recording (a Score per group generated, or with the
+    # rollout worker's outcomes each group completed) is gathered in the recording's pass.
+    ledger = Ledger()
+    groups = [
+        ledger.add_group(_prompt(), np.array([5, 6], np.int32), size=2, version=0) for _ in range(2)
+    ]
+    samples = [ledger.pending.popleft() for _ in range(4)]  # g0: s0, s1; g1: s0, s1
+    for sample in samples:
+        ledger.start_generation(sample, W1, now=0.0)
+    parts = [_generated(s, n=2, version=0) for s in samples[:3]]  # g1's second still running
+    for part, verdict in zip(parts, (Verdict.OK, Verdict.WRONG, Verdict.OK), strict=True):
+        part.reward, part.verdict = float(verdict is Verdict.OK), verdict
+    recorded = ledger.finish_completions(Completions.of(parts), W1, with_outcomes)
+    assert recorded.samples == samples[:3] and recorded.num_training == 3
+    if not with_outcomes:
+        assert recorded.generated == [groups[0]] and recorded.completed == []
+        assert all(s.stage is Stage.SCORING for s in samples[:3])
+        return
+    assert recorded.generated == [] and recorded.completed == [groups[0]]
+    assert [s.verdict for s in samples[:3]] == [Verdict.OK, Verdict.WRONG, Verdict.OK]
+    assert groups[0].num_done == 2 and groups[0].num_ok == 1 and groups[1].num_done == 1
+    ledger.complete(groups[0])
+    (done,) = ledger.buffer
+    assert done is groups[0] and [t.reward for t in done.trajectories()] == [1.0, 0.0]
 
 
 def test_a_recorded_completion_is_read_without_its_trajectory_and_built_with_its_reward():
@@ -317,7 +345,7 @@ def test_a_recorded_completion_is_read_without_its_trajectory_and_built_with_its
         ledger.start_generation(sample, W1, now=0.0)
     msg = Completions.of([_generated(a, n=2, version=0), _generated(b, n=3, version=0)])
     msg.output_ids = np.arange(5, dtype=np.int32)
-    assert ledger.finish_completions(msg, W1) == [a, b]
+    assert ledger.finish_completions(msg, W1).samples == [a, b]
     assert a.is_generated and not a.is_episode
     assert a.output_ids().tolist() == [0, 1] and b.output_ids().tolist() == [2, 3, 4]
     assert a.num_output_tokens() == 2 and b.num_output_tokens() == 3

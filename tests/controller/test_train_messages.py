@@ -161,7 +161,10 @@ def _recorded_groups(rng: np.random.Generator, together: bool) -> list[Group]:
         )
     if together:
         for at in range(0, len(answers), 8):
-            assert len(ledger.finish_completions(Completions.of(answers[at : at + 8]), worker)) == 8
+            assert (
+                len(ledger.finish_completions(Completions.of(answers[at : at + 8]), worker).samples)
+                == 8
+            )
     else:
         assert all(ledger.finish_generation(answer, worker) for answer in answers)
     for sample in samples:
