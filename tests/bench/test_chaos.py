@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from chaos import KINDS, QUICK_KINDS, fault_kinds
 from chaos_faults import Fault, Hang, RunUnderTest, wait_exited
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,6 +32,14 @@ def test_chaos_quick_loses_nothing_and_trains_nothing_twice(tmp_path):
     assert "lost 0, duplicated 0; hangs 0" in done.stdout
     assert "all                           4        4" in done.stdout
     assert "chaos check: PASSED" in done.stdout
+
+
+def test_a_run_without_reward_workers_is_not_given_their_faults():
+    assert fault_kinds(False, {}) == KINDS and fault_kinds(True, {}) == QUICK_KINDS
+    assert fault_kinds(False, {"reward.num_workers": "2"}) == KINDS
+    kinds = fault_kinds(False, {"reward.num_workers": "0"})
+    assert kinds == tuple(kind for kind in KINDS if kind not in ("kill_reward", "stop_reward"))
+    assert "kill_reward" not in fault_kinds(True, {"reward.num_workers": "0"})
 
 
 def test_a_zombie_counts_as_exited_and_a_live_process_does_not():
