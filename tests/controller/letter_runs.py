@@ -41,11 +41,19 @@ def letter_config(run_dir: Path, model_dir: str, steps: int, *extra: str) -> Run
 
 
 async def recorded_run(cfg: RunConfig, resume: bool = False) -> dict:
-    """Run `cfg` to its end: the controller, every event record, and the run's summary."""
+    """Run `cfg` to its end: the controller, every event record, the run's summary, and
+    the verdicts of each training group's samples once all were scored, by group id
+    ("completed": a group filter that drops nothing sees each)."""
     ctl = Controller(cfg, resume=resume)
+    completed: dict[int, list] = {}
+
+    def remember(group) -> None:
+        completed[group.group_id] = [s.verdict for s in group.samples]
+
+    ctl.group_filters.append(remember)
     run = asyncio.create_task(ctl.run())
     records = [record async for record in ctl.events()]
-    return {"ctl": ctl, "records": records, "summary": await run}
+    return {"ctl": ctl, "records": records, "summary": await run, "completed": completed}
 
 
 @contextmanager

@@ -9,15 +9,14 @@ an infrastructure verdict, and the step records show the failure and verdict rat
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
 
 from areal.config import ConfigError, RewardConfig, load_config
-from areal.controller import Controller
 from areal.controller.reward_faults import Action, RewardFaults
 from areal.tasks.base import Verdict
-from cli_runs import HERE, letter_overrides
+from cli_runs import letter_overrides
+from letter_runs import letter_task_importable, recorded_run
 
 STEPS = 4
 
@@ -66,19 +65,6 @@ def test_the_options_are_checked_and_named():
         load_config(overrides=["reward.on_error=skip"])
 
 
-async def _run(cfg) -> dict:
-    ctl = Controller(cfg)
-    completed = {}
-
-    def remember(group) -> None:  # sees every training group once all its samples scored
-        completed[group.group_id] = [s.verdict for s in group.samples]
-
-    ctl.group_filters.append(remember)
-    run = asyncio.create_task(ctl.run())
-    records = [record async for record in ctl.events()]
-    return {"ctl": ctl, "records": records, "summary": await run, "completed": completed}
-
-
 @pytest.mark.slow
 def test_a_flaky_verifier_gives_no_false_zeros(tmp_path, tiny_model_dir):
     cfg = load_config(
@@ -91,10 +77,8 @@ def test_a_flaky_verifier_gives_no_false_zeros(tmp_path, tiny_model_dir):
             "reward.retries=1",
         )
     )
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(HERE))
-        mp.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
-        run = asyncio.run(_run(cfg))
+    with letter_task_importable():
+        run = asyncio.run(recorded_run(cfg))
     ctl, steps = run["ctl"], [r for r in run["records"] if r["kind"] == "step"]
     assert run["summary"]["steps"] == STEPS
     trained = ctl.ledger.trained_group_ids

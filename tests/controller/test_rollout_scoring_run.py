@@ -12,30 +12,16 @@ import asyncio
 import pytest
 
 from areal.config import load_config
-from areal.controller import Controller
 from areal.controller.setup import load_saved_batch
 from areal.messages import WorkerKind
 from areal.models.tokenizer import load_tokenizer
 from cli_runs import letter_overrides
-from letter_runs import letter_task_importable
+from letter_runs import letter_task_importable, recorded_run
 from letter_task import LetterTask
 
 pytestmark = pytest.mark.slow
 
 STEPS = 4
-
-
-async def _run(cfg) -> dict:
-    ctl = Controller(cfg)
-    completed: dict[int, list] = {}
-
-    def remember(group) -> None:  # sees every training group once all its samples scored
-        completed[group.group_id] = [s.verdict for s in group.samples]
-
-    ctl.group_filters.append(remember)
-    run = asyncio.create_task(ctl.run())
-    records = [record async for record in ctl.events()]
-    return {"ctl": ctl, "records": records, "summary": await run, "completed": completed}
 
 
 def test_rollout_workers_score_their_own_completions(tmp_path, tiny_model_dir):
@@ -53,7 +39,7 @@ def test_rollout_workers_score_their_own_completions(tmp_path, tiny_model_dir):
         )
     )
     with letter_task_importable():
-        run = asyncio.run(_run(cfg))
+        run = asyncio.run(recorded_run(cfg))
     ctl = run["ctl"]
     assert run["summary"]["steps"] == STEPS
     pool = ctl.core.pool
