@@ -17,6 +17,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any
+from collections.abc import Sized
 
 import numpy as np
 
@@ -276,6 +277,9 @@ class Generated:
     rollout worker found (the controller does not score it again)."""
     verdict: Verdict | None = None
     """The verdict that goes with `reward`; None: not scored by the rollout worker."""
+    check_retries: int = 0
+    """Single completions scored by the rollout worker: how many times its check failed for
+    want of infrastructure and was run again there before `verdict` (reward.retries)."""
     detail: str = ""
     num_turns: int = 1
     """Model turns in the episode."""
@@ -363,11 +367,14 @@ class Completions:
     """Each completion's reward, in order, as a reward worker's Scored would carry it."""
     verdicts: list[Verdict] = field(default_factory=list)
     details: list[str] = field(default_factory=list)
+    check_retries: list[int] = field(default_factory=list)
+    """Each completion's checks run again after an infrastructure failure, before its
+    verdict (Generated.check_retries)."""
 
     @property
     def scored(self) -> bool:
         """Whether its rollout worker checked its completions (`rewards` and the rest)."""
-        return bool(self.rewards or self.verdicts or self.details)
+        return bool(self.rewards or self.verdicts or self.details or self.check_retries)
 
     def completions(self) -> list[Generated]:
         """Each completion as its own Generated (ids and log-probs are views of this
@@ -393,10 +400,18 @@ class Completions:
         return result
 
     def _outcome(self, i: int) -> dict[str, Any]:
-        """Completion `i`'s reward, verdict and detail as Generated fields (none unscored)."""
+        """Completion `i`'s outcome as Generated fields (none unscored)."""
         if not self.scored:
             return {}
-        return {"reward": self.rewards[i], "verdict": self.verdicts[i], "detail": self.details[i]}
+        return {
+            "reward": self.rewards[i],
+            "verdict": self.verdicts[i],
+            "detail": self.details[i],
+            "check_retries": self.check_retries[i],
+        }
+
+    def _outcome_lists(self) -> tuple[Sized, ...]:
+        return (self.rewards, self.verdicts, self.details, self.check_retries)
 
     def check(self) -> None:
         """ValueError when the lists do not pair up with the request ids (the outcome lists,
@@ -413,27 +428,22 @@ class Completions:
             and len(self.finish_reasons) == n
             and len(self.num_interruptions) == n
             and len(self.generation_s) == n
-            and (
-                not self.scored or len(self.rewards) == len(self.verdicts) == len(self.details) == n
-            )
+            and (not self.scored or all(len(values) == n for values in self._outcome_lists()))
         ):
-            sizes = [
-                len(values)
-                for values in (
-                    self.lengths,
-                    self.num_runs,
-                    self.finish_reasons,
-                    self.num_interruptions,
-                    self.generation_s,
-                    self.rewards,
-                    self.verdicts,
-                    self.details,
-                )
+            lists: list[Sized] = [
+                self.lengths,
+                self.num_runs,
+                self.finish_reasons,
+                self.num_interruptions,
+                self.generation_s,
+                *self._outcome_lists(),
             ]
+            sizes = [len(values) for values in lists]
             raise ValueError(
                 f"request_ids, lengths, num_runs, finish_reasons, num_interruptions, "
-                f"generation_s, rewards, verdicts, details have lengths {[n, *sizes]}: one "
-                "of each per completion, at least one (the last three: none when unscored)"
+                f"generation_s, rewards, verdicts, details, check_retries have lengths "
+                f"{[n, *sizes]}: one of each per completion, at least one (the last four: "
+                "none when unscored)"
             )
         ids, logprobs = self.output_ids, self.logprobs
         total = sum(self.lengths)
@@ -504,6 +514,7 @@ def _outcomes(completions: list[Generated]) -> dict[str, Any]:
         "rewards": [c.reward for c in completions],
         "verdicts": [c.verdict for c in completions],
         "details": [c.detail for c in completions],
+        "check_retries": [c.check_retries for c in completions],
     }
 
 

@@ -74,6 +74,15 @@ class RewardFaults:
         self._verdicts[(verdict or Verdict.ERROR).value] += 1
         return Action.ACCEPT
 
+    def retried_where_checked(self, num_retries: int) -> None:
+        """Checks that failed for want of infrastructure and were run again where they ran
+        (a rollout worker scoring its own completions, reward.num_workers=0), before the
+        outcome the controller got: each an attempt, a failure and a retry of this window."""
+        self._attempts += num_retries
+        self._failures += num_retries
+        self._retried += num_retries
+        self.num_failures += num_retries
+
     def accepted(self, verdicts: list[Verdict]) -> None:
         """`judge` of each of `verdicts`, none of them a failure (each is accepted)."""
         self._attempts += len(verdicts)

@@ -197,6 +197,7 @@ class Scoring:
         judged at once."""
         self.ledger.start_scoring(sample, identity)
         outcome = rollout_outcome(msg)
+        self.faults.retried_where_checked(msg.check_retries)
         self.report.on_scored(outcome.verdict)
         self.judge(sample, outcome, identity, out)
 
@@ -227,6 +228,7 @@ class Scoring:
             self.on_complete(group, out)
         if verdicts:
             self.faults.accepted(verdicts)
+        self.faults.retried_where_checked(sum(msg.check_retries))
 
     def on_scored_completions(
         self, samples: list[Sample], msg: Completions, identity: bytes, out: Outbox
@@ -242,6 +244,7 @@ class Scoring:
             if msg.scored:
                 i = sample.message_index()
                 outcome = outcome_of(msg.rewards[i], msg.verdicts[i], msg.details[i])
+                self.faults.retried_where_checked(msg.check_retries[i])
             else:
                 outcome = outcome_of(0.0, None, "")
             self.report.on_scored(outcome.verdict)

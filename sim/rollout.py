@@ -212,6 +212,7 @@ class SimRollout(SimWorker):
                 "rewards": [1.0 if r.correct else 0.0 for r in results],
                 "verdicts": [Verdict.OK if r.correct else Verdict.WRONG for r in results],
                 "details": [""] * len(results),
+                "check_retries": [0] * len(results),
             }
         return Completions(
             request_ids=[r.request_id for r in results],

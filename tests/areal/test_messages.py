@@ -610,14 +610,20 @@ def test_completions_carry_their_rollout_workers_outcomes_only_when_each_has_one
             reward=float(i),
             verdict=verdict,
             detail=f"check {i}",
+            check_retries=2 * i,
         )
         for i, verdict in enumerate([Verdict.WRONG, Verdict.OK])
     ]
     msg = decode(encode(Completions.of(parts)))
     assert msg.scored and msg.rewards == [0.0, 1.0] and msg.details == ["check 0", "check 1"]
-    assert msg.verdicts == [Verdict.WRONG, Verdict.OK]
+    assert msg.verdicts == [Verdict.WRONG, Verdict.OK] and msg.check_retries == [0, 2]
     for got, want in zip(msg.completions(), parts, strict=True):
-        assert (got.reward, got.verdict, got.detail) == (want.reward, want.verdict, want.detail)
+        assert (got.reward, got.verdict, got.detail, got.check_retries) == (
+            want.reward,
+            want.verdict,
+            want.detail,
+            want.check_retries,
+        )
     parts[1].verdict = None  # one unscored: the message carries no outcome at all
     unscored = decode(encode(Completions.of(parts)))
     assert not unscored.scored and unscored.rewards == unscored.verdicts == []
@@ -662,13 +668,18 @@ def test_version_runs_refuse_values_that_are_not_integers(values):
 @pytest.mark.parametrize(
     "change, problem",
     [
-        (dict(lengths=[3]), r"lengths \[2, 1, 2, 2, 2, 2, 0, 0, 0\]"),
-        (dict(num_runs=[2]), r"lengths \[2, 2, 1, 2, 2, 2, 0, 0, 0\]"),
+        (dict(lengths=[3]), r"lengths \[2, 1, 2, 2, 2, 2, 0, 0, 0, 0\]"),
+        (dict(num_runs=[2]), r"lengths \[2, 2, 1, 2, 2, 2, 0, 0, 0, 0\]"),
         # scored by the rollout worker: an outcome for every completion, or none
-        (dict(rewards=[1.0]), r"lengths \[2, 2, 2, 2, 2, 2, 1, 0, 0\]"),
+        (dict(rewards=[1.0]), r"lengths \[2, 2, 2, 2, 2, 2, 1, 0, 0, 0\]"),
         (
-            dict(rewards=[1.0, 0.0], verdicts=[Verdict.OK, Verdict.WRONG], details=[""]),
-            r"lengths \[2, 2, 2, 2, 2, 2, 2, 2, 1\]",
+            dict(
+                rewards=[1.0, 0.0],
+                verdicts=[Verdict.OK, Verdict.WRONG],
+                details=["", ""],
+                check_retries=[0],
+            ),
+            r"lengths \[2, 2, 2, 2, 2, 2, 2, 2, 2, 1\]",
         ),
         (
             dict(

@@ -73,6 +73,18 @@ def test_a_failed_check_goes_to_on_error_at_once(tmp_path, reward, verdict, on_e
     assert run.core.scoring.faults.num_failures == (2 if verdict is None else 1)
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_checks_run_again_on_the_rollout_worker_count_as_failures_and_retries(tmp_path, strict):
+    run, rollout = _run(tmp_path, f"staleness.strict={strict}")
+    parts = [_scored("g0-s0-a0", 1.0, Verdict.OK), _scored("g0-s1-a0", 0.0, Verdict.WRONG)]
+    parts[0].check_retries, parts[1].check_retries = 2, 1
+    run.on(rollout, Completions.of(parts))
+    assert len(run.core.ledger.buffer) == 1
+    metrics = run.core.scoring.faults.window_metrics()
+    assert metrics["reward/retries"] == 3 and metrics["reward/infra_failures"] == 3
+    assert metrics["reward/infra_failure_rate"] == 3 / 5  # three failed of five checks run
+
+
 def test_with_reward_workers_a_rollout_workers_own_rewards_are_not_taken(tmp_path):
     run = Decisions(config(tmp_path), tmp_path)
     run.admit(1)

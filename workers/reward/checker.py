@@ -61,15 +61,14 @@ class CompletionChecker:
 
     async def check_retrying(
         self, completion_ids: Any, reference: Any, retries: int
-    ) -> RewardOutcome:
-        """The outcome of one completion, its check run again up to `retries` times while it
-        ends in an infrastructure failure (`Verdict.is_error`): what the controller does with
-        a reward worker's failed check (reward.retries), done where the check runs when
-        there is no other reward worker to send it to."""
+    ) -> tuple[RewardOutcome, int]:
+        """(outcome, times run again) of one completion, its check run again up to `retries`
+        times while it ends in an infrastructure failure (`Verdict.is_error`): what the
+        controller does with a reward worker's failed check (reward.retries), done where
+        the check runs when there is no other reward worker to send it to."""
         outcome, _ = await self.check(completion_ids, reference)
-        for attempt in range(retries):
-            if not outcome.verdict.is_error():
-                break
+        attempt = 0
+        while attempt < retries and outcome.verdict.is_error():
             log.warning(
                 "a reward check failed (%s: %s); running it again (retry %d of %d)",
                 outcome.verdict.value,
@@ -78,7 +77,8 @@ class CompletionChecker:
                 retries,
             )
             outcome, _ = await self.check(completion_ids, reference)
-        return outcome
+            attempt += 1
+        return outcome, attempt
 
     def close(self) -> None:
         self.pool.close()

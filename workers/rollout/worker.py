@@ -367,12 +367,13 @@ class RolloutWorker(Worker):
             generation_s=time.monotonic() - start,
         )
         if self.checker is not None:  # reward.num_workers=0: scored here
-            outcome = await self.checker.check_retrying(
+            outcome, retries = await self.checker.check_retrying(
                 completion.output_ids, msg.reference, self.config.reward.retries
             )
             completion.reward = float(outcome.reward)
             completion.verdict = outcome.verdict
             completion.detail = outcome.detail[:2000]
+            completion.check_retries = retries
         return completion
 
     async def close(self) -> None:

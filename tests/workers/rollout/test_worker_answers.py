@@ -178,6 +178,7 @@ async def test_with_no_reward_workers_each_completion_is_scored_before_it_is_ans
     assert [reference for _, reference in task.calls] == [{"answer": 12}] * 2
     for c in completions:
         assert (c.reward, c.verdict) == (1.0, Verdict.OK) and c.detail.endswith("chars")
+        assert c.check_retries == 0
 
 
 @pytest.mark.parametrize("retries,verdict", [(2, Verdict.OK), (1, Verdict.ERROR)])
@@ -192,5 +193,6 @@ async def test_a_failed_check_is_run_again_on_the_worker_up_to_reward_retries(
     checker.close()
     (completion,) = sent[0].completions()
     assert len(task.calls) == retries + 1 and completion.verdict is verdict
+    assert completion.check_retries == retries  # the controller counts them (reward/retries)
     if verdict is Verdict.ERROR:
         assert completion.reward == 0.0 and "the verifier crashed" in completion.detail

@@ -250,7 +250,7 @@ def generated_agent_episode(
     """The Generated message of a finished agent episode; with no segment (no call), an
     empty completion of the Generate's `prompt_ids`."""
     segments = episode.segments
-    arrays = {
+    arrays: dict[str, Any] = {
         name: np.concatenate([np.asarray(getattr(s.tokens, attr), dtype) for s in segments])
         if segments
         else np.zeros(0, dtype)
