@@ -51,6 +51,10 @@ and their reaping is up to the init they were handed to, which on some machines 
 every second or two."""
 
 
+STOPPED_S = 2.0
+"""How long a SIGSTOPped process may take to be seen stopped before the bench goes on."""
+
+
 class Hang(RuntimeError):
     """The run made no progress within the deadline."""
 
@@ -75,6 +79,24 @@ def wait_exited(
         if not running or waited > timeout_s:
             return waited, running
         time.sleep(0.02)
+
+
+def wait_stopped(processes: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    """Until each of `processes` is stopped or has exited (a SIGSTOP takes effect when the
+    kernel next runs the process, not when it is sent: on a busy machine a process can
+    still be running moments after), or `timeout_s`; those still running then."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        running = []
+        for process in processes:
+            try:
+                if process.status() != psutil.STATUS_STOPPED and not exited(process):
+                    running.append(process)
+            except psutil.NoSuchProcess:
+                pass
+        if not running or time.monotonic() > deadline:
+            return running
+        time.sleep(0.005)
 
 
 @dataclass
@@ -286,6 +308,7 @@ class RunUnderTest:
             trainers = [p for n, p in self.workers().items() if n.startswith("trainer")]
             for trainer in trainers:
                 trainer.send_signal(signal.SIGSTOP)
+            wait_stopped(trainers, STOPPED_S)  # frozen before anything is deleted
             newest = published()
             for path in newest:
                 path.unlink(missing_ok=True)

@@ -4,6 +4,7 @@ show every prompt group trained exactly once (the bench checks them and exits 1 
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import threading
@@ -15,7 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from chaos import KINDS, QUICK_KINDS, fault_kinds
-from chaos_faults import Fault, Hang, RunUnderTest, wait_exited
+from chaos_faults import Fault, Hang, RunUnderTest, wait_exited, wait_stopped
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -40,6 +41,20 @@ def test_a_run_without_reward_workers_is_not_given_their_faults():
     kinds = fault_kinds(False, {"reward.num_workers": "0"})
     assert kinds == tuple(kind for kind in KINDS if kind not in ("kill_reward", "stop_reward"))
     assert "kill_reward" not in fault_kinds(True, {"reward.num_workers": "0"})
+
+
+def test_a_frozen_process_is_waited_for_until_it_is_seen_stopped():
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        process = psutil.Process(sleeper.pid)
+        assert wait_stopped([process], 0.1) == [process]  # running: still so at the timeout
+        process.send_signal(signal.SIGSTOP)
+        assert wait_stopped([process], 10.0) == []
+        assert process.status() == psutil.STATUS_STOPPED
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert wait_stopped([process], 0.1) == []  # gone counts as no longer running
 
 
 def test_a_zombie_counts_as_exited_and_a_live_process_does_not():
