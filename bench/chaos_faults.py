@@ -67,36 +67,44 @@ def exited(process: psutil.Process) -> bool:
         return True
 
 
+def _wait(
+    processes: list[psutil.Process],
+    settled: Callable[[psutil.Process], bool],
+    timeout_s: float,
+    interval_s: float,
+) -> tuple[float, list[psutil.Process]]:
+    """Seconds until `settled` holds of every one of `processes` (or `timeout_s`), and
+    those of which it does not hold then."""
+    start = time.monotonic()
+    while True:
+        waiting = [p for p in processes if not settled(p)]
+        waited = time.monotonic() - start
+        if not waiting or waited > timeout_s:
+            return waited, waiting
+        time.sleep(interval_s)
+
+
 def wait_exited(
     processes: list[psutil.Process], timeout_s: float
 ) -> tuple[float, list[psutil.Process]]:
     """Seconds until every one of `processes` exited (or `timeout_s`), and those still
     running then."""
-    start = time.monotonic()
-    while True:
-        running = [p for p in processes if not exited(p)]
-        waited = time.monotonic() - start
-        if not running or waited > timeout_s:
-            return waited, running
-        time.sleep(0.02)
+    return _wait(processes, exited, timeout_s, 0.02)
+
+
+def stopped(process: psutil.Process) -> bool:
+    """It is stopped (SIGSTOP taken effect), or runs no more."""
+    try:
+        return process.status() == psutil.STATUS_STOPPED or exited(process)
+    except psutil.NoSuchProcess:
+        return True
 
 
 def wait_stopped(processes: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
     """Until each of `processes` is stopped or has exited (a SIGSTOP takes effect when the
     kernel next runs the process, not when it is sent: on a busy machine a process can
     still be running moments after), or `timeout_s`; those still running then."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        running = []
-        for process in processes:
-            try:
-                if process.status() != psutil.STATUS_STOPPED and not exited(process):
-                    running.append(process)
-            except psutil.NoSuchProcess:
-                pass
-        if not running or time.monotonic() > deadline:
-            return running
-        time.sleep(0.005)
+    return _wait(processes, stopped, timeout_s, 0.005)[1]
 
 
 @dataclass

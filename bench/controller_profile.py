@@ -54,6 +54,7 @@ HANDLERS = (
     "areal.messages:Completions.check",
     "areal.controller.scoring:Scoring.score",
     "areal.controller.scoring:Scoring.on_scored",
+    "areal.controller.scoring:Scoring.on_accepted_completions",
     "areal.controller.scoring:Scoring.on_scored_completions",
     "areal.controller.generation:Generation.dispatch",
     "areal.controller.admission:Admission.admit",

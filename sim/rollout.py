@@ -55,7 +55,7 @@ from areal.messages import (
 from areal.tasks.base import Verdict
 
 from areal.sim.workers import SimWorker
-from areal.sim.workload import prompt_key, sample_name
+from areal.sim.workload import prompt_key, reward_key, sample_name
 
 _ZEROS_I32 = np.zeros(1 << 20, dtype=np.int32)
 _ZEROS_F32 = np.zeros(1 << 20, dtype=np.float32)
@@ -177,7 +177,7 @@ class SimRollout(SimWorker):
                 target=target,
                 stop=target < msg.max_new_tokens,
                 received_at=clock.now(),
-                key=int(msg.reference) if isinstance(msg.reference, int) else 0,
+                key=reward_key(msg.reference),
             )
             self.by_id[request_id] = seq
             self.waiting.append(seq)

@@ -48,7 +48,7 @@ from areal.tasks.base import Verdict
 
 from areal.sim.channel import SimDealer
 from areal.sim.cost import CostModel
-from areal.sim.workload import Workload, sample_name
+from areal.sim.workload import Workload, reward_key, sample_name
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +247,7 @@ class SimReward(SimWorker):
 
     async def _score(self, msg: Score) -> None:
         await asyncio.gather(*(self._check() for _ in msg.request_ids))
-        key = int(msg.reference) if isinstance(msg.reference, int) else 0
+        key = reward_key(msg.reference)
         correct = [self.env.workload.correct(key, sample_name(r)) for r in msg.request_ids]
         n = len(correct)
         await self.channel.send(

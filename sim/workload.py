@@ -148,6 +148,12 @@ def prompt_key(prompt_ids: np.ndarray) -> int:
     return int(prompt_ids[0])
 
 
+def reward_key(reference: Any) -> int:
+    """The prompt key a reward is drawn for (`Workload.correct`): a simulated prompt's
+    reference is its key (`SimTask`); anything else draws as key 0."""
+    return int(reference) if isinstance(reference, int) else 0
+
+
 def sample_name(request_id: str) -> str:
     """Which sample of its prompt a request is: the controller's request ids read
     'g<group>-s<index>-a<attempt>' (controller/ledger.py); the index, without the group (the
@@ -163,5 +169,6 @@ __all__ = [
     "Workload",
     "prepare_sim_run",
     "prompt_key",
+    "reward_key",
     "sample_name",
 ]
