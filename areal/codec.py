@@ -49,6 +49,7 @@ from areal.messages import (
     MsgType,
     Tensor,
     header_limit,
+    wire_fields,
 )
 
 _ARRAY_EXT = 1
@@ -111,7 +112,7 @@ _REQUIRED = object()
 def _field_defaults(schema: type) -> tuple[tuple[str, Any], ...]:
     """(name, default) of each field of `schema`; `_REQUIRED` for a field without one."""
     out = []
-    for f in dataclasses.fields(schema):
+    for f in wire_fields(schema):
         if f.default is not dataclasses.MISSING:
             out.append((f.name, f.default))
         elif f.default_factory is not dataclasses.MISSING:
@@ -520,7 +521,7 @@ def _schema_fields(
             f"{schema.KIND.name}.{f.name}",
             _taken_as_is(hints[f.name]),
         )
-        for f in dataclasses.fields(schema)
+        for f in wire_fields(schema)
     ]
     return fields, frozenset(f[0] for f in fields)
 

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 import msgspec
 import numpy as np
 
-from areal.messages import HeaderLimit, MessageError
+from areal.messages import HeaderLimit, MessageError, wire_fields
 
 _NO_COUNTERPART = object()
 
@@ -47,7 +47,7 @@ def wire_struct(
     fields: list[tuple[Any, ...]] = []
     arrays: list[str] = []
     sized: list[str] = []
-    for f in dataclasses.fields(schema):
+    for f in wire_fields(schema):
         wire = _wire_type(hints[f.name])
         if wire is _NO_COUNTERPART:
             return None

@@ -831,6 +831,13 @@ class ControllerConfig:
         "for rollout.num_workers / reward.num_workers / "
         "trainer.num_ranks of them to join with --connect",
     )
+    intake_thread: bool = opt(
+        True,
+        "read the tokens of each received Completions of 32,768 tokens or more (their "
+        "extremes, which the checks compare) on a thread beside the controller's event "
+        "loop, which decides on the messages before it meanwhile (areal.intake); false: "
+        "on the loop, as a baseline to compare against",
+    )
     gc_thresholds: list[int] = opt(
         [50000, 1000, 100],
         "the controller process's cyclic "

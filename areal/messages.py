@@ -11,6 +11,7 @@ This module imports nothing heavy (no torch, no sockets: see `areal.transport`).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
 import types
@@ -133,6 +134,16 @@ Tensor = typing.NewType("Tensor", object)
 _SCHEMAS: dict[MsgType, type] = {}
 SCHEMAS: typing.Mapping[MsgType, type] = types.MappingProxyType(_SCHEMAS)
 """Every registered schema by kind, read-only (the codec's registry)."""
+
+
+NOT_SENT = types.MappingProxyType({"sent": False})
+"""A field's metadata: what the receiving side learns of a message and keeps with it, never
+encoded nor read from the wire (`wire_fields` leaves it out)."""
+
+
+def wire_fields(schema: type) -> tuple[dataclasses.Field, ...]:
+    """The fields of `schema` that travel: all but those marked `NOT_SENT`."""
+    return tuple(f for f in dataclasses.fields(schema) if f.metadata.get("sent", True))
 
 
 def message(kind: MsgType):
@@ -370,6 +381,10 @@ class Completions:
     check_retries: list[int] = field(default_factory=list)
     """Each completion's checks run again after an infrastructure failure, before its
     verdict (Generated.check_retries)."""
+    # -- kept by the receiving controller, never sent
+    token_bounds: Any = field(default=None, compare=False, repr=False, metadata=NOT_SENT)
+    """The extremes of the token arrays (controller/checks.py `TokenBounds`), read by the
+    controller's intake off its event loop's thread (areal/intake.py); None: not read yet."""
 
     @property
     def scored(self) -> bool:

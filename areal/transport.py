@@ -10,6 +10,11 @@ Sends are serialised by a lock: a multipart message must never interleave with a
 coroutine's. Array frames go out with `copy=False`. Given keys (areal.auth), the ROUTER is a
 CurveZMQ server and a DEALER its client.
 
+With an intake (areal/intake.py, set by the owner), the ROUTER's `recv` decodes the
+messages already waiting at the socket together (up to READ_AHEAD) and hands each the
+intake wants to its thread, returning them in order as each one's intake work is done: the
+thread works on the next messages while the caller decides on this one.
+
 The ROUTER decodes a peer's messages in full only once its owner says the peer is
 registered (`registered`); before that, only a Register of at most REGISTER_MAX_BYTES is
 read, and anything else is refused on its type byte. A worker's identity (`worker_identity`)
@@ -21,6 +26,8 @@ out. This module does not interpret messages beyond that.
 from __future__ import annotations
 
 import asyncio
+import collections
+import concurrent.futures
 import hashlib
 import hmac
 import logging
@@ -32,6 +39,7 @@ import zmq.asyncio
 
 from areal.auth import ClientKeys, ServerKeys, make_client, make_server
 from areal.codec import decode, encode
+from areal.intake import Intake
 from areal.messages import DEFAULT_MAX_BYTES, REGISTER_MAX_BYTES, MessageError, MsgType
 
 log = logging.getLogger(__name__)
@@ -67,18 +75,49 @@ class RouterChannel:
         self.registered: Callable[[bytes], bool] = lambda identity: True
         """Whether a peer's messages are decoded in full (set by the owner, e.g. the
         controller's pool); the others may send only a small Register."""
+        self.intake: Intake | None = None
+        """Work on received messages done beside the event loop (set by the owner; the
+        channel closes it). With one, `recv` reads ahead what waits at the socket."""
+        self._received: collections.deque[_Received] = collections.deque()
         self._send_lock = asyncio.Lock()
 
     async def recv(self) -> tuple[bytes, Any]:
-        """Next (identity, message). Raises MessageError (with the identity) on bad input."""
-        frames = await self.socket.recv_multipart(copy=False)
+        """Next (identity, message). Raises MessageError (with the identity) on bad input.
+        With an intake, the messages already waiting (up to READ_AHEAD) are decoded at once
+        and handed to it, and each is returned, in order, once its intake work is done:
+        the intake works on the next ones while the caller decides on this one."""
+        if not self._received:
+            self._received.append(self._decoded(await self.socket.recv_multipart(copy=False)))
+            while (
+                self.intake is not None
+                and len(self._received) < READ_AHEAD
+                and self._waiting()
+            ):  # waiting at the socket: received without a wait
+                self._received.append(self._decoded(await self.socket.recv_multipart(copy=False)))
+        identity, msg, prepared = self._received.popleft()
+        if isinstance(msg, PeerMessageError):
+            raise msg
+        if prepared is not None:
+            if not prepared.done():
+                await asyncio.wrap_future(prepared)
+            prepared.result()  # what the intake raised, raised here
+        return identity, msg
+
+    def _waiting(self) -> bool:
+        """Whether a message waits at the socket, to be received without waiting."""
+        events = self.socket.get(zmq.EVENTS)
+        return isinstance(events, int) and bool(events & zmq.POLLIN)
+
+    def _decoded(self, frames: list[Any]) -> _Received:
         identity = frames[0].bytes
         try:
             if self.registered(identity):
-                return identity, decode(frames[1:], self.max_bytes)
-            return identity, decode(frames[1:], REGISTER_MAX_BYTES, only=(MsgType.REGISTER,))
+                msg = decode(frames[1:], self.max_bytes)
+            else:
+                msg = decode(frames[1:], REGISTER_MAX_BYTES, only=(MsgType.REGISTER,))
         except MessageError as err:
-            raise PeerMessageError(identity, err) from None
+            return identity, PeerMessageError(identity, err), None
+        return identity, msg, self.intake.submit(msg) if self.intake is not None else None
 
     async def send(self, identity: bytes, msg: Any) -> bool:
         """Send to one peer; False if that peer is gone (ROUTER_MANDATORY)."""
@@ -106,6 +145,17 @@ class RouterChannel:
 
     def close(self) -> None:
         self.socket.close(0)
+        if self.intake is not None:
+            self.intake.close()
+
+
+READ_AHEAD = 64
+"""Messages the controller's channel decodes and hands to its intake ahead of the one it
+returns: enough that the intake's thread is rarely idle while messages wait, few enough that
+a backlog stays at the socket (its high-water mark), not in this process."""
+
+_Received = tuple[bytes, Any, "concurrent.futures.Future | None"]
+"""(identity, message or its PeerMessageError, the intake's work on it or None)."""
 
 
 class PeerMessageError(MessageError):

@@ -589,7 +589,13 @@ def table_r_config(bench: Bench) -> SimConfig:
     """Table (r)'s run: (f)'s largest async run, with its messages recorded for the replay
     alone (bench/controller_profile.py --table-r profiles the same)."""
     n = large_counts(bench)[-1]
-    return bench.config("async", wire=True, measure_alone=True, **_large_values(bench, n))
+    return bench.config(
+        "async",
+        wire=True,
+        measure_alone=True,
+        alone_without_intake=True,
+        **_large_values(bench, n),
+    )
 
 
 def table_r(bench: Bench) -> str:
@@ -609,6 +615,9 @@ def table_r(bench: Bench) -> str:
             f"{r.controller_gc_s_per_step:>5.2f} {r.controller_share:>7.1%} "
             f"{r.controller_alone_cpu_s_per_step:>9.2f} "
             f"{r.controller_alone_gc_s_per_step:>5.2f} {r.controller_alone_share:>7.1%} "
+            f"{r.controller_alone_intake_cpu_s_per_step:>8.2f} "
+            f"{r.controller_alone_without_intake_cpu_s_per_step:>7.2f} "
+            f"{r.controller_alone_cpu_s_per_step / r.controller_alone_without_intake_cpu_s_per_step:>7.2f} "
             f"{r.controller_alone_cpu_s_per_step / r.controller_cpu_s_per_step:>8.2f} "
             f"{r.reference_decode_us:>6.1f} {r.reference_alone_us:>6.1f} "
             f"{_at_slow_speed(r):>8.1%}"
@@ -617,8 +626,8 @@ def table_r(bench: Bench) -> str:
     return (
         _lines(
             f"{'run':>5} {'rewards':>8} {'in sim s':>9} {'gc s':>5} {'share':>7} {'alone s':>9} "
-            f"{'gc s':>5} {'share':>7} {'alone/in':>8} {'ref us':>6} {'ref al':>6} "
-            f"{f'at {SLOW_REF_US:g} us':>8}",
+            f"{'gc s':>5} {'share':>7} {'intake s':>8} {'w/o s':>7} {'ratio':>7} "
+            f"{'alone/in':>8} {'ref us':>6} {'ref al':>6} {f'at {SLOW_REF_US:g} us':>8}",
             rows,
         )
         + f"\n(1.5B async, eta 8, {n} accelerators, batch {config.num_prompts} x "
@@ -629,7 +638,12 @@ def table_r(bench: Bench) -> str:
         "rollout_rewards), the two run in turn; "
         f"{HEARTBEAT_NOTE}: {_heartbeat_interval(bench, n):.2g} s; CPU seconds "
         "per step inside the controller's tasks: in the simulation "
-        f"(its messages recorded), and alone with the same messages replayed; {GC_NOTE}; "
+        "(its messages recorded), and alone with the same messages replayed; intake s: "
+        "CPU seconds per step of the alone controller's intake thread, which reads each "
+        "Completions' tokens beside its event loop (areal/intake.py; not in alone s); "
+        "w/o s: alone s of a second replay of the same messages to a controller without "
+        "an intake (controller.intake_thread=false: its loop reads the tokens), and ratio: "
+        f"alone s over it; {GC_NOTE}; "
         f"{REF_NOTE}; {ALONE_REF_NOTE}; at {SLOW_REF_US:g} us: the alone share on a machine "
         f"at ref us {SLOW_REF_US:g}, a slow day's speed of this one (share x "
         f"{SLOW_REF_US:g} / ref al))"
@@ -766,21 +780,22 @@ def table_f(bench: Bench) -> str:
         rows.append(
             f"{n:>5} {mode:>6} {r.step_s:>9.1f} {r.controller_cpu_s_per_step:>9.2f} "
             f"{r.controller_gc_s_per_step:>5.2f} {r.controller_share:>7.1%} "
-            f"{r.controller_pack_cpu_s_per_step:>6.2f} "
+            f"{r.controller_pack_cpu_s_per_step:>6.2f} {r.controller_intake_cpu_s_per_step:>8.2f} "
             f"{r.trajectories_per_cpu_s:>9.0f} {r.peak_rss_mb / 1024:>6.1f} "
             f"{r.reference_decode_us:>6.1f} {top[0]}:{top[1]:.2f}"
         )
     return (
         _lines(
             f"{'accel':>5} {'mode':>6} {'step s':>9} {'ctl cpu s':>9} {'gc s':>5} "
-            f"{'share':>7} {'pack s':>6} {'traj/cpus':>9} {'rss GB':>6} {'ref us':>6} "
+            f"{'share':>7} {'pack s':>6} {'intake s':>8} {'traj/cpus':>9} {'rss GB':>6} {'ref us':>6} "
             "largest loop (cpu s/step)",
             rows,
         )
         + "\n(ctl cpu s: real CPU seconds inside the controller's tasks per simulated step, "
         "message decoding and encoding included; share: of the simulated step time; "
         "pack s: CPU seconds a step of the thread that packs the Train messages, beside "
-        "the controller's event loop (not in ctl cpu s); "
+        "the controller's event loop (not in ctl cpu s); intake s: the same of the thread "
+        "that reads each Completions' tokens (areal/intake.py); "
         f"{GC_NOTE}; {REF_NOTE}; {_large_note(bench)})"
     )
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -159,25 +160,86 @@ def _segments_problem(
     return ""
 
 
+@dataclass(frozen=True, slots=True)
+class TokenBounds:
+    """What `completions_fit` reads of a Completions' tokens: the extremes of its id and
+    log-prob arrays. Finding them is a pass over every token the message carries, most of
+    what receiving a completion costs at cluster scale, so the controller's intake finds
+    them off its event loop's thread (areal/intake.py, `read_token_bounds`)."""
+
+    ids_max: int
+    """The greatest id, each read unsigned: a negative id is above any vocabulary."""
+    ids_signed: bool
+    """The ids' dtype is signed: an `ids_max` of 2**(bits - 1) or more was negative."""
+    ids_bits: int
+    logprob_max: float
+    """NaN if any log-prob is NaN (numpy's maximum and minimum propagate it)."""
+    logprob_min: float
+
+
+def token_bounds(msg: Completions) -> TokenBounds | None:
+    """`msg`'s token bounds; None when they cannot be read (ids not integers, log-probs not
+    floats, no tokens): `completions_fit` then says False and each completion is judged."""
+    ids, logprobs = msg.output_ids, msg.logprobs
+    if (
+        ids.dtype.kind not in "iu"
+        or logprobs.dtype.kind != "f"
+        or not ids.size
+        or not logprobs.size
+    ):
+        return None
+    return TokenBounds(
+        ids_max=int(_MAX(ids.view(_UNSIGNED[ids.dtype.itemsize]), axis=None)),
+        ids_signed=ids.dtype.kind == "i",
+        ids_bits=8 * ids.dtype.itemsize,
+        logprob_max=float(_MAX(logprobs, axis=None)),
+        logprob_min=float(_MIN(logprobs, axis=None)),
+    )
+
+
+INTAKE_MIN_TOKENS = 32_768
+"""The fewest tokens a Completions carries for the intake's thread to read them: handing a
+message to the thread and taking it back costs the loop's thread about 15-30 us of CPU,
+what reading some 20,000-40,000 tokens' ids and log-probs costs it (bench/intake.py measures
+both). Below this the loop reads them itself."""
+
+
+def worth_the_intake(msg: Any) -> bool:
+    """Whether the intake's thread reads `msg`'s tokens (`read_token_bounds`): a Completions
+    of at least INTAKE_MIN_TOKENS tokens."""
+    return type(msg) is Completions and msg.output_ids.size >= INTAKE_MIN_TOKENS
+
+
+def read_token_bounds(msg: Completions) -> None:
+    """The controller's intake work (areal/intake.py): a Completions keeps its token bounds.
+    Runs on the intake's thread, before the message is handled; never raises for a message
+    decoding let through (its parts need not fit together yet: `Completions.check`)."""
+    msg.token_bounds = token_bounds(msg)
+
+
 def completions_fit(
     msg: Completions, *, max_new_tokens: int, version: int, vocab_size: int | None
 ) -> bool:
     """True only when every completion of `msg` (whose parts fit together:
-    `Completions.check` passed) would pass `generated_problem`, judged in one pass over the
-    concatenated arrays instead of one per completion: the ids in the vocabulary, the
-    log-probs finite and at most 0 (with slack), the versions in [0, `version`] and never
-    decreasing within a completion (read off its runs: a drop only where a completion's
-    first run begins), each completion 1 to max_new_tokens tokens. When it says False, each
-    completion is judged (and worded) on its own."""
-    ids, logprobs, versions, lengths = msg.output_ids, msg.logprobs, msg.run_versions, msg.lengths
-    if ids.dtype.kind not in "iu" or versions.dtype.kind not in "iu" or logprobs.dtype.kind != "f":
+    `Completions.check` passed) would pass `generated_problem`, judged once for the whole
+    message instead of once per completion: the ids in the vocabulary, the log-probs finite
+    and at most 0 (with slack), read off its `TokenBounds` (the intake's, else found here);
+    the versions in [0, `version`] and never decreasing within a completion (read off its
+    runs: a drop only where a completion's first run begins), each completion 1 to
+    max_new_tokens tokens. When it says False, each completion is judged (and worded) on its
+    own."""
+    versions, lengths = msg.run_versions, msg.lengths
+    if versions.dtype.kind not in "iu":
         return False
     if not (min(lengths) > 0 and max(lengths) <= max_new_tokens):
         return False  # every completion has a token, so at least one run
-    if vocab_size is not None:  # a negative id read unsigned is above any vocabulary
-        if _MAX(ids.view(_UNSIGNED[ids.dtype.itemsize])) >= vocab_size:
+    bounds = msg.token_bounds if msg.token_bounds is not None else token_bounds(msg)
+    if bounds is None:
+        return False
+    if vocab_size is not None:
+        if bounds.ids_max >= vocab_size:
             return False
-    elif _MIN(ids) < 0:
+    elif bounds.ids_signed and bounds.ids_max >= 1 << (bounds.ids_bits - 1):
         return False
     if len(versions) <= LISTED_RUNS:  # the usual message: a few runs a completion
         if not _listed_runs_fit(versions.tolist(), msg.num_runs, version):
@@ -189,7 +251,7 @@ def completions_fit(
         drops[np.cumsum(msg.num_runs[:-1], dtype=np.intp) - 1] = False  # may start lower
         if drops.any():
             return False
-    return bool(_MAX(logprobs) <= LOGPROB_SLACK and _MIN(logprobs) > -math.inf)
+    return bounds.logprob_max <= LOGPROB_SLACK and bounds.logprob_min > -math.inf
 
 
 def _listed_runs_fit(versions: list[int], num_runs: list[int], version: int) -> bool:

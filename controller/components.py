@@ -45,10 +45,12 @@ def build_core(
     stopping: Callable[[], bool],
     vocab_size: int | None,
     started: float,
+    intake_cpu_s: Callable[[], float] = lambda: 0.0,
 ) -> Core:
     """Every component of a run, wired: the one place they are made. `send`: carries out an
     Outbox (the shell's); `address`: where remote workers connect; `stopping`: whether the
-    run was asked to stop; `started`: when it started (clock.now())."""
+    run was asked to stop; `started`: when it started (clock.now()); `intake_cpu_s`: the
+    CPU seconds the channel's intake has spent so far (areal/intake.py)."""
     core: Core
 
     def record_event(event: str, **values: Any) -> None:
@@ -104,6 +106,7 @@ def build_core(
         send=send,
         drop=drop,
         malformed=lambda: core.num_malformed,
+        intake_cpu_s=intake_cpu_s,
         record_event=record_event,
         started=started,
     )

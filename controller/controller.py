@@ -55,7 +55,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from areal import clock
 from areal.config import RunConfig
 from areal.controller import dynamic_sampling
-from areal.controller.checks import model_vocab_size
+from areal.controller.checks import model_vocab_size, read_token_bounds, worth_the_intake
 from areal.controller.collector import collection_thresholds
 from areal.controller.components import build_core
 from areal.controller.core import Core
@@ -75,6 +75,7 @@ from areal.controller.runtime import Runtime
 from areal.controller.setup import RunSetup, resolve_run_dir
 from areal.controller.signal import Changed
 from areal.controller.trainers import MAX_RESTARTS, RunFailed
+from areal.intake import Intake
 from areal.messages import Heartbeat, Shutdown, WorkerKind
 from areal.transport import PeerMessageError
 
@@ -232,6 +233,9 @@ class Controller:
         vocab_size: int | None,
         started: float,
     ) -> Core:
+        if self.cfg.controller.intake_thread:
+            channel.intake = Intake(read_token_bounds, worth_the_intake)
+        intake = channel.intake
         core = build_core(
             self.cfg,
             setup,
@@ -244,6 +248,7 @@ class Controller:
             stopping=lambda: self.stopping,
             vocab_size=vocab_size,
             started=started,
+            intake_cpu_s=lambda: intake.cpu_s if intake is not None else 0.0,
         )
         channel.registered = lambda identity: pool.get(identity) is not None
         self.core, self._channel = core, channel

@@ -76,10 +76,12 @@ class TrainDriver:
         malformed: Callable[[], int],
         record_event: Callable[..., None],
         started: float,
+        intake_cpu_s: Callable[[], float] = lambda: 0.0,
     ) -> None:
         """`version`: the policy version in force; `stopping`: whether the run was asked to
         stop; `send`: the shell's; `drop(group, reason, out)`: never train on `group`;
-        `malformed`: messages dropped undecoded so far (for the summary)."""
+        `malformed`: messages dropped undecoded so far (for the summary); `intake_cpu_s`:
+        the CPU seconds of the channel's intake so far (each step record its share)."""
         self.cfg = cfg
         self.setup = setup
         self.ledger = ledger
@@ -97,6 +99,9 @@ class TrainDriver:
         self.send = send
         self.drop = drop
         self.malformed = malformed
+        self.intake_cpu_s = intake_cpu_s
+        self._intake_cpu_at_record = 0.0
+        """`intake_cpu_s()` when the last step record was written."""
         self.record_event = record_event
         self.started = started
         self.report = report
@@ -252,7 +257,8 @@ class TrainDriver:
     ) -> dict[str, Any]:
         """Write step `step`'s record (and the progress line), then the controller's part
         of its checkpoint, if the trainer made one. `pack_s`: CPU seconds packing the Train
-        messages took in its thread (perf/pack_cpu_s)."""
+        messages took in its thread (perf/pack_cpu_s); the intake's thread's since the last
+        record are perf/intake_cpu_s."""
         record = self.report.step_record(
             step,
             self.version(),
@@ -267,6 +273,9 @@ class TrainDriver:
             started=self.started,
         )
         record["perf/pack_cpu_s"] = pack_s
+        intake_cpu_s = self.intake_cpu_s()
+        record["perf/intake_cpu_s"] = intake_cpu_s - self._intake_cpu_at_record
+        self._intake_cpu_at_record = intake_cpu_s
         record.update(self.scoring.faults.window_metrics())
         self.metrics.record("step", record, step=step)
         every = self.cfg.trainer.checkpoint_every

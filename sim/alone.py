@@ -216,6 +216,9 @@ class Alone:
     marks: list[Any]
     num_received: int
     num_sent: int
+    intake_cpu_s: list[float]
+    """Each step record's perf/intake_cpu_s: the intake thread's CPU seconds (beside the
+    loop's, not in the marks)."""
 
 
 class _ReplayRouter(SimRouter):
@@ -354,7 +357,7 @@ def replay(
     gc.freeze()  # the recording and the simulation's leftovers: not the controller's to walk
     try:
         with contextlib.redirect_stdout(io.StringIO()):
-            _, _, marks = run_virtual(main, limit_s)
+            _, records, marks = run_virtual(main, limit_s)
     except Exception:
         if router.diverged is not None:
             raise router.diverged from None  # what failed followed from it
@@ -369,4 +372,9 @@ def replay(
             f"the replayed controller took {feeder.next} of {len(recording.arrivals)} "
             f"messages and sent {router.num_sent} of {len(recording.sent_frames)}"
         )
-    return Alone(marks=marks, num_received=feeder.next, num_sent=router.num_sent)
+    return Alone(
+        marks=marks,
+        num_received=feeder.next,
+        num_sent=router.num_sent,
+        intake_cpu_s=[r["perf/intake_cpu_s"] for r in records if r["kind"] == "step"],
+    )

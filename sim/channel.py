@@ -8,8 +8,10 @@ codec (`areal.codec.encode` / `decode`: msgpack header, raw array frames, every 
 checked), so the controller pays what it pays on a real socket and the wire contract is
 exercised; arrays stay zero-copy views. With `wire=False` the objects are passed as they are.
 
-Everything is an asyncio queue in the simulation's event loop: no sockets, no threads.
-Each side's codec time falls in its own tasks' CPU accounts (sim/accounting.py).
+Everything is an asyncio queue in the simulation's event loop: no sockets, and no threads
+but the controller's intake (areal/intake.py), whose work on a message is done on its own
+thread while the loop waits. Each side's codec time falls in its own tasks' CPU accounts
+(sim/accounting.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 from collections.abc import Iterable
 
 from areal.codec import decode, encode
+from areal.intake import Intake
 from areal.messages import MessageError
 from areal.transport import PeerMessageError
 
@@ -36,6 +39,8 @@ class SimRouter:
         """Sees every message in and out as frames (sim/alone.py's Recording); wire only."""
         self._inbox: asyncio.Queue[tuple[bytes, Any]] = asyncio.Queue()
         self._peers: dict[bytes, SimDealer] = {}
+        self.intake: Intake | None = None
+        """As RouterChannel.intake (wire only)."""
 
     def connect(self, identity: bytes) -> SimDealer:
         """A new worker connection under `identity` (replacing a closed one)."""
@@ -44,13 +49,22 @@ class SimRouter:
         return dealer
 
     async def recv(self) -> tuple[bytes, Any]:
+        """As RouterChannel.recv: with an intake, a message's intake work is done on its
+        thread before the message is returned, the loop's thread waiting for it (the
+        virtual clock standing still, as in `VirtualTimeLoop.run_in_executor`), so that
+        the controller's CPU time leaves it out as on a real machine, where the intake
+        works on the next messages meanwhile."""
         identity, payload = await self._inbox.get()
         if not self.wire:
             return identity, payload
         try:
-            return identity, decode(payload)
+            msg = decode(payload)
         except MessageError as err:
             raise PeerMessageError(identity, err) from None
+        prepared = self.intake.submit(msg) if self.intake is not None else None
+        if prepared is not None:
+            prepared.result()
+        return identity, msg
 
     async def send(self, identity: bytes, msg: Any) -> bool:
         peer = self._peers.get(identity)
@@ -81,6 +95,8 @@ class SimRouter:
     def close(self) -> None:
         for peer in self._peers.values():
             peer.closed = True
+        if self.intake is not None:
+            self.intake.close()
 
 
 class SimDealer:

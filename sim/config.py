@@ -124,6 +124,12 @@ class SimConfig:
         "the messages it received to a fresh controller with no "
         "simulated worker beside it (sim/alone.py; needs wire)",
     )
+    alone_without_intake: bool = opt(
+        False,
+        "with measure_alone, replay the same messages a second time to a controller "
+        "without an intake thread (controller.intake_thread=false: its event loop reads "
+        "the tokens itself): the intake's effect, paired on one recording",
+    )
     heartbeat_interval_s: float | None = opt(
         300.0,
         "the run's controller.heartbeat_interval_s: each side sends a Heartbeat in each "
@@ -175,6 +181,10 @@ class SimConfig:
             )
         if self.max_queued < 0:
             raise ConfigError(f"max_queued={self.max_queued!r} must be >= 0 (0: none queued)")
+        if self.alone_without_intake and not self.measure_alone:
+            raise ConfigError(
+                "alone_without_intake=true is a second replay: it needs measure_alone=true"
+            )
         if self.measure_alone and not self.wire:
             raise ConfigError(
                 "measure_alone=true replays the messages as frames: it needs wire=true"

@@ -90,6 +90,10 @@ class SimResult:
     controller_pack_cpu_s_per_step: float
     """CPU seconds per step the controller's thread for packing Train messages took (the
     step records' perf/pack_cpu_s): beside its event loop, not in controller_cpu_s_per_step."""
+    controller_intake_cpu_s_per_step: float
+    """CPU seconds per step of the controller's intake thread (the step records'
+    perf/intake_cpu_s: reading each Completions' tokens, areal/intake.py): beside its event
+    loop, not in controller_cpu_s_per_step."""
     trajectories_per_cpu_s: float
     """Trajectories the controller handles per second of its own CPU time."""
     controller_alone_cpu_s_per_step: float | None
@@ -98,6 +102,12 @@ class SimResult:
     controller_alone_by_loop: dict[str, float]
     controller_alone_gc_s_per_step: float | None
     """Of controller_alone_cpu_s_per_step, its garbage collections (of its own objects)."""
+    controller_alone_intake_cpu_s_per_step: float | None
+    """controller_intake_cpu_s_per_step of the controller alone."""
+    controller_alone_without_intake_cpu_s_per_step: float | None
+    """controller_alone_cpu_s_per_step of a second replay of the same messages, to a
+    controller without an intake thread (its loop reads the tokens): alone_without_intake,
+    else None."""
     reference_decode_us: float | None
     """This machine's speed at the start of the run (wire only, else None): microseconds to
     decode a reference completion (sim/speed.py), the yardstick of the CPU times in the
@@ -234,13 +244,24 @@ def simulate(
             summary, records, marks = run_virtual(
                 lambda: _drive(ctl, accounts, env), VIRTUAL_LIMIT_S
             )
-        alone, alone_us = None, None
+        alone, alone_us, without_intake = None, None, None
         if recording is not None:
-            replay_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="alone-")))
             before_us = reference_decode_us()
             alone = replay(
-                sim.to_run_overrides, env, recording, _drive, VIRTUAL_LIMIT_S, replay_dir
+                sim.to_run_overrides, env, recording, _drive, VIRTUAL_LIMIT_S, _tmp(stack)
             )
+            if sim.alone_without_intake:
+                without_intake = replay(
+                    lambda run_dir: [
+                        *sim.to_run_overrides(run_dir),
+                        "controller.intake_thread=false",
+                    ],
+                    env,
+                    recording,
+                    _drive,
+                    VIRTUAL_LIMIT_S,
+                    _tmp(stack),
+                )
             alone_us = (before_us + reference_decode_us()) / 2
     steps = [r for r in records if r["kind"] == "step"]
     return _result(
@@ -255,7 +276,13 @@ def simulate(
         alone,
         reference_us,
         alone_us,
+        without_intake,
     )
+
+
+def _tmp(stack: contextlib.ExitStack) -> Path:
+    """A fresh directory for a replay's run, removed with `stack`."""
+    return Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="alone-")))
 
 
 def _result(
@@ -270,6 +297,7 @@ def _result(
     alone: Alone | None,
     reference_us: float | None,
     reference_alone_us: float | None,
+    without_intake: Alone | None,
 ) -> SimResult:
     if len(steps) != sim.steps:
         raise RuntimeError(f"the simulated run trained {len(steps)} of {sim.steps} steps")
@@ -307,6 +335,10 @@ def _result(
         controller_gc_s_per_step=_per_step(marks, _GC, first, last),
         controller_pack_cpu_s_per_step=sum(r.get("perf/pack_cpu_s", 0.0) for r in steps[first:last])
         / (last - first),
+        controller_intake_cpu_s_per_step=sum(
+            r.get("perf/intake_cpu_s", 0.0) for r in steps[first:last]
+        )
+        / (last - first),
         trajectories_per_cpu_s=batch * (last - first) / cpu if cpu > 0 else float("inf"),
         controller_alone_cpu_s_per_step=None
         if alone is None
@@ -315,6 +347,12 @@ def _result(
         controller_alone_gc_s_per_step=None
         if alone is None
         else _per_step(alone.marks, _GC, first, last),
+        controller_alone_intake_cpu_s_per_step=None
+        if alone is None
+        else sum(alone.intake_cpu_s[first:last]) / (last - first),
+        controller_alone_without_intake_cpu_s_per_step=None
+        if without_intake is None
+        else _per_step(without_intake.marks, _CPU, first, last),
         reference_decode_us=reference_us,
         reference_alone_us=reference_alone_us,
         worker_cpu_s=accounts.cpu_s[WORKERS],

@@ -4,6 +4,7 @@ small Register; worker identities are stable per credential and not guessable wi
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import zmq
@@ -128,3 +129,63 @@ def test_a_broadcast_reaches_every_connected_peer_once_and_skips_one_that_is_gon
         (b"peer-1", encode(Cancel(request_ids=["after"]))),
         (b"peer-2", encode(Heartbeat())),
     ]
+
+
+def test_with_an_intake_messages_waiting_are_read_ahead_prepared_and_returned_in_order():
+    """Eight messages sent at once, a malformed one among them: each Cancel comes back in
+    the order sent, already prepared on the intake's thread; the malformed one raises in its
+    place, and the ones after it still come."""
+    from areal.intake import Intake
+
+    prepared: dict[str, str] = {}
+    waiting: list[int] = []
+
+    def prepare(msg: Cancel) -> None:
+        prepared[msg.request_ids[0]] = threading.current_thread().name
+
+    async def scenario() -> list:
+        ctx = zmq.asyncio.Context()
+        channel = RouterChannel(ctx, "127.0.0.1", 0)
+        channel.intake = Intake(prepare, lambda msg: type(msg) is Cancel)
+        peer = ctx.socket(zmq.DEALER)
+        peer.setsockopt(zmq.IDENTITY, b"peer-1")
+        peer.linger = 0
+        peer.connect(channel.address)
+        outcomes: list = []
+        try:
+            for i in range(8):
+                frames = (
+                    [bytes([MsgType.CANCEL]), b"\xc1"]  # not msgpack
+                    if i == 3
+                    else encode(Cancel(request_ids=[f"r{i}"]))
+                )
+                await peer.send_multipart(frames)
+            await asyncio.sleep(0.2)  # all eight wait at the socket: read ahead together
+            while len(outcomes) < 8:
+                try:
+                    _, msg = await asyncio.wait_for(channel.recv(), 10)
+                except PeerMessageError as err:
+                    outcomes.append(("refused", err.identity))
+                    continue
+                # prepared before it was returned, not after
+                outcomes.append((msg.request_ids[0], prepared.get(msg.request_ids[0])))
+                if len(outcomes) == 1:
+                    waiting.append(len(channel._received))
+        finally:
+            peer.close()
+            channel.close()
+            ctx.term()
+        return outcomes
+
+    outcomes = asyncio.run(scenario())
+    assert outcomes == [
+        ("r0", "intake"),
+        ("r1", "intake"),
+        ("r2", "intake"),
+        ("refused", b"peer-1"),
+        ("r4", "intake"),
+        ("r5", "intake"),
+        ("r6", "intake"),
+        ("r7", "intake"),
+    ]
+    assert waiting == [7]  # the first recv decoded all eight and handed them to the intake

@@ -277,8 +277,13 @@ def _passes_only_when_each_would(data, lengths, version, vocab_size) -> None:
         generated_problem(c, max_new_tokens=8, version=version, vocab_size=vocab_size)
         for c in completions
     ]
-    if checks.completions_fit(msg, max_new_tokens=8, version=version, vocab_size=vocab_size):
+    fit = checks.completions_fit(msg, max_new_tokens=8, version=version, vocab_size=vocab_size)
+    if fit:
         assert each == [""] * len(each)
+    checks.read_token_bounds(msg)  # what the intake does before the loop judges it
+    assert (
+        checks.completions_fit(msg, max_new_tokens=8, version=version, vocab_size=vocab_size) == fit
+    )
 
 
 @pytest.mark.parametrize("listed_runs", [LISTED_RUNS, -1], ids=["listed", "numpy"])
@@ -299,6 +304,53 @@ def test_a_completions_message_of_well_formed_completions_passes_in_one_check(
     assert checks.completions_fit(
         Completions.of(parts), max_new_tokens=8, version=2, vocab_size=100
     )
+
+
+@pytest.mark.parametrize(
+    ("ids", "logprobs", "vocab_size", "fits"),
+    [
+        ([5, 6, 7], [-1.0, -0.5, 0.0], 100, True),
+        ([5, 6, 7], [-1.0, -0.5, 0.0], None, True),
+        ([5, -1, 7], [-1.0, -0.5, 0.0], None, False),  # negative, no vocabulary to compare
+        ([5, -1, 7], [-1.0, -0.5, 0.0], 100, False),  # read unsigned: above the vocabulary
+        ([5, 100, 7], [-1.0, -0.5, 0.0], 100, False),
+        ([5, 6, 7], [-1.0, float("nan"), 0.0], 100, False),
+        ([5, 6, 7], [-1.0, -float("inf"), 0.0], 100, False),
+        ([5, 6, 7], [-1.0, 2e-3, 0.0], 100, False),  # above the slack
+        ([5, 6, 7], [-1.0, 5e-4, 0.0], 100, True),  # within it
+    ],
+)
+def test_the_intakes_token_bounds_decide_a_completions_as_reading_it_on_the_loop_does(
+    ids, logprobs, vocab_size, fits
+):
+    msg = Completions.of([_generated(), _generated(ids=ids, logprobs=logprobs)])
+    on_loop = checks.completions_fit(msg, max_new_tokens=8, version=2, vocab_size=vocab_size)
+    checks.read_token_bounds(msg)
+    assert msg.token_bounds is not None
+    assert (
+        checks.completions_fit(msg, max_new_tokens=8, version=2, vocab_size=vocab_size)
+        == on_loop
+        == fits
+    )
+
+
+def test_the_intake_reads_only_completions_with_enough_tokens_to_be_worth_handing_over():
+    def completions(tokens: int) -> Completions:
+        return Completions.of(
+            [_generated(ids=[1] * tokens, logprobs=[-0.1] * tokens, versions=[1] * tokens)]
+        )
+
+    assert checks.worth_the_intake(completions(checks.INTAKE_MIN_TOKENS))
+    assert not checks.worth_the_intake(completions(checks.INTAKE_MIN_TOKENS - 1))
+    assert not checks.worth_the_intake(_generated())  # a single Generated: read on the loop
+
+
+def test_token_bounds_are_none_where_they_cannot_be_read_and_the_message_is_then_judged_whole():
+    parts = [_generated(), _generated()]
+    msg = Completions.of(parts)
+    msg.output_ids = msg.output_ids.astype(np.float32)  # ids that are not integers
+    assert checks.token_bounds(msg) is None
+    assert not checks.completions_fit(msg, max_new_tokens=8, version=2, vocab_size=100)
 
 
 @pytest.mark.parametrize("name", ["output_ids", "logprobs", "versions"])
