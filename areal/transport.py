@@ -89,9 +89,7 @@ class RouterChannel:
         if not self._received:
             self._received.append(self._decoded(await self.socket.recv_multipart(copy=False)))
             while (
-                self.intake is not None
-                and len(self._received) < READ_AHEAD
-                and self._waiting()
+                self.intake is not None and len(self._received) < READ_AHEAD and self._waiting()
             ):  # waiting at the socket: received without a wait
                 self._received.append(self._decoded(await self.socket.recv_multipart(copy=False)))
         identity, msg, prepared = self._received.popleft()

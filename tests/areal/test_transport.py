@@ -1,16 +1,20 @@
 """The controller's socket over real ZeroMQ connections: unregistered peers may send only a
-small Register; worker identities are stable per credential and not guessable without it."""
+small Register; worker identities are stable per credential and not guessable without it;
+with an intake, the messages waiting are read ahead and returned in order, prepared."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+from collections.abc import Iterator
 
 import pytest
 import zmq
 import zmq.asyncio
 
 from areal.codec import encode
+from areal.intake import Intake
 from areal.messages import REGISTER_MAX_BYTES, Cancel, Heartbeat, MsgType, Register, WorkerKind
 from areal.transport import PeerMessageError, RouterChannel, worker_identity
 
@@ -19,18 +23,29 @@ def _register(worker_id: str = "w") -> Register:
     return Register(kind=WorkerKind.ROLLOUT, worker_id=worker_id, pid=1, host="h", secret="s")
 
 
+@contextlib.contextmanager
+def _router_and_peer() -> Iterator[tuple[RouterChannel, zmq.asyncio.Socket]]:
+    """A controller's channel and a DEALER connected to it as b"peer-1", closed after."""
+    ctx = zmq.asyncio.Context()
+    channel = RouterChannel(ctx, "127.0.0.1", 0)
+    peer = ctx.socket(zmq.DEALER)
+    peer.setsockopt(zmq.IDENTITY, b"peer-1")
+    peer.linger = 0
+    peer.connect(channel.address)
+    try:
+        yield channel, peer
+    finally:
+        peer.close()
+        channel.close()
+        ctx.term()
+
+
 def test_unregistered_peers_may_send_only_a_small_register():
     async def scenario() -> list:
-        ctx = zmq.asyncio.Context()
-        channel = RouterChannel(ctx, "127.0.0.1", 0)
-        admitted: set[bytes] = set()
-        channel.registered = lambda identity: identity in admitted
-        peer = ctx.socket(zmq.DEALER)
-        peer.setsockopt(zmq.IDENTITY, b"peer-1")
-        peer.linger = 0
-        peer.connect(channel.address)
         outcomes = []
-        try:
+        with _router_and_peer() as (channel, peer):
+            admitted: set[bytes] = set()
+            channel.registered = lambda identity: identity in admitted
             for frames in (
                 [bytes([MsgType.HEARTBEAT]), b"\xff" * (1 << 20)],  # not a Register
                 encode(_register("w" * REGISTER_MAX_BYTES)),  # a Register too large
@@ -44,10 +59,6 @@ def test_unregistered_peers_may_send_only_a_small_register():
                     outcomes.append((err.identity, err.reason))
                 if len(outcomes) == 3:
                     admitted.add(b"peer-1")
-        finally:
-            peer.close()
-            channel.close()
-            ctx.term()
         return outcomes
 
     outcomes = asyncio.run(scenario())
@@ -135,8 +146,6 @@ def test_with_an_intake_messages_waiting_are_read_ahead_prepared_and_returned_in
     """Eight messages sent at once, a malformed one among them: each Cancel comes back in
     the order sent, already prepared on the intake's thread; the malformed one raises in its
     place, and the ones after it still come."""
-    from areal.intake import Intake
-
     prepared: dict[str, str] = {}
     waiting: list[int] = []
 
@@ -144,15 +153,9 @@ def test_with_an_intake_messages_waiting_are_read_ahead_prepared_and_returned_in
         prepared[msg.request_ids[0]] = threading.current_thread().name
 
     async def scenario() -> list:
-        ctx = zmq.asyncio.Context()
-        channel = RouterChannel(ctx, "127.0.0.1", 0)
-        channel.intake = Intake(prepare, lambda msg: type(msg) is Cancel)
-        peer = ctx.socket(zmq.DEALER)
-        peer.setsockopt(zmq.IDENTITY, b"peer-1")
-        peer.linger = 0
-        peer.connect(channel.address)
         outcomes: list = []
-        try:
+        with _router_and_peer() as (channel, peer):
+            channel.intake = Intake(prepare, lambda msg: type(msg) is Cancel)
             for i in range(8):
                 frames = (
                     [bytes([MsgType.CANCEL]), b"\xc1"]  # not msgpack
@@ -171,10 +174,6 @@ def test_with_an_intake_messages_waiting_are_read_ahead_prepared_and_returned_in
                 outcomes.append((msg.request_ids[0], prepared.get(msg.request_ids[0])))
                 if len(outcomes) == 1:
                     waiting.append(len(channel._received))
-        finally:
-            peer.close()
-            channel.close()
-            ctx.term()
         return outcomes
 
     outcomes = asyncio.run(scenario())
