@@ -105,6 +105,34 @@ def test_with_rollout_rewards_no_score_goes_out_and_the_replay_agrees():
     assert result.controller_alone_cpu_s_per_step > 0
 
 
+def test_a_second_replay_without_the_intake_makes_the_same_decisions_and_is_measured(
+    monkeypatch,
+):
+    # every Completions to the intake (its threshold lowered): the first replay's thread
+    # reads the tokens; the second replay's loop reads them itself, and must still send
+    # exactly what the simulated controller sent (a divergence raises ReplayDiverged)
+    monkeypatch.setattr("areal.controller.checks.INTAKE_MIN_TOKENS", 1)
+    calls = []
+    real_replay = run_mod.replay
+
+    def replay(overrides, *rest):
+        calls.append(overrides("run"))
+        return real_replay(overrides, *rest)
+
+    monkeypatch.setattr(run_mod, "replay", replay)
+    result = simulate(sim_config(measure_alone=True, alone_without_intake=True, **SMALL))
+    assert len(calls) == 2 and "controller.intake_thread=false" in calls[1]
+    assert "controller.intake_thread=false" not in calls[0]
+    assert result.controller_intake_cpu_s_per_step > 0  # in the simulation
+    assert result.controller_alone_intake_cpu_s_per_step > 0  # and alone
+    assert result.controller_alone_without_intake_cpu_s_per_step > 0
+
+
+def test_a_second_replay_needs_the_first():
+    with pytest.raises(ConfigError, match="alone_without_intake=true .* needs measure_alone"):
+        sim_config(alone_without_intake=True)
+
+
 def _tampered(tamper):
     """simulate() whose recording is altered by `tamper` before the replay."""
     real_replay = run_mod.replay

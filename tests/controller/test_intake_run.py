@@ -1,0 +1,50 @@
+"""A real run whose every Completions goes through the controller's intake thread (its
+threshold lowered to one token): the thread, not the event loop, reads each message's
+tokens, the run trains as it would, and the step records count the thread's CPU."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+import areal.controller.controller as controller_module
+from areal.controller import checks
+from letter_runs import letter_config, letter_task_importable, recorded_run
+
+pytestmark = pytest.mark.slow
+
+STEPS = 2
+
+
+def test_every_completions_is_read_on_the_intake_thread_and_the_run_trains(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    threads: list[str] = []
+    read = checks.read_token_bounds
+
+    def read_and_note(msg) -> None:
+        threads.append(threading.current_thread().name)
+        read(msg)
+
+    monkeypatch.setattr(checks, "INTAKE_MIN_TOKENS", 1)
+    monkeypatch.setattr(controller_module, "read_token_bounds", read_and_note)
+    on_loop: list[int] = []
+    fit = checks.completions_fit
+
+    def fit_and_note(msg, **kwargs) -> bool:
+        on_loop.append(msg.token_bounds is None)  # None: the loop would read the tokens
+        return fit(msg, **kwargs)
+
+    monkeypatch.setattr("areal.controller.core.completions_fit", fit_and_note)
+    cfg = letter_config(tmp_path / "run", tiny_model_dir, STEPS, "trainer.checkpoint_every=0")
+    with letter_task_importable():
+        run = asyncio.run(recorded_run(cfg))
+    assert run["summary"]["steps"] == STEPS
+    assert threads and set(threads) == {"intake"}
+    assert on_loop and not any(on_loop)  # every Completions judged came with its bounds
+    steps = [r for r in run["records"] if r["kind"] == "step"]
+    assert len(steps) == STEPS
+    assert all(r["perf/intake_cpu_s"] >= 0 for r in steps)
+    assert sum(r["perf/intake_cpu_s"] for r in steps) > 0
