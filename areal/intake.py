@@ -7,13 +7,15 @@ thousands of values a message and hundreds of millions a step. That reading need
 decision and no state of the controller's, and numpy lets other threads run while it
 reduces an array, so `Intake` does it on a thread of its own while the loop decides on the
 messages received before: the channel (areal/transport.py) reads ahead the messages
-waiting at its socket and hands each of the kinds asked for to the intake as it decodes it;
-the loop takes a message once its intake work is done, in the order received.
+waiting at its socket and hands each one the intake wants to it as it decodes it; the loop
+takes a message once its intake work is done, in the order received.
 
 What stays on the loop's thread: decoding (its C parts hold the GIL, so moving it would only
 move the time), and every decision. The intake's thread holds the GIL for the Python around
-each reduction (a few microseconds a message); `cpu_s` is all of its CPU time, reported
-beside the loop's (the step records' perf/intake_cpu_s).
+each reduction and for taking and returning each message; `cpu_s` is all of its CPU time,
+reported beside the loop's (the step records' perf/intake_cpu_s). Handing a message over
+costs the loop's thread CPU too, so only messages large enough to repay it are wanted
+(controller/checks.py, INTAKE_MIN_TOKENS; bench/intake.py measures both sides).
 """
 
 from __future__ import annotations

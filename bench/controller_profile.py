@@ -128,8 +128,10 @@ class Timers:
 def simulation(args: argparse.Namespace) -> SimConfig:
     """The run to profile: table (r)'s (`--table-r`), or one built from the options."""
     overrides = dict(item.split("=", 1) for item in args.overrides)
-    if args.table_r:
-        table_r = table_r_config(Bench(quick=False, seed=1))
+    if args.table_r:  # one replay profiled: the controller as configured (intake or not)
+        table_r = dataclasses.replace(
+            table_r_config(Bench(quick=False, seed=1)), alone_without_intake=False
+        )
         return sim_config(**{**dataclasses.asdict(table_r), **overrides}) if overrides else table_r
     return sim_config(
         num_accelerators=args.accelerators,

@@ -10,7 +10,9 @@
     Generated, Scored, Trained, ... --> [receive] --> Core.on_message    (core.py)
                        the decision on each message: ledger, scoring, buffer, publication
                        of a new version; malformed, unexpected or contradicting the ledger
-                       (checks.py) -> dropped, its work re-queued, a rate-limited log line
+                       (checks.py) -> dropped, its work re-queued, a rate-limited log line;
+                       a large Completions' tokens read beforehand on the channel's intake
+                       thread (areal/intake.py)
     ledger.buffer  --> [train-driver] --Train(shard r, whole groups)--> rank r
                        waits: B trajectories in the buffer, then Trained from every rank
                        (trainers.py); records steps and evaluations (train_driver.py)

@@ -51,9 +51,10 @@ class SimRouter:
     async def recv(self) -> tuple[bytes, Any]:
         """As RouterChannel.recv: with an intake, a message's intake work is done on its
         thread before the message is returned, the loop's thread waiting for it (the
-        virtual clock standing still, as in `VirtualTimeLoop.run_in_executor`), so that
-        the controller's CPU time leaves it out as on a real machine, where the intake
-        works on the next messages meanwhile."""
+        virtual clock standing still, as in `VirtualTimeLoop.run_in_executor`). The
+        controller's CPU time leaves the work out and pays for handing the message over
+        and back, as a real loop does when the message finds it idle; with a backlog the
+        real channel reads ahead and pays less (bench/intake.py)."""
         identity, payload = await self._inbox.get()
         if not self.wire:
             return identity, payload

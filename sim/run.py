@@ -92,7 +92,7 @@ class SimResult:
     step records' perf/pack_cpu_s): beside its event loop, not in controller_cpu_s_per_step."""
     controller_intake_cpu_s_per_step: float
     """CPU seconds per step of the controller's intake thread (the step records'
-    perf/intake_cpu_s: reading each Completions' tokens, areal/intake.py): beside its event
+    perf/intake_cpu_s: reading each large Completions' tokens, areal/intake.py): beside its event
     loop, not in controller_cpu_s_per_step."""
     trajectories_per_cpu_s: float
     """Trajectories the controller handles per second of its own CPU time."""

@@ -70,7 +70,10 @@ def test_a_small_replay_times_every_handler_and_nests_them():
 
 def test_table_r_profiles_the_run_table_r_measures_with_the_options_given_changed():
     args = types.SimpleNamespace(table_r=True, overrides=[])
-    assert simulation(args) == table_r_config(Bench(quick=False, seed=1))
+    # table (r)'s run, its one replay profiled (not the second, without the intake)
+    table_r = table_r_config(Bench(quick=False, seed=1))
+    assert table_r.alone_without_intake
+    assert simulation(args) == dataclasses.replace(table_r, alone_without_intake=False)
     assert simulation(args).num_accelerators == 2048
     changed = simulation(types.SimpleNamespace(table_r=True, overrides=["rollout_rewards=true"]))
     assert changed == dataclasses.replace(simulation(args), rollout_rewards=True)
