@@ -780,13 +780,12 @@ class LoggingConfig:
         _positive(self.progress_every, f"{key}.progress_every")
 
 
-HEARTBEATS_PER_S = 200
+HEARTBEATS_PER_S = 500
 """The Heartbeats a second the automatic `controller.heartbeat_interval_s` lets the controller
-receive (and about as many it sends). Each costs it several microseconds (decoded, its
-worker's time noted), whatever the batch: at 2,080 workers and one a second, 1-2% of a core
-(docs/history.md, "Heartbeats at 2,048 accelerators"). The interval paces nothing else (the
-liveness loop's own round stays one second), so past 200 workers it grows, up to a third of
-the timeout: 10 s at 2,080 workers by default."""
+receive. Each costs it several microseconds (decoded, its worker's time noted), whatever
+the batch: at 2,080 workers and one a second, 1-2% of a core (docs/history.md, "Heartbeats
+at 2,048 accelerators"); at 500 a second about a quarter of that, and a run of up to 500
+workers keeps one-second rounds."""
 
 
 @dataclass(kw_only=True)
@@ -798,7 +797,7 @@ class ControllerConfig:
     heartbeat_interval_s: float | None = opt(
         None,
         "how often each side sends a Heartbeat if it sent the other nothing else (and the "
-        "controller looks for silent workers); null: 1 s, longer past "
+        "controller checks for lost workers); null: 1 s, longer past "
         f"{HEARTBEATS_PER_S} workers so that the controller hears about "
         f"{HEARTBEATS_PER_S} a second (RunConfig.heartbeat_interval)",
     )
@@ -1090,9 +1089,9 @@ class RunConfig:
         """`controller.heartbeat_interval_s`, or when null: 1 s, or one Heartbeat from each
         worker every (workers / HEARTBEATS_PER_S) s once there are more than
         HEARTBEATS_PER_S of them, and at most a third of the timeout (what the check
-        requires of a set interval). Loss is declared after the timeout either way; the
-        controller's liveness loop finds exited local processes and retries failed weight
-        loads every second (or every interval, if shorter) whatever the interval."""
+        requires of a set interval). Loss is declared after the timeout either way; a
+        longer interval only makes the liveness loop, which finds lost workers (an exited
+        local process among them) and retries failed weight loads, look less often."""
         controller = self.controller
         if controller.heartbeat_interval_s is not None:
             return controller.heartbeat_interval_s

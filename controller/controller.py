@@ -16,11 +16,11 @@
     ledger.buffer  --> [train-driver] --Train(shard r, whole groups)--> rank r
                        waits: B trajectories in the buffer, then Trained from every rank
                        (trainers.py); records steps and evaluations (train_driver.py)
-    [liveness]         every second: an exited worker is lost (its work re-queued, never
-                       lost; a local one restarted; a trainer rank: every rank restarts from
-                       the newest checkpoint), failed weight loads retried (weight_sync.py);
-                       every Heartbeat interval: Heartbeat to every worker sent nothing else
-                       since the last (any message is a sign of life), a silent worker lost
+    [liveness]         Heartbeat to every worker sent nothing else since its last round
+                       (any message is a sign of life); a silent or exited worker is lost (its
+                       work re-queued, never lost; a local one restarted; a trainer rank:
+                       every rank restarts from the newest checkpoint); failed weight loads
+                       retried (weight_sync.py)
 
 Each loop is a named task of one `asyncio.TaskGroup`; a loop that fails, or returns on its
 own, ends the run with that error. The loops only wait, receive and send: every decision is
@@ -115,8 +115,8 @@ class Controller:
         self._channel: Any = None
         """The controller's end of the transport, once connected: where `_send` sends."""
         self._sent_to: set[bytes] = set()
-        """Workers sent a message since the liveness loop's last Heartbeats: they need none
-        in the next (any message proves the controller alive)."""
+        """Workers sent a message since the liveness loop's last round: they need no
+        Heartbeat in the next (any message proves the controller alive)."""
         self._subscribers: list[asyncio.Queue] = []
         """One queue per `events()` iterator; the metrics sink feeds them (the same list)."""
 
@@ -365,26 +365,16 @@ class Controller:
             await self._send(out)
 
     async def _liveness(self, core: Core) -> None:
-        """Every LIVENESS_ROUND_S (or the Heartbeat interval, if shorter): exited local
-        processes lost, failed weight loads retried, the peer log flushed; every Heartbeat
-        interval (a whole number of rounds, never longer): Heartbeats to the workers sent
-        nothing else since, and silent workers lost."""
         cfg = self.cfg.controller
         pool, weights = core.pool, core.weights
         interval = self.cfg.heartbeat_interval()
-        round_s = min(LIVENESS_ROUND_S, interval)
-        beat_every = max(1, int(interval / round_s + 1e-9))
-        rounds = 0
         while True:
-            await asyncio.sleep(round_s)
-            rounds += 1
-            beat = rounds % beat_every == 0
-            if beat:
-                targets = core.heartbeat_targets(self._sent_to)
-                self._sent_to.clear()  # what is sent from now on counts for the next beat
-                await self._channel.broadcast(targets, _HEARTBEAT)
-            for handle in pool.lost(cfg.heartbeat_timeout_s, silent=beat):
-                if handle not in pool.lost(cfg.heartbeat_timeout_s, silent=beat):
+            await asyncio.sleep(interval)
+            targets = core.heartbeat_targets(self._sent_to)
+            self._sent_to.clear()  # what is sent from now on counts for the next round
+            await self._channel.broadcast(targets, _HEARTBEAT)
+            for handle in pool.lost(cfg.heartbeat_timeout_s):
+                if handle not in pool.lost(cfg.heartbeat_timeout_s):
                     continue  # restarted meanwhile, with its trainer group
                 await self._lose(
                     handle,
@@ -467,10 +457,6 @@ class Controller:
             )
         await asyncio.to_thread(core.pool.stop_all)
 
-
-LIVENESS_ROUND_S = 1.0
-"""The liveness loop's round whatever the Heartbeat interval (which grows with the cluster):
-how soon an exited local process is found and a failed weight load retried."""
 
 _HEARTBEAT = Heartbeat()
 """The controller's Heartbeat: always the same, encoded once per round."""

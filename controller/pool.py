@@ -273,16 +273,12 @@ class WorkerPool:
     def ready(self, kind: WorkerKind) -> list[WorkerHandle]:
         return [h for h in self.by_identity.values() if h.kind is kind and h.ready]
 
-    def lost(self, timeout_s: float, silent: bool = True) -> list[WorkerHandle]:
-        """Local processes that exited, and (`silent`) ready workers silent for too long:
-        the liveness loop looks for exits every round, for silence on its Heartbeat rounds
-        (a scan of every worker, about a millisecond at 2,000)."""
+    def lost(self, timeout_s: float) -> list[WorkerHandle]:
+        """Ready workers silent for too long, and local processes that exited."""
         now, out = clock.now(), []
         for handle in self.expected.values():
             if handle.process is not None and handle.process.poll() is not None:
                 out.append(handle)
-        if not silent:
-            return out
         for handle in self.by_identity.values():
             if handle not in out and handle.ready and now - handle.last_seen > timeout_s:
                 out.append(handle)

@@ -184,8 +184,6 @@ class WeightSync:
         """The newest weights there are, sent again to each worker owed a retry; returns the
         workers that failed too often in a row, to be lost (restarted)."""
         due, give_up = self.retries.due()
-        if not due and not give_up:  # the usual round: nothing failed
-            return []
         ready = {h.worker_id: h for h in self.pool.ready(WorkerKind.ROLLOUT)}
         lost = [
             (

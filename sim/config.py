@@ -136,7 +136,7 @@ class SimConfig:
         "interval in which it sent the other nothing else. Workers are never lost in a "
         "simulation, so the default keeps them rare (a faster simulation); a measurement "
         "of the controller's CPU sets a real run's (null: its default, automatic: 1 s, "
-        "longer past 200 workers), whose Heartbeats it pays for",
+        "longer past 500 workers), whose Heartbeats it pays for",
     )
     max_queued: int = opt(
         RolloutConfig().max_queued,

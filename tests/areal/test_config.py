@@ -93,17 +93,15 @@ def test_bad_values_name_the_field(override, needle):
     "overrides, interval",
     [
         ([], 1.0),  # the default run's 4 workers
-        (["rollout.num_workers=150", "reward.num_workers=25", "trainer.num_ranks=25"], 1.0),
-        (["rollout.num_workers=400", "reward.num_workers=50", "trainer.num_ranks=50"], 2.5),
-        # at most a third of the 30-s timeout: 2,080 workers hear one every 10 s, not 10.4
-        (["rollout.num_workers=1536", "reward.num_workers=32", "trainer.num_ranks=512"], 10.0),
+        (["rollout.num_workers=400", "reward.num_workers=50", "trainer.num_ranks=50"], 1.0),
+        (["rollout.num_workers=1536", "reward.num_workers=32", "trainer.num_ranks=512"], 4.16),
         (["rollout.num_workers=12000"], 10.0),  # at most a third of the 30-s timeout
         (["controller.heartbeat_timeout_s=1.5"], 0.5),
         (["rollout.num_workers=1536", "controller.heartbeat_interval_s=0.5"], 0.5),  # as set
     ],
     ids=lambda v: str(v),
 )
-def test_the_heartbeat_interval_grows_with_the_workers_past_200(overrides, interval):
+def test_the_heartbeat_interval_grows_with_the_workers_past_500(overrides, interval):
     assert load_config(overrides=overrides).heartbeat_interval() == pytest.approx(interval)
 
 

@@ -88,16 +88,3 @@ async def test_a_replacement_that_registers_before_its_fork_returns_keeps_its_id
     assert await starting is lost
     assert lost.identity == b"new" and pool.get(b"new") is lost
     assert lost.process is not None and lost.process.pid == 4242
-
-
-def test_between_heartbeat_rounds_only_exited_processes_are_lost(tmp_path):
-    """The liveness loop's rounds between Heartbeats look for exits only: silence is looked
-    for once an interval (a scan of every worker)."""
-    pool = WorkerPool(load_config(), tmp_path, "tcp://x:1", secret=None)
-    exited = pool.expected["rollout-0"] = WorkerHandle(
-        worker_id="rollout-0", kind=WorkerKind.ROLLOUT, process=_Exited()
-    )
-    silent = WorkerHandle(worker_id="trainer-0", kind=WorkerKind.TRAINER, ready=True)
-    pool.by_identity[b"t0"] = silent
-    assert pool.lost(timeout_s=0.0, silent=False) == [exited]
-    assert pool.lost(timeout_s=0.0) == [exited, silent]
