@@ -169,9 +169,8 @@ class TokenBounds:
 
     ids_max: int
     """The greatest id, each read unsigned: a negative id is above any vocabulary."""
-    ids_signed: bool
-    """The ids' dtype is signed: an `ids_max` of 2**(bits - 1) or more was negative."""
-    ids_bits: int
+    ids_negative: bool
+    """Some id is negative (read off `ids_max`: for a signed dtype, 2**(bits - 1) or more)."""
     logprob_max: float
     """NaN if any log-prob is NaN (numpy's maximum and minimum propagate it)."""
     logprob_min: float
@@ -188,10 +187,10 @@ def token_bounds(msg: Completions) -> TokenBounds | None:
         or not logprobs.size
     ):
         return None
+    ids_max = int(_MAX(ids.view(_UNSIGNED[ids.dtype.itemsize]), axis=None))
     return TokenBounds(
-        ids_max=int(_MAX(ids.view(_UNSIGNED[ids.dtype.itemsize]), axis=None)),
-        ids_signed=ids.dtype.kind == "i",
-        ids_bits=8 * ids.dtype.itemsize,
+        ids_max=ids_max,
+        ids_negative=ids.dtype.kind == "i" and ids_max >= 1 << (8 * ids.dtype.itemsize - 1),
         logprob_max=float(_MAX(logprobs, axis=None)),
         logprob_min=float(_MIN(logprobs, axis=None)),
     )
@@ -239,7 +238,7 @@ def completions_fit(
     if vocab_size is not None:
         if bounds.ids_max >= vocab_size:
             return False
-    elif bounds.ids_signed and bounds.ids_max >= 1 << (bounds.ids_bits - 1):
+    elif bounds.ids_negative:
         return False
     if len(versions) <= LISTED_RUNS:  # the usual message: a few runs a completion
         if not _listed_runs_fit(versions.tolist(), msg.num_runs, version):

@@ -14,8 +14,11 @@ run unchanged on whatever the runtime provides.
                    a virtual clock (areal.sim)
 
 A channel has `send(identity, msg) -> bool` (False: that peer is gone), `recv() ->
-(identity, msg)`, `address` and `registered` (whether a peer's messages are decoded in
-full); a pool is a `WorkerPool` whose `start` starts what stands for a worker process.
+(identity, msg)`, `address`, `registered` (whether a peer's messages are decoded in
+full) and `intake` (None, or the `areal.intake.Intake` the controller sets: work on each
+received message it wants, done on its thread before `recv` returns the message; the
+channel closes it); a pool is a `WorkerPool` whose `start` starts what stands for a worker
+process.
 """
 
 from __future__ import annotations
