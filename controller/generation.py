@@ -46,17 +46,20 @@ class Generation:
         next samples, mostly of one group, go to it in one message (the controller's cost is
         per message); when many workers have room (the start), a group is spread over them,
         as its samples' lengths go together (a hard prompt's are all long)."""
-        pending = self.ledger.pending
+        pending, start = self.ledger.pending, self.ledger.start_generation
         batches: dict[tuple[int, int], tuple[WorkerHandle, list[Sample]]] = {}
         now = clock.now()
         while pending:
-            worker = self.room.take()
-            if worker is None:
+            turn = self.room.take_turns(len(pending))
+            if turn is None:
                 break
-            sample = pending.popleft()
-            self.ledger.start_generation(sample, worker.address, now)
-            worker.in_flight.add(sample.request_id)
-            batches.setdefault((id(worker), sample.group_id), (worker, []))[1].append(sample)
+            worker, count = turn  # the samples one at a time would go to it `count` times
+            address, in_flight = worker.address, worker.in_flight
+            for _ in range(count):
+                sample = pending.popleft()
+                start(sample, address, now)
+                in_flight.add(sample.request_id)
+                batches.setdefault((id(worker), sample.group_id), (worker, []))[1].append(sample)
             self.room.offer(worker)
         for worker, samples in batches.values():
             out.send(worker.address, self._generate(samples))
