@@ -49,6 +49,7 @@ what the stopped run wrote past the checkpoint.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from pathlib import Path
 from typing import Any
@@ -63,7 +64,7 @@ from areal.controller.components import build_core
 from areal.controller.core import Core
 from areal.controller.ledger import Group, Ledger
 from areal.controller.metrics import MetricsSink, closed_marker, is_closed
-from areal.controller.outbox import Outbox
+from areal.controller.outbox import Item, Outbox
 from areal.controller.pool import WorkerHandle, WorkerPool, stop_process
 from areal.controller.resume import (
     ResumeState,
@@ -396,14 +397,22 @@ class Controller:
 
     async def _send(self, out: Outbox) -> None:
         """What a decision wrote: its messages and wake-ups in order, then the restarts of
-        the workers it lost, then the diagnosis of failed training steps."""
-        send, sent_to = self._channel.send, self._sent_to
-        for item in out.items:
-            if isinstance(item, tuple):
-                sent_to.add(item[0])
-                await send(item[0], item[1])
+        the workers it lost, then the diagnosis of failed training steps. One message
+        written to several workers in a row (a new version's UpdateWeights, to every rollout
+        worker) is encoded once and broadcast."""
+        channel, sent_to = self._channel, self._sent_to
+        for _, run in itertools.groupby(out.items, key=_same_message):
+            first, *more = run
+            if not isinstance(first, tuple):
+                for wake_up in (first, *more):
+                    wake_up()
+            elif not more:
+                sent_to.add(first[0])
+                await channel.send(first[0], first[1])
             else:
-                item()
+                identities = [first[0], *(identity for identity, _ in more)]
+                sent_to.update(identities)
+                await channel.broadcast(identities, first[1])
         for handle, why in out.restarts:
             await self._restart(handle, why)
         for handle, error in out.step_failures:
@@ -456,6 +465,12 @@ class Controller:
                 Shutdown(reason="run finished" if final else "run ended", final=final),
             )
         await asyncio.to_thread(core.pool.stop_all)
+
+
+def _same_message(item: Item) -> int:
+    """Groups an Outbox's items: a message sent to several workers in a row (the same
+    object) together."""
+    return id(item[1]) if isinstance(item, tuple) else id(item)
 
 
 _HEARTBEAT = Heartbeat()
