@@ -275,14 +275,19 @@ class WorkerPool:
 
     def lost(self, timeout_s: float) -> list[WorkerHandle]:
         """Ready workers silent for too long, and local processes that exited."""
-        now, out = clock.now(), []
-        for handle in self.expected.values():
-            if handle.process is not None and handle.process.poll() is not None:
-                out.append(handle)
+        now, out = clock.now(), self.exited()
         for handle in self.by_identity.values():
             if handle not in out and handle.ready and now - handle.last_seen > timeout_s:
                 out.append(handle)
         return out
+
+    def exited(self) -> list[WorkerHandle]:
+        """The workers started here whose process has exited."""
+        return [
+            h
+            for h in self.expected.values()
+            if h.process is not None and h.process.poll() is not None
+        ]
 
     def trainers(self) -> list[WorkerHandle]:
         """Every trainer rank known: local ones (running or not) and registered remote ones."""
