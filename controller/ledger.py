@@ -92,6 +92,13 @@ class Sample:
             self.trajectory = _recorded_trajectory(self, self.recorded)
         return self.trajectory
 
+    def release_trajectory(self) -> None:
+        """Forget the trajectory built from its recorded completion (`generated` builds it
+        again if read; one from a Generated, which has no recorded completion, is kept). The
+        packing thread, which built it, frees it there (`TrainDriver._pack`)."""
+        if self.recorded is not None:
+            self.trajectory = None
+
     def message_index(self) -> int:
         """Which completion of the Completions that recorded it (`recorded`) it is."""
         assert self.recorded is not None, f"{self.request_id} was not recorded from a message"

@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable
 import numpy as np
 
 from areal import clock
-from areal.algorithms.shaping import training_batch, training_targets
+from areal.algorithms.shaping import shaping_in_force, training_batch, training_targets
 from areal.algorithms.sharding import plan_shard_sequences
 from areal.config import RunConfig
 from areal.controller import strict_staleness
@@ -120,6 +120,10 @@ class TrainDriver:
         trainer.checkpoint_async, a later step's Trained does)."""
         self.summary: dict[str, Any] | None = None
         """Set once the run has finished: its summary."""
+        self._release_trajectories = not (cfg.logging.save_batches or shaping_in_force(cfg))
+        """Whether `_pack` releases the batch's trajectories once packed: not when the step
+        record reads them (shaping's metrics, and episodes' for a batch with any) or
+        `_save_batch` does."""
 
     def resume(self, state: ResumeState) -> None:
         """Continue after step `state.step`."""
@@ -235,9 +239,20 @@ class TrainDriver:
         """`train_messages` for a worker thread, with the CPU seconds it took there. Packing
         copies every trained token (hundreds of MB a step at cluster scale) and those copies
         release the GIL: the event loop's thread goes on receiving meanwhile. The groups are
-        the train driver's alone once taken from the buffer; nothing else touches them."""
+        the train driver's alone once taken from the buffer; nothing else touches them.
+
+        The trajectories packing built from recorded completions (`Sample.generated`) are
+        released here, once packed, unless the step record or `logging.save_batches` reads
+        them (`_release_trajectories`; the step record reads every trajectory of a batch
+        with an agent episode): freed on this thread, not on the loop's when the step's batch is dropped
+        (about a dozen objects a sample, tens of thousands of samples a step at cluster
+        scale; docs/history.md, "Trajectories freed where they were built")."""
         start = time.thread_time()
         messages = train_messages(self.cfg, step, version, groups)
+        if self._release_trajectories and not any(group.episodes for group in groups):
+            for group in groups:
+                for sample in group.samples:
+                    sample.release_trajectory()
         return messages, time.thread_time() - start
 
     def _save_batch(self, step: int, groups: list[Group]) -> None:

@@ -1,18 +1,20 @@
 """The train driver's decisions (train_driver.py): which groups a step takes (strict bound:
-earliest deadline first, none past it), and the controller's part of a checkpoint written
-once the step's record is."""
+earliest deadline first, none past it), the controller's part of a checkpoint written once
+the step's record is, and the batch's trajectories released by the packing thread that
+built them."""
 
 from __future__ import annotations
 
 import json
 
 import numpy as np
+import pytest
 
 from decisions import Decisions, config, generated, scored
 
 from areal.controller.outbox import Outbox
 from areal.controller.resume import STATE
-from areal.messages import Cancel, Trained, WorkerKind
+from areal.messages import Cancel, Completions, Trained, WorkerKind
 from areal.tasks.base import Verdict
 
 
@@ -116,3 +118,48 @@ def test_a_checkpoint_reported_steps_later_gets_the_state_of_its_own_step(tmp_pa
     assert run.core.trainers.recovery.checkpoint == str(checkpoint)
     events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e.get("event") == "checkpoint"] == [2]
+
+
+@pytest.mark.parametrize(
+    "overrides, released",
+    [
+        ((), True),
+        (("logging.save_batches=true",), False),  # _save_batch reads them after packing
+        (("trainer.advantage.mask_truncated=true",), False),  # the step record reads them
+    ],
+)
+def test_packing_releases_the_trajectories_it_built_from_recorded_completions(
+    tmp_path, overrides, released
+):
+    """Packed on its thread, a batch of recorded completions leaves no trajectory on its
+    samples (freed there, not on the loop with the batch) unless something reads them later;
+    one read again is built again, and packs the same."""
+    run = Decisions(config(tmp_path, *overrides), tmp_path)
+    run.admit(2)
+    rollout, reward = run.join(WorkerKind.ROLLOUT), run.join(WorkerKind.REWARD)
+    ids = [f"g{g}-s{i}-a0" for g in range(2) for i in range(2)]
+    run.on(
+        rollout.identity,
+        Completions.of([generated(r, num_tokens=2 + i) for i, r in enumerate(ids)]),
+    )
+    for g in range(2):
+        run.on(
+            reward.identity, scored(ids[2 * g : 2 * g + 2], [1.0, 0.0], [Verdict.OK, Verdict.WRONG])
+        )
+    driver = run.core.driver
+    groups = driver.take_batch(2, Outbox())
+    samples = [s for g in groups for s in g.samples]
+    assert all(s.recorded is not None for s in samples)
+    groups[1].episodes = True  # a batch with an agent episode: the step record reads them all
+    driver._pack(1, 0, groups)
+    assert all(s.trajectory is not None for s in samples)
+    groups[1].episodes = False
+    for sample in samples:
+        sample.release_trajectory()
+    first, _ = driver._pack(1, 0, groups)
+    assert all((s.trajectory is None) is released for s in samples)
+    assert [s.generated.num_tokens for s in samples] == [5, 6, 7, 8]  # built again when read
+    again, _ = driver._pack(1, 0, groups)
+    assert len(first) == len(again) == 1
+    for name in ("token_ids", "logprobs", "versions", "loss_mask", "advantages"):
+        assert np.array_equal(getattr(first[0], name), getattr(again[0], name)), name
