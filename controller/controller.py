@@ -52,7 +52,7 @@ import asyncio
 import itertools
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from collections.abc import AsyncIterator, Callable, Coroutine
 
 from areal import clock
@@ -401,18 +401,20 @@ class Controller:
         written to several workers in a row (a new version's UpdateWeights, to every rollout
         worker) is encoded once and broadcast."""
         channel, sent_to = self._channel, self._sent_to
-        for _, run in itertools.groupby(out.items, key=_same_message):
-            first, *more = run
-            if not isinstance(first, tuple):
-                for wake_up in (first, *more):
+        for _, same in itertools.groupby(out.items, key=_same_message):
+            run = list(same)
+            if not isinstance(run[0], tuple):  # wake-ups (the same one, if several)
+                for wake_up in cast(list[Callable[[], Any]], run):
                     wake_up()
-            elif not more:
-                sent_to.add(first[0])
-                await channel.send(first[0], first[1])
+                continue
+            sends = cast(list[tuple[bytes, Any]], run)
+            if len(sends) == 1:
+                sent_to.add(sends[0][0])
+                await channel.send(*sends[0])
             else:
-                identities = [first[0], *(identity for identity, _ in more)]
+                identities = [identity for identity, _ in sends]
                 sent_to.update(identities)
-                await channel.broadcast(identities, first[1])
+                await channel.broadcast(identities, sends[0][1])
         for handle, why in out.restarts:
             await self._restart(handle, why)
         for handle, error in out.step_failures:

@@ -23,6 +23,23 @@ def _scan(workers: list[WorkerHandle], capacity: int) -> WorkerHandle | None:
     return min(ready, key=lambda w: len(w.in_flight), default=None)
 
 
+def _other_traffic(
+    rng: random.Random, workers: list[WorkerHandle], room: WorkerRoom, *, result_back: bool
+) -> None:
+    """A result comes back from a busy worker, or else a worker is lost or becomes ready
+    again; either way it is offered to the room again."""
+    if result_back:
+        busy = [w for w in workers if w.in_flight]
+        if busy:
+            w = rng.choice(busy)
+            w.in_flight.pop()
+            room.offer(w)
+        return
+    w = rng.choice(workers)
+    w.ready = not w.ready
+    room.offer(w)
+
+
 def test_room_matches_the_scan_through_random_traffic():
     rng = random.Random(0)
     workers = [_worker(i) for i in range(6)]
@@ -38,16 +55,8 @@ def test_room_matches_the_scan_through_random_traffic():
             if got is not None:
                 got.in_flight.add(f"r{step}")
                 room.offer(got)
-        elif action < 0.85:  # a result comes back
-            busy = [w for w in workers if w.in_flight]
-            if busy:
-                w = rng.choice(busy)
-                w.in_flight.pop()
-                room.offer(w)
-        else:  # a worker is lost or becomes ready again
-            w = rng.choice(workers)
-            w.ready = not w.ready
-            room.offer(w)
+        else:
+            _other_traffic(rng, workers, room, result_back=action < 0.85)
 
 
 def test_no_capacity_limit_and_empty_room():
@@ -92,18 +101,10 @@ def test_take_turns_sends_what_taking_one_request_at_a_time_would():
                 got += [worker] * count
                 room.offer(worker)
             assert got == expected, step
-        elif action < 0.75:  # a result comes back
-            busy = [w for w in workers if w.in_flight]
-            if busy:
-                w = rng.choice(busy)
-                w.in_flight.pop()
-                room.offer(w)
-        elif action < 0.9:  # offered again with nothing changed
+        elif 0.75 <= action < 0.9:  # offered again with nothing changed
             room.offer(rng.choice(workers))
-        else:  # a worker is lost or becomes ready again
-            w = rng.choice(workers)
-            w.ready = not w.ready
-            room.offer(w)
+        else:
+            _other_traffic(rng, workers, room, result_back=action < 0.75)
 
 
 def test_take_turns_without_a_capacity_limit_stops_at_the_limit_asked():
