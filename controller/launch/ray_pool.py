@@ -150,9 +150,9 @@ class RayProcess:
 
 def poll_all(processes: Iterable[RayProcess]) -> None:
     """`poll` each of `processes` with one `ray.wait` over all their references: the
-    liveness loop polls every worker each round, and a `ray.wait` costs tens of
-    microseconds of the controller's CPU whether it asks after one reference or thousands
-    (bench/ray_poll.py)."""
+    liveness loop polls every worker each round, and a `ray.wait` costs the controller's
+    thread a fixed price many times what each reference adds to it, so one call for
+    thousands of actors costs a small fraction of one call each (bench/ray_poll.py)."""
     import ray
 
     running = [p for p in processes if p.returncode is None]
@@ -281,9 +281,11 @@ class RayPool(WorkerPool):
 
     def exited(self) -> list[WorkerHandle]:
         """As WorkerPool's, every actor polled in one `ray.wait` (`poll_all`)."""
-        handles = [h for h in self.expected.values() if isinstance(h.process, RayProcess)]
-        poll_all(h.process for h in handles)  # type: ignore[misc]
-        return [h for h in handles if h.process.returncode is not None]  # type: ignore[union-attr]
+        actors = [
+            (h, h.process) for h in self.expected.values() if isinstance(h.process, RayProcess)
+        ]
+        poll_all(process for _, process in actors)
+        return [h for h, process in actors if process.returncode is not None]
 
     # -- per-node failures --------------------------------------------------------------------
 
