@@ -16,7 +16,7 @@ in the calling thread's CPU time (`time.thread_time`: what the controller's even
 thread pays) and in wall time, the median of `--repeats` rounds. The ratio is one wait's
 against each's. The last columns price a second of a run: the rounds a second at the
 automatic heartbeat interval of a run of N workers (`RunConfig.heartbeat_interval`: one
-Heartbeat from each worker every N / HEARTBEATS_PER_S seconds, at least 1 s).
+Heartbeat from each worker every N / `areal.config.HEARTBEATS_PER_S` seconds, at least 1 s).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import sys
 import time
 from typing import Any
 
-from areal.config import HEARTBEATS_PER_S
+from areal.config import load_config
 from areal.controller.launch.ray_pool import RayProcess, poll_all
 
 from results_page import publish, write_results  # bench/ is on the path when run as a script
@@ -85,7 +85,8 @@ def measure(ray: Any, pending: Any, count: int, repeats: int) -> dict[str, float
     for name, values in rounds.items():
         result[f"{name}_cpu_ms"] = statistics.median(cpu for cpu, _ in values) * 1e3
         result[f"{name}_wall_ms"] = statistics.median(wall for _, wall in values) * 1e3
-    result["rounds_per_s"] = 1.0 / max(1.0, count / HEARTBEATS_PER_S)
+    workers = [f"rollout.num_workers={count - 1}", "reward.num_workers=0"]  # and one trainer
+    result["rounds_per_s"] = 1.0 / load_config(overrides=workers).heartbeat_interval()
     return result
 
 
@@ -101,14 +102,13 @@ def main() -> int:
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         hold = ray.remote(num_cpus=1)(_sleep)
-        blocker = hold.remote(3600)  # takes the one CPU: every later task stays queued
+        hold.remote(3600)  # takes the one CPU: every later task stays queued
         rows, data = [], []
         for count in sizes:
             r = measure(ray, lambda: hold.remote(3600), count, repeats)
             data.append({"actors": count, **r})
             rows.append(_row(count, r))
             print(rows[-1], file=sys.stderr)
-        del blocker
     finally:
         ray.shutdown()
     header = (

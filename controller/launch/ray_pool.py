@@ -77,11 +77,8 @@ class RayProcess:
         return int(self.node["pid"]) if self.node else 0
 
     def poll(self) -> int | None:
-        import ray
-
-        refs = self.pending()
-        ready = ray.wait(refs, num_returns=len(refs), timeout=0)[0] if refs else []
-        return self.update(set(ready))
+        poll_all([self])
+        return self.returncode
 
     def pending(self) -> list[Any]:
         """The references whose completion changes what `poll` says: the actor's placement
@@ -156,7 +153,7 @@ def poll_all(processes: Iterable[RayProcess]) -> None:
     import ray
 
     running = [p for p in processes if p.returncode is None]
-    refs = list(dict.fromkeys(ref for p in running for ref in p.pending()))  # unique, as asked
+    refs = [ref for p in running for ref in p.pending()]  # each from its own remote call
     ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else set()
     for process in running:
         process.update(ready)

@@ -46,12 +46,12 @@ def ray_actor():
         ray.shutdown()
 
 
-def _process(actor, code: int, delay_s: float, events: list, timeout_s: float = 120.0):
+def _process(name: str, actor, code: int, delay_s: float, events: list, timeout_s: float = 120.0):
     return RayProcess(
         actor,
         actor.where.remote(),
         actor.run.remote(code, delay_s),
-        worker_id=f"rollout-{len(events)}",
+        worker_id=name,
         attempt=1,
         actor_name="test",
         placement_timeout_s=timeout_s,
@@ -76,9 +76,11 @@ def test_one_ray_wait_a_round_reads_each_actor_as_its_own_poll_would(
 ):
     ray, actor_cls = ray_actor
     events: list = []
-    exits = _process(actor_cls.remote(), 3, 0.0, events)
-    runs = _process(actor_cls.remote(), 0, 3600.0, events)
-    unplaced = _process(actor_cls.options(resources={"absent": 1}).remote(), 0, 0.0, events, 1.0)
+    exits = _process("rollout-0", actor_cls.remote(), 3, 0.0, events)
+    runs = _process("rollout-1", actor_cls.remote(), 0, 3600.0, events)
+    unplaced = _process(
+        "rollout-2", actor_cls.options(resources={"absent": 1}).remote(), 0, 0.0, events, 1.0
+    )
     processes = [exits, runs, unplaced]
     waits: list[int] = []
     real_wait = ray.wait
