@@ -516,8 +516,9 @@ class Core:
         """`handle` is lost: everything it held is re-queued (generations) or judged as an
         infrastructure failure (checks), and it is forgotten; its process is the shell's to
         stop and start again (`out.restarts`). Once: the liveness loop and a failed trainer
-        step may both find the same dead rank."""
-        if handle.worker_id in self.losing:
+        step may both find the same dead rank; and a trainer rank stopped by the restart of
+        its group (`trainers.restarting`) is not lost again."""
+        if handle.worker_id in self.losing or handle.worker_id in self.trainers.restarting:
             return
         self.losing.add(handle.worker_id)
         requeued: list[Sample] = []

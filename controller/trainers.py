@@ -83,6 +83,9 @@ class Trainers:
         self.all_lost = all_lost
         self.formed = False
         """The ranks are ready, in one group, and hold the run's current version."""
+        self.restarting: set[str] = set()
+        """The ranks (worker ids) a loss in progress stops and starts again: a process of
+        theirs found exited meanwhile was stopped by that loss, not lost anew."""
         self._pending: asyncio.Future | None = None
         self._answers: dict[int, Trained] = {}
 
@@ -226,6 +229,18 @@ class Trainers:
             raise failure
         handle.num_restarts += 1
         others = [h for h in self.pool.trainers() if h is not handle]
+        ranks = {h.worker_id for h in [handle, *others]}
+        self.restarting |= ranks
+        try:
+            await self._restart_all(handle, others, lost)
+        finally:
+            self.restarting -= ranks
+
+    async def _restart_all(
+        self, handle: WorkerHandle, others: list[WorkerHandle], lost: str
+    ) -> None:
+        """Stop every rank (`handle` is lost, `others` go with it) and start the local ones
+        again; the step in progress ends as far as rank 0 got."""
         for other in others:
             if other.identity is not None and other.process is None:
                 out = Outbox()

@@ -259,6 +259,20 @@ def test_a_worker_s_fatal_error_re_queues_its_work_and_asks_for_its_restart(run)
     assert not run.core.losing
 
 
+def test_a_trainer_rank_stopped_by_its_group_s_restart_is_not_lost_again(run):
+    """Rank 1 died; restarting the group kills rank 0, whose exited process the liveness loop
+    may find before it is started again: the restart's doing, not a second loss."""
+    trainer = run.join(WorkerKind.TRAINER)
+    run.core.trainers.restarting.add(trainer.worker_id)
+    out = Outbox()
+    run.core.lose(trainer, "process exited", out)
+    assert not out.restarts and not run.core.losing
+    assert run.pool.get(trainer.identity) is trainer  # not forgotten
+    run.core.trainers.restarting.clear()  # the restart is over: a loss again
+    run.core.lose(trainer, "process exited", out)
+    assert out.restarts == [(trainer, "process exited")]
+
+
 def test_dropping_a_group_cancels_its_generations_and_frees_its_slots(run):
     run.admit(2)
     rollout = run.join(WorkerKind.ROLLOUT)

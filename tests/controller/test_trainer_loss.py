@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -133,3 +135,29 @@ def test_a_rank_lost_too_often_fails_the_run(tmp_path):
     t.ranks[1].num_restarts = MAX_RESTARTS
     with pytest.raises(RunFailed, match=rf"lost {MAX_RESTARTS + 1} times"):
         asyncio.run(t.lose(t.ranks[1], "process exited"))
+
+
+def test_every_rank_counts_as_restarting_until_the_local_ones_are_started_again(tmp_path):
+    """Rank 1 (a local process) dies; the group's restart kills rank 0's process and starts
+    both again. Until each is started the pool finds their processes exited: the trainers
+    name them restarting meanwhile (the core does not lose them again), and no longer after."""
+    t = _Trainers(tmp_path)
+    for handle in t.ranks:
+        handle.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        t.pool.expected[handle.worker_id] = handle
+    rank0, rank1 = t.ranks
+    rank1.process.kill()
+    rank1.process.wait()
+    started = {}
+
+    async def start(kind, index, rank):  # the worker processes' launch is not under test
+        started[rank] = (set(t.trainers.restarting), [h.worker_id for h in t.pool.exited()])
+        return t.pool.expected[f"trainer-{rank}"]
+
+    t.pool.start = start
+    asyncio.run(t.lose(rank1, "process exited"))
+    assert rank0.process.poll() is not None  # stopped by the restart
+    both = {"trainer-0", "trainer-1"}
+    assert started == {rank: (both, ["trainer-0", "trainer-1"]) for rank in (0, 1)}
+    assert t.trainers.restarting == set() and t.trainers.recovery.num_restores == 1
+    assert "waiting for remote" not in t.lines[-1]
