@@ -616,6 +616,7 @@ def table_r(bench: Bench) -> str:
             f"{r.controller_alone_cpu_s_per_step:>9.2f} "
             f"{r.controller_alone_gc_s_per_step:>5.2f} {r.controller_alone_share:>7.1%} "
             f"{r.controller_alone_intake_cpu_s_per_step:>8.2f} "
+            f"{r.controller_alone_pack_cpu_s_per_step:>6.2f} "
             f"{r.controller_alone_without_intake_cpu_s_per_step:>7.2f} "
             f"{r.controller_alone_cpu_s_per_step / r.controller_alone_without_intake_cpu_s_per_step:>7.2f} "
             f"{r.controller_alone_cpu_s_per_step / r.controller_cpu_s_per_step:>8.2f} "
@@ -626,7 +627,7 @@ def table_r(bench: Bench) -> str:
     return (
         _lines(
             f"{'run':>5} {'rewards':>8} {'in sim s':>9} {'gc s':>5} {'share':>7} {'alone s':>9} "
-            f"{'gc s':>5} {'share':>7} {'intake s':>8} {'w/o s':>7} {'ratio':>7} "
+            f"{'gc s':>5} {'share':>7} {'intake s':>8} {'pack s':>6} {'w/o s':>7} {'ratio':>7} "
             f"{'alone/in':>8} {'ref us':>6} {'ref al':>6} {f'at {SLOW_REF_US:g} us':>8}",
             rows,
         )
@@ -641,6 +642,8 @@ def table_r(bench: Bench) -> str:
         "(its messages recorded), and alone with the same messages replayed; intake s: "
         "CPU seconds per step of the alone controller's intake thread, which reads each "
         "Completions' tokens beside its event loop (areal/intake.py; not in alone s); "
+        "pack s: the same of its thread that packs each step's Train messages and frees "
+        "the step's batch once recorded (not in alone s); "
         "w/o s: alone s of a second replay of the same messages to a controller without "
         "an intake (controller.intake_thread=false: its loop reads the tokens), and ratio: "
         f"alone s over it; {GC_NOTE}; "

@@ -52,6 +52,14 @@ from areal.messages import Train, Trained, WorkerKind
 from areal.types import pack, pack_arrays
 
 
+def _free(batch: list[Any]) -> float:
+    """Drop `batch`'s references, the last ones to a trained step's groups and Train
+    messages, on the calling (worker) thread; the CPU seconds it took there."""
+    start = time.thread_time()
+    batch.clear()
+    return time.thread_time() - start
+
+
 class TrainDriver:
     def __init__(
         self,
@@ -152,6 +160,7 @@ class TrainDriver:
         """Train until the last step or a stop; returns the last step trained."""
         groups_per_step = self.cfg.trainer.batch_size // self.cfg.task.group_size
         step = self.start_step
+        freed_s = 0.0  # CPU seconds freeing the last step's batch took in its thread
         while step < self.cfg.trainer.total_steps and not self.stopping():
             step += 1
             waited = clock.now()
@@ -167,7 +176,14 @@ class TrainDriver:
             trained = await self.trainers.run_step(step, messages, self.stopping)
             if trained is None:  # stopped while a lost trainer was being restored
                 return step - 1
-            self.record_step(step, groups, trained, clock.now() - start, waited, pack_s)
+            self.record_step(step, groups, trained, clock.now() - start, waited, pack_s + freed_s)
+            # The batch's last references, handed to a worker thread that drops them: its
+            # groups' samples and what they hold, about a million objects a step at cluster
+            # scale, are freed there instead of on the loop's thread (docs/history.md, "A
+            # step's batch freed beside the loop").
+            batch: list[Any] = [groups, messages]
+            del groups, messages
+            freed_s = await asyncio.to_thread(_free, batch)
             if self._eval_due(step):
                 periodic.create_task(self.evaluate(), name="eval")
         return step
@@ -244,9 +260,10 @@ class TrainDriver:
         The trajectories packing built from recorded completions (`Sample.generated`) are
         released here, once packed, unless the step record or `logging.save_batches` reads
         them (`_release_trajectories`; the step record reads every trajectory of a batch
-        with an agent episode): freed on this thread, not on the loop's when the step's batch is dropped
-        (about a dozen objects a sample, tens of thousands of samples a step at cluster
-        scale; docs/history.md, "Trajectories freed where they were built")."""
+        with an agent episode): freed on this thread as soon as they are packed (about a
+        dozen objects a sample, tens of thousands of samples a step at cluster scale;
+        docs/history.md, "Trajectories freed where they were built"); the rest of the batch
+        is freed on a thread too, once the step is recorded (`_free`)."""
         start = time.thread_time()
         messages = train_messages(self.cfg, step, version, groups)
         if self._release_trajectories and not any(group.episodes for group in groups):
@@ -271,9 +288,10 @@ class TrainDriver:
         pack_s: float = 0.0,
     ) -> dict[str, Any]:
         """Write step `step`'s record (and the progress line), then the controller's part
-        of its checkpoint, if the trainer made one. `pack_s`: CPU seconds packing the Train
-        messages took in its thread (perf/pack_cpu_s); the intake's thread's since the last
-        record are perf/intake_cpu_s."""
+        of its checkpoint, if the trainer made one. `pack_s`: CPU seconds of the thread
+        beside the loop, packing the Train messages and freeing the previous step's batch
+        (perf/pack_cpu_s); the intake's thread's since the last record are
+        perf/intake_cpu_s."""
         record = self.report.step_record(
             step,
             self.version(),

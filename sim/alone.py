@@ -219,6 +219,10 @@ class Alone:
     intake_cpu_s: list[float]
     """Each step record's perf/intake_cpu_s: the intake thread's CPU seconds (beside the
     loop's, not in the marks)."""
+    pack_cpu_s: list[float]
+    """Each step record's perf/pack_cpu_s: the CPU seconds of the thread that packs the
+    Train messages and frees the previous step's batch (beside the loop's, not in the
+    marks)."""
 
 
 class _ReplayRouter(SimRouter):
@@ -377,4 +381,5 @@ def replay(
         num_received=feeder.next,
         num_sent=router.num_sent,
         intake_cpu_s=[r["perf/intake_cpu_s"] for r in records if r["kind"] == "step"],
+        pack_cpu_s=[r["perf/pack_cpu_s"] for r in records if r["kind"] == "step"],
     )

@@ -88,8 +88,9 @@ class SimResult:
     """Of controller_cpu_s_per_step, garbage collections that ran in the controller's steps
     (each walks the simulated cluster's objects too: sim/accounting.py)."""
     controller_pack_cpu_s_per_step: float
-    """CPU seconds per step the controller's thread for packing Train messages took (the
-    step records' perf/pack_cpu_s): beside its event loop, not in controller_cpu_s_per_step."""
+    """CPU seconds per step the controller's thread for packing Train messages (and freeing
+    each step's batch once recorded) took (the step records' perf/pack_cpu_s): beside its
+    event loop, not in controller_cpu_s_per_step."""
     controller_intake_cpu_s_per_step: float
     """CPU seconds per step of the controller's intake thread (the step records'
     perf/intake_cpu_s: reading each large Completions' tokens, areal/intake.py): beside its event
@@ -104,6 +105,9 @@ class SimResult:
     """Of controller_alone_cpu_s_per_step, its garbage collections (of its own objects)."""
     controller_alone_intake_cpu_s_per_step: float | None
     """controller_intake_cpu_s_per_step of the controller alone."""
+    controller_alone_pack_cpu_s_per_step: float | None
+    """controller_pack_cpu_s_per_step of the controller alone (packing and freeing each
+    step's batch)."""
     controller_alone_without_intake_cpu_s_per_step: float | None
     """controller_alone_cpu_s_per_step of a second replay of the same messages, to a
     controller without an intake thread (its loop reads the tokens): alone_without_intake,
@@ -350,6 +354,9 @@ def _result(
         controller_alone_intake_cpu_s_per_step=None
         if alone is None
         else sum(alone.intake_cpu_s[first:last]) / (last - first),
+        controller_alone_pack_cpu_s_per_step=None
+        if alone is None
+        else sum(alone.pack_cpu_s[first:last]) / (last - first),
         controller_alone_without_intake_cpu_s_per_step=None
         if without_intake is None
         else _per_step(without_intake.marks, _CPU, first, last),

@@ -84,21 +84,21 @@ def test_quick_bench_prints_every_table_and_parallel_runs_match_serial(tmp_path,
 def test_table_r_measures_the_controller_in_the_simulation_and_alone(cluster_bench):
     bench = cluster_bench.Bench(quick=True, seed=1, jobs=1)
     text = cluster_bench.table_r(bench)
-    # run, rewards, in sim s, gc s, share, alone s, gc s, share, intake s, w/o s, ratio,
-    # alone/in, ref us, ref al, at 14 us
+    # run, rewards, in sim s, gc s, share, alone s, gc s, share, intake s, pack s, w/o s,
+    # ratio, alone/in, ref us, ref al, at 14 us
     found = re.findall(
         r"^\s+(\d)\s+(reward|rollout)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)%\s+([0-9.]+)"
-        r"\s+([0-9.]+)\s+([0-9.]+)%\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)"
+        r"\s+([0-9.]+)\s+([0-9.]+)%\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)"
         r"\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)%$",
         text,
         re.MULTILINE,
     )
     # rewards by reward workers, then by the rollout servers (quick: one run of each)
     assert [(row[0], row[1]) for row in found] == [("1", "reward"), ("2", "rollout")], text
-    for row in found:  # the second replay, without the intake, measured too
-        intake, without, ratio = float(row[8]), float(row[9]), float(row[10])
-        assert intake >= 0 and without > 0 and ratio > 0, text
-    rows = [(row[0], *row[2:8], *row[11:]) for row in found]
+    for row in found:  # the threads beside the loop, and the replay without the intake
+        intake, pack, without, ratio = (float(value) for value in row[8:12])
+        assert intake >= 0 and pack > 0 and without > 0 and ratio > 0, text
+    rows = [(row[0], *row[2:8], *row[12:]) for row in found]
     assert all(float(row[3]) > 0 and float(row[6]) > 0 and float(row[8]) > 0 for row in rows), text
     assert all(float(row[2]) <= float(row[1]) and float(row[5]) <= float(row[4]) for row in rows)
     for row in rows:  # the alone share priced at ref us 14 by the yardstick around the replay

@@ -5,13 +5,17 @@ built them."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import sys
+import threading
 
 import numpy as np
 import pytest
 
 from decisions import Decisions, config, generated, scored
 
+from areal.controller import train_driver
 from areal.controller.outbox import Outbox
 from areal.controller.resume import STATE
 from areal.messages import Cancel, Completions, Trained, WorkerKind
@@ -163,3 +167,54 @@ def test_packing_releases_the_trajectories_it_built_from_recorded_completions(
     assert len(first) == len(again) == 1
     for name in ("token_ids", "logprobs", "versions", "loss_mask", "advantages"):
         assert np.array_equal(getattr(first[0], name), getattr(again[0], name)), name
+
+
+def test_a_trained_batch_is_freed_on_a_thread_beside_the_loop(tmp_path, monkeypatch):
+    """Once its record is written, the loop drops its last references to the step's groups
+    and Train messages into a list a worker thread clears: the thousands of objects of a
+    batch at cluster scale are freed there, not on the loop's thread, and that thread's
+    CPU is counted in the next step's perf/pack_cpu_s."""
+    run = Decisions(config(tmp_path, "trainer.total_steps=2"), tmp_path)
+    run.admit(4)
+    rollout, reward = run.join(WorkerKind.ROLLOUT), run.join(WorkerKind.REWARD)
+    run.core.report.start_training()
+    for group_id in range(4):
+        _complete(run, group_id, 0, rollout, reward)
+    driver = run.core.driver
+    freed = []
+
+    def free(batch):
+        groups, messages = batch
+        # Each group: held by the batch's list, this loop's variable and getrefcount's
+        # argument alone; the Train messages' list by the batch, the trainers' kept steps
+        # (until a checkpoint), this function's variable and the argument.
+        freed.append(
+            (
+                threading.get_ident(),
+                [sys.getrefcount(group) for group in groups],
+                sys.getrefcount(messages),
+            )
+        )
+        return real_free(batch) + 100.0  # told apart from packing's seconds below
+
+    async def run_step(step, messages, stopping):
+        driver.trainers.recovery.steps.append(messages)  # kept until a checkpoint
+        return Trained(step=step, version=step, stats={"loss": 0.5})
+
+    real_free = train_driver._free
+    monkeypatch.setattr(train_driver, "_free", free)
+    monkeypatch.setattr(driver.trainers, "run_step", run_step)
+
+    async def train():
+        loop_thread = threading.get_ident()
+        async with asyncio.TaskGroup() as periodic:
+            assert await driver._train(periodic) == 2
+        return loop_thread
+
+    loop_thread = asyncio.run(train())
+    assert len(freed) == 2 and all(thread != loop_thread for thread, _, _ in freed)
+    assert [counts for _, counts, _ in freed] == [[3, 3], [3, 3]]
+    assert [count for _, _, count in freed] == [4, 4]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["kind"] == "step"]
+    assert [r["perf/pack_cpu_s"] >= 100.0 for r in steps] == [False, True]
