@@ -1,7 +1,7 @@
 """The train driver's decisions (train_driver.py): which groups a step takes (strict bound:
 earliest deadline first, none past it), the controller's part of a checkpoint written once
-the step's record is, and the batch's trajectories released by the packing thread that
-built them."""
+the step's record is, the batch's trajectories released by the packing thread that built
+them, and the rest of the batch freed on a thread once the step is recorded."""
 
 from __future__ import annotations
 
