@@ -1,21 +1,24 @@
 """The controller's intake: work on received messages done on a thread beside its event loop.
 
-The controller's event loop decides on one message at a time. At cluster scale most of
-what a Completions costs it is reading the tokens it carries: a pass over every token id and
+The controller's event loop decides on one message at a time. At cluster scale most of what
+a Completions costs it is reading the tokens it carries: a pass over every token id and
 log-prob, to find their extremes (controller/checks.py, `TokenBounds`), two arrays of tens of
-thousands of values a message and hundreds of millions a step. That reading needs no
-decision and no state of the controller's, and numpy lets other threads run while it
-reduces an array, so `Intake` does it on a thread of its own while the loop decides on the
-messages received before: the channel (areal/transport.py) reads ahead the messages
-waiting at its socket and hands each one the intake wants to it as it decodes it; the loop
-takes a message once its intake work is done, in the order received.
+thousands of values a message and hundreds of millions a step; and before it, checking that
+the message's parts fit together (`Completions.check`: its lists pair up, its lengths cut
+its arrays). That work needs no decision and no state of the controller's, and numpy lets
+other threads run while it reduces an array, so `Intake` does it on a thread of its own
+(controller/checks.py, `read_completions`) while the loop decides on the messages received
+before: the channel (areal/transport.py) reads ahead the messages waiting at its socket and
+hands each one the intake wants to it as it decodes it; the loop takes a message once its
+intake work is done, in the order received.
 
 What stays on the loop's thread: decoding (its C parts hold the GIL, so moving it would only
 move the time), and every decision. The intake's thread holds the GIL for the Python around
-each reduction and for taking and returning each message; `cpu_s` is all of its CPU time,
-reported beside the loop's (the step records' perf/intake_cpu_s). Handing a message over
-costs the loop's thread CPU too, so only messages large enough to repay it are wanted
-(controller/checks.py, INTAKE_MIN_TOKENS; bench/intake.py measures both sides).
+each reduction, for the parts' check and for taking and returning each message; `cpu_s` is
+all of its CPU time, reported beside the loop's (the step records' perf/intake_cpu_s).
+Handing a message over costs the loop's thread CPU too, so only messages large enough to
+repay it are wanted (controller/checks.py, INTAKE_MIN_TOKENS; bench/intake.py measures both
+sides).
 """
 
 from __future__ import annotations

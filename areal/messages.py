@@ -382,6 +382,9 @@ class Completions:
     """Each completion's checks run again after an infrastructure failure, before its
     verdict (Generated.check_retries)."""
     # -- kept by the receiving controller, never sent
+    parts_fit: bool | None = field(default=None, compare=False, repr=False, metadata=NOT_SENT)
+    """Whether `check` passed, found by the controller's intake off its event loop's thread
+    (areal/intake.py); None: not checked there."""
     token_bounds: Any = field(default=None, compare=False, repr=False, metadata=NOT_SENT)
     """The extremes of the token arrays (controller/checks.py `TokenBounds`), read by the
     controller's intake off its event loop's thread (areal/intake.py); None: not read yet."""

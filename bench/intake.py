@@ -2,13 +2,13 @@
 
     python bench/intake.py [--quick] [--repeats R]
 
-The controller reads every token id and log-prob of a Completions once, to find their
-extremes (controller/checks.py, `token_bounds`). Its intake (areal/intake.py) does that on
-a thread beside the event loop; handing a message over and taking it back costs the loop's
-thread CPU of its own. This bench measures, per message and in the loop thread's CPU time
+The controller checks that a Completions' parts fit together (`Completions.check`) and
+reads every token id and log-prob of it once, to find their extremes (controller/checks.py,
+`read_completions`). Its intake (areal/intake.py) does both on a thread beside the event
+loop; handing a message over and taking it back costs the loop's thread CPU of its own. This bench measures, per message and in the loop thread's CPU time
 (`time.thread_time`), for Completions of 16 completions and a range of total tokens:
 
-    loop      the loop reads the tokens itself (controller.intake_thread=false, or a
+    loop      the loop does that work itself (controller.intake_thread=false, or a
               message below checks.INTAKE_MIN_TOKENS)
     waited    handed to the intake and waited for at once: the loop idle when it arrived
               (and what the simulation charges, sim/channel.py)
@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-from areal.controller.checks import INTAKE_MIN_TOKENS, read_token_bounds, token_bounds
+from areal.controller.checks import INTAKE_MIN_TOKENS, read_completions
 from areal.intake import Intake
 from areal.messages import Completions, FinishReason, Generated
 from areal.transport import READ_AHEAD
@@ -69,7 +69,7 @@ def _per_message_us(run, messages: list[Completions]) -> float:
 
 def _on_loop(messages: list[Completions]) -> None:
     for msg in messages:
-        token_bounds(msg)
+        read_completions(msg)
 
 
 def _waited(intake: Intake):
@@ -92,7 +92,7 @@ def _ahead(intake: Intake):
 def measure(tokens: int, repeats: int, rng: np.random.Generator) -> dict[str, float]:
     count = max(READ_AHEAD, COLD_BYTES // (8 * tokens))
     messages = [_message(tokens, rng) for _ in range(count)]
-    intake = Intake(read_token_bounds, lambda msg: True)
+    intake = Intake(read_completions, lambda msg: True)
     try:
         rounds: dict[str, list[float]] = {"loop": [], "waited": [], "ahead": [], "thread": []}
         for _ in range(repeats):
@@ -129,7 +129,7 @@ def main() -> int:
     )
     table = "\n".join([header, "-" * len(header), *rows]) + (
         f"\n(per Completions of {COMPLETIONS} completions: the event loop thread's CPU "
-        "microseconds to read its tokens' extremes itself (loop), to hand it to the intake "
+        "microseconds to check its parts and read its tokens' extremes itself (loop), to hand it to the intake "
         f"and wait at once (waited), or in runs of {READ_AHEAD} (ahead); the intake "
         f"thread's own CPU (thread); medians of {repeats} rounds over about "
         f"{COLD_BYTES >> 20} MB of tokens each; the intake takes messages of "

@@ -165,7 +165,7 @@ class TokenBounds:
     """What `completions_fit` reads of a Completions' tokens: the extremes of its id and
     log-prob arrays. Finding them is a pass over every token the message carries, most of
     what receiving a completion costs at cluster scale, so the controller's intake finds
-    them off its event loop's thread (areal/intake.py, `read_token_bounds`)."""
+    them off its event loop's thread (areal/intake.py, `read_completions`)."""
 
     ids_max: int
     """The greatest id, each read unsigned: a negative id is above any vocabulary."""
@@ -204,15 +204,23 @@ both). Below this the loop reads them itself."""
 
 
 def worth_the_intake(msg: Any) -> bool:
-    """Whether the intake's thread reads `msg`'s tokens (`read_token_bounds`): a Completions
+    """Whether the intake's thread reads `msg` (`read_completions`): a Completions
     of at least INTAKE_MIN_TOKENS tokens."""
     return type(msg) is Completions and msg.output_ids.size >= INTAKE_MIN_TOKENS
 
 
-def read_token_bounds(msg: Completions) -> None:
-    """The controller's intake work (areal/intake.py): a Completions keeps its token bounds.
+def read_completions(msg: Completions) -> None:
+    """The controller's intake work (areal/intake.py): a Completions keeps whether its parts
+    fit together (`Completions.check`, `parts_fit`) and, when they do, its token bounds.
     Runs on the intake's thread, before the message is handled; never raises for a message
-    decoding let through (its parts need not fit together yet: `Completions.check`)."""
+    decoding let through (one whose parts do not fit is refused, and its error worded, on
+    the loop)."""
+    try:
+        msg.check()
+    except ValueError:
+        msg.parts_fit = False
+        return
+    msg.parts_fit = True
     msg.token_bounds = token_bounds(msg)
 
 

@@ -289,7 +289,8 @@ class Core:
         together is refused whole and each of its requests generated again."""
         self.report.on_answer(len(msg.request_ids))
         try:
-            msg.check()
+            if not msg.parts_fit:  # not checked by the intake (or refused there: worded here)
+                msg.check()
         except ValueError as err:
             self.refuse(identity, "contradicts the ledger", f"Completions: {err}; generated again")
             for request_id in msg.request_ids:

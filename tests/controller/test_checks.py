@@ -280,7 +280,7 @@ def _passes_only_when_each_would(data, lengths, version, vocab_size) -> None:
     fit = checks.completions_fit(msg, max_new_tokens=8, version=version, vocab_size=vocab_size)
     if fit:
         assert each == [""] * len(each)
-    checks.read_token_bounds(msg)  # what the intake does before the loop judges it
+    checks.read_completions(msg)  # what the intake does before the loop judges it
     assert (
         checks.completions_fit(msg, max_new_tokens=8, version=version, vocab_size=vocab_size) == fit
     )
@@ -325,13 +325,25 @@ def test_the_intakes_token_bounds_decide_a_completions_as_reading_it_on_the_loop
 ):
     msg = Completions.of([_generated(), _generated(ids=ids, logprobs=logprobs)])
     on_loop = checks.completions_fit(msg, max_new_tokens=8, version=2, vocab_size=vocab_size)
-    checks.read_token_bounds(msg)
+    checks.read_completions(msg)
     assert msg.token_bounds is not None
     assert (
         checks.completions_fit(msg, max_new_tokens=8, version=2, vocab_size=vocab_size)
         == on_loop
         == fits
     )
+
+
+def test_the_intake_checks_the_parts_and_reads_bounds_only_of_a_message_whose_parts_fit():
+    msg = Completions.of([_generated(), _generated()])
+    checks.read_completions(msg)
+    assert msg.parts_fit is True and msg.token_bounds == checks.token_bounds(msg)
+    misfit = Completions.of([_generated(), _generated()])
+    misfit.num_runs = [1, 5]  # more runs than the run arrays hold: never raised on the thread
+    checks.read_completions(misfit)
+    assert misfit.parts_fit is False and misfit.token_bounds is None
+    with pytest.raises(ValueError, match="do not cut run arrays"):
+        misfit.check()  # what the loop words for the refusal
 
 
 def test_the_intake_reads_only_completions_with_enough_tokens_to_be_worth_handing_over():

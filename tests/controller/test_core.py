@@ -13,6 +13,7 @@ import pytest
 
 from decisions import SECRET, Decisions, config, generated
 
+from areal.controller import checks
 from areal.controller.ledger import Purpose, Stage
 from areal.controller.outbox import Outbox
 from areal.messages import (
@@ -126,6 +127,41 @@ def test_completions_whose_parts_do_not_fit_are_refused_whole_and_generated_agai
     assert not out.sent(Score)
     assert run.core.peer_log.totals["contradicts the ledger"] == 1
     assert sorted(_request_ids(out)) == ["g0-s0-a1", "g0-s1-a1"]  # both again, in one message
+
+
+def test_completions_the_intake_checked_are_not_checked_again_and_a_misfit_is_worded_here(
+    run, monkeypatch
+):
+    run.admit(2)
+    rollout = run.join(WorkerKind.ROLLOUT)
+    run.join(WorkerKind.REWARD)
+    reported = []
+    report = run.core.peer_log.report
+    monkeypatch.setattr(
+        run.core.peer_log,
+        "report",
+        lambda peer, reason, detail, **fields: (
+            reported.append(detail) or report(peer, reason, detail, **fields)
+        ),
+    )
+    misfit = Completions.of([generated("g0-s0-a0", 2), generated("g0-s1-a0", 4)])
+    misfit.lengths = [2, 3]  # one token short of the arrays
+    checks.read_completions(misfit)  # the intake's work, before the loop takes the message
+    assert misfit.parts_fit is False and misfit.token_bounds is None
+    out = run.on(rollout.identity, misfit)
+    assert sorted(_request_ids(out)) == ["g0-s0-a1", "g0-s1-a1"]  # refused whole
+    (detail,) = reported
+    assert "lengths [2, 3] (sum 5) do not cut arrays" in detail  # the check's own words
+    fits = Completions.of([generated("g1-s0-a0", 2), generated("g1-s1-a0", 4)])
+    checks.read_completions(fits)
+    assert fits.parts_fit is True and fits.token_bounds is not None
+
+    def checked_again(self):
+        raise AssertionError("checked on the loop after the intake")
+
+    monkeypatch.setattr(Completions, "check", checked_again)
+    (score,) = run.on(rollout.identity, fits).sent(Score)
+    assert sorted(score.request_ids) == ["g1-s0-a0", "g1-s1-a0"]
 
 
 def test_a_completion_that_contradicts_the_ledger_is_refused_and_generated_again(run):
