@@ -375,7 +375,7 @@ class Controller:
             self._sent_to.clear()  # what is sent from now on counts for the next round
             await self._channel.broadcast(targets, _HEARTBEAT)
             for handle in pool.lost(cfg.heartbeat_timeout_s):
-                if handle not in pool.lost(cfg.heartbeat_timeout_s):
+                if not pool.still_lost(handle, cfg.heartbeat_timeout_s):
                     continue  # restarted meanwhile, with its trainer group
                 await self._lose(
                     handle,

@@ -281,6 +281,25 @@ class WorkerPool:
                 out.append(handle)
         return out
 
+    def still_lost(self, handle: WorkerHandle, timeout_s: float) -> bool:
+        """Whether `lost(timeout_s)` would still name `handle`, polling its process alone:
+        the liveness loop asks this of each handle a round found lost, since losing one
+        may have restarted others (a trainer group's ranks) meanwhile. Asking `lost` again
+        instead polled every process once more per loss (on Ray, a `ray.wait` over every
+        actor: milliseconds at thousands of them)."""
+        if (
+            self.expected.get(handle.worker_id) is handle
+            and handle.process is not None
+            and handle.process.poll() is not None
+        ):
+            return True
+        return (
+            handle.identity is not None
+            and self.by_identity.get(handle.identity) is handle
+            and handle.ready
+            and clock.now() - handle.last_seen > timeout_s
+        )
+
     def exited(self) -> list[WorkerHandle]:
         """The workers started here whose process has exited."""
         return [

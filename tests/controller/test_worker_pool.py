@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
+from areal import clock
 from areal.config import load_config
 from areal.controller import preload
 from areal.controller.pool import WorkerHandle, WorkerPool
@@ -88,3 +89,46 @@ async def test_a_replacement_that_registers_before_its_fork_returns_keeps_its_id
     assert await starting is lost
     assert lost.identity == b"new" and pool.get(b"new") is lost
     assert lost.process is not None and lost.process.pid == 4242
+
+
+class _Polled:
+    """A process that counts its polls; `code` is what poll returns (None: running)."""
+
+    pid = 2222
+
+    def __init__(self, code: int | None) -> None:
+        self.code, self.polls = code, 0
+
+    def poll(self) -> int | None:
+        self.polls += 1
+        return self.code
+
+
+def test_still_lost_names_what_lost_would_name_polling_that_handle_alone(tmp_path):
+    pool = WorkerPool(load_config(), tmp_path, "tcp://x:1", secret=None)
+
+    def handle(name: str, code: int | None, identity: bytes | None, ready: bool, seen: float):
+        h = WorkerHandle(worker_id=name, kind=WorkerKind.ROLLOUT, process=_Polled(code))
+        h.identity, h.ready, h.last_seen = identity, ready, seen
+        pool.expected[name] = h
+        if identity is not None:
+            pool.by_identity[identity] = h
+        return h
+
+    now = clock.now()
+    exited = handle("rollout-0", 1, b"a", True, now)
+    silent = handle("rollout-1", None, b"b", True, now - 100)
+    setting_up = handle("rollout-2", None, b"c", False, now - 100)  # silence not counted yet
+    heard = handle("rollout-3", None, b"d", True, now)
+    restarted = handle("rollout-4", None, None, False, now)  # its process started again
+    replaced = WorkerHandle(  # an earlier handle of rollout-0, no longer the pool's
+        worker_id="rollout-0", kind=WorkerKind.ROLLOUT, process=_Polled(1)
+    )
+    handles = [exited, silent, setting_up, heard, restarted, replaced]
+    lost = pool.lost(timeout_s=10)
+    assert lost == [exited, silent]
+    for h in handles:
+        h.process.polls = 0
+    assert [pool.still_lost(h, timeout_s=10) for h in handles] == [h in lost for h in handles]
+    # each asked polled its own process at most once, no other
+    assert [h.process.polls for h in handles] == [1, 1, 1, 1, 1, 0]
