@@ -833,8 +833,8 @@ class ControllerConfig:
     )
     intake_thread: bool = opt(
         True,
-        "check the parts of each received Completions of 32,768 tokens or more and read "
-        "its tokens (their extremes, which the checks compare) on a thread beside the "
+        "decode each received Completions of 32,768 tokens or more, check its parts and "
+        "read its tokens (their extremes, which the checks compare) on a thread beside the "
         "controller's event "
         "loop, which decides on the messages before it meanwhile (areal.intake); false: "
         "on the loop, as a baseline to compare against",

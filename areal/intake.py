@@ -1,24 +1,24 @@
 """The controller's intake: work on received messages done on a thread beside its event loop.
 
 The controller's event loop decides on one message at a time. At cluster scale most of what
-a Completions costs it is reading the tokens it carries: a pass over every token id and
-log-prob, to find their extremes (controller/checks.py, `TokenBounds`), two arrays of tens of
-thousands of values a message and hundreds of millions a step; and before it, checking that
-the message's parts fit together (`Completions.check`: its lists pair up, its lengths cut
-its arrays). That work needs no decision and no state of the controller's, and numpy lets
-other threads run while it reduces an array, so `Intake` does it on a thread of its own
-(controller/checks.py, `read_completions`) while the loop decides on the messages received
-before: the channel (areal/transport.py) reads ahead the messages waiting at its socket and
-hands each one the intake wants to it as it decodes it; the loop takes a message once its
-intake work is done, in the order received.
+a Completions costs it is reading what it carries: decoding its frames, checking that its
+parts fit together (`Completions.check`: its lists pair up, its lengths cut its arrays) and a
+pass over every token id and log-prob, to find their extremes (controller/checks.py,
+`TokenBounds`), two arrays of tens of thousands of values a message and hundreds of millions
+a step. That work needs no decision and no state of the controller's, so `Intake` does it on
+a thread of its own (controller/checks.py, `intake_reading`) while the loop decides on the
+messages received before: the channel (areal/transport.py) reads ahead the frames waiting at
+its socket, hands those the intake wants to it undecoded and decodes the others itself; the
+loop takes each message, in the order received, once the intake's work on it is done.
 
-What stays on the loop's thread: decoding (its C parts hold the GIL, so moving it would only
-move the time), and every decision. The intake's thread holds the GIL for the Python around
-each reduction, for the parts' check and for taking and returning each message; `cpu_s` is
-all of its CPU time, reported beside the loop's (the step records' perf/intake_cpu_s).
-Handing a message over costs the loop's thread CPU too, so only messages large enough to
-repay it are wanted (controller/checks.py, INTAKE_MIN_TOKENS; bench/intake.py measures both
-sides).
+What stays on the loop's thread: every decision, and decoding the messages the intake does
+not take. The intake's thread holds the GIL for decoding (msgspec's C code), the parts'
+check and the Python around each reduction (numpy lets other threads run while it reduces
+an array), and for taking and returning each message: it moves that time off the loop's
+thread, not out of the process. `cpu_s` is all of its CPU time, reported beside the loop's
+(the step records' perf/intake_cpu_s). Handing a message over costs the loop's thread CPU
+too, so only messages large enough to repay it are wanted (controller/checks.py,
+INTAKE_MIN_BYTES; bench/intake.py measures both sides).
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from collections.abc import Callable
 
 
 class Intake:
-    """One thread running `prepare` on each message submitted to it that it `wants`, in
-    order."""
+    """One thread running `prepare` on each item submitted to it that it `wants`, in order:
+    the item's future holds what `prepare` returns."""
 
-    def __init__(self, prepare: Callable[[Any], None], wants: Callable[[Any], bool]) -> None:
+    def __init__(self, prepare: Callable[[Any], Any], wants: Callable[[Any], bool]) -> None:
         self.wants = wants
         self._prepare = prepare
         self._queue: queue.SimpleQueue[tuple[Any, concurrent.futures.Future] | None] = (
@@ -47,14 +47,14 @@ class Intake:
         assert self._thread.ident is not None  # started
         self._clock = time.pthread_getcpuclockid(self._thread.ident)
 
-    def submit(self, msg: Any) -> concurrent.futures.Future | None:
-        """`msg`'s work, queued behind what was submitted before: a future that is done when
-        it is (holding its exception if `prepare` raised); None for a message it does not
-        want, which needs nothing done here."""
-        if not self.wants(msg):
+    def submit(self, item: Any) -> concurrent.futures.Future | None:
+        """`item`'s work, queued behind what was submitted before: a future that is done
+        when it is, holding what `prepare` returned (or its exception); None for an item it
+        does not want, which needs nothing done here."""
+        if not self.wants(item):
             return None
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((msg, done))
+        self._queue.put((item, done))
         return done
 
     @property
@@ -74,12 +74,12 @@ class Intake:
     def _serve(self) -> None:
         try:
             while (item := self._queue.get()) is not None:
-                msg, done = item
+                work, done = item
                 try:
-                    self._prepare(msg)
+                    result = self._prepare(work)
                 except BaseException as err:  # the receiver raises it, as its own
                     done.set_exception(err)
                 else:
-                    done.set_result(None)
+                    done.set_result(result)
         finally:
             self._final_cpu_s = time.thread_time()

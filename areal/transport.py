@@ -77,28 +77,35 @@ class RouterChannel:
         controller's pool); the others may send only a small Register."""
         self.intake: Intake | None = None
         """Work on received messages done beside the event loop (set by the owner; the
-        channel closes it). With one, `recv` reads ahead what waits at the socket."""
+        channel closes it): it is given a message's frames after the identity, and returns
+        the message, decoded with this channel's `max_bytes` (`checks.intake_reading`).
+        With one, `recv` reads ahead what waits at the socket."""
         self._received: collections.deque[_Received] = collections.deque()
         self._send_lock = asyncio.Lock()
 
     async def recv(self) -> tuple[bytes, Any]:
         """Next (identity, message). Raises MessageError (with the identity) on bad input.
-        With an intake, the messages already waiting (up to READ_AHEAD) are decoded at once
-        and handed to it, and each is returned, in order, once its intake work is done:
-        the intake works on the next ones while the caller decides on this one."""
+        With an intake, the messages already waiting (up to READ_AHEAD) are received at
+        once, those of registered peers the intake wants handed to it as frames (it decodes
+        them) and the others decoded here, and each is returned, in order, once its intake
+        work is done: the intake works on the next ones while the caller decides on this
+        one."""
         if not self._received:
             self._received.append(self._decoded(await self.socket.recv_multipart(copy=False)))
             while (
                 self.intake is not None and len(self._received) < READ_AHEAD and self._waiting()
             ):  # waiting at the socket: received without a wait
                 self._received.append(self._decoded(await self.socket.recv_multipart(copy=False)))
-        identity, msg, prepared = self._received.popleft()
+        identity, msg, reading = self._received.popleft()
         if isinstance(msg, PeerMessageError):
             raise msg
-        if prepared is not None:
-            if not prepared.done():
-                await asyncio.wrap_future(prepared)
-            prepared.result()  # what the intake raised, raised here
+        if reading is not None:
+            if not reading.done():
+                await asyncio.wrap_future(reading)
+            try:
+                msg = reading.result()  # what the intake raised, raised here
+            except MessageError as err:
+                raise PeerMessageError(identity, err) from None
         return identity, msg
 
     def _waiting(self) -> bool:
@@ -107,15 +114,22 @@ class RouterChannel:
         return isinstance(events, int) and bool(events & zmq.POLLIN)
 
     def _decoded(self, frames: list[Any]) -> _Received:
+        """A received message: handed to the intake undecoded if it wants it (a registered
+        peer's only), else decoded here."""
         identity = frames[0].bytes
+        registered = self.registered(identity)
+        if registered and self.intake is not None:
+            reading = self.intake.submit(frames[1:])
+            if reading is not None:
+                return identity, None, reading
         try:
-            if self.registered(identity):
+            if registered:
                 msg = decode(frames[1:], self.max_bytes)
             else:
                 msg = decode(frames[1:], REGISTER_MAX_BYTES, only=(MsgType.REGISTER,))
         except MessageError as err:
             return identity, PeerMessageError(identity, err), None
-        return identity, msg, self.intake.submit(msg) if self.intake is not None else None
+        return identity, msg, None
 
     async def send(self, identity: bytes, msg: Any) -> bool:
         """Send to one peer; False if that peer is gone (ROUTER_MANDATORY)."""
@@ -153,7 +167,8 @@ returns: enough that the intake's thread is rarely idle while messages wait, few
 a backlog stays at the socket (its high-water mark), not in this process."""
 
 _Received = tuple[bytes, Any, "concurrent.futures.Future | None"]
-"""(identity, message or its PeerMessageError, the intake's work on it or None)."""
+"""(identity, message or its PeerMessageError, None) for a message decoded on receipt;
+(identity, None, the intake's reading, whose result is the message) for one handed over."""
 
 
 class PeerMessageError(MessageError):

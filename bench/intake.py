@@ -2,14 +2,16 @@
 
     python bench/intake.py [--quick] [--repeats R]
 
-The controller checks that a Completions' parts fit together (`Completions.check`) and
-reads every token id and log-prob of it once, to find their extremes (controller/checks.py,
-`read_completions`). Its intake (areal/intake.py) does both on a thread beside the event
-loop; handing a message over and taking it back costs the loop's thread CPU of its own. This bench measures, per message and in the loop thread's CPU time
-(`time.thread_time`), for Completions of 16 completions and a range of total tokens:
+The controller decodes each Completions, checks that its parts fit together
+(`Completions.check`) and reads every token id and log-prob of it once, to find their
+extremes (controller/checks.py, `intake_reading`). Its intake (areal/intake.py) does all
+three on a thread beside the event loop, given the message's frames; handing them over and
+taking the message back costs the loop's thread CPU of its own. This bench measures, per
+message and in the loop thread's CPU time (`time.thread_time`), for Completions of 16
+completions and a range of total tokens, received as frames:
 
     loop      the loop does that work itself (controller.intake_thread=false, or a
-              message below checks.INTAKE_MIN_TOKENS)
+              message below checks.INTAKE_MIN_BYTES)
     waited    handed to the intake and waited for at once: the loop idle when it arrived
               (and what the simulation charges, sim/channel.py)
     ahead     READ_AHEAD messages handed over together, then each waited for: the channel
@@ -27,12 +29,14 @@ import argparse
 import statistics
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
-from areal.controller.checks import INTAKE_MIN_TOKENS, read_completions
+from areal.codec import encode
+from areal.controller.checks import INTAKE_MIN_BYTES, intake_reading
 from areal.intake import Intake
-from areal.messages import Completions, FinishReason, Generated
+from areal.messages import DEFAULT_MAX_BYTES, Completions, FinishReason, Generated
 from areal.transport import READ_AHEAD
 
 from results_page import publish, write_results  # bench/ is on the path when run as a script
@@ -45,45 +49,52 @@ COLD_BYTES = 256 << 20
 """Token bytes walked a round: beyond the last-level cache of the machines measured."""
 
 
-def _message(tokens: int, rng: np.random.Generator) -> Completions:
+def _frames(tokens: int, rng: np.random.Generator) -> list[Any]:
+    """A Completions of `tokens` tokens as the controller's channel receives it: its frames
+    after the identity."""
     length = tokens // COMPLETIONS
-    return Completions.of(
-        [
-            Generated(
-                request_id=f"g0-s{i}-a0",
-                output_ids=rng.integers(0, VOCAB, length).astype(np.int32),
-                logprobs=-rng.random(length).astype(np.float32),
-                versions=np.ones(length, np.int32),
-                finish_reason=FinishReason.STOP,
-            )
-            for i in range(COMPLETIONS)
-        ]
+    return encode(
+        Completions.of(
+            [
+                Generated(
+                    request_id=f"g0-s{i}-a0",
+                    output_ids=rng.integers(0, VOCAB, length).astype(np.int32),
+                    logprobs=-rng.random(length).astype(np.float32),
+                    versions=np.ones(length, np.int32),
+                    finish_reason=FinishReason.STOP,
+                )
+                for i in range(COMPLETIONS)
+            ]
+        )
     )
 
 
-def _per_message_us(run, messages: list[Completions]) -> float:
+_READ = intake_reading(DEFAULT_MAX_BYTES)
+
+
+def _per_message_us(run, messages: list[list[Any]]) -> float:
     start = time.thread_time()
     run(messages)
     return (time.thread_time() - start) / len(messages) * 1e6
 
 
-def _on_loop(messages: list[Completions]) -> None:
-    for msg in messages:
-        read_completions(msg)
+def _on_loop(messages: list[list[Any]]) -> None:
+    for body in messages:
+        _READ(body)
 
 
 def _waited(intake: Intake):
-    def run(messages: list[Completions]) -> None:
-        for msg in messages:
-            intake.submit(msg).result()
+    def run(messages: list[list[Any]]) -> None:
+        for body in messages:
+            intake.submit(body).result()
 
     return run
 
 
 def _ahead(intake: Intake):
-    def run(messages: list[Completions]) -> None:
+    def run(messages: list[list[Any]]) -> None:
         for first in range(0, len(messages), READ_AHEAD):
-            for done in [intake.submit(msg) for msg in messages[first : first + READ_AHEAD]]:
+            for done in [intake.submit(body) for body in messages[first : first + READ_AHEAD]]:
                 done.result()
 
     return run
@@ -91,8 +102,8 @@ def _ahead(intake: Intake):
 
 def measure(tokens: int, repeats: int, rng: np.random.Generator) -> dict[str, float]:
     count = max(READ_AHEAD, COLD_BYTES // (8 * tokens))
-    messages = [_message(tokens, rng) for _ in range(count)]
-    intake = Intake(read_completions, lambda msg: True)
+    messages = [_frames(tokens, rng) for _ in range(count)]
+    intake = Intake(_READ, lambda body: True)
     try:
         rounds: dict[str, list[float]] = {"loop": [], "waited": [], "ahead": [], "thread": []}
         for _ in range(repeats):
@@ -129,11 +140,12 @@ def main() -> int:
     )
     table = "\n".join([header, "-" * len(header), *rows]) + (
         f"\n(per Completions of {COMPLETIONS} completions: the event loop thread's CPU "
-        "microseconds to check its parts and read its tokens' extremes itself (loop), to hand it to the intake "
+        "microseconds to decode it, check its parts and read its tokens' extremes itself "
+        "(loop), to hand it to the intake "
         f"and wait at once (waited), or in runs of {READ_AHEAD} (ahead); the intake "
         f"thread's own CPU (thread); medians of {repeats} rounds over about "
         f"{COLD_BYTES >> 20} MB of tokens each; the intake takes messages of "
-        f"{INTAKE_MIN_TOKENS:,} tokens or more)"
+        f"{INTAKE_MIN_BYTES // 8:,} tokens or more: {INTAKE_MIN_BYTES:,} bytes of arrays)"
     )
     print(table)
     if publish(args.quick):

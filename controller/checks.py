@@ -22,9 +22,11 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from areal.codec import decode
 from areal.messages import (
     LISTED_RUNS,
     Completions,
@@ -40,6 +42,7 @@ from areal.messages import (
     WeightsUpdated,
     WorkerError,
     WorkerKind,
+    MsgType,
 )
 from areal.types import PROMPT_VERSION
 from areal.controller.pool import WorkerHandle
@@ -196,25 +199,33 @@ def token_bounds(msg: Completions) -> TokenBounds | None:
     )
 
 
-INTAKE_MIN_TOKENS = 32_768
-"""The fewest tokens a Completions carries for the intake's thread to read them: handing a
-message to the thread and taking it back costs the loop's thread about 15-30 us of CPU,
-what reading some 20,000-40,000 tokens' ids and log-probs costs it (bench/intake.py measures
-both). Below this the loop reads them itself."""
+INTAKE_MIN_BYTES = 32_768 * 8
+"""The fewest bytes of array frames a Completions carries for the intake's thread to read it:
+32,768 tokens as rollout workers send them (an int32 id and a float32 log-prob each; the
+version runs add a few bytes a completion). Handing a message to the thread and taking it
+back costs the loop's thread about 15-30 us of CPU, what decoding and reading a message of
+some 16,000-32,000 tokens costs it (bench/intake.py measures both). Below this the loop
+reads it itself."""
+
+_COMPLETIONS_TYPE = bytes([MsgType.COMPLETIONS.value])
 
 
-def worth_the_intake(msg: Any) -> bool:
-    """Whether the intake's thread reads `msg` (`read_completions`): a Completions
-    of at least INTAKE_MIN_TOKENS tokens."""
-    return type(msg) is Completions and msg.output_ids.size >= INTAKE_MIN_TOKENS
+def worth_the_intake(body: Sequence[Any]) -> bool:
+    """Whether the intake's thread reads a received message (`intake_reading`), told from its
+    frames (after the identity) before they are decoded: a Completions whose array frames
+    hold at least INTAKE_MIN_BYTES. Any other message, a Heartbeat first among them, costs
+    this a length and at most one byte's read."""
+    return (
+        len(body) > 2
+        and memoryview(body[0]).tobytes() == _COMPLETIONS_TYPE
+        and sum(memoryview(frame).nbytes for frame in body[2:]) >= INTAKE_MIN_BYTES
+    )
 
 
 def read_completions(msg: Completions) -> None:
-    """The controller's intake work (areal/intake.py): a Completions keeps whether its parts
-    fit together (`Completions.check`, `parts_fit`) and, when they do, its token bounds.
-    Runs on the intake's thread, before the message is handled; never raises for a message
-    decoding let through (one whose parts do not fit is refused, and its error worded, on
-    the loop)."""
+    """A Completions keeps whether its parts fit together (`Completions.check`,
+    `parts_fit`) and, when they do, its token bounds. Never raises for a message decoding
+    let through (one whose parts do not fit is refused, and its error worded, on the loop)."""
     try:
         msg.check()
     except ValueError:
@@ -222,6 +233,20 @@ def read_completions(msg: Completions) -> None:
         return
     msg.parts_fit = True
     msg.token_bounds = token_bounds(msg)
+
+
+def intake_reading(max_bytes: int) -> Callable[[Sequence[Any]], Completions]:
+    """The controller's intake work (areal/intake.py) on the frames of a message
+    `worth_the_intake` took: decoded as the channel decodes (at most `max_bytes`, and
+    nothing but a Completions: MessageError otherwise, which the channel raises as the
+    peer's), then read (`read_completions`). Runs on the intake's thread."""
+
+    def read(body: Sequence[Any]) -> Completions:
+        msg = decode(body, max_bytes, only=(MsgType.COMPLETIONS,))
+        read_completions(msg)
+        return msg
+
+    return read
 
 
 def completions_fit(

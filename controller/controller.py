@@ -58,7 +58,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from areal import clock
 from areal.config import RunConfig
 from areal.controller import dynamic_sampling
-from areal.controller.checks import model_vocab_size, read_completions, worth_the_intake
+from areal.controller.checks import intake_reading, model_vocab_size, worth_the_intake
 from areal.controller.collector import collection_thresholds
 from areal.controller.components import build_core
 from areal.controller.core import Core
@@ -237,7 +237,7 @@ class Controller:
         started: float,
     ) -> Core:
         if self.cfg.controller.intake_thread:
-            channel.intake = Intake(read_completions, worth_the_intake)
+            channel.intake = Intake(intake_reading(channel.max_bytes), worth_the_intake)
         intake = channel.intake
         core = build_core(
             self.cfg,

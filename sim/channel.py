@@ -22,7 +22,7 @@ from collections.abc import Iterable
 
 from areal.codec import decode, encode
 from areal.intake import Intake
-from areal.messages import MessageError
+from areal.messages import DEFAULT_MAX_BYTES, MessageError
 from areal.transport import PeerMessageError
 
 ADDRESS = "sim://in-process"
@@ -41,6 +41,8 @@ class SimRouter:
         self._peers: dict[bytes, SimDealer] = {}
         self.intake: Intake | None = None
         """As RouterChannel.intake (wire only)."""
+        self.max_bytes = DEFAULT_MAX_BYTES
+        """As RouterChannel.max_bytes: the largest message decoded."""
 
     def connect(self, identity: bytes) -> SimDealer:
         """A new worker connection under `identity` (replacing a closed one)."""
@@ -49,8 +51,8 @@ class SimRouter:
         return dealer
 
     async def recv(self) -> tuple[bytes, Any]:
-        """As RouterChannel.recv: with an intake, a message's intake work is done on its
-        thread before the message is returned, the loop's thread waiting for it (the
+        """As RouterChannel.recv: with an intake, a message it wants is decoded and read on
+        its thread before the message is returned, the loop's thread waiting for it (the
         virtual clock standing still, as in `VirtualTimeLoop.run_in_executor`). The
         controller's CPU time leaves the work out and pays for handing the message over
         and back, as a real loop does when the message finds it idle; with a backlog the
@@ -58,13 +60,11 @@ class SimRouter:
         identity, payload = await self._inbox.get()
         if not self.wire:
             return identity, payload
+        reading = self.intake.submit(payload) if self.intake is not None else None
         try:
-            msg = decode(payload)
+            msg = decode(payload, self.max_bytes) if reading is None else reading.result()
         except MessageError as err:
             raise PeerMessageError(identity, err) from None
-        prepared = self.intake.submit(msg) if self.intake is not None else None
-        if prepared is not None:
-            prepared.result()
         return identity, msg
 
     async def send(self, identity: bytes, msg: Any) -> bool:

@@ -26,15 +26,17 @@ def _mark(job: Job, order: list[int]) -> None:
     order.append(job.n)
 
 
-def test_each_message_of_its_kinds_is_prepared_on_its_thread_in_the_order_submitted():
+def test_each_item_of_its_kinds_is_prepared_on_its_thread_in_order_its_future_holding_the_result():
     order: list[int] = []
-    intake = Intake(lambda job: _mark(job, order), lambda msg: type(msg) is Job)
+    intake = Intake(lambda job: _mark(job, order) or -job.n, lambda msg: type(msg) is Job)
     try:
         jobs = [Job(n) for n in range(50)]
         done = [intake.submit(job) for job in jobs]
+        results = []
         for future in done:
             assert future is not None
-            future.result(timeout=10)
+            results.append(future.result(timeout=10))
+        assert results == [-n for n in range(50)]  # what prepare returned for each
         assert order == list(range(50))
         assert {job.thread for job in jobs} == {"intake"}
         assert intake.submit(Other()) is None  # not wanted: nothing to wait for

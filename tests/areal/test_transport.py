@@ -13,7 +13,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from areal.codec import encode
+from areal.codec import decode, encode
 from areal.intake import Intake
 from areal.messages import REGISTER_MAX_BYTES, Cancel, Heartbeat, MsgType, Register, WorkerKind
 from areal.transport import PeerMessageError, RouterChannel, worker_identity
@@ -142,33 +142,44 @@ def test_a_broadcast_reaches_every_connected_peer_once_and_skips_one_that_is_gon
     ]
 
 
-def test_with_an_intake_messages_waiting_are_read_ahead_prepared_and_returned_in_order():
+def test_with_an_intake_messages_waiting_are_read_ahead_decoded_there_and_returned_in_order():
     """Eight messages sent at once, a malformed one among them: each Cancel comes back in
-    the order sent, already prepared on the intake's thread; the malformed one raises in its
-    place, and the ones after it still come."""
+    the order sent, already decoded and prepared on the intake's thread; the malformed one
+    (refused by the decoder there) raises in its place with its peer's identity, and the
+    ones after it still come. A Heartbeat, which the intake does not want, is decoded on
+    the caller's thread."""
     prepared: dict[str, str] = {}
     waiting: list[int] = []
 
-    def prepare(msg: Cancel) -> None:
+    def prepare(body) -> Cancel:
+        msg = decode(body)
         prepared[msg.request_ids[0]] = threading.current_thread().name
+        return msg
+
+    def wants(body) -> bool:
+        return body[0].bytes == bytes([MsgType.CANCEL])
 
     async def scenario() -> list:
         outcomes: list = []
         with _router_and_peer() as (channel, peer):
-            channel.intake = Intake(prepare, lambda msg: type(msg) is Cancel)
-            for i in range(8):
-                frames = (
-                    [bytes([MsgType.CANCEL]), b"\xc1"]  # not msgpack
-                    if i == 3
-                    else encode(Cancel(request_ids=[f"r{i}"]))
-                )
+            channel.intake = Intake(prepare, wants)
+            for i in range(9):
+                if i == 3:
+                    frames = [bytes([MsgType.CANCEL]), b"\xc1"]  # not msgpack
+                elif i == 8:
+                    frames = encode(Heartbeat())
+                else:
+                    frames = encode(Cancel(request_ids=[f"r{i}"]))
                 await peer.send_multipart(frames)
-            await asyncio.sleep(0.2)  # all eight wait at the socket: read ahead together
-            while len(outcomes) < 8:
+            await asyncio.sleep(0.2)  # all nine wait at the socket: read ahead together
+            while len(outcomes) < 9:
                 try:
                     _, msg = await asyncio.wait_for(channel.recv(), 10)
                 except PeerMessageError as err:
                     outcomes.append(("refused", err.identity))
+                    continue
+                if type(msg) is Heartbeat:
+                    outcomes.append(("heartbeat", len(prepared)))
                     continue
                 # prepared before it was returned, not after
                 outcomes.append((msg.request_ids[0], prepared.get(msg.request_ids[0])))
@@ -186,5 +197,6 @@ def test_with_an_intake_messages_waiting_are_read_ahead_prepared_and_returned_in
         ("r5", "intake"),
         ("r6", "intake"),
         ("r7", "intake"),
+        ("heartbeat", 7),  # decoded here: not one more prepared on the intake
     ]
-    assert waiting == [7]  # the first recv decoded all eight and handed them to the intake
+    assert waiting == [8]  # the first recv took all nine, the Cancels to the intake

@@ -12,13 +12,17 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 
-from intake import COMPLETIONS, _message, measure  # noqa: E402
+from intake import COMPLETIONS, _frames, measure  # noqa: E402
 
+from areal.codec import decode  # noqa: E402
 from areal.controller import checks  # noqa: E402
 
 
-def test_its_messages_are_well_formed_completions_of_the_size_asked():
-    msg = _message(4096, np.random.default_rng(0))
+def test_its_messages_are_the_frames_of_well_formed_completions_of_the_size_asked():
+    body = _frames(4096, np.random.default_rng(0))
+    assert not checks.worth_the_intake(body)  # below the threshold: the loop would read it
+    assert checks.worth_the_intake(_frames(checks.INTAKE_MIN_BYTES // 8, np.random.default_rng(0)))
+    msg = decode(body)
     msg.check()
     assert len(msg.request_ids) == COMPLETIONS and msg.output_ids.size == 4096
     assert checks.completions_fit(msg, max_new_tokens=4096, version=1, vocab_size=151_936)

@@ -19,7 +19,9 @@ from areal.controller.checks import (
     sender_problem,
 )
 from areal.controller.pool import WorkerHandle
+from areal.codec import encode
 from areal.messages import (
+    DEFAULT_MAX_BYTES,
     LISTED_RUNS,
     Completions,
     FinishReason,
@@ -28,6 +30,7 @@ from areal.messages import (
     GroupState,
     GroupStatus,
     Heartbeat,
+    MessageError,
     Register,
     Scored,
     Trained,
@@ -348,13 +351,38 @@ def test_the_intake_checks_the_parts_and_reads_bounds_only_of_a_message_whose_pa
 
 def test_the_intake_reads_only_completions_with_enough_tokens_to_be_worth_handing_over():
     def completions(tokens: int) -> Completions:
-        return Completions.of(
-            [_generated(ids=[1] * tokens, logprobs=[-0.1] * tokens, versions=[1] * tokens)]
+        return Completions.of(  # as rollout workers send them: int32 ids, float32 log-probs
+            [
+                _generated(
+                    ids=np.ones(tokens, np.int32),
+                    logprobs=np.full(tokens, -0.1, np.float32),
+                    versions=np.ones(tokens, np.int32),
+                )
+            ]
         )
 
-    assert checks.worth_the_intake(completions(checks.INTAKE_MIN_TOKENS))
-    assert not checks.worth_the_intake(completions(checks.INTAKE_MIN_TOKENS - 1))
-    assert not checks.worth_the_intake(_generated())  # a single Generated: read on the loop
+    # told from the frames after the identity, before they are decoded
+    assert checks.worth_the_intake(encode(completions(checks.INTAKE_MIN_BYTES // 8)))
+    assert not checks.worth_the_intake(encode(completions(checks.INTAKE_MIN_BYTES // 16)))
+    kind, header = encode(completions(1))[:2]
+    at_least = [kind, header, b"x" * (checks.INTAKE_MIN_BYTES - 10), b"y" * 10]
+    assert checks.worth_the_intake(at_least)
+    assert not checks.worth_the_intake([kind, header, b"x" * (checks.INTAKE_MIN_BYTES - 1)])
+    many = _generated(ids=[1] * 40_000, logprobs=[-0.1] * 40_000, versions=[1] * 40_000)
+    assert not checks.worth_the_intake(encode(many))  # a single Generated: read on the loop
+    assert not checks.worth_the_intake(encode(Heartbeat()))
+
+
+def test_the_intakes_reading_decodes_a_completions_as_the_channel_does_and_reads_it():
+    msg = Completions.of([_generated(), _generated()])
+    read = checks.intake_reading(DEFAULT_MAX_BYTES)(encode(msg))
+    assert read.request_ids == msg.request_ids
+    assert np.array_equal(read.output_ids, msg.output_ids)
+    assert read.parts_fit is True and read.token_bounds == checks.token_bounds(msg)
+    with pytest.raises(MessageError, match="exceeds the 64-byte limit"):
+        checks.intake_reading(64)(encode(msg))  # the channel's limit holds there too
+    with pytest.raises(MessageError, match="only COMPLETIONS accepted"):
+        checks.intake_reading(DEFAULT_MAX_BYTES)(encode(_generated()))
 
 
 def test_token_bounds_are_none_where_they_cannot_be_read_and_the_message_is_then_judged_whole():

@@ -10,7 +10,6 @@ import threading
 
 import pytest
 
-import areal.controller.controller as controller_module
 from areal.controller import checks
 from letter_runs import letter_config, letter_task_importable, recorded_run
 
@@ -29,8 +28,8 @@ def test_every_completions_is_read_on_the_intake_thread_and_the_run_trains(
         threads.append(threading.current_thread().name)
         read(msg)
 
-    monkeypatch.setattr(checks, "INTAKE_MIN_TOKENS", 1)
-    monkeypatch.setattr(controller_module, "read_completions", read_and_note)
+    monkeypatch.setattr(checks, "INTAKE_MIN_BYTES", 1)
+    monkeypatch.setattr(checks, "read_completions", read_and_note)
     on_loop: list[int] = []
     fit = checks.completions_fit
 

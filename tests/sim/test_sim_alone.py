@@ -111,7 +111,7 @@ def test_a_second_replay_without_the_intake_makes_the_same_decisions_and_is_meas
     # every Completions to the intake (its threshold lowered): the first replay's thread
     # reads the tokens; the second replay's loop reads them itself, and must still send
     # exactly what the simulated controller sent (a divergence raises ReplayDiverged)
-    monkeypatch.setattr("areal.controller.checks.INTAKE_MIN_TOKENS", 1)
+    monkeypatch.setattr("areal.controller.checks.INTAKE_MIN_BYTES", 1)
     calls = []
     real_replay = run_mod.replay
 
