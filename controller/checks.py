@@ -34,6 +34,7 @@ from areal.messages import (
     GroupName,
     GroupStatus,
     Heartbeat,
+    MsgType,
     Ready,
     Register,
     Scored,
@@ -42,7 +43,6 @@ from areal.messages import (
     WeightsUpdated,
     WorkerError,
     WorkerKind,
-    MsgType,
 )
 from areal.types import PROMPT_VERSION
 from areal.controller.pool import WorkerHandle
