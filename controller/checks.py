@@ -203,9 +203,10 @@ INTAKE_MIN_BYTES = 32_768 * 8
 """The fewest bytes of array frames a Completions carries for the intake's thread to read it:
 32,768 tokens as rollout workers send them (an int32 id and a float32 log-prob each; the
 version runs add a few bytes a completion). Handing a message to the thread and taking it
-back costs the loop's thread about 15-30 us of CPU, what decoding and reading a message of
-some 16,000-32,000 tokens costs it (bench/intake.py measures both). Below this the loop
-reads it itself."""
+back costs the loop's thread about 20-30 us of CPU, about what decoding and reading a
+message of 4,096 tokens costs it, and half what one of this size does (bench/intake.py
+measures both): a lower threshold would spare the loop a little more, not measured at
+cluster scale (table (r) ran with this one). Below it the loop reads the message itself."""
 
 _COMPLETIONS_TYPE = bytes([MsgType.COMPLETIONS.value])
 
