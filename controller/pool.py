@@ -97,6 +97,12 @@ async def stop_process(handle: WorkerHandle) -> None:
         await asyncio.to_thread(handle.process.wait)
 
 
+def _silent(handle: WorkerHandle, now: float, timeout_s: float) -> bool:
+    """A ready worker not heard from for more than `timeout_s` (one still setting up may be
+    quiet for as long as it needs)."""
+    return handle.ready and now - handle.last_seen > timeout_s
+
+
 class WorkerPool:
     def __init__(
         self,
@@ -277,7 +283,7 @@ class WorkerPool:
         """Ready workers silent for too long, and local processes that exited."""
         now, out = clock.now(), self.exited()
         for handle in self.by_identity.values():
-            if handle not in out and handle.ready and now - handle.last_seen > timeout_s:
+            if handle not in out and _silent(handle, now, timeout_s):
                 out.append(handle)
         return out
 
@@ -296,8 +302,7 @@ class WorkerPool:
         return (
             handle.identity is not None
             and self.by_identity.get(handle.identity) is handle
-            and handle.ready
-            and clock.now() - handle.last_seen > timeout_s
+            and _silent(handle, clock.now(), timeout_s)
         )
 
     def exited(self) -> list[WorkerHandle]:

@@ -93,8 +93,8 @@ class SimResult:
     event loop, not in controller_cpu_s_per_step."""
     controller_intake_cpu_s_per_step: float
     """CPU seconds per step of the controller's intake thread (the step records'
-    perf/intake_cpu_s: reading each large Completions' tokens, areal/intake.py): beside its event
-    loop, not in controller_cpu_s_per_step."""
+    perf/intake_cpu_s: decoding, checking and reading each large Completions,
+    areal/intake.py): beside its event loop, not in controller_cpu_s_per_step."""
     trajectories_per_cpu_s: float
     """Trajectories the controller handles per second of its own CPU time."""
     controller_alone_cpu_s_per_step: float | None
@@ -110,7 +110,7 @@ class SimResult:
     step's batch)."""
     controller_alone_without_intake_cpu_s_per_step: float | None
     """controller_alone_cpu_s_per_step of a second replay of the same messages, to a
-    controller without an intake thread (its loop reads the tokens): alone_without_intake,
+    controller without an intake thread (its loop does that work): alone_without_intake,
     else None."""
     reference_decode_us: float | None
     """This machine's speed at the start of the run (wire only, else None): microseconds to

@@ -1,7 +1,7 @@
 """A real run whose every Completions goes through the controller's intake thread (its
-threshold lowered to one token): the thread, not the event loop, checks each message's parts
-and reads its tokens, the run trains as it would, and the step records count the thread's
-CPU."""
+threshold lowered to one byte): the thread, not the event loop, decodes each message, checks
+its parts and reads its tokens, the run trains as it would, and the step records count the
+thread's CPU."""
 
 from __future__ import annotations
 
